@@ -1,0 +1,64 @@
+"""Engine configuration: dataclasses that check themselves. Derived runtime values (block count,
+EOS ids, resolved dtypes) live on the runner, not here."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32")
+MODEL_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class CacheConfig:
+    kv_cache_dtype: str = "auto"
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    # Bytes for the KV pool when there is no GPU to size it from (CPU), or an explicit override.
+    kv_cache_memory_bytes: int | None = None
+    num_kv_blocks: int | None = None  # exact pool size; overrides both of the above (tests)
+    encoder_cache_entries: int = 256  # vision outputs kept, keyed by (vision fingerprint, image hash)
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported: pick one of {', '.join(KV_CACHE_DTYPES)}"
+            )
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.encoder_cache_entries < 1:
+            raise ValueError(f"encoder_cache_entries must be >= 1, got {self.encoder_cache_entries}")
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    device: str = "auto"
+    dtype: str = "auto"
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    seed: int = 0
+    cache: CacheConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.cache is None:
+            self.cache = CacheConfig()
+        if self.device not in DEVICES and not self.device.startswith("cuda:"):
+            raise ValueError(f"device {self.device!r} is not supported: pick auto, cpu, cuda or cuda:N")
+        if self.dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not supported: pick auto, bfloat16, float16 or float32")
+        if self.max_num_batched_tokens < self.cache.block_size:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least block_size "
+                f"({self.cache.block_size})"
+            )
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

@@ -1,0 +1,175 @@
+"""BlockManager: a paged KV pool's bookkeeping (no torch): ref counts, a free list in LRU order,
+and prefix caching by chained block hashes."""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from docproc.engine.sequence import Sequence
+
+
+def hash_block(prev_hash: bytes | None, key: bytes) -> bytes:
+    """Chained SHA-256: a block's hash covers its own key and, through prev_hash, every block
+    before it. 256 bits rule out collisions in practice, so a hit needs no token compare."""
+    h = hashlib.sha256()
+    h.update(prev_hash or b"\0" * 32)
+    h.update(key)
+    return h.digest()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: bytes | None = None  # set once the block is full, committed and registered
+
+
+@dataclass
+class PrefixCacheStats:
+    num_query_tokens: int = 0  # prompt tokens looked up at admission
+    num_hit_tokens: int = 0  # of those, served from cached blocks
+    num_evicted_blocks: int = 0
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks; the first entry is reused first. Blocks without a hash go to the front;
+        # freed cached blocks go to the back, so the least recently used cached block goes first.
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_block: dict[bytes, int] = {}
+        self.stats = PrefixCacheStats()
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def _prefix_hits(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
+        """Cached blocks matching the sequence's leading full blocks (stops at the first miss)."""
+        hits: list[int] = []
+        hashes: list[bytes] = []
+        if not self.enable_prefix_caching:
+            return hits, hashes
+        prev = None
+        # Leave at least one token to compute: the last token's logits are needed to sample.
+        num_full = (len(seq) - 1) // self.block_size
+        for i in range(num_full):
+            h = hash_block(prev, seq.block_key(i, self.block_size))
+            block_id = self.hash_to_block.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+            hashes.append(h)
+            prev = h
+        return hits, hashes
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        hits, _ = self._prefix_hits(seq)
+        hits_in_use = sum(1 for b in hits if self.blocks[b].ref_count > 0)
+        needed = self.num_blocks_for(len(seq)) - hits_in_use
+        return needed <= self.num_free_blocks
+
+    def can_append(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether the table can grow to hold `num_tokens` tokens in all."""
+        return self.num_blocks_for(num_tokens) - len(seq.block_table) <= self.num_free_blocks
+
+    # ---- actions -------------------------------------------------------------------------
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:  # evict: its content is about to be overwritten
+            if self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.hash = None
+            self.stats.num_evicted_blocks += 1
+        block.ref_count = 1
+        return block_id
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks."""
+        assert not seq.block_table, f"sequence {seq.seq_id} already has blocks"
+        if not self.can_allocate(seq):
+            raise RuntimeError("allocate() called without room: check can_allocate() first")
+        hits, hashes = self._prefix_hits(seq)
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free[block_id]
+            block.ref_count += 1
+        table = list(hits)
+        for _ in range(self.num_blocks_for(len(seq)) - len(hits)):
+            table.append(self._take_free_block())
+        seq.block_table = table
+        seq.block_hashes = hashes
+        seq.num_computed_tokens = len(hits) * self.block_size
+        if seq.num_preemptions == 0:  # a recompute after preemption is not a prompt-cache hit
+            seq.num_cached_tokens = seq.num_computed_tokens
+        self.stats.num_query_tokens += len(seq)
+        self.stats.num_hit_tokens += seq.num_computed_tokens
+
+    def append_slots(self, seq: Sequence, num_tokens: int) -> None:
+        """Grow the table to hold `num_tokens` tokens in all (decode, or a speculative window)."""
+        if not self.can_append(seq, num_tokens):
+            raise RuntimeError("append_slots() called without room: check can_append() first")
+        while len(seq.block_table) < self.num_blocks_for(num_tokens):
+            seq.block_table.append(self._take_free_block())
+
+    def commit(self, seq: Sequence, num_tokens: int) -> None:
+        """Register the hashes of blocks that are full once `num_tokens` tokens are computed.
+
+        Called when a step is scheduled: a sequence admitted later in the same step may then hit
+        these blocks, which is safe because each layer stores the whole batch's K/V before any
+        attention reads it.
+        """
+        num_full = min(num_tokens, len(seq)) // self.block_size
+        prev = seq.block_hashes[-1] if seq.block_hashes else None
+        for i in range(len(seq.block_hashes), num_full):
+            h = hash_block(prev, seq.block_key(i, self.block_size))
+            seq.block_hashes.append(h)
+            prev = h
+            if not self.enable_prefix_caching:
+                continue
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and h not in self.hash_to_block:
+                block.hash = h
+                self.hash_to_block[h] = block.block_id
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Roll a sequence back to its first `num_tokens` tokens (rejected draft tokens): only the
+        blocks past the new end are returned; committed blocks stay as they are."""
+        keep = self.num_blocks_for(num_tokens)
+        while len(seq.block_table) > keep:
+            self._release(seq.block_table.pop())
+        del seq.block_hashes[num_tokens // self.block_size:]
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} freed twice"
+        if block.ref_count == 0:
+            self.free[block_id] = None
+            if block.hash is None:
+                self.free.move_to_end(block_id, last=False)
+
+    def deallocate(self, seq: Sequence) -> None:
+        """Return a sequence's blocks. Its tail is released first, so among its cached blocks the
+        head of the prefix (the part other requests share) is evicted last."""
+        for block_id in reversed(seq.block_table):
+            self._release(block_id)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0

@@ -1,0 +1,44 @@
+"""Vision-tower outputs cached by (vision-weights fingerprint, image content hash), LRU-bounded."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class EncoderCacheStats:
+    num_lookups: int = 0
+    num_hits: int = 0
+    num_encoded_images: int = 0  # images that went through the vision tower
+    num_evictions: int = 0
+
+
+class EncoderCache:
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple[str, str], torch.Tensor] = OrderedDict()
+        self.stats = EncoderCacheStats()
+
+    def __contains__(self, key: tuple[str, str]) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: tuple[str, str]) -> torch.Tensor | None:
+        self.stats.num_lookups += 1
+        value = self._entries.get(key)
+        if value is not None:
+            self.stats.num_hits += 1
+            self._entries.move_to_end(key)
+        return value
+
+    def put(self, key: tuple[str, str], value: torch.Tensor) -> None:
+        self._entries[key] = value
+        self._entries.move_to_end(key)
+        self.stats.num_encoded_images += 1
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+            self.stats.num_evictions += 1

@@ -1,0 +1,207 @@
+"""ModelRunner: turns a scheduled step into tensors, runs the model over the paged cache and
+samples. It owns the weights, the KV pool, the encoder cache and the sampler."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from docproc.config import EngineConfig
+from docproc.engine.encoder_cache import EncoderCache
+from docproc.engine.kv_cache import KVCache, resolve_kv_dtype
+from docproc.engine.sampler import Sampler, SamplingRow
+from docproc.engine.scheduler import SchedulerOutput
+from docproc.engine.sequence import Sequence
+from docproc.layers.attention import AttentionMetadata, TorchPagedAttention
+from docproc.models.loader import load_model
+from docproc.models.processor import Processor
+from docproc.models.rope import mrope_positions
+
+log = logging.getLogger("docproc.engine")
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+          "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
+CPU_KV_BYTES_DEFAULT = 2 << 30
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' was asked for but torch sees no CUDA device: use --device cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32  # bf16 matmuls are slow on most CPUs
+    cfg_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(cfg_dtype, str):
+        cfg_dtype = DTYPES.get(cfg_dtype)
+    return cfg_dtype if cfg_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+@dataclass
+class StepResult:
+    tokens: dict[int, int]  # seq_id -> sampled token, for sequences that reached their end
+    num_tokens: int
+    seconds: float
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        from docproc.models.loader import read_config
+
+        hf_config = read_config(config.model)
+        self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
+        t0 = time.perf_counter()
+        self.model = load_model(config.model, self.device, self.dtype)
+        self.load_seconds = time.perf_counter() - t0
+        self.hf_config = self.model.hf_config
+        self.processor = Processor(config.model, self.hf_config)
+        tc = self.model.text.cfg
+        self.text_config = tc
+        self.block_size = config.cache.block_size
+        kv_name, kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, self.dtype)
+        self.kv_cache = KVCache(tc.num_hidden_layers, tc.num_key_value_heads, tc.head_dim, self.block_size,
+                                kv_name, kv_dtype, self.device)
+        self.backend = TorchPagedAttention(tc.num_attention_heads, tc.num_key_value_heads, tc.head_dim,
+                                           tc.head_dim ** -0.5)
+        self.encoder_cache = EncoderCache(config.cache.encoder_cache_entries)
+        self.sampler = Sampler(config.seed, self.device)
+        self.logits_hook = None  # tests: called with (list[Sequence], logits) at every sampled row
+        self.kv_cache.allocate(self._num_blocks())
+
+    # ---- sizing ----------------------------------------------------------------------------
+    def _num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        if cache.kv_cache_memory_bytes is not None:
+            budget = cache.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            budget = self._profile_cuda_budget()
+        else:  # CPU: enough for max_num_seqs full-length sequences, at most 2 GiB
+            max_len = self.config.max_model_len or self.text_config.max_position_embeddings
+            budget = min(CPU_KV_BYTES_DEFAULT, self.config.max_num_seqs * max_len * self.kv_cache.bytes_per_token)
+        n = self.kv_cache.num_blocks_for_bytes(budget)
+        if n < 1:
+            raise RuntimeError(
+                f"no room for a single KV block ({self.kv_cache.bytes_per_token * self.block_size} bytes): "
+                f"raise gpu_memory_utilization or kv_cache_memory_bytes"
+            )
+        return n
+
+    def _profile_cuda_budget(self) -> int:
+        """Run one forward of max_num_batched_tokens tokens to measure peak activation memory, then
+        give the KV pool what is left of gpu_memory_utilization of the card."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = self.config.max_num_batched_tokens
+        blocks = -(-n // self.block_size)
+        self.kv_cache.allocate(blocks)
+        before = torch.cuda.memory_allocated(self.device)
+        seq = Sequence([0] * n)
+        seq.block_table = list(range(blocks))
+        from docproc.engine.scheduler import ScheduledSeq
+
+        ids, pos, meta, _, _ = self._prepare([ScheduledSeq(seq, n)])
+        with torch.inference_mode():
+            hidden = self.model.text(ids, pos, self.kv_cache.layers, meta, self.backend)
+            self.model.text.compute_logits(hidden[-1:])
+        torch.cuda.synchronize(self.device)
+        activations = torch.cuda.max_memory_allocated(self.device) - before
+        self.kv_cache.allocate(0)
+        del hidden
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        used = torch.cuda.memory_allocated(self.device)
+        return int(total * self.config.cache.gpu_memory_utilization) - used - activations
+
+    # ---- one step --------------------------------------------------------------------------
+    def _image_embeddings(self, seqs: list[Sequence]) -> None:
+        """Encode, in one vision call, every image of these sequences that the cache lacks."""
+        fp = self.model.vision_fingerprint
+        todo: dict[str, tuple[Sequence, object]] = {}
+        for seq in seqs:
+            for span, img in zip(seq.images, seq.mm_inputs):
+                key = (fp, span.content_hash)
+                if key not in self.encoder_cache and span.content_hash not in todo:
+                    todo[span.content_hash] = (seq, img)
+        if not todo:
+            return
+        pixels, grids = self.processor.pixel_values([img.image for _, img in todo.values()])
+        embeds = self.model.vision(pixels.to(self.device), grids.to(self.device))
+        for (h, (seq, _)), e in zip(todo.items(), embeds):
+            self.encoder_cache.put((fp, h), e)
+            seq.num_encoded_images += 1
+
+    def _prepare(self, scheduled):
+        bs = self.block_size
+        ids: list[int] = []
+        positions = []
+        slots: list[int] = []
+        query_start = [0]
+        context_lens: list[int] = []
+        tables: list[list[int]] = []
+        image_rows: list[torch.Tensor] = []
+        image_embeds: list[torch.Tensor] = []
+        fp = self.model.vision_fingerprint
+        for s in scheduled:
+            seq, start, end = s.seq, s.start, s.end
+            row0 = len(ids)
+            ids.extend(seq.token_ids[start:end])
+            positions.append(mrope_positions(seq.images, start, end))
+            table = seq.block_table
+            slots.extend(table[t // bs] * bs + t % bs for t in range(start, end))
+            for span in seq.images:
+                lo, hi = max(start, span.offset), min(end, span.end)
+                if lo >= hi:
+                    continue
+                emb = self.encoder_cache.get((fp, span.content_hash))
+                image_embeds.append(emb[lo - span.offset: hi - span.offset])
+                image_rows.append(torch.arange(row0 + lo - start, row0 + hi - start))
+            query_start.append(len(ids))
+            context_lens.append(end)
+            tables.append(table)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
+            query_start=query_start, context_lens=context_lens, block_tables=tables, block_size=bs,
+        )
+        rows = torch.cat(image_rows).to(dev) if image_rows else None
+        embeds = torch.cat(image_embeds) if image_embeds else None
+        return (torch.tensor(ids, dtype=torch.long).to(dev), torch.cat(positions, dim=1).to(dev), meta, rows,
+                embeds)
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        sp = seq.sampling
+        if sp.seed is not None and seq.generator is None:
+            seq.generator = torch.Generator(device=self.device)
+            seq.generator.manual_seed(sp.seed)
+        return SamplingRow(sp.temperature, sp.top_k, sp.top_p, seq.generator)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        t0 = time.perf_counter()
+        scheduled = out.scheduled
+        self._image_embeddings([s.seq for s in scheduled if any(
+            max(s.start, sp.offset) < min(s.end, sp.end) for sp in s.seq.images)])
+        ids, pos, meta, rows, embeds = self._prepare(scheduled)
+        hidden = self.model.text(ids, pos, self.kv_cache.layers, meta, self.backend, rows, embeds)
+        sample = [(i, s.seq) for i, s in enumerate(scheduled) if s.needs_sample]
+        tokens: dict[int, int] = {}
+        if sample:
+            last_rows = torch.tensor([meta.query_start[i + 1] - 1 for i, _ in sample], device=self.device)
+            logits = self.model.text.compute_logits(hidden[last_rows])  # (num_sampled, vocab) float32
+            if self.logits_hook is not None:
+                self.logits_hook([seq for _, seq in sample], logits)
+            sampled = self.sampler(logits, [self._sampling_row(seq) for _, seq in sample]).tolist()
+            tokens = {seq.seq_id: t for (_, seq), t in zip(sample, sampled)}
+        return StepResult(tokens, len(ids), time.perf_counter() - t0)

@@ -1,0 +1,147 @@
+"""Scheduler: continuous batching with chunked prefill (no torch).
+
+Each step: running sequences that are decoding get one token each first (preempting the most
+recently admitted sequence, by recompute, when blocks run out), then sequences part-way through
+their prefill continue, then waiting sequences are admitted first come first served while the
+token budget, `max_num_seqs` and the block pool allow. A prefill chunk may end inside an image's
+pad tokens: the runner takes the slice of the cached vision output it needs, so an image never
+forces a chunk to grow past the budget.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from docproc.engine.block_manager import BlockManager
+from docproc.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed this step, from seq.num_computed_tokens on
+
+    @property
+    def start(self) -> int:
+        return self.seq.num_computed_tokens
+
+    @property
+    def end(self) -> int:
+        return self.seq.num_computed_tokens + self.num_new_tokens
+
+    @property
+    def needs_sample(self) -> bool:
+        """True once this step computes the last known token: its logits give the next one."""
+        return self.end == len(self.seq)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    failed: list[tuple[Sequence, str]] = field(default_factory=list)  # can never run: why
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self.num_preemptions = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Preempt by recompute: drop the blocks (committed ones stay in the prefix cache, so the
+        recompute often hits them) and requeue at the front."""
+        self.running.remove(seq)
+        self.block_manager.deallocate(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+
+        # 1. decode: one token each, preempting from the back of the admission order
+        decoding = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        for seq in decoding:
+            if budget == 0:
+                break
+            if seq not in self.running:  # preempted below for an earlier sequence
+                continue
+            while not bm.can_append(seq, len(seq)):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq not in self.running:
+                continue
+            bm.append_slots(seq, len(seq))
+            out.scheduled.append(ScheduledSeq(seq, 1))
+            bm.commit(seq, len(seq))
+            budget -= 1
+
+        # 2. prefills already under way (chunked)
+        for seq in self.running:
+            if budget == 0:
+                break
+            if seq.num_uncomputed_tokens > 1:
+                s = ScheduledSeq(seq, min(seq.num_uncomputed_tokens, budget))
+                out.scheduled.append(s)
+                bm.commit(seq, s.end)  # later admissions this step may hit these blocks
+                budget -= s.num_new_tokens
+
+        # 3. admit waiting sequences, first come first served
+        preempted_now = {id(s) for s in out.preempted}
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if id(seq) in preempted_now:
+                break  # do not readmit in the step that preempted it
+            if bm.num_blocks_for(len(seq)) > bm.num_blocks:
+                self.waiting.popleft()
+                out.failed.append((seq, (
+                    f"request needs {bm.num_blocks_for(len(seq))} KV blocks of {bm.block_size} tokens but the "
+                    f"cache has only {bm.num_blocks}: raise gpu_memory_utilization / kv_cache_memory_bytes "
+                    f"or shorten the prompt")))
+                continue
+            if not bm.can_allocate(seq):
+                break
+            self.waiting.popleft()
+            bm.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+            bm.commit(seq, seq.num_computed_tokens + n)  # later admissions this step may hit these
+        return out
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+            self.block_manager.deallocate(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

@@ -1,0 +1,120 @@
+"""Sequence: pure bookkeeping for one request over integer token lists (no torch here)."""
+from __future__ import annotations
+
+import itertools
+from array import array
+from dataclasses import dataclass
+from enum import Enum
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """One image's run of pad tokens inside a sequence."""
+
+    offset: int  # index of the first image-pad token in token_ids
+    num_tokens: int  # = t * (h / merge) * (w / merge)
+    content_hash: str  # hex SHA-256 of the decoded pixels (and size); keys prefix and encoder caches
+    grid_thw: tuple[int, int, int]  # patch grid before merging
+    merge_size: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.num_tokens
+
+    @property
+    def position_span(self) -> int:
+        """How far M-RoPE's text position advances over this image (transformers' get_rope_index)."""
+        _, h, w = self.grid_thw
+        return max(h, w) // self.merge_size
+
+
+class Sequence:
+    """A request's tokens and its place in the KV cache.
+
+    Invariant: the KV of token_ids[:num_computed_tokens] is in the blocks of block_table, and the
+    table has room for every token scheduled so far. `block_hashes[i]` is the chained hash of
+    block i once that block is full and committed.
+    """
+
+    _ids = itertools.count()
+
+    def __init__(
+        self,
+        token_ids: list[int],
+        images: list[ImageSpan] | None = None,
+        *,
+        max_tokens: int = 64,
+        request_id: str | None = None,
+        arrival_time: float = 0.0,
+    ) -> None:
+        self.seq_id = next(Sequence._ids)
+        self.request_id = request_id if request_id is not None else str(self.seq_id)
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.images = list(images or [])
+        self.max_tokens = max_tokens
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache (first admission)
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.num_preemptions = 0
+        self.arrival_time = arrival_time
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.num_encoded_images = 0
+        # Opaque payloads owned by the engine layers above: the decoded images (one per span),
+        # the request's sampling parameters and its random generator.
+        self.mm_inputs: list = []
+        self.sampling = None
+        self.generator = None
+        # text position offset of tokens after the last image (M-RoPE): pos(i) = i + mrope_delta
+        self.mrope_delta = sum(im.position_span - im.num_tokens for im in self.images)
+        for a, b in zip(self.images, self.images[1:]):
+            if b.offset < a.end:
+                raise ValueError("image spans overlap")
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def block_key(self, block_index: int, block_size: int) -> bytes:
+        """Bytes that identify block `block_index`'s content given everything before it.
+
+        Text tokens are keyed by id. Image-pad tokens all share one id, so a block that overlaps
+        an image also carries the image's content hash and which of its tokens the block holds:
+        the same tokens next to a different image never produce the same key.
+        """
+        start, end = block_index * block_size, (block_index + 1) * block_size
+        key = array("i", self.token_ids[start:end]).tobytes()
+        for im in self.images:
+            if im.offset < end and im.end > start:
+                lo, hi = max(start, im.offset), min(end, im.end)
+                key += b"|img:" + im.content_hash.encode() + b":%d:%d:%d" % (lo - start, lo - im.offset, hi - lo)
+        return key

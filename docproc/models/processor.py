@@ -1,0 +1,119 @@
+"""Prompts and images in, token ids and image spans out.
+
+vLLM's convention: the prompt holds one `<|image_pad|>` per image (inside
+`<|vision_start|>...<|vision_end|>`); the engine expands each to the image's token count. Images
+may be PIL images, paths or bytes; each is keyed by the SHA-256 of its decoded RGB pixels and size,
+so the same page given as a file, as bytes or as a PIL image hits the same caches.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from docproc.engine.sequence import ImageSpan
+from docproc.models.loader import CheckpointError
+
+IMAGE_PAD = "<|image_pad|>"
+
+
+class PromptError(ValueError):
+    """A request that cannot be run as given; it fails alone."""
+
+
+@dataclass
+class LoadedImage:
+    image: Image.Image  # RGB
+    content_hash: str
+
+
+def load_image(obj) -> LoadedImage:
+    try:
+        if isinstance(obj, LoadedImage):
+            return obj
+        if isinstance(obj, Image.Image):
+            img = obj
+        elif isinstance(obj, (bytes, bytearray, memoryview)):
+            img = Image.open(io.BytesIO(bytes(obj)))
+        elif isinstance(obj, (str, Path)):
+            img = Image.open(obj)
+        else:
+            raise PromptError(f"unsupported image type {type(obj).__name__}: pass a PIL image, a path or bytes")
+        img.load()
+    except (OSError, Image.DecompressionBombError) as e:
+        raise PromptError(f"cannot read image: {e}") from None
+    if img.mode != "RGB":
+        img = img.convert("RGB")
+    h = hashlib.sha256(b"%dx%d:" % img.size)
+    h.update(img.tobytes())
+    return LoadedImage(img, h.hexdigest())
+
+
+class Processor:
+    def __init__(self, folder: str | Path, hf_config) -> None:
+        from transformers import AutoTokenizer
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        folder = Path(folder)
+        if not (folder / "preprocessor_config.json").is_file():
+            raise CheckpointError(f"{folder}: preprocessor_config.json is missing (image min/max pixels, patch size)")
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{folder}: cannot load the tokenizer: {e}") from None
+        self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(folder), local_files_only=True)
+        self.image_token_id = hf_config.image_token_id
+        self.merge_size = hf_config.vision_config.spatial_merge_size
+        ip = self.image_processor
+        if ip.patch_size != hf_config.vision_config.patch_size or ip.merge_size != self.merge_size:
+            raise CheckpointError(
+                f"{folder}: preprocessor patch/merge size ({ip.patch_size}/{ip.merge_size}) differ from the "
+                f"vision config ({hf_config.vision_config.patch_size}/{self.merge_size})"
+            )
+
+    def grid_thw(self, image: Image.Image) -> tuple[int, int, int]:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        ip = self.image_processor
+        w, h = image.size
+        try:
+            rh, rw = smart_resize(h, w, factor=ip.patch_size * ip.merge_size,
+                                  min_pixels=ip.size["shortest_edge"], max_pixels=ip.size["longest_edge"])
+        except ValueError as e:
+            raise PromptError(f"image of {w}x{h} pixels: {e}") from None
+        return (1, rh // ip.patch_size, rw // ip.patch_size)
+
+    def pixel_values(self, images: list[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.image_processor(images=images, return_tensors="pt")
+        return out["pixel_values"], out["image_grid_thw"]
+
+    def process(self, prompt: str | None, prompt_token_ids: list[int] | None, images: list) -> tuple[
+            list[int], list[ImageSpan], list[LoadedImage]]:
+        if prompt_token_ids is None:
+            if not isinstance(prompt, str):
+                raise PromptError(f"prompt must be a string, got {type(prompt).__name__}")
+            prompt_token_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ids = list(prompt_token_ids)
+        pads = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        if len(pads) != len(images):
+            raise PromptError(
+                f"the prompt has {len(pads)} {IMAGE_PAD} placeholder(s) but {len(images)} image(s) were given: "
+                f"put one {IMAGE_PAD} per image"
+            )
+        loaded = [load_image(im) for im in images]
+        out: list[int] = []
+        spans: list[ImageSpan] = []
+        prev = 0
+        for pad, im in zip(pads, loaded):
+            out.extend(ids[prev:pad])
+            grid = self.grid_thw(im.image)
+            n = grid[0] * grid[1] * grid[2] // self.merge_size**2
+            spans.append(ImageSpan(len(out), n, im.content_hash, grid, self.merge_size))
+            out.extend([self.image_token_id] * n)
+            prev = pad + 1
+        out.extend(ids[prev:])
+        return out, spans, loaded

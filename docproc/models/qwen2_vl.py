@@ -1,0 +1,128 @@
+"""Our Qwen2 language model with M-RoPE over the paged KV cache (Qwen2-VL and Qwen2.5-VL share it).
+
+Parameter names follow transformers' text model, so checkpoint keys map one to one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from docproc.layers.attention import AttentionMetadata
+from docproc.models.rope import MRotaryEmbedding, apply_rotary
+
+
+@dataclass
+class TextConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    rms_norm_eps: float
+    rope_theta: float
+    mrope_section: list[int]
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=True)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, kv_cache, meta, backend) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)  # (N, H, D)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # (N, Hkv, D)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # Store before attending: a sequence in this batch may read blocks another one writes now.
+        backend.store(kv_cache, k, v, meta)
+        o = backend.attend(q, kv_cache, meta)
+        return self.o_proj(o.reshape(n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, kv_cache, meta, backend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen2VLTextModel(nn.Module):
+    """Embeddings, decoder layers, final norm and LM head. forward() works on a flattened batch
+    of tokens (num_tokens, ...) with their (3, num_tokens) M-RoPE positions."""
+
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (N,)
+        positions: torch.Tensor,  # (3, N)
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        backend,
+        image_rows: torch.Tensor | None = None,  # (M,) rows of the batch that are image tokens
+        image_embeds: torch.Tensor | None = None,  # (M, hidden)
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # (N, hidden)
+        if image_rows is not None and image_rows.numel():
+            x = x.index_copy(0, image_rows, image_embeds.to(x.dtype))
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, meta, backend)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,38 @@
+"""The vision tower: transformers' own module for the matching architecture (it runs once per
+unique image), wrapped so the engine sees one call: pixels of several images in, one tensor of
+merged embeddings per image out."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def build_vision_tower(hf_config) -> nn.Module:
+    if hf_config.model_type == "qwen2_vl":
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel as cls
+    elif hf_config.model_type == "qwen2_5_vl":
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+            Qwen2_5_VisionTransformerPretrainedModel as cls,
+        )
+    else:  # the loader has already refused other model types
+        raise ValueError(f"no vision tower for model_type {hf_config.model_type!r}")
+    vcfg = hf_config.vision_config
+    vcfg._attn_implementation = "sdpa"
+    return cls._from_config(vcfg)
+
+
+class VisionEncoder(nn.Module):
+    def __init__(self, hf_config) -> None:
+        super().__init__()
+        self.visual = build_vision_tower(hf_config)
+        self.spatial_merge_size = hf_config.vision_config.spatial_merge_size
+
+    @torch.inference_mode()
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        """pixel_values: (num_patches, C*T*P*P) for all images; grid_thw: (num_images, 3).
+        Returns one (t*h*w/merge^2, hidden) tensor per image."""
+        dtype = next(self.visual.parameters()).dtype
+        out = self.visual(pixel_values.to(dtype), grid_thw=grid_thw)
+        merged = getattr(out, "pooler_output", out)
+        sizes = (grid_thw.prod(-1) // self.spatial_merge_size**2).tolist()
+        return list(torch.split(merged, sizes))

@@ -1,0 +1,1 @@
+"""Triton kernels and their torch references (imports only torch and triton)."""

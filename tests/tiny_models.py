@@ -1,0 +1,117 @@
+"""Tiny random Qwen2-VL / Qwen2.5-VL checkpoints built and saved by the tests themselves."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+            "<|image_pad|>", "<|video_pad|>"]
+CORPUS = [
+    "Invoice number INV-2024-0042 from Acme Corp, total 1,234.56 EUR due 2024-03-01.",
+    "Receipt: coffee 3.50, bagel 2.25, total 5.75 USD. Thank you!",
+    "What is the vendor? What is the total? Answer with JSON: {\"vendor\": \"Acme\"}",
+    "the quick brown fox jumps over the lazy dog 0123456789 ,.;:!?-_/()[]{}",
+]
+
+
+def make_tokenizer(folder: Path, vocab_size: int = 384) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=SPECIALS[1:])
+    fast.save_pretrained(str(folder))
+
+
+def special_ids() -> dict[str, int]:
+    return {s: i for i, s in enumerate(SPECIALS)}
+
+
+def make_model(folder: Path, model_type: str = "qwen2_vl", *, tie: bool = False, naming: str = "new",
+               shards: int = 1, dtype: torch.dtype = torch.float32, seed: int = 0,
+               num_layers: int = 2, hidden: int = 64, max_pixels: int = 28 * 28 * 16) -> Path:
+    """Save a random model folder. naming: "new" (save_pretrained's model.language_model.*) or
+    "published" (visual.*, model.layers.*, lm_head.*)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(folder)
+    ids = special_ids()
+    text = dict(vocab_size=384, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "mrope_section": [2, 3, 3]} if hidden // 4 == 16 else None,
+                eos_token_id=ids["<|im_end|>"], bos_token_id=ids["<|endoftext|>"], tie_word_embeddings=tie)
+    common = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                  vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+                  tie_word_embeddings=tie)
+    torch.manual_seed(seed)
+    if model_type == "qwen2_vl":
+        from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration as cls
+
+        vision = dict(depth=2, embed_dim=32, hidden_size=hidden, num_heads=2, mlp_ratio=2, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+        config = Qwen2VLConfig(text_config=text, vision_config=vision, **common)
+    else:
+        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration as cls
+
+        vision = dict(depth=2, hidden_size=32, out_hidden_size=hidden, intermediate_size=64, num_heads=2,
+                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                      fullatt_block_indexes=[1], in_channels=3)
+        config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **common)
+    model = cls(config).to(dtype).eval()
+    # random init is small: scale weights up so logits are far from ties (greedy is then stable)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2:
+                p.normal_(0, 0.08 if "embed" not in name else 1.0)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    if naming == "published" or shards > 1:
+        _rewrite_weights(folder, naming, shards)
+    pre = {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 56 * 56, "max_pixels": max_pixels,
+           "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+           "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}
+    (folder / "preprocessor_config.json").write_text(json.dumps(pre))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ids["<|im_end|>"]}))
+    return folder
+
+
+def _rewrite_weights(folder: Path, naming: str, shards: int) -> None:
+    from safetensors.torch import load_file, save_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+        f.unlink()
+    for idx in folder.glob("*.index.json"):
+        idx.unlink()
+    if naming == "published":
+        renamed = {}
+        for k, v in state.items():
+            if k.startswith("model.visual."):
+                k = "visual." + k[len("model.visual."):]
+            elif k.startswith("model.language_model."):
+                k = "model." + k[len("model.language_model."):]
+            renamed[k] = v
+        state = renamed
+    keys = sorted(state)
+    if shards == 1:
+        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i in range(shards):
+        part = keys[i::shards]
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({k: state[k].contiguous() for k in part}, str(folder / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in part})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
