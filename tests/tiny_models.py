@@ -75,8 +75,7 @@ def make_model(folder: Path, model_type: str = "qwen2_vl", *, tie: bool = False,
             if p.ndim >= 2:
                 p.normal_(0, 0.08 if "embed" not in name else 1.0)
     model.save_pretrained(str(folder), safe_serialization=True)
-    if naming == "published" or shards > 1:
-        _rewrite_weights(folder, naming, shards)
+    _rewrite_weights(folder, naming, shards)
     pre = {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 56 * 56, "max_pixels": max_pixels,
            "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
            "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}
@@ -95,15 +94,20 @@ def _rewrite_weights(folder: Path, naming: str, shards: int) -> None:
         f.unlink()
     for idx in folder.glob("*.index.json"):
         idx.unlink()
-    if naming == "published":
-        renamed = {}
-        for k, v in state.items():
-            if k.startswith("model.visual."):
-                k = "visual." + k[len("model.visual."):]
-            elif k.startswith("model.language_model."):
-                k = "model." + k[len("model.language_model."):]
-            renamed[k] = v
-        state = renamed
+    # transformers' save_pretrained has written either naming depending on its version: normalise
+    renamed = {}
+    for k, v in state.items():
+        if k.startswith("model.visual."):
+            k = "visual." + k[len("model.visual."):]
+        elif k.startswith("model.language_model."):
+            k = "model." + k[len("model.language_model."):]
+        if naming == "new":
+            if k.startswith("visual."):
+                k = "model." + k
+            elif k.startswith("model."):
+                k = "model.language_model." + k[len("model."):]
+        renamed[k] = v
+    state = renamed
     keys = sorted(state)
     if shards == 1:
         save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})

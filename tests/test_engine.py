@@ -1,0 +1,211 @@
+"""End-to-end engine behaviour on a tiny random model (CPU): sampling, stops, errors, caches."""
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from docproc import LLM, SamplingParams
+from docproc.models.loader import CheckpointError
+
+IMG = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def page(seed: int, w: int = 120, h: int = 90) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+@pytest.fixture(scope="module")
+def llm(qwen2_vl_dir):
+    return LLM(str(qwen2_vl_dir), device="cpu")
+
+
+def test_seeded_sampling_reproduces_itself_whatever_the_batch(llm):
+    sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=12, seed=1234, ignore_eos=True)
+    alone = llm.generate(["Invoice total?"], sp)[0].outputs[0].token_ids
+    other = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    batch = llm.generate(["receipt", "Invoice total?", "vendor"], [other, sp, other])
+    assert batch[1].outputs[0].token_ids == alone
+    unseeded = llm.generate(["Invoice total?"] * 2, other)
+    assert unseeded[0].outputs[0].token_ids != unseeded[1].outputs[0].token_ids
+
+
+def test_top_k_1_is_greedy(llm):
+    greedy = llm.generate(["Due date"], SamplingParams(max_tokens=10, ignore_eos=True))[0]
+    k1 = llm.generate(["Due date"], SamplingParams(temperature=0.7, top_k=1, max_tokens=10, ignore_eos=True,
+                                                    seed=3))[0]
+    assert k1.outputs[0].token_ids == greedy.outputs[0].token_ids
+
+
+def test_stop_string_truncates_text(llm):
+    full = llm.generate(["the quick"], SamplingParams(max_tokens=20, ignore_eos=True))[0].outputs[0]
+    assert len(full.text) > 6
+    stop = full.text[3:6]
+    out = llm.generate(["the quick"], SamplingParams(max_tokens=20, ignore_eos=True, stop=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full.text[: full.text.find(stop)]
+    assert out.token_ids == full.token_ids[: len(out.token_ids)]
+
+
+def test_eos_ends_generation_unless_ignored(llm):
+    full = llm.generate(["hello"], SamplingParams(max_tokens=30, ignore_eos=True))[0].outputs[0]
+    eos = full.token_ids[4]
+    llm.eos_token_ids.add(eos)
+    try:
+        out = llm.generate(["hello"], SamplingParams(max_tokens=30))[0].outputs[0]
+        first = full.token_ids.index(eos)
+        assert out.finish_reason == "stop" and out.stop_reason == eos
+        assert out.token_ids == full.token_ids[: first + 1]
+        ign = llm.generate(["hello"], SamplingParams(max_tokens=30, ignore_eos=True))[0].outputs[0]
+        assert ign.finish_reason == "length" and len(ign.token_ids) == 30
+    finally:
+        llm.eos_token_ids.discard(eos)
+
+
+def test_eos_ids_come_from_generation_config(llm):
+    assert llm.eos_token_ids == {2}
+
+
+def test_request_longer_than_max_model_len_fails_alone(qwen2_vl_dir):
+    small = LLM(str(qwen2_vl_dir), device="cpu", max_model_len=40)
+    outs = small.generate(["short", "word " * 60, {"prompt": "two pads " + IMG, "multi_modal_data": {"image": []}}],
+                          SamplingParams(max_tokens=8, ignore_eos=True))
+    assert outs[0].error is None and len(outs[0].outputs[0].token_ids) == 8
+    assert outs[1].outputs[0].finish_reason == "error" and "max_model_len" in outs[1].error
+    assert "placeholder" in outs[2].error
+    # generation stops at max_model_len
+    near = small.generate([{"prompt_token_ids": [10] * 30}], SamplingParams(max_tokens=100, ignore_eos=True))[0]
+    assert len(near.prompt_token_ids) == 30
+    assert len(near.prompt_token_ids) + len(near.outputs[0].token_ids) == 40
+    assert near.outputs[0].finish_reason == "length"
+
+
+def test_unreadable_image_fails_alone(llm):
+    outs = llm.generate([{"prompt": IMG + "x", "multi_modal_data": {"image": [b"not an image"]}}, "fine"],
+                        SamplingParams(max_tokens=4))
+    assert outs[0].error and "cannot read image" in outs[0].error
+    assert outs[1].error is None
+
+
+def test_images_as_path_bytes_or_pil_share_the_encoder_and_prefix_cache(qwen2_vl_dir, tmp_path):
+    llm = LLM(str(qwen2_vl_dir), device="cpu")
+    img = page(5)
+    path = tmp_path / "p.png"
+    img.save(path)
+    prompt = "<|im_start|>user\n" + IMG + "What is the total?"
+    reqs = [{"prompt": prompt, "multi_modal_data": {"image": [x]}} for x in (img, str(path), path.read_bytes())]
+    outs = llm.generate(reqs, SamplingParams(max_tokens=6, ignore_eos=True))
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    info = llm.cache_info()
+    assert info["num_encoded_images"] == 1
+    assert sum(o.metrics.num_encoded_images for o in outs) == 1
+    assert all(o.metrics.num_cached_tokens > 0 for o in outs[1:])
+
+
+def test_metrics_and_cache_info(llm):
+    out = llm.generate([{"prompt": IMG + "total", "multi_modal_data": {"image": [page(9)]}}],
+                       SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    m = out.metrics
+    assert m.num_prompt_tokens == len(out.prompt_token_ids) and m.num_generated_tokens == 5
+    assert m.num_images == 1 and m.finish_reason == "length"
+    assert 0 < m.time_to_first_token <= m.total_time
+    assert m.draft_proposed == 0 and m.draft_accepted == 0
+    info = llm.cache_info()
+    cfg = llm.runner.text_config
+    assert info["bytes_per_token"] == cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4
+    assert info["allocated_bytes"] == info["num_blocks"] * info["block_size"] * info["bytes_per_token"]
+    assert info["kv_cache_dtype"] == "fp32" and info["block_size"] == 16
+
+
+def test_preemption_by_recompute_keeps_greedy_output(qwen2_vl_dir):
+    prompts = [f"<|im_start|>user\nquestion {i} about the invoice total" for i in range(6)]
+    sp = SamplingParams(max_tokens=40, ignore_eos=True)
+    ref = LLM(str(qwen2_vl_dir), device="cpu").generate(prompts, sp)
+    tight = LLM(str(qwen2_vl_dir), device="cpu", num_kv_blocks=12, enable_prefix_caching=False)
+    outs = tight.generate(prompts, sp)
+    assert tight.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert all(b.ref_count == 0 for b in tight.block_manager.blocks)
+
+
+def test_kv_cache_dtype_bf16_on_cpu(qwen2_vl_dir):
+    llm = LLM(str(qwen2_vl_dir), device="cpu", kv_cache_dtype="bf16")
+    info = llm.cache_info()
+    assert info["kv_cache_dtype"] == "bf16"
+    cfg = llm.runner.text_config
+    assert info["bytes_per_token"] == cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+    assert len(llm.generate(["hi"], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3
+
+
+def test_bad_arguments_raise_clear_errors(qwen2_vl_dir):
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM(str(qwen2_vl_dir), device="cpu", kv_cache_dtype="int3")
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        LLM(str(qwen2_vl_dir), device="cpu", max_model_len=10**6)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+
+
+# ---- loader ----------------------------------------------------------------------------------
+def test_loader_errors_name_what_is_wrong(tmp_path, qwen2_vl_dir):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        LLM(str(tmp_path / "nope"), device="cpu")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="config.json is missing"):
+        LLM(str(tmp_path / "empty"), device="cpu")
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(CheckpointError, match="model_type 'llama' is not supported"):
+        LLM(str(llama), device="cpu")
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    for f in qwen2_vl_dir.iterdir():
+        if f.suffix != ".safetensors":
+            (pickled / f.name).write_bytes(f.read_bytes())
+    (pickled / "pytorch_model.bin").write_bytes(b"\x80")
+    with pytest.raises(CheckpointError, match="pickle"):
+        LLM(str(pickled), device="cpu")
+
+
+def test_loader_reports_missing_weights(tmp_path, qwen2_vl_dir):
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in qwen2_vl_dir.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    state = load_file(str(broken / "model.safetensors"))
+    del state["model.language_model.layers.1.mlp.up_proj.weight"]
+    save_file(state, str(broken / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="layers.1.mlp.up_proj.weight"):
+        LLM(str(broken), device="cpu")
+
+
+def test_both_namings_load_the_same_weights(tmp_path):
+    from tiny_models import make_model
+
+    a = LLM(str(make_model(tmp_path / "a", naming="new", seed=4)), device="cpu")
+    b = LLM(str(make_model(tmp_path / "b", naming="published", shards=3, seed=4)), device="cpu")
+    assert a.runner.model.text_fingerprint == b.runner.model.text_fingerprint
+    assert a.runner.model.vision_fingerprint == b.runner.model.vision_fingerprint
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    req = {"prompt": IMG + "total", "multi_modal_data": {"image": [page(1)]}}
+    assert a.generate([req], sp)[0].outputs[0].token_ids == b.generate([req], sp)[0].outputs[0].token_ids
+
+
+def test_bf16_checkpoint_loads(tmp_path):
+    from tiny_models import make_model
+
+    folder = make_model(tmp_path / "bf16", dtype=torch.bfloat16)
+    llm = LLM(str(folder), device="cpu")
+    assert llm.runner.dtype == torch.float32  # auto on CPU computes in float32
+    assert llm.runner.model.text.embed_tokens.weight.dtype == torch.float32
+    llm16 = LLM(str(folder), device="cpu", dtype="bfloat16")
+    assert llm16.cache_info()["kv_cache_dtype"] == "bf16"
+    assert len(llm16.generate(["x"], SamplingParams(max_tokens=4, ignore_eos=True))[0].outputs[0].token_ids) == 4

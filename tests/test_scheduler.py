@@ -1,0 +1,102 @@
+"""Scheduler on integer token lists: budgets, chunking, decode-first, preemption order."""
+from __future__ import annotations
+
+from docproc.engine.block_manager import BlockManager
+from docproc.engine.scheduler import Scheduler
+from docproc.engine.sequence import Sequence, SequenceStatus
+
+BS = 4
+
+
+def make(num_blocks=64, max_seqs=8, budget=32, caching=True):
+    bm = BlockManager(num_blocks, BS, caching)
+    return bm, Scheduler(bm, max_seqs, budget)
+
+
+def apply(out, token=1):
+    """What the engine does after a step: advance computed counts, append sampled tokens."""
+    for s in [(s.seq, s.end, s.needs_sample) for s in out.scheduled]:
+        seq, end, sample = s
+        seq.num_computed_tokens = end
+        if sample:
+            seq.append_token(token)
+
+
+def test_chunked_prefill_respects_budget():
+    bm, sch = make(budget=8)
+    s = Sequence(list(range(20)))
+    sch.add(s)
+    chunks = []
+    while s.num_generated_tokens == 0:
+        out = sch.schedule()
+        assert out.num_batched_tokens <= 8
+        chunks.append(out.scheduled[0].num_new_tokens)
+        apply(out)
+    assert chunks == [8, 8, 4]
+
+
+def test_decode_first_then_prefill():
+    bm, sch = make(budget=10)
+    a = Sequence(list(range(6)))
+    sch.add(a)
+    apply(sch.schedule())  # a prefilled, has 1 generated token
+    b = Sequence(list(range(100, 120)))
+    sch.add(b)
+    out = sch.schedule()
+    assert [(x.seq, x.num_new_tokens) for x in out.scheduled] == [(a, 1), (b, 9)]
+
+
+def test_max_num_seqs():
+    bm, sch = make(max_seqs=2, budget=100)
+    seqs = [Sequence(list(range(i * 10, i * 10 + 5))) for i in range(3)]
+    for s in seqs:
+        sch.add(s)
+    out = sch.schedule()
+    assert [x.seq for x in out.scheduled] == seqs[:2]
+    assert seqs[2].status == SequenceStatus.WAITING
+
+
+def test_preemption_takes_the_latest_admitted_and_requeues_it_first():
+    # 3 blocks of 4 tokens: a (4 tokens) and b (4 tokens) each fill a block after prefill; when both
+    # need a second block for decode and one is left, the later one (b) is preempted by recompute.
+    bm, sch = make(num_blocks=3, budget=100, caching=False)
+    a, b = Sequence([1, 2, 3]), Sequence([5, 6, 7])
+    sch.add(a)
+    sch.add(b)
+    apply(sch.schedule())  # both prefilled (3 tokens) and sampled: 4 tokens, 1 block each
+    assert bm.num_free_blocks == 1
+    apply(sch.schedule())  # decode the 4th token (still 1 block each): 5 tokens each
+    out = sch.schedule()  # the 5th token needs a 2nd block each; 1 is free
+    assert out.preempted == [b]
+    assert [x.seq for x in out.scheduled] == [a]
+    assert sch.waiting[0] is b and b.num_computed_tokens == 0 and b.block_table == []
+    assert b.num_preemptions == 1
+    apply(out)
+    sch.finish(a, "stop")
+    out = sch.schedule()  # b comes back and recomputes all its tokens (prompt + generated)
+    assert out.scheduled[0].seq is b and out.scheduled[0].num_new_tokens == len(b)
+    apply(out)
+    sch.finish(b, "stop")
+    assert all(blk.ref_count == 0 for blk in bm.blocks) and bm.num_free_blocks == 3
+
+
+def test_request_larger_than_the_pool_fails_alone():
+    bm, sch = make(num_blocks=2, budget=100)
+    big, small = Sequence(list(range(20))), Sequence([1, 2])
+    sch.add(big)
+    sch.add(small)
+    out = sch.schedule()
+    assert [s for s, _ in out.failed] == [big]
+    assert "KV blocks" in out.failed[0][1]
+    assert [x.seq for x in out.scheduled] == [small]
+
+
+def test_same_step_admissions_share_the_prefix():
+    bm, sch = make(budget=100)
+    a, b = Sequence(list(range(12)) + [50]), Sequence(list(range(12)) + [60])
+    sch.add(a)
+    sch.add(b)
+    out = sch.schedule()
+    # a computes 13 tokens; b hits a's 3 blocks registered at scheduling time and computes 1
+    assert [x.num_new_tokens for x in out.scheduled] == [13, 1]
+    assert b.num_cached_tokens == 12
