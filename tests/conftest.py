@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
@@ -20,14 +20,14 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def qwen2_vl_dir(tmp_path_factory):
-    from tiny_models import make_model
+    from random_models import make_model
 
     return make_model(tmp_path_factory.mktemp("qwen2_vl"), "qwen2_vl", naming="new")
 
 
 @pytest.fixture(scope="session")
 def qwen2_5_vl_dir(tmp_path_factory):
-    from tiny_models import make_model
+    from random_models import make_model
 
     # published key naming, two shards, tied embeddings: the other half of the loader's matrix
     return make_model(tmp_path_factory.mktemp("qwen2_5_vl"), "qwen2_5_vl", naming="published", shards=2, tie=True)

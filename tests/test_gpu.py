@@ -1,0 +1,31 @@
+"""GPU checks (skipped without CUDA): the engine on CUDA agrees with itself on CPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from docproc import LLM, SamplingParams
+from test_parity import requests
+
+pytestmark = pytest.mark.gpu
+
+
+def test_cuda_float32_matches_cpu(qwen2_vl_dir):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    cpu = LLM(str(qwen2_vl_dir), device="cpu").generate(requests(), sp)
+    gpu_llm = LLM(str(qwen2_vl_dir), device="cuda", dtype="float32", gpu_memory_utilization=0.3)
+    gpu = gpu_llm.generate(requests(), sp)
+    assert [o.outputs[0].token_ids for o in gpu] == [o.outputs[0].token_ids for o in cpu]
+    info = gpu_llm.cache_info()
+    assert info["device"].startswith("cuda") and info["num_blocks"] > 1000
+
+
+def test_cuda_bf16_pool_is_sized_from_memory_utilization(qwen2_vl_dir):
+    llm = LLM(str(qwen2_vl_dir), device="cuda", gpu_memory_utilization=0.2)
+    info = llm.cache_info()
+    total = torch.cuda.get_device_properties(0).total_memory
+    assert info["kv_cache_dtype"] == "bf16"
+    assert 0.1 * total < info["allocated_bytes"] <= 0.2 * total
+    out = llm.generate(requests()[:2], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 8 for o in out)
