@@ -6,6 +6,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).parent.parent))
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
