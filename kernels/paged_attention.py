@@ -1,0 +1,347 @@
+"""Paged attention over the KV cache: a torch reference, and one Triton kernel family for decode,
+speculative verification (1-16 query tokens, causal inside the window) and prefill chunks (a
+chunk over its cached prefix plus itself), reading either an FP4 cache (kernels/fp4.py format,
+decoded in registers) or a bf16/fp16/fp32 cache; the cache format is a compile-time choice.
+
+Work is split into tiles of (sequence, a run of its query tokens) x KV head: a tile's rows are
+(query token, query head of the KV head's group), so each KV block is read once for the whole GQA
+group. Long contexts are split along the keys (flash-decoding); a second kernel merges the
+splits by log-sum-exp.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.fp4 import _e4m3_decode
+
+LOG2E = 1.4426950408889634
+
+
+# ---- torch reference --------------------------------------------------------------------------
+def paged_attention_ref(
+    q: torch.Tensor,  # (num_tokens, num_heads, D)
+    gather_kv: Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]],  # block ids -> K, V (n*bs, Hkv, D)
+    query_start: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """Sequence b owns query rows query_start[b]:query_start[b+1], the last tokens of its first
+    context_lens[b]; query row i attends to positions 0..context_lens[b] - num_q + i."""
+    out = torch.empty_like(q)
+    for b in range(len(context_lens)):
+        q0, q1 = query_start[b], query_start[b + 1]
+        ctx = context_lens[b]
+        num_q = q1 - q0
+        k, v = gather_kv(block_tables[b][: -(-ctx // block_size)])
+        k = k[:ctx].to(q.dtype).transpose(0, 1)  # (Hkv, ctx, D)
+        v = v[:ctx].to(q.dtype).transpose(0, 1)
+        q_pos = torch.arange(ctx - num_q, ctx, device=q.device)
+        mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]  # (num_q, ctx)
+        o = F.scaled_dot_product_attention(q[q0:q1].transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                           attn_mask=mask, scale=scale, enable_gqa=True)
+        out[q0:q1] = o[0].transpose(0, 1)
+    return out
+
+
+# ---- Triton ---------------------------------------------------------------------------------------
+@triton.jit
+def _e2m1_decode(code):
+    idx = code & 7
+    e = (idx >> 1).to(tl.float32)
+    m = (idx & 1).to(tl.float32)
+    mag = tl.where(e == 0, 0.5 * m, (2.0 + m) * tl.exp2(e - 2.0))
+    return tl.where((code & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _load_kv_half(base_codes, base_scales, base_oidx, base_oval, hs, cache_ptr, row_off, d, nmask,
+                  HI: tl.constexpr, HALF: tl.constexpr, IS_FP4: tl.constexpr, NUM_OUTLIERS: tl.constexpr,
+                  row_off_s, row_off_o, row_off_v):
+    """One half (lo: dims 0..D/2, hi: dims D/2..D) of BLOCK_N cached vectors, as float32 (N, HALF)."""
+    if IS_FP4:
+        codes = tl.load(base_codes + row_off[:, None] + d[None, :], mask=nmask[:, None], other=0)
+        if HI:
+            codes = codes >> 4
+        else:
+            codes = codes & 15
+        grp = d // 16 + HI * (HALF // 16)
+        sbits = tl.load(base_scales + row_off_s[:, None] + grp[None, :], mask=nmask[:, None], other=0)
+        x = _e2m1_decode(codes.to(tl.int32)) * (_e4m3_decode(sbits) * hs)
+        for s in tl.static_range(NUM_OUTLIERS):
+            idx = tl.load(base_oidx + row_off_o + s, mask=nmask, other=0).to(tl.int32)
+            val = tl.load(base_oval + row_off_v + s, mask=nmask, other=0.0).to(tl.float32)
+            x += tl.where((d[None, :] + HI * HALF) == idx[:, None], val[:, None], 0.0)
+        return x
+    else:
+        return tl.load(cache_ptr + row_off[:, None] + HI * HALF + d[None, :], mask=nmask[:, None],
+                       other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _paged_attn_kernel(
+    # pointers
+    q_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    tile_seq_ptr, tile_tok_ptr, tile_nq_ptr, tile_pos_ptr, table_ptr,
+    k_ptr, v_ptr,  # bf16/fp16/fp32 caches (num_blocks, block_size, Hkv, D)
+    kc_ptr, ks_ptr, ki_ptr, kv_ptr, vc_ptr, vs_ptr, vi_ptr, vv_ptr, khs_ptr, vhs_ptr,  # FP4 views
+    # sizes
+    block_size, sm_scale_log2,
+    # strides
+    sq_t, sq_h, so_t, so_h, s_table,
+    sk_b, sk_s, sk_h,  # dense cache, or FP4 codes view
+    ss_b, ss_s, ss_h,  # FP4 scales view
+    si_b, si_s, si_h,  # FP4 outlier index view
+    sv_b, sv_s, sv_h,  # FP4 outlier value view
+    # meta
+    GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HALF: tl.constexpr, NUM_SPLITS: tl.constexpr, IS_FP4: tl.constexpr, NUM_OUTLIERS: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = tl.load(tile_seq_ptr + tile)
+    tok0 = tl.load(tile_tok_ptr + tile)
+    nq = tl.load(tile_nq_ptr + tile)
+    pos0 = tl.load(tile_pos_ptr + tile)
+
+    r = tl.arange(0, BLOCK_M)
+    t = r // GROUP
+    head = kvh * GROUP + r % GROUP
+    row_ok = (t < nq) & (r < TOKENS * GROUP)
+    pos = pos0 + t  # absolute position of each row's query token
+    d = tl.arange(0, HALF)
+    q_off = (tok0 + t) * sq_t + head * sq_h
+    q_lo = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q_hi = tl.load(q_ptr + q_off[:, None] + HALF + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q_lo = q_lo * sm_scale_log2
+    q_hi = q_hi * sm_scale_log2
+
+    kend = pos0 + nq  # keys 0..kend-1 are visible to some row of this tile
+    chunk = tl.cdiv(tl.cdiv(kend, BLOCK_N), NUM_SPLITS) * BLOCK_N
+    start = split * chunk
+    stop = tl.minimum(start + chunk, kend)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc_lo = tl.zeros([BLOCK_M, HALF], tl.float32)
+    acc_hi = tl.zeros([BLOCK_M, HALF], tl.float32)
+    khs = 0.0
+    vhs = 0.0
+    if IS_FP4:
+        khs = tl.load(khs_ptr + kvh)
+        vhs = tl.load(vhs_ptr + kvh)
+    for n0 in range(start, stop, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nmask = n < stop
+        blk = tl.load(table_ptr + seq * s_table + n // block_size, mask=nmask, other=0).to(tl.int64)
+        off = n % block_size
+        row_off = blk * sk_b + off * sk_s + kvh * sk_h
+        row_off_s = blk * ss_b + off * ss_s + kvh * ss_h
+        row_off_o = blk * si_b + off * si_s + kvh * si_h
+        row_off_v = blk * sv_b + off * sv_s + kvh * sv_h
+        k_lo = _load_kv_half(kc_ptr, ks_ptr, ki_ptr, kv_ptr, khs, k_ptr, row_off, d, nmask, 0, HALF, IS_FP4,
+                             NUM_OUTLIERS, row_off_s, row_off_o, row_off_v)
+        k_hi = _load_kv_half(kc_ptr, ks_ptr, ki_ptr, kv_ptr, khs, k_ptr, row_off, d, nmask, 1, HALF, IS_FP4,
+                             NUM_OUTLIERS, row_off_s, row_off_o, row_off_v)
+        if DOT_FP32:
+            s = tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee")
+            s += tl.dot(q_hi, tl.trans(k_hi), input_precision="ieee")
+        else:
+            s = tl.dot(q_lo.to(tl.bfloat16), tl.trans(k_lo.to(tl.bfloat16)))
+            s += tl.dot(q_hi.to(tl.bfloat16), tl.trans(k_hi.to(tl.bfloat16)))
+        visible = (n[None, :] <= pos[:, None]) & nmask[None, :] & row_ok[:, None]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_lo = _load_kv_half(vc_ptr, vs_ptr, vi_ptr, vv_ptr, vhs, v_ptr, row_off, d, nmask, 0, HALF, IS_FP4,
+                             NUM_OUTLIERS, row_off_s, row_off_o, row_off_v)
+        v_hi = _load_kv_half(vc_ptr, vs_ptr, vi_ptr, vv_ptr, vhs, v_ptr, row_off, d, nmask, 1, HALF, IS_FP4,
+                             NUM_OUTLIERS, row_off_s, row_off_o, row_off_v)
+        if DOT_FP32:
+            acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo, input_precision="ieee")
+            acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi, input_precision="ieee")
+        else:
+            acc_lo = acc_lo * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v_lo.to(tl.bfloat16))
+            acc_hi = acc_hi * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v_hi.to(tl.bfloat16))
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        inv = tl.where(l_i > 0, 1.0 / tl.maximum(l_i, 1e-30), 0.0)
+        o_off = (tok0 + t) * so_t + head * so_h
+        tl.store(out_ptr + o_off[:, None] + d[None, :], (acc_lo * inv[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+        tl.store(out_ptr + o_off[:, None] + HALF + d[None, :], (acc_hi * inv[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+    else:
+        # partials: acc (tile, kvh, split, BLOCK_M, 2*HALF), m and l (tile, kvh, split, 2, BLOCK_M)
+        base = (tile * tl.num_programs(1) + kvh) * NUM_SPLITS + split
+        a_off = base * BLOCK_M * 2 * HALF + r[:, None] * 2 * HALF + d[None, :]
+        tl.store(part_acc_ptr + a_off, acc_lo)
+        tl.store(part_acc_ptr + a_off + HALF, acc_hi)
+        tl.store(part_ml_ptr + base * 2 * BLOCK_M + r, m_i)
+        tl.store(part_ml_ptr + base * 2 * BLOCK_M + BLOCK_M + r, l_i)
+
+
+@triton.jit
+def _combine_kernel(
+    out_ptr, part_acc_ptr, part_ml_ptr, tile_tok_ptr, tile_nq_ptr,
+    so_t, so_h,
+    GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, HALF: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    tok0 = tl.load(tile_tok_ptr + tile)
+    nq = tl.load(tile_nq_ptr + tile)
+    r = tl.arange(0, BLOCK_M)
+    t = r // GROUP
+    head = kvh * GROUP + r % GROUP
+    row_ok = (t < nq) & (r < TOKENS * GROUP)
+    dd = tl.arange(0, 2 * HALF)
+    base0 = (tile * tl.num_programs(1) + kvh) * NUM_SPLITS
+    m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        m_max = tl.maximum(m_max, tl.load(part_ml_ptr + (base0 + s) * 2 * BLOCK_M + r))
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    acc = tl.zeros([BLOCK_M, 2 * HALF], tl.float32)
+    l_tot = tl.zeros([BLOCK_M], tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        m = tl.load(part_ml_ptr + (base0 + s) * 2 * BLOCK_M + r)
+        l = tl.load(part_ml_ptr + (base0 + s) * 2 * BLOCK_M + BLOCK_M + r)
+        w = tl.exp2(m - m_safe)
+        a = tl.load(part_acc_ptr + (base0 + s) * BLOCK_M * 2 * HALF + r[:, None] * 2 * HALF + dd[None, :])
+        acc += a * w[:, None]
+        l_tot += l * w
+    inv = tl.where(l_tot > 0, 1.0 / tl.maximum(l_tot, 1e-30), 0.0)
+    o_off = (tok0 + t) * so_t + head * so_h
+    tl.store(out_ptr + o_off[:, None] + dd[None, :], (acc * inv[:, None]).to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+@dataclass
+class TilePlan:
+    """Host-side split of a batch's query tokens into tiles (built once per step, shared by all
+    layers)."""
+
+    tile_seq: torch.Tensor  # (T,) int32
+    tile_tok: torch.Tensor  # (T,) int32: first query row of the tile in q
+    tile_nq: torch.Tensor  # (T,) int32
+    tile_pos: torch.Tensor  # (T,) int32: absolute position of the tile's first query token
+    block_table: torch.Tensor  # (num_seqs, max_blocks) int32
+    tokens_per_tile: int
+    block_m: int
+    num_splits: int
+    max_context: int
+
+
+def plan_tiles(query_start: list[int], context_lens: list[int], block_tables: list[list[int]], group: int,
+               device, num_splits: int | None = None, num_sms: int = 132) -> TilePlan:
+    max_q = max(query_start[i + 1] - query_start[i] for i in range(len(context_lens)))
+    tokens = max(1, min(max_q, max(1, 64 // group)))
+    block_m = max(16, triton.next_power_of_2(tokens * group))
+    tokens = max(1, block_m // group) if max_q > 1 else 1
+    seqs, toks, nqs, poss = [], [], [], []
+    for b, ctx in enumerate(context_lens):
+        q0, q1 = query_start[b], query_start[b + 1]
+        num_q = q1 - q0
+        for j in range(0, num_q, tokens):
+            seqs.append(b)
+            toks.append(q0 + j)
+            nqs.append(min(tokens, num_q - j))
+            poss.append(ctx - num_q + j)
+    max_ctx = max(context_lens)
+    if num_splits is None:
+        # enough programs to fill the chip, but at least ~256 keys per split
+        want = max(1, -(-2 * num_sms // max(1, len(seqs))))
+        num_splits = max(1, min(want, max_ctx // 256, 32))
+    width = max(len(t) for t in block_tables)
+    table = torch.zeros(len(block_tables), width, dtype=torch.int32)
+    for b, t in enumerate(block_tables):
+        table[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
+
+    def i32(xs):
+        return torch.tensor(xs, dtype=torch.int32).to(device, non_blocking=True)
+
+    return TilePlan(i32(seqs), i32(toks), i32(nqs), i32(poss), table.to(device, non_blocking=True), tokens,
+                    block_m, num_splits, max_ctx)
+
+
+def paged_attention(
+    q: torch.Tensor,  # (num_tokens, num_heads, D)
+    plan: TilePlan,
+    scale: float,
+    *,
+    k_cache: torch.Tensor | None = None,  # (num_blocks, block_size, Hkv, D) dense caches
+    v_cache: torch.Tensor | None = None,
+    fp4_k: tuple | None = None,  # (codes, scales, outlier_idx, outlier_val, head_scale) views
+    fp4_v: tuple | None = None,
+    block_n: int = 64,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    n_tok, n_heads, d = q.shape
+    is_fp4 = fp4_k is not None
+    assert d % 32 == 0 and (d & (d - 1)) == 0, f"head_dim must be a power of two >= 32, got {d}"
+    assert q.stride(2) == 1, "q must be contiguous in head_dim"
+    if is_fp4:
+        kc, ks, ki, kv, khs = fp4_k
+        vc, vs, vi, vv, vhs = fp4_v
+        n_kv, block_size = kc.shape[2], kc.shape[1]
+        assert kc.dtype == torch.uint8 and kc.shape[-1] == d // 2, "FP4 codes view: (blocks, bs, Hkv, D/2) uint8"
+        assert ks.shape[-1] == d // 16 and ki.shape == kv.shape and vc.stride() == kc.stride()
+        assert vs.stride() == ks.stride() and vi.stride() == ki.stride() and vv.stride() == kv.stride()
+        num_outliers = ki.shape[-1]
+        dense_k = dense_v = kc  # unused
+        strides_k = kc.stride()[:3]
+        strides_s = ks.stride()[:3]
+        strides_o = ki.stride()[:3]
+        strides_v = kv.stride()[:3]
+    else:
+        assert k_cache is not None and v_cache is not None and k_cache.stride() == v_cache.stride()
+        assert k_cache.stride(-1) == 1 and k_cache.shape[-1] == d
+        n_kv, block_size = k_cache.shape[2], k_cache.shape[1]
+        dense_k, dense_v = k_cache, v_cache
+        kc = ks = ki = kv = vc = vs = vi = vv = khs = vhs = k_cache  # unused
+        num_outliers = 1
+        strides_k = k_cache.stride()[:3]
+        strides_s = strides_o = strides_v = (0, 0, 0)
+    assert n_heads % n_kv == 0, f"{n_heads} query heads are not a multiple of {n_kv} KV heads"
+    group = n_heads // n_kv
+    if out is None:
+        out = torch.empty_like(q)
+    n_tiles = plan.tile_seq.numel()
+    splits = plan.num_splits
+    if splits > 1:
+        part_acc = torch.empty(n_tiles * n_kv * splits * plan.block_m * d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(n_tiles * n_kv * splits * 2 * plan.block_m, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out
+    dot_fp32 = q.dtype == torch.float32
+    _paged_attn_kernel[(n_tiles, n_kv, splits)](
+        q, out, part_acc, part_ml,
+        plan.tile_seq, plan.tile_tok, plan.tile_nq, plan.tile_pos, plan.block_table,
+        dense_k, dense_v, kc, ks, ki, kv, vc, vs, vi, vv, khs, vhs,
+        block_size, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), plan.block_table.stride(0),
+        *strides_k, *strides_s, *strides_o, *strides_v,
+        GROUP=group, TOKENS=plan.tokens_per_tile, BLOCK_M=plan.block_m, BLOCK_N=block_n, HALF=d // 2,
+        NUM_SPLITS=splits, IS_FP4=is_fp4, NUM_OUTLIERS=num_outliers, DOT_FP32=dot_fp32,
+    )
+    if splits > 1:
+        _combine_kernel[(n_tiles, n_kv)](
+            out, part_acc, part_ml, plan.tile_tok, plan.tile_nq, out.stride(0), out.stride(1),
+            GROUP=group, TOKENS=plan.tokens_per_tile, BLOCK_M=plan.block_m, HALF=d // 2, NUM_SPLITS=splits,
+        )
+    return out

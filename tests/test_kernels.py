@@ -1,0 +1,180 @@
+"""Triton kernels vs their torch references (Triton runs under TRITON_INTERPRET=1 on CPU, so the
+shapes are small and irregular)."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kernels import fp4  # noqa: E402
+from kernels.fp4 import (FP4PagedLayer, bytes_per_token_head, dequantize_ref, e2m1_decode, e2m1_encode,  # noqa: E402
+                         e4m3_decode, e4m3_encode, quantize_ref)
+from kernels.paged_attention import paged_attention, paged_attention_ref, plan_tiles  # noqa: E402
+
+
+def test_e4m3_matches_torch_float8():
+    v = torch.cat([torch.rand(20000) * 500, torch.rand(5000) * 0.02, torch.tensor([0.0, 448.0, 1e-6])])
+    ref = v.to(torch.float8_e4m3fn).float()
+    ours = e4m3_decode(e4m3_encode(v))
+    # identical except exact rounding ties (we round half up, torch half to even)
+    assert (ours != ref).float().mean() < 1e-3
+    assert torch.allclose(ours, ref, rtol=0.07, atol=2 ** -10)
+
+
+def test_e2m1_codes_round_trip_all_values():
+    codes = torch.arange(16, dtype=torch.uint8)
+    vals = e2m1_decode(codes)
+    assert vals[:8].tolist() == list(fp4.E2M1_VALUES)
+    assert (e2m1_decode(e2m1_encode(vals)) == vals).all()
+
+
+def test_half_split_packing_round_trips():
+    d = 64
+    x = torch.zeros(3, d)
+    x[0, 5] = 6.0  # lo half -> low nibble of byte 5
+    x[0, 32 + 5] = -3.0  # hi half -> high nibble of byte 5
+    x[0, 32 + 6] = 6.0  # same group: its scale is 1, so -3 is code 8|5
+    x[1] = torch.linspace(-6, 6, d)
+    x[2] = torch.randn(d)
+    q = quantize_ref(x, 1.0, num_outliers=0)
+    assert q.codes.shape == (3, d // 2)
+    assert int(q.codes[0, 5]) & 15 == 7 and int(q.codes[0, 5]) >> 4 == (8 | 5)
+    assert torch.allclose(dequantize_ref(q, 1.0)[0], x[0])
+
+
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_dequantize_error_is_bounded_by_the_group_scale(d):
+    torch.manual_seed(d)
+    x = torch.randn(50, 3, d) * torch.rand(50, 3, 1) * 4
+    x[:, :, 3] += 40.0  # a large fixed channel: taken as an outlier, so exact up to fp16
+    q = quantize_ref(x)
+    y = dequantize_ref(q)
+    scale = (e4m3_decode(q.scales) * fp4.DEFAULT_HEAD_SCALE).repeat_interleave(16, dim=-1)
+    err = (y - x).abs()
+    is_outlier = torch.zeros_like(x, dtype=torch.bool).scatter_(-1, q.outlier_idx.long(), q.outlier_val != 0)
+    # E2M1's half-step is at most 1 scale unit (between 4 and 6); outliers carry fp16 rounding only
+    assert (err[~is_outlier] <= scale[~is_outlier] + 1e-6).all()
+    assert (err[is_outlier] <= x[is_outlier].abs() * 2 ** -11).all()
+    assert torch.allclose(y[:, :, 3], x[:, :, 3].half().float())
+    assert (q.outlier_idx == 3).any(-1).all()
+
+
+def test_outliers_reduce_error_on_keys_with_large_channels():
+    torch.manual_seed(0)
+    x = torch.randn(256, 128)
+    x[:, [11, 77]] *= 25.0
+    err = {}
+    for s in (0, 2):
+        y = dequantize_ref(quantize_ref(x, num_outliers=s))
+        err[s] = ((y - x).norm() / x.norm()).item()
+    assert err[2] < 0.5 * err[0]
+
+
+def test_bytes_per_token_formula_and_allocation():
+    assert bytes_per_token_head(128) == 78 and 78 / 256 <= 0.31
+    layer = FP4PagedLayer(5, 16, 4, 128, "cpu")
+    assert layer.bytes_per_token == 2 * 4 * 78  # K and V, no padding at block_size 16
+    assert layer.pages.numel() == 5 * 16 * layer.bytes_per_token
+
+
+@pytest.mark.parametrize("heads,d,slots", [(3, 64, 2), (1, 32, 1), (2, 128, 4)])
+def test_store_kernel_matches_reference(heads, d, slots):
+    torch.manual_seed(heads + d)
+    n, bs, nb = 7, 4, 5
+    layer_t = FP4PagedLayer(nb, bs, heads, d, "cpu", num_outliers=slots)
+    layer_r = FP4PagedLayer(nb, bs, heads, d, "cpu", num_outliers=slots)
+    k = torch.randn(n, heads, d) * 3
+    v = torch.randn(n, heads, d)
+    k[:, :, 1] += 50.0
+    slots_map = torch.tensor([3, 9, 0, 15, 6, 19, 12])
+    layer_t.store(k, v, slots_map, use_triton=True)
+    layer_r.store(k, v, slots_map, use_triton=False)
+    assert (layer_t.pages != layer_r.pages).float().mean() < 1e-3  # bit-exact but for rounding ties
+    kt, vt = layer_t.gather(list(range(nb)))
+    kr, vr = layer_r.gather(list(range(nb)))
+    assert torch.allclose(kt, kr, atol=0.2) and torch.allclose(vt, vr, atol=0.1)
+
+
+def make_batch(q_lens, ctx_lens, heads, kv_heads, d, bs, nb, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(q_lens), heads, d, generator=g, dtype=torch.float32).to(dtype)
+    perm = torch.randperm(nb, generator=g).tolist()
+    tables, used = [], 0
+    for ctx in ctx_lens:
+        n = -(-ctx // bs)
+        tables.append(perm[used: used + n])
+        used += n
+    assert used <= nb
+    qs = [0]
+    for n in q_lens:
+        qs.append(qs[-1] + n)
+    return q, qs, tables
+
+
+CASES = [  # (query tokens per sequence, context lengths): decode, verify windows, prefill chunks
+    ([1, 1, 1], [5, 37, 16]),
+    ([5, 3], [21, 9]),
+    ([13, 1, 4], [13, 40, 30]),
+]
+
+
+@pytest.mark.parametrize("q_lens,ctx_lens", CASES)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_paged_attention_dense_matches_reference(q_lens, ctx_lens, splits):
+    heads, kv_heads, d, bs, nb = 6, 2, 32, 4, 40
+    q, qs, tables = make_batch(q_lens, ctx_lens, heads, kv_heads, d, bs, nb)
+    k_cache = torch.randn(nb, bs, kv_heads, d)
+    v_cache = torch.randn(nb, bs, kv_heads, d)
+    plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, "cpu", num_splits=splits)
+    out = paged_attention(q, plan, d ** -0.5, k_cache=k_cache, v_cache=v_cache, block_n=16)
+
+    def gather(blocks):
+        idx = torch.tensor(blocks)
+        return k_cache[idx].reshape(-1, kv_heads, d), v_cache[idx].reshape(-1, kv_heads, d)
+
+    ref = paged_attention_ref(q, gather, qs, ctx_lens, tables, bs, d ** -0.5)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4), (out - ref).abs().max()
+
+
+@pytest.mark.parametrize("q_lens,ctx_lens", CASES)
+def test_paged_attention_fp4_matches_reference(q_lens, ctx_lens):
+    heads, kv_heads, d, bs, nb = 4, 2, 64, 4, 40
+    q, qs, tables = make_batch(q_lens, ctx_lens, heads, kv_heads, d, bs, nb, seed=1)
+    layer = FP4PagedLayer(nb, bs, kv_heads, d, "cpu")
+    k = torch.randn(nb * bs, kv_heads, d) * 2
+    k[:, :, 9] += 30.0
+    layer.store(k, torch.randn(nb * bs, kv_heads, d), torch.arange(nb * bs), use_triton=False)
+    plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, "cpu", num_splits=2)
+    out = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
+                          block_n=16)
+    ref = paged_attention_ref(q, layer.gather, qs, ctx_lens, tables, bs, d ** -0.5)
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4), (out - ref).abs().max()
+
+
+def test_paged_reference_agrees_with_contiguous_attention():
+    torch.manual_seed(3)
+    heads, kv_heads, d, bs = 4, 2, 32, 4
+    ctx = 23
+    k = torch.randn(ctx, kv_heads, d)
+    v = torch.randn(ctx, kv_heads, d)
+    q = torch.randn(ctx, heads, d)
+    nb = 8
+    table = [5, 2, 7, 0, 3, 1]
+    k_cache = torch.zeros(nb, bs, kv_heads, d)
+    v_cache = torch.zeros(nb, bs, kv_heads, d)
+    for i in range(ctx):
+        k_cache[table[i // bs], i % bs] = k[i]
+        v_cache[table[i // bs], i % bs] = v[i]
+
+    def gather(blocks):
+        idx = torch.tensor(blocks)
+        return k_cache[idx].reshape(-1, kv_heads, d), v_cache[idx].reshape(-1, kv_heads, d)
+
+    paged = paged_attention_ref(q, gather, [0, ctx], [ctx], [table], bs, d ** -0.5)
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1), v.repeat_interleave(2, 1).transpose(0, 1),
+        is_causal=True).transpose(0, 1)
+    assert torch.allclose(paged, dense, atol=1e-5)
