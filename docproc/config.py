@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32")
+KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp4")
 MODEL_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float")
 DEVICES = ("auto", "cpu", "cuda")
 

@@ -267,6 +267,7 @@ def plan_tiles(query_start: list[int], context_lens: list[int], block_tables: li
         # enough programs to fill the chip, but at least ~256 keys per split
         want = max(1, -(-2 * num_sms // max(1, len(seqs))))
         num_splits = max(1, min(want, max_ctx // 256, 32))
+        num_splits = 1 << (num_splits.bit_length() - 1)  # a power of two: few kernel variants to compile
     width = max(len(t) for t in block_tables)
     table = torch.zeros(len(block_tables), width, dtype=torch.int32)
     for b, t in enumerate(block_tables):

@@ -41,8 +41,9 @@ def special_ids() -> dict[str, int]:
 
 # Published geometries (from the models' config.json files) and a tiny one for tests.
 GEOMETRIES = {
-    "tiny": dict(text=dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, mrope_section=[2, 3, 3], rope_theta=10000.0,
+    # head_dim 32: the smallest the FP4 kernels take
+    "tiny": dict(text=dict(vocab_size=384, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, mrope_section=[4, 6, 6], rope_theta=10000.0,
                            max_position_embeddings=4096),
                  vision=dict(depth=2, embed_dim=32, num_heads=2, mlp_ratio=2)),
     "2b": dict(text=dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,

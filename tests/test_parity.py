@@ -70,14 +70,35 @@ def run_engine(llm: LLM, reqs: list[dict]):
     return outs, logits
 
 
+def hf_teacher_forced_logits(llm: LLM, hf, prompt_ids: list[int], gen: list[int], images: list) -> torch.Tensor:
+    """transformers' logits over prompt + generated tokens, in one forward without a cache.
+
+    Embeddings and M-RoPE positions are built with transformers' own functions, marking image
+    tokens in the prompt only: a random model may generate the image-pad id as a text token, which
+    transformers' placeholder check would otherwise count as an image."""
+    ids = torch.tensor([prompt_ids + gen])
+    types = torch.zeros_like(ids, dtype=torch.int)
+    types[0, : len(prompt_ids)] = (ids[0, : len(prompt_ids)] == llm.processor.image_token_id).int()
+    emb = hf.model.get_input_embeddings()(ids)
+    grid = None
+    if images:
+        pv, grid = llm.processor.pixel_values(images)
+        feats = torch.cat(hf.model.get_image_features(pv, grid, return_dict=True).pooler_output)
+        emb[0, types[0].bool()] = feats
+    if grid is not None:
+        pos, _ = hf.model.get_rope_index(ids, mm_token_type_ids=types, image_grid_thw=grid)
+    else:
+        pos = torch.arange(ids.shape[1]).view(1, 1, -1).expand(3, 1, -1)
+    return hf(inputs_embeds=emb, position_ids=pos).logits[0].float()
+
+
 def check_against_hf(llm: LLM, hf, reqs: list[dict], outs, logits) -> None:
     for i, (req, out) in enumerate(zip(reqs, outs)):
         gen = out.outputs[0].token_ids
         assert len(gen) == N_TOKENS
         images = (req.get("multi_modal_data") or {}).get("image", [])
-        full = out.prompt_token_ids + gen
         with torch.no_grad():
-            ref = hf(**hf_inputs(llm, full, images)).logits[0].float()  # (L, V)
+            ref = hf_teacher_forced_logits(llm, hf, out.prompt_token_ids, gen, images)  # (L, V)
         p = len(out.prompt_token_ids)
         ref_rows = ref[p - 1: p - 1 + N_TOKENS]
         ours = torch.stack(logits[out.request_id])

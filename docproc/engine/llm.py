@@ -129,6 +129,9 @@ class LLM:
             "block_size": kv.block_size,
             "num_blocks": kv.num_blocks,
             "bytes_per_token": kv.bytes_per_token,
+            "bytes_per_token_bf16": 2 * self.runner.text_config.num_hidden_layers * 2
+                                    * self.runner.text_config.num_key_value_heads * self.runner.text_config.head_dim,
+            "kernel_warmup_seconds": round(self.runner.warmup_seconds, 3),
             "allocated_bytes": kv.allocated_bytes,
             "num_free_blocks": bm.num_free_blocks,
             "prefix_cache_query_tokens": bm.stats.num_query_tokens,

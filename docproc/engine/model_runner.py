@@ -10,11 +10,11 @@ import torch
 
 from docproc.config import EngineConfig
 from docproc.engine.encoder_cache import EncoderCache
-from docproc.engine.kv_cache import KVCache, resolve_kv_dtype
+from docproc.engine.kv_cache import KV_DTYPES, KVCache, resolve_kv_dtype
 from docproc.engine.sampler import Sampler, SamplingRow
 from docproc.engine.scheduler import SchedulerOutput
 from docproc.engine.sequence import Sequence
-from docproc.layers.attention import AttentionMetadata, TorchPagedAttention
+from docproc.layers.attention import AttentionMetadata, DenseAttention, FP4Attention
 from docproc.models.loader import load_model
 from docproc.models.processor import Processor
 from docproc.models.rope import mrope_positions
@@ -68,15 +68,18 @@ class ModelRunner:
         tc = self.model.text.cfg
         self.text_config = tc
         self.block_size = config.cache.block_size
-        kv_name, kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, self.dtype)
-        self.kv_cache = KVCache(tc.num_hidden_layers, tc.num_key_value_heads, tc.head_dim, self.block_size,
-                                kv_name, kv_dtype, self.device)
-        self.backend = TorchPagedAttention(tc.num_attention_heads, tc.num_key_value_heads, tc.head_dim,
-                                           tc.head_dim ** -0.5)
+        kv_name = resolve_kv_dtype(config.cache.kv_cache_dtype, self.dtype)
+        heads = (tc.num_attention_heads, tc.num_key_value_heads, tc.head_dim, tc.head_dim ** -0.5, self.device)
+        if kv_name == "fp4":
+            self.backend = FP4Attention(*heads, compute_dtype=self.dtype)
+        else:
+            self.backend = DenseAttention(*heads, dtype=KV_DTYPES[kv_name], compute_dtype=self.dtype)
+        self.kv_cache = KVCache(self.backend, tc.num_hidden_layers, self.block_size, kv_name)
         self.encoder_cache = EncoderCache(config.cache.encoder_cache_entries)
         self.sampler = Sampler(config.seed, self.device)
         self.logits_hook = None  # tests: called with (list[Sequence], logits) at every sampled row
         self.kv_cache.allocate(self._num_blocks())
+        self.warmup_seconds = self.backend.warmup(self.kv_cache.layers[0], self.block_size)
 
     # ---- sizing ----------------------------------------------------------------------------
     def _num_blocks(self) -> int:
@@ -175,6 +178,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
             query_start=query_start, context_lens=context_lens, block_tables=tables, block_size=bs,
         )
+        self.backend.prepare(meta)
         rows = torch.cat(image_rows).to(dev) if image_rows else None
         embeds = torch.cat(image_embeds) if image_embeds else None
         return (torch.tensor(ids, dtype=torch.long).to(dev), torch.cat(positions, dim=1).to(dev), meta, rows,

@@ -1,15 +1,23 @@
-"""The attention seam: one interface over the paged KV cache.
+"""The attention seam: one interface over the paged KV cache, two cache formats, two
+implementations.
 
-`TorchPagedAttention` is the reference (used on CPU and as the oracle for kernels): it gathers each
-sequence's blocks and runs causal attention for that sequence's query tokens. The Triton kernels
-and the FP4 cache implement the same two calls, `store` and `attend`, over their own layout.
+A backend owns the per-layer cache objects and implements `store` (write the new tokens' K/V into
+their slots) and `attend` (causal attention of the step's query tokens over their sequence's
+cache). `DenseAttention` keeps bf16/fp16/fp32 K/V; `FP4Attention` keeps the FP4 format of
+kernels/fp4.py. On CUDA both run our Triton kernels; on CPU they run the torch references. Each
+layer stores before it attends, so a token always reads every K/V -- its own, its window's, its
+prefix's -- exactly as stored (quantized, in FP4 mode), the same way in prefill, decode and
+speculative verification.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from kernels.fp4 import DEFAULT_NUM_OUTLIERS, DEFAULT_THRESHOLD, FP4PagedLayer
+from kernels.paged_attention import TilePlan, paged_attention, paged_attention_ref, plan_tiles
 
 
 @dataclass
@@ -26,48 +34,132 @@ class AttentionMetadata:
     context_lens: list[int]  # (num_seqs,) host ints, KV length after this step's tokens are stored
     block_tables: list[list[int]]  # per sequence, host ints
     block_size: int
+    plan: TilePlan | None = None  # kernel tiling, built once per step by the backend
 
     @property
     def num_seqs(self) -> int:
         return len(self.context_lens)
 
 
-class TorchPagedAttention:
-    """KV layout per layer: (2, num_blocks, block_size, num_kv_heads, head_dim), K then V."""
-
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+class _Backend:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, device: torch.device) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.device = device
+        self.use_triton = device.type == "cuda"
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if self.use_triton else 1
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Per-step work shared by all layers."""
+        if self.use_triton:
+            meta.plan = plan_tiles(meta.query_start, meta.context_lens, meta.block_tables,
+                                   self.num_heads // self.num_kv_heads, self.device, num_sms=self.num_sms)
+
+    def warmup(self, layer, block_size: int) -> float:
+        """Compile the kernels for the launch shapes the engine uses (decode, verify windows,
+        prefill chunks, each split count), so no request pays Triton's JIT. Returns seconds."""
+        if not self.use_triton:
+            return 0.0
+        t0 = time.perf_counter()
+        n_blocks = self.num_blocks(layer)
+        for q_len, ctx, splits in [(1, 1, s) for s in (1, 2, 4, 8, 16, 32)] + [(8, 8, 1), (64, 64, 1)]:
+            ctx = max(ctx, q_len)
+            blocks = list(range(min(n_blocks, -(-ctx // block_size))))
+            if len(blocks) * block_size < ctx:
+                continue
+            meta = AttentionMetadata(torch.arange(ctx - q_len, ctx, device=self.device), [0, q_len], [ctx], [blocks],
+                                     block_size)
+            meta.plan = plan_tiles(meta.query_start, meta.context_lens, meta.block_tables,
+                                   self.num_heads // self.num_kv_heads, self.device, num_splits=splits)
+            q = torch.zeros(q_len, self.num_heads, self.head_dim, device=self.device, dtype=self.compute_dtype)
+            kv = torch.zeros(q_len, self.num_kv_heads, self.head_dim, device=self.device, dtype=self.compute_dtype)
+            self.store(layer, kv, kv, meta)
+            self.attend(q, layer, meta)
+        torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+
+class DenseAttention(_Backend):
+    """K/V as bf16/fp16/fp32; per layer a (2, num_blocks, block_size, Hkv, D) tensor."""
+
+    def __init__(self, num_heads, num_kv_heads, head_dim, scale, device, dtype: torch.dtype,
+                 compute_dtype: torch.dtype) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, device)
+        self.dtype = dtype
+        self.compute_dtype = compute_dtype
+
+    def allocate(self, num_blocks: int, block_size: int) -> torch.Tensor:
+        return torch.zeros(2, num_blocks, block_size, self.num_kv_heads, self.head_dim, dtype=self.dtype,
+                           device=self.device)
+
+    def bytes_per_token(self, block_size: int) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
 
     @staticmethod
-    def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+    def layer_bytes(layer: torch.Tensor) -> int:
+        return layer.numel() * layer.element_size()
 
-    def store(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-        # k, v: (num_tokens, num_kv_heads, head_dim)
-        flat = kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)  # (2, num_slots, Hkv, D)
-        flat[0].index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
-        flat[1].index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
+    @staticmethod
+    def num_blocks(layer: torch.Tensor) -> int:
+        return layer.shape[1]
 
-    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        # q: (num_tokens, num_heads, head_dim) -> (num_tokens, num_heads, head_dim)
-        out = torch.empty_like(q)
-        bs = meta.block_size
-        for b in range(meta.num_seqs):
-            q0, q1 = meta.query_start[b], meta.query_start[b + 1]
-            ctx = meta.context_lens[b]
-            num_q = q1 - q0
-            blocks = torch.tensor(meta.block_tables[b][: -(-ctx // bs)], device=kv_cache.device)
-            kv = kv_cache[:, blocks].reshape(2, -1, self.num_kv_heads, self.head_dim)[:, :ctx]
-            k = kv[0].to(q.dtype).transpose(0, 1)  # (Hkv, ctx, D)
-            v = kv[1].to(q.dtype).transpose(0, 1)
-            qb = q[q0:q1].transpose(0, 1)  # (H, num_q, D)
-            q_pos = torch.arange(ctx - num_q, ctx, device=q.device)
-            mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]  # (num_q, ctx)
-            o = F.scaled_dot_product_attention(
-                qb.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=self.scale, enable_gqa=True
-            )
-            out[q0:q1] = o[0].transpose(0, 1)
-        return out
+    def store(self, layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        # k, v: (num_tokens, Hkv, D)
+        flat = layer.view(2, -1, self.num_kv_heads, self.head_dim)  # (2, num_slots, Hkv, D)
+        flat[0].index_copy_(0, meta.slot_mapping, k.to(layer.dtype))
+        flat[1].index_copy_(0, meta.slot_mapping, v.to(layer.dtype))
+
+    def attend(self, q: torch.Tensor, layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # q: (num_tokens, num_heads, D) -> (num_tokens, num_heads, D)
+        if self.use_triton:
+            return paged_attention(q, meta.plan, self.scale, k_cache=layer[0], v_cache=layer[1])
+
+        def gather(blocks):
+            idx = torch.tensor(blocks, device=layer.device)
+            kv = layer[:, idx].reshape(2, -1, self.num_kv_heads, self.head_dim)
+            return kv[0], kv[1]
+
+        return paged_attention_ref(q, gather, meta.query_start, meta.context_lens, meta.block_tables,
+                                   meta.block_size, self.scale)
+
+
+class FP4Attention(_Backend):
+    """K/V in the FP4 format (codes, E4M3 group scales, fp16 outliers) in one page per block."""
+
+    def __init__(self, num_heads, num_kv_heads, head_dim, scale, device, compute_dtype: torch.dtype,
+                 num_outliers: int = DEFAULT_NUM_OUTLIERS, threshold: float = DEFAULT_THRESHOLD) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, device)
+        if head_dim % 32 or head_dim & (head_dim - 1):
+            raise ValueError(f"the FP4 KV cache needs a power-of-two head_dim >= 32; this model has {head_dim}: "
+                             f"use kv_cache_dtype bf16")
+        self.compute_dtype = compute_dtype
+        self.num_outliers = num_outliers
+        self.threshold = threshold
+
+    def allocate(self, num_blocks: int, block_size: int) -> FP4PagedLayer:
+        return FP4PagedLayer(num_blocks, block_size, self.num_kv_heads, self.head_dim, self.device,
+                             self.num_outliers, self.threshold)
+
+    def bytes_per_token(self, block_size: int) -> int:
+        return FP4PagedLayer(1, block_size, self.num_kv_heads, self.head_dim, "meta",
+                             self.num_outliers).bytes_per_token
+
+    @staticmethod
+    def layer_bytes(layer: FP4PagedLayer) -> int:
+        return layer.pages.numel()
+
+    @staticmethod
+    def num_blocks(layer: FP4PagedLayer) -> int:
+        return layer.pages.shape[0]
+
+    def store(self, layer: FP4PagedLayer, k, v, meta: AttentionMetadata) -> None:
+        layer.store(k, v, meta.slot_mapping, self.use_triton)
+
+    def attend(self, q: torch.Tensor, layer: FP4PagedLayer, meta: AttentionMetadata) -> torch.Tensor:
+        if self.use_triton:
+            return paged_attention(q, meta.plan, self.scale, fp4_k=layer.kernel_views("k"),
+                                   fp4_v=layer.kernel_views("v"))
+        return paged_attention_ref(q, layer.gather, meta.query_start, meta.context_lens, meta.block_tables,
+                                   meta.block_size, self.scale)

@@ -1,0 +1,88 @@
+"""The FP4 KV cache inside the engine (CPU: the torch reference path)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from docproc import LLM, SamplingParams
+from docproc.engine.kv_cache import KVCache
+from docproc.layers.attention import DenseAttention, FP4Attention
+from kernels.fp4 import bytes_per_token_head
+
+IMG = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def page(seed):
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (90, 120, 3), dtype=np.uint8))
+
+
+def reqs():
+    return [{"prompt": "<|im_start|>user\n" + IMG + "What is the total?", "multi_modal_data": {"image": [page(1)]}},
+            {"prompt": "<|im_start|>user\nthe quick brown fox"},
+            {"prompt": "<|im_start|>user\n" + IMG + "Invoice number?", "multi_modal_data": {"image": [page(1)]}}]
+
+
+def test_fp4_pool_holds_3_2x_the_tokens_of_bf16_at_head_dim_128():
+    budget = 64 << 20
+    dense = KVCache(DenseAttention(28, 4, 128, 1.0, torch.device("cpu"), torch.bfloat16, torch.bfloat16), 2, 16, "bf16")
+    fp4 = KVCache(FP4Attention(28, 4, 128, 1.0, torch.device("cpu"), torch.bfloat16), 2, 16, "fp4")
+    for c in (dense, fp4):
+        c.allocate(c.num_blocks_for_bytes(budget))
+    per_layer = fp4.bytes_per_token / fp4.num_layers
+    assert per_layer == 2 * 4 * bytes_per_token_head(128) == 624
+    assert per_layer / (dense.bytes_per_token / dense.num_layers) <= 0.31
+    # measured from the allocated pools: bytes per token, and tokens admitted at one budget
+    assert fp4.allocated_bytes / (fp4.num_blocks * 16) == fp4.bytes_per_token
+    assert dense.allocated_bytes <= budget and fp4.allocated_bytes <= budget
+    assert fp4.num_blocks / dense.num_blocks >= 3.2
+
+
+def test_fp4_engine_generates_and_reports_its_format(qwen2_vl_dir):
+    llm = LLM(str(qwen2_vl_dir), device="cpu", kv_cache_dtype="fp4")
+    info = llm.cache_info()
+    cfg = llm.runner.text_config
+    assert info["kv_cache_dtype"] == "fp4"
+    assert info["bytes_per_token"] == cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * bytes_per_token_head(
+        cfg.head_dim)
+    outs = llm.generate(reqs(), SamplingParams(max_tokens=16, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
+    assert outs[2].metrics.num_cached_tokens > 0  # prefix caching works over FP4 pages too
+
+
+def first_logits(folder, kv):
+    llm = LLM(str(folder), device="cpu", kv_cache_dtype=kv)
+    got = []
+    llm.runner.logits_hook = lambda seqs, logits: got.append(logits.clone())
+    llm.generate(reqs(), SamplingParams(max_tokens=1))
+    return torch.cat(got)
+
+
+def test_fp4_logits_stay_close_to_fp32_kv(qwen2_vl_dir):
+    """Lossy but close: relative logit error at the first generated token (after a whole prefill
+    through the FP4 cache) on a random model whose weights are scaled up to be chaotic. bf16 KV
+    is the yardstick. The quality tables are in BENCHMARKS.md."""
+    ref = first_logits(qwen2_vl_dir, "fp32")
+    rel = {kv: ((first_logits(qwen2_vl_dir, kv) - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
+           for kv in ("bf16", "fp4")}
+    assert rel["bf16"] < 0.005
+    assert rel["fp4"] < 0.1
+
+
+def test_fp4_reads_are_the_same_in_chunked_prefill_and_decode(qwen2_vl_dir):
+    """Every token reads stored (quantized) K/V, its own chunk's included, so chunking the prefill
+    -- like verifying a speculative window -- changes nothing."""
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    whole = LLM(str(qwen2_vl_dir), device="cpu", kv_cache_dtype="fp4", enable_prefix_caching=False)
+    chunked = LLM(str(qwen2_vl_dir), device="cpu", kv_cache_dtype="fp4", max_num_batched_tokens=16,
+                  enable_prefix_caching=False)
+    a = whole.generate(reqs(), sp)
+    b = chunked.generate(reqs(), sp)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+
+
+def test_fp4_rejects_small_head_dim():
+    with pytest.raises(ValueError, match="head_dim"):
+        FP4Attention(4, 2, 16, 1.0, torch.device("cpu"), torch.float32)
