@@ -290,6 +290,8 @@ def paged_attention(
     fp4_k: tuple | None = None,  # (codes, scales, outlier_idx, outlier_val, head_scale) views
     fp4_v: tuple | None = None,
     block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     n_tok, n_heads, d = q.shape
@@ -339,6 +341,7 @@ def paged_attention(
         *strides_k, *strides_s, *strides_o, *strides_v,
         GROUP=group, TOKENS=plan.tokens_per_tile, BLOCK_M=plan.block_m, BLOCK_N=block_n, HALF=d // 2,
         NUM_SPLITS=splits, IS_FP4=is_fp4, NUM_OUTLIERS=num_outliers, DOT_FP32=dot_fp32,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
         _combine_kernel[(n_tiles, n_kv)](

@@ -29,3 +29,15 @@ def test_cuda_bf16_pool_is_sized_from_memory_utilization(qwen2_vl_dir):
     assert 0.1 * total < info["allocated_bytes"] <= 0.2 * total
     out = llm.generate(requests()[:2], SamplingParams(max_tokens=8, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 8 for o in out)
+
+
+def test_cuda_fp4_matches_cpu_reference_path(qwen2_vl_dir):
+    """The Triton FP4 store and attention kernels give the CPU torch-reference engine's tokens."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    cpu = LLM(str(qwen2_vl_dir), device="cpu", kv_cache_dtype="fp4").generate(requests(), sp)
+    gpu_llm = LLM(str(qwen2_vl_dir), device="cuda", dtype="float32", kv_cache_dtype="fp4",
+                  gpu_memory_utilization=0.3)
+    gpu = gpu_llm.generate(requests(), sp)
+    assert [o.outputs[0].token_ids for o in gpu] == [o.outputs[0].token_ids for o in cpu]
+    assert gpu_llm.cache_info()["kernel_warmup_seconds"] > 0

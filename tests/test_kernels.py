@@ -14,6 +14,9 @@ from kernels.fp4 import (FP4PagedLayer, bytes_per_token_head, dequantize_ref, e2
                          e4m3_decode, e4m3_encode, quantize_ref)
 from kernels.paged_attention import paged_attention, paged_attention_ref, plan_tiles  # noqa: E402
 
+# compiled kernels on a GPU, the interpreter on CPU
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def test_e4m3_matches_torch_float8():
     v = torch.cat([torch.rand(20000) * 500, torch.rand(5000) * 0.02, torch.tensor([0.0, 448.0, 1e-6])])
@@ -84,12 +87,12 @@ def test_bytes_per_token_formula_and_allocation():
 def test_store_kernel_matches_reference(heads, d, slots):
     torch.manual_seed(heads + d)
     n, bs, nb = 7, 4, 5
-    layer_t = FP4PagedLayer(nb, bs, heads, d, "cpu", num_outliers=slots)
-    layer_r = FP4PagedLayer(nb, bs, heads, d, "cpu", num_outliers=slots)
-    k = torch.randn(n, heads, d) * 3
-    v = torch.randn(n, heads, d)
+    layer_t = FP4PagedLayer(nb, bs, heads, d, DEV, num_outliers=slots)
+    layer_r = FP4PagedLayer(nb, bs, heads, d, DEV, num_outliers=slots)
+    k = torch.randn(n, heads, d, device=DEV) * 3
+    v = torch.randn(n, heads, d, device=DEV)
     k[:, :, 1] += 50.0
-    slots_map = torch.tensor([3, 9, 0, 15, 6, 19, 12])
+    slots_map = torch.tensor([3, 9, 0, 15, 6, 19, 12], device=DEV)
     layer_t.store(k, v, slots_map, use_triton=True)
     layer_r.store(k, v, slots_map, use_triton=False)
     assert (layer_t.pages != layer_r.pages).float().mean() < 1e-3  # bit-exact but for rounding ties
@@ -100,7 +103,7 @@ def test_store_kernel_matches_reference(heads, d, slots):
 
 def make_batch(q_lens, ctx_lens, heads, kv_heads, d, bs, nb, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(sum(q_lens), heads, d, generator=g, dtype=torch.float32).to(dtype)
+    q = torch.randn(sum(q_lens), heads, d, generator=g, dtype=torch.float32).to(dtype).to(DEV)
     perm = torch.randperm(nb, generator=g).tolist()
     tables, used = [], 0
     for ctx in ctx_lens:
@@ -126,13 +129,13 @@ CASES = [  # (query tokens per sequence, context lengths): decode, verify window
 def test_paged_attention_dense_matches_reference(q_lens, ctx_lens, splits):
     heads, kv_heads, d, bs, nb = 6, 2, 32, 4, 40
     q, qs, tables = make_batch(q_lens, ctx_lens, heads, kv_heads, d, bs, nb)
-    k_cache = torch.randn(nb, bs, kv_heads, d)
-    v_cache = torch.randn(nb, bs, kv_heads, d)
-    plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, "cpu", num_splits=splits)
+    k_cache = torch.randn(nb, bs, kv_heads, d, device=DEV)
+    v_cache = torch.randn(nb, bs, kv_heads, d, device=DEV)
+    plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=splits)
     out = paged_attention(q, plan, d ** -0.5, k_cache=k_cache, v_cache=v_cache, block_n=16)
 
     def gather(blocks):
-        idx = torch.tensor(blocks)
+        idx = torch.tensor(blocks, device=DEV)
         return k_cache[idx].reshape(-1, kv_heads, d), v_cache[idx].reshape(-1, kv_heads, d)
 
     ref = paged_attention_ref(q, gather, qs, ctx_lens, tables, bs, d ** -0.5)
@@ -143,11 +146,11 @@ def test_paged_attention_dense_matches_reference(q_lens, ctx_lens, splits):
 def test_paged_attention_fp4_matches_reference(q_lens, ctx_lens):
     heads, kv_heads, d, bs, nb = 4, 2, 64, 4, 40
     q, qs, tables = make_batch(q_lens, ctx_lens, heads, kv_heads, d, bs, nb, seed=1)
-    layer = FP4PagedLayer(nb, bs, kv_heads, d, "cpu")
-    k = torch.randn(nb * bs, kv_heads, d) * 2
+    layer = FP4PagedLayer(nb, bs, kv_heads, d, DEV)
+    k = torch.randn(nb * bs, kv_heads, d, device=DEV) * 2
     k[:, :, 9] += 30.0
-    layer.store(k, torch.randn(nb * bs, kv_heads, d), torch.arange(nb * bs), use_triton=False)
-    plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, "cpu", num_splits=2)
+    layer.store(k, torch.randn(nb * bs, kv_heads, d, device=DEV), torch.arange(nb * bs, device=DEV), use_triton=False)
+    plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=2)
     out = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
                           block_n=16)
     ref = paged_attention_ref(q, layer.gather, qs, ctx_lens, tables, bs, d ** -0.5)
