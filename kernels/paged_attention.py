@@ -55,31 +55,36 @@ def paged_attention_ref(
 # ---- Triton ---------------------------------------------------------------------------------------
 @triton.jit
 def _e2m1_decode(code):
-    idx = code & 7
-    e = (idx >> 1).to(tl.float32)
-    m = (idx & 1).to(tl.float32)
-    mag = tl.where(e == 0, 0.5 * m, (2.0 + m) * tl.exp2(e - 2.0))
-    return tl.where((code & 8) != 0, -mag, mag)
+    """4-bit E2M1 codes (int32) -> float32 by building the IEEE bits: no exp2, no table.
+    magnitude index i = e << 1 | m: e = 0 gives 0.5 * m, else (1 + m / 2) * 2^(e - 1)."""
+    e = (code >> 1) & 3
+    m = code & 1
+    bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22))
+    bits = bits | ((code & 8) << 28)  # sign
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _load_kv_half(base_codes, base_scales, base_oidx, base_oval, hs, cache_ptr, row_off, d, nmask,
                   HI: tl.constexpr, HALF: tl.constexpr, IS_FP4: tl.constexpr, NUM_OUTLIERS: tl.constexpr,
-                  row_off_s, row_off_o, row_off_v):
+                  row_off_s, row_off_o, row_off_v, BLOCK_N: tl.constexpr):
     """One half (lo: dims 0..D/2, hi: dims D/2..D) of BLOCK_N cached vectors, as float32 (N, HALF)."""
     if IS_FP4:
-        codes = tl.load(base_codes + row_off[:, None] + d[None, :], mask=nmask[:, None], other=0)
+        codes = tl.load(base_codes + row_off[:, None] + d[None, :], mask=nmask[:, None], other=0).to(tl.int32)
         if HI:
             codes = codes >> 4
         else:
             codes = codes & 15
-        grp = d // 16 + HI * (HALF // 16)
-        sbits = tl.load(base_scales + row_off_s[:, None] + grp[None, :], mask=nmask[:, None], other=0)
-        x = _e2m1_decode(codes.to(tl.int32)) * (_e4m3_decode(sbits) * hs)
+        # one E4M3 scale per 16 dims: decode the (N, HALF/16) scales once, broadcast over their groups
+        g = tl.arange(0, HALF // 16) + HI * (HALF // 16)
+        sbits = tl.load(base_scales + row_off_s[:, None] + g[None, :], mask=nmask[:, None], other=0)
+        scale = _e4m3_decode(sbits) * hs  # (N, HALF/16)
+        vals = tl.reshape(_e2m1_decode(codes), [BLOCK_N, HALF // 16, 16])
+        x = tl.reshape(vals * scale[:, :, None], [BLOCK_N, HALF])
         for s in tl.static_range(NUM_OUTLIERS):
-            idx = tl.load(base_oidx + row_off_o + s, mask=nmask, other=0).to(tl.int32)
+            idx = tl.load(base_oidx + row_off_o + s, mask=nmask, other=0).to(tl.int32) - HI * HALF
             val = tl.load(base_oval + row_off_v + s, mask=nmask, other=0.0).to(tl.float32)
-            x += tl.where((d[None, :] + HI * HALF) == idx[:, None], val[:, None], 0.0)
+            x += tl.where(d[None, :] == idx[:, None], val[:, None], 0.0)
         return x
     else:
         return tl.load(cache_ptr + row_off[:, None] + HI * HALF + d[None, :], mask=nmask[:, None],
@@ -150,9 +155,9 @@ def _paged_attn_kernel(
         row_off_o = blk * si_b + off * si_s + kvh * si_h
         row_off_v = blk * sv_b + off * sv_s + kvh * sv_h
         k_lo = _load_kv_half(kc_ptr, ks_ptr, ki_ptr, kv_ptr, khs, k_ptr, row_off, d, nmask, 0, HALF, IS_FP4,
-                             NUM_OUTLIERS, row_off_s, row_off_o, row_off_v)
+                             NUM_OUTLIERS, row_off_s, row_off_o, row_off_v, BLOCK_N)
         k_hi = _load_kv_half(kc_ptr, ks_ptr, ki_ptr, kv_ptr, khs, k_ptr, row_off, d, nmask, 1, HALF, IS_FP4,
-                             NUM_OUTLIERS, row_off_s, row_off_o, row_off_v)
+                             NUM_OUTLIERS, row_off_s, row_off_o, row_off_v, BLOCK_N)
         if DOT_FP32:
             s = tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee")
             s += tl.dot(q_hi, tl.trans(k_hi), input_precision="ieee")
@@ -167,9 +172,9 @@ def _paged_attn_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v_lo = _load_kv_half(vc_ptr, vs_ptr, vi_ptr, vv_ptr, vhs, v_ptr, row_off, d, nmask, 0, HALF, IS_FP4,
-                             NUM_OUTLIERS, row_off_s, row_off_o, row_off_v)
+                             NUM_OUTLIERS, row_off_s, row_off_o, row_off_v, BLOCK_N)
         v_hi = _load_kv_half(vc_ptr, vs_ptr, vi_ptr, vv_ptr, vhs, v_ptr, row_off, d, nmask, 1, HALF, IS_FP4,
-                             NUM_OUTLIERS, row_off_s, row_off_o, row_off_v)
+                             NUM_OUTLIERS, row_off_s, row_off_o, row_off_v, BLOCK_N)
         if DOT_FP32:
             acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo, input_precision="ieee")
             acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi, input_precision="ieee")
