@@ -67,7 +67,7 @@ def _e2m1_decode(code):
 @triton.jit
 def _load_kv_half(base_codes, base_scales, base_oidx, base_oval, hs, cache_ptr, row_off, d, nmask,
                   HI: tl.constexpr, HALF: tl.constexpr, IS_FP4: tl.constexpr, NUM_OUTLIERS: tl.constexpr,
-                  row_off_s, row_off_o, row_off_v, BLOCK_N: tl.constexpr):
+                  row_off_s, row_off_o, row_off_v):
     """One half (lo: dims 0..D/2, hi: dims D/2..D) of BLOCK_N cached vectors, as float32 (N, HALF)."""
     if IS_FP4:
         codes = tl.load(base_codes + row_off[:, None] + d[None, :], mask=nmask[:, None], other=0).to(tl.int32)
@@ -75,12 +75,15 @@ def _load_kv_half(base_codes, base_scales, base_oidx, base_oval, hs, cache_ptr, 
             codes = codes >> 4
         else:
             codes = codes & 15
-        # one E4M3 scale per 16 dims: decode the (N, HALF/16) scales once, broadcast over their groups
-        g = tl.arange(0, HALF // 16) + HI * (HALF // 16)
-        sbits = tl.load(base_scales + row_off_s[:, None] + g[None, :], mask=nmask[:, None], other=0)
-        scale = _e4m3_decode(sbits) * hs  # (N, HALF/16)
-        vals = tl.reshape(_e2m1_decode(codes), [BLOCK_N, HALF // 16, 16])
-        x = tl.reshape(vals * scale[:, :, None], [BLOCK_N, HALF])
+        # one E4M3 scale per 16 dims, fetched per element (the repeated addresses hit L1) and decoded
+        # by building IEEE bits: normal 2^(e-7) (1 + m/8) is exponent e + 120 and mantissa m << 20
+        grp = d // 16 + HI * (HALF // 16)
+        sb = tl.load(base_scales + row_off_s[:, None] + grp[None, :], mask=nmask[:, None], other=0).to(tl.int32)
+        se = sb >> 3
+        sm = sb & 7
+        scale = tl.where(se == 0, sm.to(tl.float32) * 0.001953125,
+                         (((se + 120) << 23) | (sm << 20)).to(tl.float32, bitcast=True)) * hs
+        x = _e2m1_decode(codes) * scale
         for s in tl.static_range(NUM_OUTLIERS):
             idx = tl.load(base_oidx + row_off_o + s, mask=nmask, other=0).to(tl.int32) - HI * HALF
             val = tl.load(base_oval + row_off_v + s, mask=nmask, other=0.0).to(tl.float32)
@@ -155,9 +158,9 @@ def _paged_attn_kernel(
         row_off_o = blk * si_b + off * si_s + kvh * si_h
         row_off_v = blk * sv_b + off * sv_s + kvh * sv_h
         k_lo = _load_kv_half(kc_ptr, ks_ptr, ki_ptr, kv_ptr, khs, k_ptr, row_off, d, nmask, 0, HALF, IS_FP4,
-                             NUM_OUTLIERS, row_off_s, row_off_o, row_off_v, BLOCK_N)
+                             NUM_OUTLIERS, row_off_s, row_off_o, row_off_v)
         k_hi = _load_kv_half(kc_ptr, ks_ptr, ki_ptr, kv_ptr, khs, k_ptr, row_off, d, nmask, 1, HALF, IS_FP4,
-                             NUM_OUTLIERS, row_off_s, row_off_o, row_off_v, BLOCK_N)
+                             NUM_OUTLIERS, row_off_s, row_off_o, row_off_v)
         if DOT_FP32:
             s = tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee")
             s += tl.dot(q_hi, tl.trans(k_hi), input_precision="ieee")
@@ -172,9 +175,9 @@ def _paged_attn_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v_lo = _load_kv_half(vc_ptr, vs_ptr, vi_ptr, vv_ptr, vhs, v_ptr, row_off, d, nmask, 0, HALF, IS_FP4,
-                             NUM_OUTLIERS, row_off_s, row_off_o, row_off_v, BLOCK_N)
+                             NUM_OUTLIERS, row_off_s, row_off_o, row_off_v)
         v_hi = _load_kv_half(vc_ptr, vs_ptr, vi_ptr, vv_ptr, vhs, v_ptr, row_off, d, nmask, 1, HALF, IS_FP4,
-                             NUM_OUTLIERS, row_off_s, row_off_o, row_off_v, BLOCK_N)
+                             NUM_OUTLIERS, row_off_s, row_off_o, row_off_v)
         if DOT_FP32:
             acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo, input_precision="ieee")
             acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi, input_precision="ieee")
