@@ -1,10 +1,6 @@
-"""Triton kernels vs their torch references (Triton runs under TRITON_INTERPRET=1 on CPU, so the
-shapes are small and irregular)."""
+"""Triton kernels vs their torch references: compiled on a GPU, under TRITON_INTERPRET=1 on CPU
+(conftest sets it), so the shapes are small and irregular."""
 from __future__ import annotations
-
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
