@@ -1,6 +1,7 @@
 """Synthetic business documents (invoices and receipts) with ground truth.
 
     python scripts/make_synthetic_docs.py --out DIR --count N --seed S [--formats pdf,png,jpeg,tiff]
+    python scripts/make_synthetic_docs.py --out sample_docs --count 12 --seed 2026 --sample-set
 
 Writes real PDFs drawn with PyMuPDF (text in the base-14 families, tables of line items, rules,
 boxes, logos made of shapes; 1 to 3 pages) and "scanned" variants as PNG, JPEG or multi-page TIFF
@@ -346,9 +347,48 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--formats", default="pdf,png,jpeg,tiff")
     ap.add_argument("--max-pages", type=int, default=3)
+    ap.add_argument("--sample-set", action="store_true",
+                    help="make sample_docs/: JPEG/TIFF scans, a byte-identical copy and a repeated page")
     a = ap.parse_args()
-    records = generate(a.out, a.count, a.seed, tuple(a.formats.split(",")), a.max_pages)
+    if a.sample_set:
+        records = make_sample_set(a.out, a.seed, a.count)
+    else:
+        records = generate(a.out, a.count, a.seed, tuple(a.formats.split(",")), a.max_pages)
     print(f"wrote {len(records)} documents and truth.jsonl to {a.out}")
+
+
+def make_sample_set(out: str | Path, seed: int = 2026, count: int = 12) -> list[dict]:
+    """sample_docs/: `count` generated documents (PDFs and scans, some multi-page), plus a
+    byte-identical copy of one file and a PDF that repeats a page of another (dedup shows up in
+    the run's figures), with truth.jsonl covering all of them. Scans are JPEG or TIFF to stay small."""
+    out = Path(out)
+    records = generate(out, count, seed, formats=("pdf", "jpeg", "tiff"))
+    first_pdf = next(r for r in records if r["format"] == "pdf")
+    copy = dict(first_pdf, id=first_pdf["id"] + "_copy", file=Path(first_pdf["file"]).stem + "_copy.pdf")
+    (out / copy["file"]).write_bytes((out / first_pdf["file"]).read_bytes())
+    # a cover letter followed by page 1 of another document: the same page in two files
+    src = next(r for r in records if r["format"] == "pdf" and r is not first_pdf)
+    combined = pymupdf.open()
+    cover = combined.new_page(width=595, height=842)
+    cover.insert_text((72, 100), "Cover letter", fontname="hebo", fontsize=16)
+    cover.insert_text((72, 130), f"Please find attached document {src['id']}.", fontname="helv", fontsize=11)
+    with pymupdf.open(out / src["file"]) as s:
+        combined.insert_pdf(s, from_page=0, to_page=0)
+    name = Path(src["file"]).stem + "_with_cover.pdf"
+    combined.set_metadata({"producer": "docproc synthetic", "creator": "docproc", "title": name})
+    (out / name).write_bytes(combined.tobytes(garbage=3, deflate=True, no_new_id=True))
+    records += [copy, dict(src, id=src["id"] + "_with_cover", file=name, pages=2)]
+    # a scanned, multi-page TIFF variant of a multi-page PDF
+    multi = next((r for r in records[:count] if r["format"] == "pdf" and r["pages"] > 1), None)
+    if multi is not None:
+        pages = scan_pages((out / multi["file"]).read_bytes(), random.Random(f"docproc-sample-scan:{seed}"))
+        tiff = Path(multi["file"]).stem + "_scan.tiff"
+        pages[0].save(out / tiff, format="TIFF", save_all=True, append_images=pages[1:], compression="tiff_deflate")
+        records.append(dict(multi, id=multi["id"] + "_scan", file=tiff, format="tiff", pages=len(pages)))
+    with open(out / "truth.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    return records
 
 
 if __name__ == "__main__":

@@ -77,3 +77,20 @@ def test_scans_are_images_with_all_pages(corpus):
         img = Image.open(out / r["file"])
         assert getattr(img, "n_frames", 1) == r["pages"]
         assert img.size[0] > 200
+
+
+def test_sample_docs_are_complete_and_small():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "sample_docs"
+    truth = [json.loads(x) for x in (root / "truth.jsonl").read_text().splitlines()]
+    files = {r["file"] for r in truth}
+    assert len(truth) >= 12 and all((root / f).is_file() for f in files)
+    assert {r["format"] for r in truth} >= {"pdf", "jpeg", "tiff"}
+    assert any(r["pages"] > 1 for r in truth)
+    blobs = [(root / f).read_bytes() for f in sorted(files)]
+    assert len(set(blobs)) < len(blobs)  # two byte-identical files
+    assert sum(p.stat().st_size for p in root.iterdir()) <= 5 * 1024 * 1024
+    # the default query set shipped beside them is the bundled one
+    bundled = root.parent / "docproc" / "assets" / "queries" / "default.toml"
+    assert (root / "queries.toml").read_text() == bundled.read_text()

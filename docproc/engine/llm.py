@@ -149,15 +149,16 @@ class LLM:
     # ---- internals -------------------------------------------------------------------------
     def _make_sequence(self, prompt: PromptType, sp: SamplingParams, request_id: str) -> Sequence:
         if isinstance(prompt, str):
-            text, token_ids, images = prompt, None, []
+            text, token_ids, images, uuids = prompt, None, [], None
         elif isinstance(prompt, dict):
             text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
             images = (prompt.get("multi_modal_data") or {}).get("image", [])
             if not isinstance(images, (list, tuple)):
                 images = [images]
+            uuids = (prompt.get("multi_modal_uuids") or {}).get("image")
         else:
             raise PromptError(f"a prompt must be a string or a dict, got {type(prompt).__name__}")
-        ids, spans, loaded = self.processor.process(text, token_ids, list(images))
+        ids, spans, loaded = self.processor.process(text, token_ids, list(images), uuids)
         if len(ids) >= self.max_model_len:
             raise PromptError(
                 f"prompt is {len(ids)} tokens (images expanded) but max_model_len is {self.max_model_len}: "

@@ -23,7 +23,7 @@ log = logging.getLogger("docproc.engine")
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
           "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
-CPU_KV_BYTES_DEFAULT = 2 << 30
+CPU_KV_BYTES_DEFAULT = 512 << 20
 
 
 def resolve_device(device: str) -> torch.device:
@@ -90,7 +90,7 @@ class ModelRunner:
             budget = cache.kv_cache_memory_bytes
         elif self.device.type == "cuda":
             budget = self._profile_cuda_budget()
-        else:  # CPU: enough for max_num_seqs full-length sequences, at most 2 GiB
+        else:  # CPU: enough for max_num_seqs full-length sequences, at most 512 MiB
             max_len = self.config.max_model_len or self.text_config.max_position_embeddings
             budget = min(CPU_KV_BYTES_DEFAULT, self.config.max_num_seqs * max_len * self.kv_cache.bytes_per_token)
         n = self.kv_cache.num_blocks_for_bytes(budget)

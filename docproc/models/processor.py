@@ -31,7 +31,9 @@ class LoadedImage:
     content_hash: str
 
 
-def load_image(obj) -> LoadedImage:
+def load_image(obj, content_hash: str | None = None) -> LoadedImage:
+    """Decode an image; content_hash, when the caller already has one (a page's SHA-256), replaces
+    hashing the pixels."""
     try:
         if isinstance(obj, LoadedImage):
             return obj
@@ -48,6 +50,8 @@ def load_image(obj) -> LoadedImage:
         raise PromptError(f"cannot read image: {e}") from None
     if img.mode != "RGB":
         img = img.convert("RGB")
+    if content_hash is not None:
+        return LoadedImage(img, str(content_hash))
     h = hashlib.sha256(b"%dx%d:" % img.size)
     h.update(img.tobytes())
     return LoadedImage(img, h.hexdigest())
@@ -91,8 +95,8 @@ class Processor:
         out = self.image_processor(images=images, return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"]
 
-    def process(self, prompt: str | None, prompt_token_ids: list[int] | None, images: list) -> tuple[
-            list[int], list[ImageSpan], list[LoadedImage]]:
+    def process(self, prompt: str | None, prompt_token_ids: list[int] | None, images: list,
+                uuids: list[str] | None = None) -> tuple[list[int], list[ImageSpan], list[LoadedImage]]:
         if prompt_token_ids is None:
             if not isinstance(prompt, str):
                 raise PromptError(f"prompt must be a string, got {type(prompt).__name__}")
@@ -104,7 +108,9 @@ class Processor:
                 f"the prompt has {len(pads)} {IMAGE_PAD} placeholder(s) but {len(images)} image(s) were given: "
                 f"put one {IMAGE_PAD} per image"
             )
-        loaded = [load_image(im) for im in images]
+        if uuids is not None and len(uuids) != len(images):
+            raise PromptError(f"{len(uuids)} multi_modal_uuids for {len(images)} images: give one per image")
+        loaded = [load_image(im, None if uuids is None else uuids[i]) for i, im in enumerate(images)]
         out: list[int] = []
         spans: list[ImageSpan] = []
         prev = 0

@@ -1,0 +1,3 @@
+from docproc.cli import main
+
+main()

@@ -1,0 +1,251 @@
+"""The docproc command line (thin: parsing and display; the work is in docproc.pipeline).
+
+Exit codes: 0 success, 1 finished but some documents failed, 2 usage error, 75 another run holds
+the output folder's lock.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Extract structured data from folders of PDFs and images with vision-language models.")
+out_console = Console()
+err_console = Console(stderr=True)
+
+EXIT_OK, EXIT_FAILURES, EXIT_USAGE, EXIT_LOCKED = 0, 1, 2, 75
+
+
+def bundled_model(name: str) -> Path:
+    return Path(__file__).parent / "assets" / "models" / name
+
+
+def parse_formats(value: str) -> tuple[str, ...]:
+    """'json,parquet' -> ('json', 'parquet'); raises BadParameter on anything else."""
+    items = tuple(dict.fromkeys(x.strip().lower() for x in value.split(",") if x.strip()))
+    if not items or set(items) - {"json", "parquet"}:
+        raise typer.BadParameter(f"expected json, parquet or json,parquet; got {value!r}")
+    return items
+
+
+def resolve_model(model: Optional[str]) -> str:
+    if model:
+        return model
+    default = bundled_model("target")
+    if not (default / "config.json").is_file():
+        raise typer.BadParameter(
+            f"no --model given and the bundled default model is not installed ({default}): pass --model DIR "
+            f"(a local Qwen2-VL or Qwen2.5-VL checkpoint folder)", param_hint="--model")
+    return str(default)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+    return str(v)
+
+
+@app.command()
+def run(
+    inputs: list[Path] = typer.Argument(..., help="Files or folders (searched recursively)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Output folder (results.parquet, json/, runs/)."),
+    queries: Optional[Path] = typer.Option(None, help="Query set (TOML). Default: the bundled invoice/receipt set."),
+    model: Optional[str] = typer.Option(None, help="Model folder. Default: the bundled target model."),
+    kv_cache: str = typer.Option("auto", "--kv-cache", help="KV cache format: auto, bf16, fp16, fp32 or fp4."),
+    device: str = typer.Option("auto", help="auto, cpu or cuda."),
+    dpi: int = typer.Option(120, help="PDF render resolution (lowered per page to fit the pixel cap)."),
+    max_pages: Optional[int] = typer.Option(None, "--max-pages", help="Read at most this many pages per document."),
+    format: str = typer.Option("json,parquet", "--format", help="Outputs: json, parquet or both."),
+    force: bool = typer.Option(False, "--force", help="Redo documents already done with the same settings."),
+    max_num_batched_tokens: int = typer.Option(8192, "--max-num-batched-tokens", help="Engine token budget per step."),
+    gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization", help="Share of GPU memory to use."),
+    batch_pages: int = typer.Option(32, "--batch-pages", help="Pages per engine batch (bounds memory)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display and no summary."),
+    log_json: bool = typer.Option(False, "--log-json", help="JSON lines (one per document, then the manifest) on stdout."),
+) -> None:
+    """Extract fields from every document under INPUTS into OUT.
+
+    Example: docproc run invoices/ scans/ --out out --kv-cache fp4
+    """
+    from docproc.pipeline.queries import QueryFileError
+    from docproc.pipeline.run import Pipeline, RunSettings
+    from docproc.pipeline.runstore import LockedError
+    from docproc.models.loader import CheckpointError
+
+    try:
+        settings = RunSettings(inputs=[str(p) for p in inputs], out=str(out), model=resolve_model(model),
+                               queries=str(queries) if queries else None, device=device, kv_cache=kv_cache, dpi=dpi,
+                               max_pages=max_pages, formats=parse_formats(format), force=force,
+                               max_num_batched_tokens=max_num_batched_tokens,
+                               gpu_memory_utilization=gpu_memory_utilization, batch_pages=batch_pages)
+    except (ValueError, typer.BadParameter) as e:
+        err_console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(EXIT_USAGE)
+    reporter = _Display(quiet=quiet or log_json, log_json=log_json)
+    try:
+        pipeline = Pipeline(settings, reporter=reporter)
+        manifest = pipeline.run()
+    except LockedError as e:
+        err_console.print(f"[yellow]locked:[/yellow] {e}; exiting")
+        raise typer.Exit(EXIT_LOCKED)
+    except (QueryFileError, CheckpointError, ValueError) as e:
+        err_console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(EXIT_USAGE)
+    finally:
+        reporter.close()
+    if log_json:
+        print(json.dumps({"event": "end", **manifest}), flush=True)
+    elif not quiet:
+        _summary(manifest)
+    raise typer.Exit(manifest["exit_code"])
+
+
+class _Display:
+    """Rich progress on stderr while a run goes (documents, pages, unique pages, tokens/s)."""
+
+    def __init__(self, quiet: bool, log_json: bool) -> None:
+        self.quiet, self.log_json = quiet, log_json
+        self.progress = None
+        self.task = None
+
+    def __call__(self, event: str, data: dict) -> None:
+        if self.log_json and event == "document":
+            print(json.dumps({"event": "document", **data}), flush=True)
+        if self.quiet:
+            return
+        if event == "start":
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.progress = Progress(TextColumn("documents"), BarColumn(), MofNCompleteColumn(),
+                                     TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=err_console,
+                                     transient=True)
+            self.task = self.progress.add_task("run", total=data["files"], info="")
+            self.progress.start()
+        elif event == "document" and self.progress:
+            self.progress.advance(self.task)
+        elif event == "batch" and self.progress:
+            t = data["totals"]
+            tps = t["generated_tokens"] / data["engine_seconds"] if data["engine_seconds"] else 0
+            acc = f"{t['draft_accepted'] / t['draft_proposed']:.0%}" if t["draft_proposed"] else "-"
+            self.progress.update(self.task, info=f"pages {t['pages']} (unique {data['unique_pages']})  "
+                                                 f"{tps:.0f} tok/s  acceptance {acc}")
+
+    def close(self) -> None:
+        if self.progress:
+            self.progress.stop()
+
+
+def _summary(m: dict) -> None:
+    t = m["totals"]
+    out_console.print(f"[bold]docproc run {m['run_id']}[/bold]  {m['seconds']:.1f} s  -> {m['settings']['out']}")
+    table = Table(show_header=False, box=None, pad_edge=False)
+    rows = [
+        ("files", f"{t['files']}  (ok {t['ok']}, partial {t['partial']}, errors {t['errors']}, skipped {t['skipped']}, "
+                  f"already done {t['already_done']})"),
+        ("pages", f"{t['pages']}  (unique {t['unique_pages']}; vision encodes {m['dedup']['vision_encodes']})"),
+        ("requests", f"{t['requests']}  prompt tokens {t['prompt_tokens']} (from cache {t['cached_tokens']})"),
+        ("generated", f"{t['generated_tokens']} tokens, {_fmt(m['tokens_per_second'])} tok/s"),
+        ("draft acceptance", _fmt(m["acceptance_rate"])),
+        ("stages (s)", "  ".join(f"{k} {v}" for k, v in m["stage_seconds"].items())),
+        ("model", f"{m['model']['path']} (text {m['model']['text']}, vision {m['model']['vision']})"),
+        ("kv cache", f"{m['engine'].get('kv_cache_dtype')} on {m['engine'].get('device')}"),
+    ]
+    for k, v in rows:
+        table.add_row(f"[dim]{k}[/dim]", v)
+    out_console.print(table)
+
+
+@app.command()
+def stats(
+    out: Path = typer.Argument(..., help="An output folder of docproc run."),
+    run_id: Optional[str] = typer.Option(None, "--run", help="Show this run instead of the last one."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    limit: int = typer.Option(10, help="How many recent runs to list."),
+) -> None:
+    """Report on the runs in OUT: the last (or --run) run's summary and per-query figures, and a
+    table of recent runs.
+
+    Example: docproc stats out --json
+    """
+    from docproc.pipeline.stats import collect
+
+    try:
+        data = collect(out, run_id, limit)
+    except (FileNotFoundError, KeyError) as e:
+        err_console.print(f"[red]error:[/red] {e.args[0] if e.args else e}")
+        raise typer.Exit(EXIT_USAGE)
+    if as_json:
+        print(json.dumps(data, indent=2))
+        return
+    r = data["run"]
+    out_console.print(f"[bold]run {r['run_id']}[/bold] started {r['started_at']}, {r['seconds']:.1f} s, "
+                      f"exit {r['exit_code']}")
+    out_console.print(f"  documents {r['documents']} (already done {r['already_done']}), pages {r['pages']} "
+                      f"(unique {r['unique_pages']}, vision encodes {r['dedup']['vision_encodes']}), "
+                      f"failures {r['failures']}, partial {r['partial']}, skipped {r['skipped']}")
+    out_console.print(f"  tokens/s {_fmt(r['tokens_per_second'])}, acceptance {_fmt(r['acceptance_rate'])}, "
+                      f"cache hit rate {_fmt(r['cache_hit_rate'])}")
+    out_console.print("  stages (s): " + "  ".join(f"{k} {v}" for k, v in r["stage_seconds"].items()))
+    if data["per_query"]:
+        q = Table(title="per query")
+        for c in ("query", "rows", "answered", "errors", "mean tokens", "acceptance", "mean latency s"):
+            q.add_column(c)
+        for name, v in data["per_query"].items():
+            q.add_row(name, str(v["rows"]), str(v["answered"]), str(v["errors"]), _fmt(v["mean_generated_tokens"]),
+                      _fmt(v["acceptance_rate"]), _fmt(v["mean_latency_s"]))
+        out_console.print(q)
+    t = Table(title="recent runs")
+    cols = ("run_id", "documents", "pages", "unique_pages", "generated_tokens", "tokens_per_second",
+            "acceptance_rate", "cache_hit_rate", "failures", "partial", "seconds")
+    for c in cols:
+        t.add_column(c.replace("_", " "))
+    for row in data["recent_runs"]:
+        t.add_row(*[_fmt(row[c]) for c in cols])
+    out_console.print(t)
+
+
+@app.command("eval")
+def eval_cmd(
+    out: Path = typer.Argument(..., help="An output folder of docproc run."),
+    truth: Path = typer.Option(..., "--truth", help="Ground truth, one JSON record per line (truth.jsonl)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Field exact match and F1 of OUT's answers against --truth (dates and amounts normalised).
+
+    Example: docproc eval out --truth sample_docs/truth.jsonl --json
+    """
+    from docproc.pipeline.evaluate import evaluate
+
+    try:
+        res = evaluate(out, truth)
+    except (FileNotFoundError, json.JSONDecodeError, KeyError) as e:
+        err_console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(EXIT_USAGE)
+    if as_json:
+        print(json.dumps(res, indent=2))
+        return
+    t = Table(title=f"{res['documents']} documents: exact match {res['overall_exact_match']:.1%}, "
+                    f"F1 {res['overall_f1']:.1%}")
+    for c in ("field", "exact match", "F1", "n"):
+        t.add_column(c)
+    for f, v in res["per_field"].items():
+        t.add_row(f, f"{v['exact_match']:.1%}", f"{v['f1']:.1%}", str(v["n"]))
+    for g, v in res["by_format"].items():
+        t.add_row(f"[dim]all fields, {g}[/dim]", f"{v['exact_match']:.1%}", "", str(v["n"]))
+    out_console.print(t)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""`docproc eval`: field exact match and F1 of a run's answers against ground truth (truth.jsonl).
+
+Both sides are normalised by field type before comparing: dates to ISO, amounts to plain
+decimals, strings case- and space-insensitively. F1 is over whitespace tokens of the normalised
+strings (partial credit for a vendor name missing a word). A field whose truth is null counts as
+correct when the answer is empty/none.
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from docproc.pipeline.normalize import normalize_amount, normalize_date, normalize_text
+
+FIELD_TYPES = {"date": "date", "due_date": "date", "total": "number"}
+
+
+def _norm(field: str, value) -> str | None:
+    if value is None:
+        return None
+    kind = FIELD_TYPES.get(field, "string")
+    if kind == "date":
+        return normalize_date(str(value)) or normalize_text(str(value))
+    if kind == "number":
+        return normalize_amount(str(value)) or normalize_text(str(value))
+    return normalize_text(str(value))
+
+
+def _f1(pred: str | None, truth: str | None) -> float:
+    if pred is None or truth is None:
+        return float(pred == truth)
+    p, t = pred.split(), truth.split()
+    common = sum(min(p.count(w), t.count(w)) for w in set(p))
+    if common == 0:
+        return 0.0
+    prec, rec = common / len(p), common / len(t)
+    return 2 * prec * rec / (prec + rec)
+
+
+def evaluate(out: str | Path, truth_file: str | Path) -> dict:
+    out = Path(out)
+    results = out / "results.parquet"
+    if not results.is_file():
+        raise FileNotFoundError(f"{results} does not exist: run `docproc run ... --out {out}` first")
+    table = pq.read_table(results).to_pylist()
+    answers: dict[str, dict[str, str | None]] = defaultdict(dict)
+    for r in table:
+        if r["query"] is not None:
+            answers[Path(r["path"]).name][r["query"]] = r["value"]
+    truth = [json.loads(line) for line in Path(truth_file).read_text().splitlines() if line.strip()]
+    per_field: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    per_group: dict[str, list[float]] = defaultdict(list)
+    missing = []
+    for rec in truth:
+        name = Path(rec["file"]).name
+        if name not in answers:
+            missing.append(rec["file"])
+            continue
+        got = answers[name]
+        group = "pdf" if rec.get("format", "pdf") == "pdf" else "scan"
+        for field, value in rec["fields"].items():
+            if field not in got:
+                continue
+            t, p = _norm(field, value), _norm(field, got[field])
+            em = float(t == p)
+            per_field[field].append((em, _f1(p, t)))
+            per_group[group].append(em)
+    cells = [x for v in per_field.values() for x in v]
+    return {
+        "documents": len(truth) - len(missing),
+        "missing_documents": missing,
+        "overall_exact_match": sum(e for e, _ in cells) / len(cells) if cells else 0.0,
+        "overall_f1": sum(f for _, f in cells) / len(cells) if cells else 0.0,
+        "per_field": {k: {"exact_match": sum(e for e, _ in v) / len(v), "f1": sum(f for _, f in v) / len(v),
+                          "n": len(v)} for k, v in sorted(per_field.items())},
+        "by_format": {k: {"exact_match": sum(v) / len(v), "n": len(v)} for k, v in sorted(per_group.items())},
+    }

@@ -1,0 +1,50 @@
+"""The one Arrow schema of docproc's results: the source of truth for the Parquet table and the
+per-document JSON files.
+
+A row is one document x query. A file that was skipped or failed before any query ran has one row
+with a null query, so every input file has an outcome in the table.
+"""
+from __future__ import annotations
+
+import pyarrow as pa
+
+RESULT_SCHEMA = pa.schema([
+    pa.field("run_id", pa.string(), nullable=False),
+    pa.field("path", pa.string(), nullable=False),  # relative to its input root
+    pa.field("doc_sha256", pa.string()),  # of the file's bytes; null when the file was not read
+    pa.field("doc_status", pa.string(), nullable=False),  # ok | partial | skipped | error
+    pa.field("pages", pa.int32()),  # pages processed (after --max-pages)
+    pa.field("query", pa.string()),
+    pa.field("query_type", pa.string()),
+    pa.field("answer", pa.string()),  # raw model text
+    pa.field("value", pa.string()),  # parsed and normalised (ISO date, plain decimal, sorted JSON)
+    pa.field("status", pa.string(), nullable=False),  # ok | empty | parse_error | error | skipped
+    pa.field("error", pa.string()),
+    pa.field("prompt_tokens", pa.int32()),
+    pa.field("cached_tokens", pa.int32()),
+    pa.field("generated_tokens", pa.int32()),
+    pa.field("draft_proposed", pa.int32()),
+    pa.field("draft_accepted", pa.int32()),
+    pa.field("latency_s", pa.float64()),
+    pa.field("config_fingerprint", pa.string(), nullable=False),
+    pa.field("part", pa.int64(), nullable=False),  # write order: the latest part wins per path
+])
+
+COLUMNS = [f.name for f in RESULT_SCHEMA]
+
+
+def to_table(rows: list[dict]) -> pa.Table:
+    return pa.Table.from_pylist([{c: r.get(c) for c in COLUMNS} for r in rows], schema=RESULT_SCHEMA)
+
+
+def document_json(rows: list[dict]) -> dict:
+    """One document's JSON file, from its rows (same fields and names as the table)."""
+    first = rows[0]
+    doc = {k: first[k] for k in ("run_id", "path", "doc_sha256", "doc_status", "pages", "config_fingerprint")}
+    doc["fields"] = {r["query"]: r["value"] for r in rows if r["query"] is not None}
+    doc["queries"] = [{k: r[k] for k in COLUMNS if k not in doc and k != "part"} for r in rows
+                      if r["query"] is not None]
+    errors = [r["error"] for r in rows if r["error"]]
+    if errors:
+        doc["errors"] = errors
+    return doc

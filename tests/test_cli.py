@@ -1,0 +1,229 @@
+"""The docproc CLI end to end on generated documents and a tiny random model (CPU)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pymupdf
+import pytest
+from PIL import Image
+from typer.testing import CliRunner
+
+from docproc.cli import app
+from docproc.pipeline.runstore import RunStore
+from make_synthetic_docs import generate
+
+runner = CliRunner()
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def docs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("docs")
+    generate(d, 5, seed=11, formats=("pdf", "png"), max_pages=2)
+    (d / "truth.jsonl").rename(d.parent / "truth.jsonl")
+    return d
+
+
+def run_cli(*args):
+    res = runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
+    return res
+
+
+def manifest(out: Path) -> dict:
+    return RunStore(out).manifests()[-1]
+
+
+def rows(out: Path) -> list[dict]:
+    return pq.read_table(out / "results.parquet").to_pylist()
+
+
+def test_full_run_then_incremental_then_force(docs, qwen2_vl_dir, tmp_path):
+    out = tmp_path / "out"
+    res = run_cli("run", docs, "--out", out, "--model", qwen2_vl_dir, "--device", "cpu")
+    assert res.exit_code == 0, res.output
+    assert "pages" in res.output and "unique" in res.output  # the summary
+    m = manifest(out)
+    t = m["totals"]
+    assert t["files"] == 5 and t["documents"] == 5 and t["errors"] == 0
+    assert t["requests"] == 5 * 7 and t["generated_tokens"] > 0
+    assert t["cached_tokens"] > 0  # the 7 queries of a document share its page prefix
+    table = rows(out)
+    assert len(table) == 5 * 7
+    assert len({(r["path"], r["query"]) for r in table}) == len(table)
+    for f in docs.iterdir():
+        doc = json.loads((out / "json" / (f.name + ".json")).read_text())
+        assert set(doc["fields"]) == {"vendor", "invoice_number", "date", "due_date", "currency", "total",
+                                      "all_fields"}
+    assert set(m["stage_seconds"]) >= {"discover", "open_render_hash", "engine", "write"}
+    assert m["peak_memory"]["host_max_rss_bytes"] > 0
+    assert m["model"]["text"] and m["query_set"]["fingerprint"]
+
+    again = run_cli("run", docs, "--out", out, "--model", qwen2_vl_dir, "--device", "cpu")
+    assert again.exit_code == 0
+    m2 = manifest(out)
+    assert m2["totals"]["already_done"] == 5 and m2["totals"]["requests"] == 0
+    assert len(rows(out)) == 5 * 7
+
+    forced = run_cli("run", docs, "--out", out, "--model", qwen2_vl_dir, "--device", "cpu", "--force")
+    assert forced.exit_code == 0
+    m3 = manifest(out)
+    assert m3["totals"]["documents"] == 5 and m3["totals"]["requests"] == 35
+    table3 = rows(out)
+    assert len(table3) == 35 and {r["run_id"] for r in table3} == {m3["run_id"]}
+    # greedy decoding: the redo gives the same answers
+    assert sorted((r["path"], r["query"], r["answer"]) for r in table3) == \
+        sorted((r["path"], r["query"], r["answer"]) for r in table)
+
+    stats = run_cli("stats", out, "--json")
+    assert stats.exit_code == 0
+    data = json.loads(stats.output)
+    assert data["run"]["run_id"] == m3["run_id"] and len(data["recent_runs"]) == 3
+    assert set(data["per_query"]) == {"vendor", "invoice_number", "date", "due_date", "currency", "total",
+                                      "all_fields"}
+    first = run_cli("stats", out, "--run", m["run_id"], "--json")
+    assert json.loads(first.output)["run"]["documents"] == 5
+    human = run_cli("stats", out)
+    assert human.exit_code == 0 and "recent runs" in human.output
+    assert run_cli("stats", out, "--run", "nope").exit_code == 2
+
+    ev = run_cli("eval", out, "--truth", docs.parent / "truth.jsonl", "--json")
+    assert ev.exit_code == 0
+    res_eval = json.loads(ev.output)
+    assert 0.0 <= res_eval["overall_exact_match"] <= 1.0 and res_eval["documents"] == 5
+
+
+def test_second_run_on_a_locked_folder_exits_75(docs, qwen2_vl_dir, tmp_path):
+    out = tmp_path / "locked"
+    holder = RunStore(out)
+    holder.lock()
+    try:
+        res = run_cli("run", docs, "--out", out, "--model", qwen2_vl_dir, "--device", "cpu")
+        assert res.exit_code == 75
+    finally:
+        holder.unlock()
+
+
+def test_usage_errors_exit_2(docs, qwen2_vl_dir, tmp_path):
+    assert run_cli("run", docs, "--out", tmp_path / "o", "--model", qwen2_vl_dir, "--format", "xml").exit_code == 2
+    assert run_cli("run", docs, "--out", tmp_path / "o", "--model", tmp_path / "missing").exit_code == 2
+    bad = tmp_path / "q.toml"
+    bad.write_text("[[query]]\nname = 'x'\n")
+    assert run_cli("run", docs, "--out", tmp_path / "o", "--model", qwen2_vl_dir, "--queries", bad).exit_code == 2
+    assert run_cli("run", "--out", tmp_path / "o").exit_code == 2  # no inputs
+
+
+def broken_corpus(root: Path, outside: Path) -> int:
+    """Broken and odd files; returns the number of files (each must get one outcome)."""
+    good = pymupdf.open()
+    page = good.new_page()
+    page.insert_text((72, 72), "Invoice INV-1 total 12.50 EUR")
+    pdf = good.tobytes()
+    (root / "nested" / "deeper").mkdir(parents=True)
+    (root / "truncated.pdf").write_bytes(pdf[: len(pdf) // 3])
+    (root / "random.pdf").write_bytes(os.urandom(3000))
+    enc = pymupdf.open()
+    enc.new_page().insert_text((72, 72), "secret")
+    enc.save(root / "encrypted.pdf", encryption=pymupdf.PDF_ENCRYPT_AES_256, user_pw="pw", owner_pw="pw")
+    (root / "empty.pdf").write_bytes(b"")
+    Image.new("1", (20000, 20000)).save(root / "bomb.png")  # 400 Mpx in a few kB
+    (root / "text.jpg").write_text("this is not a jpeg")
+    (root / "notes.txt").write_text("not a document type")
+    outside.mkdir(exist_ok=True)
+    (outside / "secret.png").write_bytes(b"\x89PNG")
+    os.symlink(outside / "secret.png", root / "link_out.png")
+    (root / "façture_ü 名前.pdf").write_bytes(pdf)
+    Image.new("RGB", (300, 200), "white").save(root / "nested" / "deeper" / "scan.png")
+    return 10
+
+
+def test_broken_and_odd_files_give_one_outcome_each_and_no_traceback(qwen2_vl_dir, tmp_path):
+    root = tmp_path / "in"
+    root.mkdir()
+    n = broken_corpus(root, tmp_path / "outside")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "docproc", "run", str(root), "--out", str(out), "--model",
+                           str(qwen2_vl_dir), "--device", "cpu", "--quiet"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=600)
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert proc.returncode == 1  # finished, some documents failed
+    table = rows(out)
+    outcomes = {}
+    for r in table:
+        outcomes.setdefault(r["path"], set()).add((r["doc_status"], r["error"] if r["query"] is None else None))
+    assert len(outcomes) == n
+    status = {p: next(iter(s))[0] for p, s in outcomes.items()}
+    reason = {p: next(iter(s))[1] for p, s in outcomes.items()}
+    assert status["random.pdf"] == "error" and "PDF" in reason["random.pdf"]
+    assert status["encrypted.pdf"] == "error" and "password" in reason["encrypted.pdf"]
+    assert status["empty.pdf"] == "error" and "empty" in reason["empty.pdf"]
+    assert status["bomb.png"] == "error" and ("bomb" in reason["bomb.png"] or "cap" in reason["bomb.png"])
+    assert status["text.jpg"] == "error"
+    assert status["notes.txt"] == "skipped"
+    assert status["link_out.png"] == "skipped" and "outside" in reason["link_out.png"]
+    assert status["façture_ü 名前.pdf"] in ("ok", "partial")
+    assert status[str(Path("nested") / "deeper" / "scan.png")] in ("ok", "partial")
+    assert status["truncated.pdf"] in ("ok", "partial", "error")  # MuPDF may repair it; either way one row
+    for p, s in outcomes.items():
+        if status[p] in ("ok", "partial"):
+            assert len([r for r in table if r["path"] == p]) == 7
+        else:
+            assert len([r for r in table if r["path"] == p]) == 1
+    # nothing was written outside the output folder
+    assert not any((tmp_path / "outside").glob("*.json"))
+
+
+def test_dedup_encodes_each_unique_page_once(qwen2_vl_dir, tmp_path):
+    root = tmp_path / "in"
+    root.mkdir()
+    page = Image.new("RGB", (400, 300), "white")
+    for x in range(0, 400, 40):
+        page.paste((x % 255, 30, 90), (x, 100, x + 20, 140))
+    page.save(root / "a.png")
+    shutil.copy(root / "a.png", root / "a_copy.png")  # byte-identical file
+    other = Image.new("RGB", (400, 300), (200, 220, 240))
+    other.save(root / "b.png")
+    pdf = pymupdf.open()
+    for _ in range(3):  # three identical pages in one PDF
+        pdf.new_page(width=300, height=200).insert_text((20, 50), "same page")
+    pdf.save(root / "repeat.pdf")
+    out = tmp_path / "out"
+    res = run_cli("run", root, "--out", out, "--model", qwen2_vl_dir, "--device", "cpu")
+    assert res.exit_code == 0, res.output
+    m = manifest(out)
+    assert m["dedup"]["pages"] == 6
+    assert m["dedup"]["unique_pages"] == 3 < m["dedup"]["pages"]
+    assert m["dedup"]["vision_encodes"] == 3  # the vision tower ran once per unique page
+    a, a_copy = [[r for r in rows(out) if r["path"] == p] for p in ("a.png", "a_copy.png")]
+    assert [r["answer"] for r in a] == [r["answer"] for r in a_copy]
+
+
+def test_sigkill_mid_run_then_rerun_gives_the_clean_rows(docs, qwen2_vl_dir, tmp_path):
+    clean = tmp_path / "clean"
+    assert run_cli("run", docs, "--out", clean, "--model", qwen2_vl_dir, "--device", "cpu").exit_code == 0
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "docproc", "run", str(docs), "--out", str(out), "--model", str(qwen2_vl_dir),
+           "--device", "cpu", "--quiet", "--batch-pages", "1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if list((out / "parts").glob("part-*.parquet")) if (out / "parts").is_dir() else []:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    parts = list((out / "parts").glob("part-*.parquet"))
+    assert parts, "the run was killed before it flushed anything"
+    done_before = sum(pq.read_table(p).num_rows for p in parts)
+    assert done_before < 35  # it really was killed mid-way
+    assert run_cli("run", docs, "--out", out, "--model", qwen2_vl_dir, "--device", "cpu").exit_code == 0
+    got = sorted((r["path"], r["query"], r["answer"]) for r in rows(out))
+    want = sorted((r["path"], r["query"], r["answer"]) for r in rows(clean))
+    assert got == want and len(got) == len(set(got)) == 35
