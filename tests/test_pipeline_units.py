@@ -1,0 +1,77 @@
+"""Pure helpers of the pipeline and the CLI."""
+from __future__ import annotations
+
+import pytest
+import typer
+
+from docproc.cli import parse_formats
+from docproc.pipeline.evaluate import _f1, _norm
+from docproc.pipeline.normalize import normalize_amount, normalize_date
+from docproc.pipeline.queries import QueryFileError, build_prompt, load_queries, parse_answer
+from docproc.pipeline.runstore import safe_relpath
+
+
+@pytest.mark.parametrize("text,iso", [("2024-03-01", "2024-03-01"), ("01.03.2024", "2024-03-01"),
+                                      ("March 01, 2024", "2024-03-01"), ("1 Mar 2024", "2024-03-01"),
+                                      ("31/12/2024", "2024-12-31"), ("2024-02-30", None), ("soon", None)])
+def test_normalize_date(text, iso):
+    assert normalize_date(text) == iso
+
+
+@pytest.mark.parametrize("text,value", [("1,234.56", "1234.56"), ("1.234,56", "1234.56"), ("1 234,56", "1234.56"),
+                                        ("EUR 12.5", "12.50"), ("1.000", "1000.00"), ("-3,5", "-3.50"),
+                                        ("n/a", None), ("12-34", None)])
+def test_normalize_amount(text, value):
+    assert normalize_amount(text) == value
+
+
+def test_parse_answer_by_type():
+    assert parse_answer("number", "Total: 1.234,50 EUR") == ("1234.50", None)
+    assert parse_answer("date", "None") == (None, None)
+    assert parse_answer("date", "tomorrow")[1].startswith("not a date")
+    assert parse_answer("json", 'here {"b": 1, "a": "x"} done') == ('{"a": "x", "b": 1}', None)
+    assert parse_answer("json", "[1, 2]")[1] == "no JSON object in the answer"
+    assert parse_answer("string", "  Acme Corp ") == ("Acme Corp", None)
+
+
+def test_query_file_errors(tmp_path):
+    qs = load_queries()
+    assert [q.name for q in qs.queries][:2] == ["vendor", "invoice_number"] and len(qs.fingerprint) == 16
+    for body, msg in [("x = 1", "no [[query]]"), ("[[query]]\nname='a'", "needs a name and a question"),
+                      ("[[query]]\nname='a'\nquestion='q'\ntype='int'", "type 'int'"),
+                      ("[[query]]\nname='a'\nquestion='q'\n[[query]]\nname='a'\nquestion='r'", "appears twice"),
+                      ("[[query", "not valid TOML")]:
+        f = tmp_path / "q.toml"
+        f.write_text(body)
+        with pytest.raises(QueryFileError, match=msg.replace("[", r"\[")):
+            load_queries(f)
+    with pytest.raises(QueryFileError, match="does not exist"):
+        load_queries(tmp_path / "none.toml")
+
+
+def test_prompt_has_one_placeholder_per_page():
+    p = build_prompt(3, "What is the total?")
+    assert p.count("<|image_pad|>") == 3 and p.endswith("<|im_start|>assistant\n")
+
+
+def test_parse_formats():
+    assert parse_formats("json,parquet") == ("json", "parquet")
+    assert parse_formats(" parquet ") == ("parquet",)
+    with pytest.raises(typer.BadParameter):
+        parse_formats("csv")
+    with pytest.raises(typer.BadParameter):
+        parse_formats("")
+
+
+def test_safe_relpath_never_leaves_the_folder():
+    assert str(safe_relpath("../../etc/passwd")) == "etc/passwd"
+    assert str(safe_relpath("/abs/x.pdf")) == "abs/x.pdf"
+    assert str(safe_relpath("a/./b.png")) == "a/b.png"
+
+
+def test_eval_normalisation_and_f1():
+    assert _norm("total", "EUR 1.234,50") == _norm("total", "1234.5") == "1234.50"
+    assert _norm("date", "March 1, 2024") == "2024-03-01"
+    assert _norm("vendor", "  ACME  Corp ") == "acme corp"
+    assert _f1("acme corp", "acme corp ltd") == pytest.approx(0.8)
+    assert _f1(None, None) == 1.0 and _f1("x", None) == 0.0
