@@ -95,6 +95,16 @@ def _load_kv_half(base_codes, base_scales, base_oidx, base_oval, hs, cache_ptr, 
 
 
 @triton.jit
+def _tile_rows(kvh, nq, GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A tile's rows: row r is query token r // GROUP of the tile, query head kvh * GROUP + r % GROUP."""
+    r = tl.arange(0, BLOCK_M)
+    t = r // GROUP
+    head = kvh * GROUP + r % GROUP
+    row_ok = (t < nq) & (r < TOKENS * GROUP)
+    return r, t, head, row_ok
+
+
+@triton.jit
 def _paged_attn_kernel(
     # pointers
     q_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
@@ -122,10 +132,7 @@ def _paged_attn_kernel(
     nq = tl.load(tile_nq_ptr + tile)
     pos0 = tl.load(tile_pos_ptr + tile)
 
-    r = tl.arange(0, BLOCK_M)
-    t = r // GROUP
-    head = kvh * GROUP + r % GROUP
-    row_ok = (t < nq) & (r < TOKENS * GROUP)
+    r, t, head, row_ok = _tile_rows(kvh, nq, GROUP, TOKENS, BLOCK_M)
     pos = pos0 + t  # absolute position of each row's query token
     d = tl.arange(0, HALF)
     q_off = (tok0 + t) * sq_t + head * sq_h
@@ -214,10 +221,7 @@ def _combine_kernel(
     kvh = tl.program_id(1)
     tok0 = tl.load(tile_tok_ptr + tile)
     nq = tl.load(tile_nq_ptr + tile)
-    r = tl.arange(0, BLOCK_M)
-    t = r // GROUP
-    head = kvh * GROUP + r % GROUP
-    row_ok = (t < nq) & (r < TOKENS * GROUP)
+    r, t, head, row_ok = _tile_rows(kvh, nq, GROUP, TOKENS, BLOCK_M)
     dd = tl.arange(0, 2 * HALF)
     base0 = (tile * tl.num_programs(1) + kvh) * NUM_SPLITS
     m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
