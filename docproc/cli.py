@@ -45,6 +45,16 @@ def resolve_model(model: Optional[str]) -> str:
     return str(default)
 
 
+def resolve_draft(draft: Optional[str], model: Optional[str]) -> Optional[str]:
+    """--draft none disables; no --draft means the bundled draft with the bundled target, else none."""
+    if draft is not None:
+        return None if draft.lower() == "none" else draft
+    bundled = bundled_model("draft")
+    if model is None and (bundled / "config.json").is_file():
+        return str(bundled)
+    return None
+
+
 def _fmt(v) -> str:
     if v is None:
         return "-"
@@ -59,6 +69,10 @@ def run(
     out: Path = typer.Option(..., "--out", "-o", help="Output folder (results.parquet, json/, runs/)."),
     queries: Optional[Path] = typer.Option(None, help="Query set (TOML). Default: the bundled invoice/receipt set."),
     model: Optional[str] = typer.Option(None, help="Model folder. Default: the bundled target model."),
+    draft: Optional[str] = typer.Option(None, help="Draft model folder for speculative decoding; 'none' disables. "
+                                                   "Default: the bundled draft when the bundled target is used."),
+    spec_k: str = typer.Option("auto", "--spec-k", help="Draft tokens per step: a number, or auto (adaptive)."),
+    draft_vision: str = typer.Option("auto", "--draft-vision", help="auto, own or none (the draft sees text only)."),
     kv_cache: str = typer.Option("auto", "--kv-cache", help="KV cache format: auto, bf16, fp16, fp32 or fp4."),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     dpi: int = typer.Option(120, help="PDF render resolution (lowered per page to fit the pixel cap)."),
@@ -82,6 +96,7 @@ def run(
 
     try:
         settings = RunSettings(inputs=[str(p) for p in inputs], out=str(out), model=resolve_model(model),
+                               draft=resolve_draft(draft, model), spec_k=spec_k, draft_vision=draft_vision,
                                queries=str(queries) if queries else None, device=device, kv_cache=kv_cache, dpi=dpi,
                                max_pages=max_pages, formats=parse_formats(format), force=force,
                                max_num_batched_tokens=max_num_batched_tokens,
@@ -157,6 +172,9 @@ def _summary(m: dict) -> None:
         ("stages (s)", "  ".join(f"{k} {v}" for k, v in m["stage_seconds"].items())),
         ("model", f"{m['model']['path']} (text {m['model']['text']}, vision {m['model']['vision']})"),
         ("kv cache", f"{m['engine'].get('kv_cache_dtype')} on {m['engine'].get('device')}"),
+        ("draft", "none" if not m.get("draft") else
+         f"{m['draft']['draft_model']} (k max {m['draft']['k_max']}{', adaptive' if m['draft']['adaptive'] else ''}; "
+         f"mean accepted {_fmt(m['draft']['mean_accepted_length'])}, bypassed steps {m['draft']['bypassed_steps']})"),
     ]
     for k, v in rows:
         table.add_row(f"[dim]{k}[/dim]", v)

@@ -46,6 +46,11 @@ GEOMETRIES = {
                            num_attention_heads=4, num_key_value_heads=2, mrope_section=[4, 6, 6], rope_theta=10000.0,
                            max_position_embeddings=4096),
                  vision=dict(depth=2, embed_dim=32, num_heads=2, mlp_ratio=2)),
+    # a smaller language model for speculative-decoding tests (head_dim 32)
+    "tiny-draft": dict(text=dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, mrope_section=[4, 6, 6],
+                                 rope_theta=10000.0, max_position_embeddings=4096),
+                       vision=dict(depth=1, embed_dim=32, num_heads=2, mlp_ratio=2)),
     "2b": dict(text=dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                          num_attention_heads=12, num_key_value_heads=2, mrope_section=[16, 24, 24],
                          rope_theta=1000000.0, max_position_embeddings=32768),

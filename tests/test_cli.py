@@ -227,3 +227,18 @@ def test_sigkill_mid_run_then_rerun_gives_the_clean_rows(docs, qwen2_vl_dir, tmp
     got = sorted((r["path"], r["query"], r["answer"]) for r in rows(out))
     want = sorted((r["path"], r["query"], r["answer"]) for r in rows(clean))
     assert got == want and len(got) == len(set(got)) == 35
+
+
+def test_run_with_a_draft_reports_acceptance(docs, qwen2_vl_dir, tmp_path):
+    out = tmp_path / "spec"
+    res = run_cli("run", docs, "--out", out, "--model", qwen2_vl_dir, "--device", "cpu", "--draft", qwen2_vl_dir,
+                  "--spec-k", "3")
+    assert res.exit_code == 0, res.output
+    m = manifest(out)
+    assert m["draft"]["draft_proposed"] > 0 and m["acceptance_rate"] == 1.0  # the draft is the target
+    assert m["totals"]["draft_accepted"] == m["draft"]["draft_accepted"]
+    assert all(r["draft_proposed"] > 0 for r in rows(out) if r["generated_tokens"] > 1)
+    data = json.loads(run_cli("stats", out, "--json").output)
+    assert data["run"]["acceptance_rate"] == 1.0
+    assert all(v["acceptance_rate"] == 1.0 for v in data["per_query"].values())
+    assert run_cli("run", docs, "--out", tmp_path / "x", "--model", qwen2_vl_dir, "--spec-k", "0").exit_code == 2

@@ -10,7 +10,11 @@ from docproc.config import CacheConfig, EngineConfig
 from docproc.engine.block_manager import BlockManager
 from docproc.engine.model_runner import ModelRunner
 from docproc.engine.scheduler import Scheduler
+from docproc.engine.draft import tokenizer_hash
+from docproc.engine.sampler import probabilities
 from docproc.engine.sequence import Sequence
+from docproc.engine.speculative import accept_greedy, accept_sampled
+from docproc.engine.speculator import Chunk, Speculator
 from docproc.models.processor import PromptError
 from docproc.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from docproc.sampling_params import SamplingParams
@@ -34,6 +38,29 @@ def eos_token_ids(folder: str | Path, hf_config, tokenizer) -> set[int]:
     return {int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])}
 
 
+def parse_spec_k(value: int | str) -> tuple[int, bool]:
+    """num_speculative_tokens: a number (fixed K) or "auto" (adaptive, K up to 8)."""
+    if isinstance(value, str):
+        if value == "auto":
+            return 8, True
+        if not value.isdigit():
+            raise ValueError(f"num_speculative_tokens must be a number or 'auto', got {value!r}")
+        value = int(value)
+    if not 1 <= value <= 15:
+        raise ValueError(f"num_speculative_tokens must be between 1 and 15, got {value}")
+    return value, False
+
+
+def check_tokenizers(target: str | Path, draft: str | Path) -> None:
+    """The draft must encode text exactly as the target does; checked before any weights load."""
+    from transformers import AutoTokenizer
+
+    hashes = [tokenizer_hash(AutoTokenizer.from_pretrained(str(p), local_files_only=True)) for p in (target, draft)]
+    if hashes[0] != hashes[1]:
+        raise ValueError(f"draft tokenizer differs from target (vocab hash {hashes[1]} vs {hashes[0]}): "
+                         f"pick a draft trained with the same tokenizer")
+
+
 class LLM:
     def __init__(
         self,
@@ -52,6 +79,9 @@ class LLM:
         kv_cache_memory_bytes: int | None = None,
         num_kv_blocks: int | None = None,
         encoder_cache_entries: int = 256,
+        speculative_model: str | None = None,
+        num_speculative_tokens: int | str = 4,
+        draft_vision: str = "auto",
     ) -> None:
         cache = CacheConfig(kv_cache_dtype=kv_cache_dtype, block_size=block_size,
                             enable_prefix_caching=enable_prefix_caching,
@@ -61,7 +91,30 @@ class LLM:
         self.config = EngineConfig(model=str(model), device=device, dtype=dtype,
                                    max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                    max_model_len=max_model_len, seed=seed, cache=cache)
-        self.runner = ModelRunner(self.config)
+        self.speculator = None
+        draft_runner = None
+        if speculative_model is not None:
+            k_max, adaptive = parse_spec_k(num_speculative_tokens)
+            if draft_vision not in ("auto", "own", "none"):
+                raise ValueError(f"draft_vision must be auto, own or none, got {draft_vision!r}")
+            check_tokenizers(model, speculative_model)  # before any weights load
+            draft_cfg = EngineConfig(model=str(speculative_model), device=device, dtype=dtype,
+                                     max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                     max_model_len=max_model_len, seed=seed + 1, cache=CacheConfig(
+                                         kv_cache_dtype=kv_cache_dtype, block_size=block_size,
+                                         enable_prefix_caching=enable_prefix_caching,
+                                         gpu_memory_utilization=gpu_memory_utilization,
+                                         kv_cache_memory_bytes=kv_cache_memory_bytes,
+                                         encoder_cache_entries=encoder_cache_entries))
+            draft_runner = ModelRunner(draft_cfg, allocate=False)
+        self.runner = ModelRunner(self.config, allocate=draft_runner is None)
+        if draft_runner is not None:
+            # both pools hold the same number of tokens: the budget is split by bytes per token
+            t_bpt, d_bpt = self.runner.kv_cache.bytes_per_token, draft_runner.kv_cache.bytes_per_token
+            self.runner.allocate_kv(share=t_bpt / (t_bpt + d_bpt))
+            draft_runner.allocate_kv(num_blocks=self.runner.kv_cache.num_blocks)
+            self.speculator = Speculator(draft_runner, k_max, adaptive, draft_vision,
+                                         self.runner.hf_config.image_token_id, enable_prefix_caching)
         self.processor = self.runner.processor
         self.tokenizer = self.processor.tokenizer
         limit = self.runner.text_config.max_position_embeddings
@@ -69,7 +122,8 @@ class LLM:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}")
         self.max_model_len = max_model_len or limit
         self.block_manager = BlockManager(self.runner.kv_cache.num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
+                                   lookahead=self.speculator.k_max if self.speculator else 0)
         self.eos_token_ids = eos_token_ids(model, self.runner.hf_config, self.tokenizer)
         self.num_steps = 0
         self.num_step_tokens = 0
@@ -146,6 +200,17 @@ class LLM:
             "dtype": str(self.runner.dtype).removeprefix("torch."),
         }
 
+    def spec_info(self) -> dict | None:
+        """Speculative decoding figures so far (None without a draft)."""
+        if self.speculator is None:
+            return None
+        sp = self.speculator
+        return {**sp.stats.as_dict(), "k_max": sp.k_max, "adaptive": not sp.policy.fixed,
+                "cost_ratio": round(sp.policy.cost_ratio, 4), "draft_vision": sp.vision,
+                "draft_model": sp.runner.config.model,
+                "draft_fingerprint": {"text": sp.runner.model.text_fingerprint,
+                                      "vision": sp.runner.model.vision_fingerprint}}
+
     # ---- internals -------------------------------------------------------------------------
     def _make_sequence(self, prompt: PromptType, sp: SamplingParams, request_id: str) -> Sequence:
         if isinstance(prompt, str):
@@ -178,10 +243,15 @@ class LLM:
             seq.stop_reason = why
             self.scheduler.finish(seq, "error")
             finished.append(seq)
+        if self.speculator is not None:
+            for seq in out.preempted:
+                self.speculator.release(seq)
         if out.is_empty:
             if self.scheduler.has_unfinished and not self.scheduler.running and not out.failed:
                 raise RuntimeError("scheduler made no progress with nothing running: the KV pool is too small")
             return finished
+        if self.speculator is not None:
+            return finished + self._spec_step(out)
         ends = [(s.seq, s.end) for s in out.scheduled]
         result = self.runner.execute(out)
         self.num_steps += 1
@@ -193,14 +263,99 @@ class LLM:
             token = result.tokens.get(seq.seq_id)
             if token is None:
                 continue
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            seq.append_token(token)
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-                seq.finish_time = now
+            if self._append(seq, token, now):
                 finished.append(seq)
+        return finished
+
+    def _append(self, seq: Sequence, token: int, now: float) -> bool:
+        """Append a generated token; finish the sequence if it stops there. True if it finished."""
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.append_token(token)
+        reason = self._stop_reason(seq, token)
+        if reason is None:
+            return False
+        self.scheduler.finish(seq, reason)
+        if self.speculator is not None:
+            self.speculator.release(seq)
+        seq.finish_time = now
+        return True
+
+    def _spec_step(self, out) -> list[Sequence]:
+        """One step with speculation: the draft proposes k tokens for each decoding sequence, the
+        target scores every sequence's window (its last token plus the proposals) and the
+        prefill chunks in one forward, and acceptance keeps the target's distribution."""
+        spec, runner = self.speculator, self.runner
+        work = []
+        for s in out.scheduled:
+            seq = s.seq
+            if s.num_new_tokens == 1 and s.needs_sample:  # decoding
+                k = min(spec.policy.choose(seq.seq_id), seq.max_tokens - seq.num_generated_tokens - 1,
+                        self.max_model_len - len(seq) - 1, self.scheduler.lookahead)
+                if k > 0:
+                    work.append((seq, k))
+                else:
+                    spec.stats.bypassed_steps += 1
+        t_draft = spec.draft_seconds
+        proposals = spec.propose(work)
+        t_draft = spec.draft_seconds - t_draft
+        chunks, meta_rows = [], []
+        for s in out.scheduled:
+            prop = proposals.get(s.seq.seq_id)
+            start = s.seq.num_computed_tokens
+            if prop is not None and prop.tokens:
+                s.seq.token_ids.extend(prop.tokens)  # scored this step, removed again below
+            end = len(s.seq) if prop is not None and prop.tokens else s.end
+            chunks.append(Chunk(s.seq, start, end))
+            meta_rows.append(prop)
+        t0 = time.perf_counter()
+        hidden, meta = runner.forward(chunks)
+        now = time.perf_counter()
+        finished: list[Sequence] = []
+        for i, (c, prop) in enumerate(zip(chunks, meta_rows)):
+            seq = c.seq
+            if prop is not None and prop.tokens:
+                k = len(prop.tokens)
+                del seq.token_ids[-k:]
+                committed_before = seq.draft.num_committed if seq.draft else 0
+                rows = list(range(meta.query_start[i], meta.query_start[i + 1]))
+                logits = runner.logits(hidden, rows)  # (k + 1, V)
+                row = runner.sampling_row(seq)
+                if row.temperature == 0:
+                    emitted, accepted = accept_greedy(logits, prop.tokens)
+                else:
+                    p = probabilities(logits, [row] * (k + 1))
+                    emitted, accepted = accept_sampled(p, prop.probs, prop.tokens,
+                                                       seq.generator or runner.sampler.generator)
+                spec.stats.record(k, accepted)
+                spec.policy.observe(seq.seq_id, k, accepted)
+                seq.draft_proposed += k
+                seq.draft_accepted += accepted
+                spec.after_verify(seq, committed_before, k, accepted)
+                done = False
+                for tok in emitted:  # EOS, stop strings and max_tokens apply inside the run
+                    if self._append(seq, tok, now):
+                        done = True
+                        break
+                if not done:
+                    seq.num_computed_tokens = len(seq) - 1
+                    self.block_manager.truncate(seq, len(seq))
+                else:
+                    finished.append(seq)
+            elif c.end == len(seq):  # prefill finished, or decoding without a draft this step
+                logits = runner.logits(hidden, [meta.query_start[i + 1] - 1])
+                tok = runner.sampler(logits, [runner.sampling_row(seq)]).item()
+                seq.num_computed_tokens = c.end
+                if self._append(seq, tok, now):
+                    finished.append(seq)
+            else:
+                seq.num_computed_tokens = c.end
+        t_target = time.perf_counter() - t0
+        if work:
+            spec.policy.observe_cost(t_draft / max(1, max(k for _, k in work)), t_target)
+        self.num_steps += 1
+        self.num_step_tokens += int(meta.slot_mapping.numel())
+        self.step_seconds += t_target + t_draft
         return finished
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
@@ -237,6 +392,8 @@ class LLM:
             num_images=len(seq.images),
             num_encoded_images=seq.num_encoded_images,
             num_preemptions=seq.num_preemptions,
+            draft_proposed=seq.draft_proposed,
+            draft_accepted=seq.draft_accepted,
             time_to_first_token=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
             total_time=end - seq.arrival_time,
             finish_reason=seq.finish_reason,

@@ -53,7 +53,9 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, allocate: bool = True) -> None:
+        """Loads the weights; with allocate=False the KV pool waits for allocate_kv() (a
+        speculative pair sizes its two pools together)."""
         self.config = config
         self.device = resolve_device(config.device)
         from docproc.models.loader import read_config
@@ -78,7 +80,14 @@ class ModelRunner:
         self.encoder_cache = EncoderCache(config.cache.encoder_cache_entries)
         self.sampler = Sampler(config.seed, self.device)
         self.logits_hook = None  # tests: called with (list[Sequence], logits) at every sampled row
-        self.kv_cache.allocate(self._num_blocks())
+        self.warmup_seconds = 0.0
+        if allocate:
+            self.allocate_kv()
+
+    def allocate_kv(self, share: float = 1.0, num_blocks: int | None = None) -> None:
+        """Allocate the pool: `num_blocks` exactly, or `share` of the memory budget; then compile
+        the attention kernels for every launch shape."""
+        self.kv_cache.allocate(num_blocks if num_blocks is not None else max(1, int(self._num_blocks() * share)))
         self.warmup_seconds = self.backend.warmup(self.kv_cache.layers[0], self.block_size)
 
     # ---- sizing ----------------------------------------------------------------------------
@@ -184,7 +193,7 @@ class ModelRunner:
         return (torch.tensor(ids, dtype=torch.long).to(dev), torch.cat(positions, dim=1).to(dev), meta, rows,
                 embeds)
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+    def sampling_row(self, seq: Sequence) -> SamplingRow:
         sp = seq.sampling
         if sp.seed is not None and seq.generator is None:
             seq.generator = torch.Generator(device=self.device)
@@ -192,20 +201,30 @@ class ModelRunner:
         return SamplingRow(sp.temperature, sp.top_k, sp.top_p, seq.generator)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> StepResult:
-        t0 = time.perf_counter()
-        scheduled = out.scheduled
+    def forward(self, scheduled) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Run the model over scheduled chunks (objects with .seq, .start, .end): stores their K/V
+        and returns the final hidden states (num_tokens, hidden) and the step's metadata."""
         self._image_embeddings([s.seq for s in scheduled if any(
             max(s.start, sp.offset) < min(s.end, sp.end) for sp in s.seq.images)])
         ids, pos, meta, rows, embeds = self._prepare(scheduled)
         hidden = self.model.text(ids, pos, self.kv_cache.layers, meta, self.backend, rows, embeds)
+        return hidden, meta
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        return self.model.text.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        t0 = time.perf_counter()
+        scheduled = out.scheduled
+        hidden, meta = self.forward(scheduled)
         sample = [(i, s.seq) for i, s in enumerate(scheduled) if s.needs_sample]
         tokens: dict[int, int] = {}
         if sample:
-            last_rows = torch.tensor([meta.query_start[i + 1] - 1 for i, _ in sample], device=self.device)
-            logits = self.model.text.compute_logits(hidden[last_rows])  # (num_sampled, vocab) float32
+            logits = self.logits(hidden, [meta.query_start[i + 1] - 1 for i, _ in sample])  # (n, vocab) fp32
             if self.logits_hook is not None:
                 self.logits_hook([seq for _, seq in sample], logits)
-            sampled = self.sampler(logits, [self._sampling_row(seq) for _, seq in sample]).tolist()
+            sampled = self.sampler(logits, [self.sampling_row(seq) for _, seq in sample]).tolist()
             tokens = {seq.seq_id: t for (_, seq), t in zip(sample, sampled)}
-        return StepResult(tokens, len(ids), time.perf_counter() - t0)
+        return StepResult(tokens, int(meta.slot_mapping.numel()), time.perf_counter() - t0)

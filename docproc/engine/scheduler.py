@@ -51,8 +51,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 lookahead: int = 0) -> None:
+        """lookahead: extra slots a decoding sequence gets for a speculative window (its K/V is
+        written during verification and rolled back by length)."""
         self.block_manager = block_manager
+        self.lookahead = lookahead
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -90,14 +94,14 @@ class Scheduler:
                 break
             if seq not in self.running:  # preempted below for an earlier sequence
                 continue
-            while not bm.can_append(seq, len(seq)):
+            while not bm.can_append(seq, len(seq) + self.lookahead):
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             if seq not in self.running:
                 continue
-            bm.append_slots(seq, len(seq))
+            bm.append_slots(seq, len(seq) + self.lookahead)
             out.scheduled.append(ScheduledSeq(seq, 1))
             bm.commit(seq, len(seq))
             budget -= 1

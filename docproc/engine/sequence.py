@@ -71,6 +71,9 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.num_encoded_images = 0
+        self.draft_proposed = 0  # speculative decoding: drafts proposed / accepted for this request
+        self.draft_accepted = 0
+        self.draft = None  # the draft model's view of this sequence (engine/draft.py)
         # Opaque payloads owned by the engine layers above: the decoded images (one per span),
         # the request's sampling parameters and its random generator.
         self.mm_inputs: list = []
@@ -105,16 +108,20 @@ class Sequence:
         self.token_ids.append(token_id)
 
     def block_key(self, block_index: int, block_size: int) -> bytes:
-        """Bytes that identify block `block_index`'s content given everything before it.
+        return block_key(self.token_ids, self.images, block_index, block_size)
 
-        Text tokens are keyed by id. Image-pad tokens all share one id, so a block that overlaps
-        an image also carries the image's content hash and which of its tokens the block holds:
-        the same tokens next to a different image never produce the same key.
-        """
-        start, end = block_index * block_size, (block_index + 1) * block_size
-        key = array("i", self.token_ids[start:end]).tobytes()
-        for im in self.images:
-            if im.offset < end and im.end > start:
-                lo, hi = max(start, im.offset), min(end, im.end)
-                key += b"|img:" + im.content_hash.encode() + b":%d:%d:%d" % (lo - start, lo - im.offset, hi - lo)
-        return key
+
+def block_key(token_ids: list[int], images: list[ImageSpan], block_index: int, block_size: int) -> bytes:
+    """Bytes that identify block `block_index`'s content given everything before it.
+
+    Text tokens are keyed by id. Image-pad tokens all share one id, so a block that overlaps
+    an image also carries the image's content hash and which of its tokens the block holds:
+    the same tokens next to a different image never produce the same key.
+    """
+    start, end = block_index * block_size, (block_index + 1) * block_size
+    key = array("i", token_ids[start:end]).tobytes()
+    for im in images:
+        if im.offset < end and im.end > start:
+            lo, hi = max(start, im.offset), min(end, im.end)
+            key += b"|img:" + im.content_hash.encode() + b":%d:%d:%d" % (lo - start, lo - im.offset, hi - lo)
+    return key

@@ -44,6 +44,9 @@ class RunSettings:
     batch_pages: int = 32  # pages per engine batch: bounds memory
     max_image_tokens: int = 16384  # per prompt; more pages are split into windows
     seed: int = 0
+    draft: str | None = None  # speculative decoding: the draft model folder
+    spec_k: str = "auto"  # a number or "auto"
+    draft_vision: str = "auto"
 
     def __post_init__(self) -> None:
         bad = set(self.formats) - {"json", "parquet"}
@@ -53,6 +56,10 @@ class RunSettings:
             raise ValueError(f"--dpi must be between 10 and 1200, got {self.dpi}")
         if self.max_pages is not None and self.max_pages < 1:
             raise ValueError(f"--max-pages must be >= 1, got {self.max_pages}")
+        if self.draft_vision not in ("auto", "own", "none"):
+            raise ValueError(f"--draft-vision must be auto, own or none, got {self.draft_vision}")
+        if self.spec_k != "auto" and not (self.spec_k.isdigit() and 1 <= int(self.spec_k) <= 15):
+            raise ValueError(f"--spec-k must be a number from 1 to 15 or auto, got {self.spec_k}")
         if self.kv_cache not in ("auto", "bf16", "fp16", "fp32", "fp4"):
             raise ValueError(f"--kv-cache must be auto, bf16, fp16, fp32 or fp4, got {self.kv_cache}")
 
@@ -120,7 +127,9 @@ class Pipeline:
             t0 = time.perf_counter()
             self.llm = LLM(self.s.model, device=self.s.device, kv_cache_dtype=self.s.kv_cache,
                            max_num_batched_tokens=self.s.max_num_batched_tokens,
-                           gpu_memory_utilization=self.s.gpu_memory_utilization, seed=self.s.seed)
+                           gpu_memory_utilization=self.s.gpu_memory_utilization, seed=self.s.seed,
+                           speculative_model=self.s.draft, num_speculative_tokens=self.s.spec_k,
+                           draft_vision=self.s.draft_vision)
             self.stage_seconds["load_model"] += time.perf_counter() - t0
         return self.llm
 
@@ -130,7 +139,10 @@ class Pipeline:
 
     def config_fingerprint(self) -> str:
         info = self._engine().cache_info()
-        payload = {"queries": self.queries.fingerprint, "model": self.model_fingerprint(), "draft": None,
+        spec = self._engine().spec_info()
+        # greedy speculation is lossless, but sampled output depends on the draft: fingerprint it
+        draft = spec["draft_fingerprint"] if spec else None
+        payload = {"queries": self.queries.fingerprint, "model": self.model_fingerprint(), "draft": draft,
                    "dpi": self.s.dpi, "max_pages": self.s.max_pages, "kv_cache": info["kv_cache_dtype"],
                    "dtype": info["dtype"], "max_image_tokens": self.s.max_image_tokens, "prompt": PROMPT_VERSION}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
@@ -335,7 +347,8 @@ class Pipeline:
             "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self.s).items()},
             "query_set": {"name": self.queries.name, "fingerprint": self.queries.fingerprint,
                           "queries": [q.name for q in self.queries.queries], "source": self.queries.source},
-            "model": {"path": self.s.model, **self.model_fingerprint()}, "draft": None,
+            "model": {"path": self.s.model, **self.model_fingerprint()},
+            "draft": self.llm.spec_info() if self.llm is not None else None,
             "config_fingerprint": cfg,
             "totals": asdict(t),
             "tokens_per_second": round(t.generated_tokens / self.stage_seconds["engine"], 2)

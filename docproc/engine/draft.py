@@ -1,0 +1,83 @@
+"""The draft model's side of speculative decoding (no torch): its view of each sequence and the
+tokenizer agreement check.
+
+A DraftView is what the draft's block manager and runner see of a Sequence: the draft's own
+prompt (the target's, or the target's without image pads when the draft gets no vision), the
+generated tokens, the proposals of the current step, and the draft's own block table and computed
+length -- so rollback after rejected proposals is a length change in the draft's cache too.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+
+from docproc.engine.sequence import ImageSpan, Sequence, block_key
+
+
+class DraftView:
+    def __init__(self, seq: Sequence, prompt_ids: list[int], images: list[ImageSpan], mm_inputs: list) -> None:
+        self.seq = seq
+        self.prompt_ids = prompt_ids
+        self.images = images
+        self.mm_inputs = mm_inputs
+        self.proposals: list[int] = []
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.num_encoded_images = 0
+
+    # what BlockManager and ModelRunner read
+    @property
+    def seq_id(self) -> int:
+        return self.seq.seq_id
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.seq.num_preemptions
+
+    @property
+    def sampling(self):
+        return self.seq.sampling
+
+    @property
+    def generator(self):
+        return self.seq.generator
+
+    @generator.setter
+    def generator(self, g) -> None:
+        self.seq.generator = g
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.seq.generated_token_ids + self.proposals
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + self.seq.num_generated_tokens + len(self.proposals)
+
+    @property
+    def num_committed(self) -> int:
+        """Tokens that are part of the sequence (not proposals)."""
+        return len(self.prompt_ids) + self.seq.num_generated_tokens
+
+    def block_key(self, block_index: int, block_size: int) -> bytes:
+        return block_key(self.token_ids, self.images, block_index, block_size)
+
+
+def draft_prompt(seq: Sequence, mode: str, image_token_id: int) -> tuple[list[int], list[ImageSpan], list]:
+    """The draft's prompt: the target's ("own"/"auto" vision), or with every image's pad tokens
+    dropped ("none": the draft sees only the text)."""
+    prompt = seq.token_ids[: seq.num_prompt_tokens]
+    if mode != "none" or not seq.images:
+        return list(prompt), list(seq.images), list(seq.mm_inputs)
+    keep = [t for i, t in enumerate(prompt) if not any(im.offset <= i < im.end for im in seq.images)]
+    return keep, [], []
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """Vocabulary and special tokens, hashed: two tokenizers with the same hash encode alike."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    specials = sorted(str(t) for t in tokenizer.all_special_tokens)
+    added = sorted((str(k), v) for k, v in tokenizer.get_added_vocab().items())
+    payload = json.dumps({"vocab": vocab, "special": specials, "added": added}, ensure_ascii=False)
+    return hashlib.sha256(payload.encode()).hexdigest()[:12]

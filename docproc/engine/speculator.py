@@ -1,0 +1,117 @@
+"""The draft side of a speculative step: keep the draft's cache in step with each sequence, and
+propose up to K tokens per decoding sequence (K forward passes of the draft, batched over
+sequences). Verification and acceptance happen in LLM._spec_step with the target's logits."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from docproc.engine.block_manager import BlockManager
+from docproc.engine.draft import DraftView, draft_prompt
+from docproc.engine.model_runner import ModelRunner
+from docproc.engine.sampler import probabilities
+from docproc.engine.sequence import Sequence
+from docproc.engine.speculative import AdaptiveK, SpecStats
+
+
+@dataclass
+class Chunk:
+    """A run of tokens of a (draft) sequence to compute: what ModelRunner.forward takes."""
+
+    seq: object
+    start: int
+    end: int
+
+    @property
+    def num_new_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    probs: torch.Tensor | None  # (k, V) draft distributions the tokens were drawn from; None if greedy
+
+
+class Speculator:
+    def __init__(self, runner: ModelRunner, k_max: int, adaptive: bool, vision: str, image_token_id: int,
+                 enable_prefix_caching: bool) -> None:
+        self.runner = runner
+        self.k_max = k_max
+        self.vision = vision
+        self.image_token_id = image_token_id
+        self.block_manager = BlockManager(runner.kv_cache.num_blocks, runner.block_size, enable_prefix_caching)
+        self.policy = AdaptiveK(k_max, fixed=not adaptive)
+        self.stats = SpecStats()
+        self.draft_seconds = 0.0
+
+    def view(self, seq: Sequence) -> DraftView:
+        if seq.draft is None:
+            prompt, images, mm = draft_prompt(seq, self.vision, self.image_token_id)
+            seq.draft = DraftView(seq, prompt, images, mm)
+        return seq.draft
+
+    def release(self, seq: Sequence) -> None:
+        """Free the draft's blocks (finished or preempted sequence)."""
+        if seq.draft is not None and seq.draft.block_table:
+            self.block_manager.deallocate(seq.draft)
+        seq.draft = None
+        self.policy.forget(seq.seq_id)
+
+    def _reserve(self, v: DraftView, k: int) -> bool:
+        bm = self.block_manager
+        v.proposals = []
+        if not v.block_table:
+            if not bm.can_allocate(v):
+                return False
+            bm.allocate(v)  # prefix hits in the draft's own cache
+        if not bm.can_append(v, v.num_committed + k):
+            return False
+        bm.append_slots(v, v.num_committed + k)
+        return True
+
+    @torch.inference_mode()
+    def propose(self, work: list[tuple[Sequence, int]]) -> dict[int, Proposal]:
+        """Up to k proposals for each (sequence, k); sequences whose draft cache has no room get none."""
+        t0 = time.perf_counter()
+        active = [(seq, self.view(seq), k) for seq, k in work if k > 0]
+        active = [(seq, v, k) for seq, v, k in active if self._reserve(v, k)]
+        out = {seq.seq_id: Proposal([], None) for seq, _, _ in active}
+        probs: dict[int, list[torch.Tensor]] = {seq.seq_id: [] for seq, _, _ in active}
+        runner = self.runner
+        for r in range(max((k for _, _, k in active), default=0)):
+            live = [(seq, v) for seq, v, k in active if k > r]
+            chunks = [Chunk(v, v.num_computed_tokens, len(v)) for _, v in live]
+            hidden, meta = runner.forward(chunks)
+            logits = runner.logits(hidden, [meta.query_start[i + 1] - 1 for i in range(len(live))])
+            rows = [runner.sampling_row(v) for _, v in live]
+            if all(row.temperature == 0 for row in rows):
+                tokens = logits.argmax(-1).tolist()
+                p = None
+            else:
+                p = probabilities(logits, rows)
+                e = runner.sampler.exponential(rows, logits.shape[-1], logits.device)
+                tokens = (p / e).argmax(-1).tolist()
+            for i, ((seq, v), tok) in enumerate(zip(live, tokens)):
+                v.num_computed_tokens = len(v)
+                v.proposals.append(tok)
+                out[seq.seq_id].tokens.append(tok)
+                if p is not None:
+                    probs[seq.seq_id].append(p[i])
+        for sid, ps in probs.items():
+            if ps:
+                out[sid].probs = torch.stack(ps)
+        self.draft_seconds += time.perf_counter() - t0
+        return out
+
+    def after_verify(self, seq: Sequence, committed_before: int, k: int, accepted: int) -> None:
+        """Roll the draft back to what is still valid: its K/V covers the committed tokens and the
+        first k - 1 proposals, of which the first `accepted` matched."""
+        v = seq.draft
+        if v is None:
+            return
+        v.proposals = []
+        v.num_computed_tokens = min(v.num_computed_tokens, committed_before + min(k - 1, accepted))
+        self.block_manager.truncate(v, v.num_computed_tokens)

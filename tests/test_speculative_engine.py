@@ -1,0 +1,123 @@
+"""Speculative decoding in the engine (CPU, float32): lossless against plain decoding."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from docproc import LLM, SamplingParams
+
+IMG = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    from random_models import make_model
+
+    return make_model(tmp_path_factory.mktemp("draft"), geometry="tiny-draft", seed=3)
+
+
+def page(seed, w=120, h=90):
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def reqs():
+    shared = page(1)
+    q = ["What is the vendor?", "What is the total?", "Invoice number?", "Due date?"]
+    return ([{"prompt": "<|im_start|>user\n" + IMG + x, "multi_modal_data": {"image": [shared]}} for x in q]
+            + [{"prompt": "<|im_start|>user\nthe quick brown fox"},
+               {"prompt": "<|im_start|>user\n" + IMG + IMG + "both", "multi_modal_data": {"image": [page(2), page(3)]}}])
+
+
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+def tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def plain(qwen2_vl_dir):
+    return tokens(LLM(str(qwen2_vl_dir), device="cpu", max_num_batched_tokens=16).generate(reqs(), GREEDY))
+
+
+@pytest.mark.parametrize("k", [1, 4, "auto"])
+def test_random_draft_is_lossless_with_chunked_prefill_and_prefix_hits(qwen2_vl_dir, draft_dir, plain, k):
+    llm = LLM(str(qwen2_vl_dir), device="cpu", max_num_batched_tokens=16, speculative_model=str(draft_dir),
+              num_speculative_tokens=k)
+    outs = llm.generate(reqs(), GREEDY)
+    assert tokens(outs) == plain
+    assert any(o.metrics.num_cached_tokens > 0 for o in outs)
+    info = llm.spec_info()
+    if k != "auto":
+        assert info["draft_proposed"] > 0
+    assert sum(o.metrics.draft_proposed for o in outs) == info["draft_proposed"]
+    assert sum(o.metrics.draft_accepted for o in outs) == info["draft_accepted"]
+    assert all(b.ref_count == 0 for b in llm.speculator.block_manager.blocks)
+
+
+def test_draft_equal_to_target_accepts_everything(qwen2_vl_dir, plain):
+    llm = LLM(str(qwen2_vl_dir), device="cpu", max_num_batched_tokens=16, speculative_model=str(qwen2_vl_dir),
+              num_speculative_tokens=4)
+    outs = llm.generate(reqs(), GREEDY)
+    assert tokens(outs) == plain
+    info = llm.spec_info()
+    assert info["acceptance_rate"] == 1.0 and info["draft_proposed"] > 0
+    # 24 tokens at K=4 take ceil(24 / 5) verifications (the first token comes from the prefill)
+    assert max(info["accepted_length_histogram"]) == 4
+
+
+def test_draft_without_vision_is_lossless(qwen2_vl_dir, draft_dir, plain):
+    llm = LLM(str(qwen2_vl_dir), device="cpu", max_num_batched_tokens=16, speculative_model=str(draft_dir),
+              num_speculative_tokens=3, draft_vision="none")
+    assert tokens(llm.generate(reqs(), GREEDY)) == plain
+    assert llm.speculator.runner.encoder_cache.stats.num_encoded_images == 0
+
+
+def test_speculation_with_fp4_kv_is_lossless_relative_to_plain_fp4(qwen2_vl_dir, draft_dir):
+    plain4 = LLM(str(qwen2_vl_dir), device="cpu", kv_cache_dtype="fp4").generate(reqs(), GREEDY)
+    spec4 = LLM(str(qwen2_vl_dir), device="cpu", kv_cache_dtype="fp4", speculative_model=str(qwen2_vl_dir),
+                num_speculative_tokens=4).generate(reqs(), GREEDY)
+    assert tokens(spec4) == tokens(plain4)
+    spec4r = LLM(str(qwen2_vl_dir), device="cpu", kv_cache_dtype="fp4", speculative_model=str(draft_dir),
+                 num_speculative_tokens=2).generate(reqs(), GREEDY)
+    assert tokens(spec4r) == tokens(plain4)
+
+
+def test_stops_and_max_tokens_inside_an_accepted_run(qwen2_vl_dir):
+    llm = LLM(str(qwen2_vl_dir), device="cpu", speculative_model=str(qwen2_vl_dir), num_speculative_tokens=6)
+    base = LLM(str(qwen2_vl_dir), device="cpu")
+    for sp in (SamplingParams(max_tokens=7, ignore_eos=True), SamplingParams(max_tokens=30)):
+        a, b = base.generate(reqs(), sp), llm.generate(reqs(), sp)
+        assert tokens(a) == tokens(b)
+        assert [o.outputs[0].finish_reason for o in a] == [o.outputs[0].finish_reason for o in b]
+    full = base.generate(reqs()[4:5], GREEDY)[0].outputs[0]
+    stop = full.text[4:7]
+    sp = SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop])
+    assert llm.generate(reqs()[4:5], sp)[0].outputs[0].text == base.generate(reqs()[4:5], sp)[0].outputs[0].text
+
+
+def test_seeded_sampling_with_a_draft_reproduces_itself(qwen2_vl_dir, draft_dir):
+    sp = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=16, ignore_eos=True, seed=77)
+    runs = [LLM(str(qwen2_vl_dir), device="cpu", speculative_model=str(draft_dir), num_speculative_tokens=3)
+            .generate(reqs(), sp) for _ in range(2)]
+    assert tokens(runs[0]) == tokens(runs[1])
+
+
+def test_mismatched_tokenizers_fail_before_weights_load(qwen2_vl_dir, tmp_path, monkeypatch):
+    from random_models import make_tokenizer
+
+    other = tmp_path / "other"
+    other.mkdir()
+    for f in qwen2_vl_dir.iterdir():
+        if not f.name.startswith("tokenizer"):
+            (other / f.name).write_bytes(f.read_bytes())
+    make_tokenizer(other, vocab_size=320)
+
+    def no_weights(*a, **k):
+        raise AssertionError("weights were loaded before the tokenizer check")
+
+    monkeypatch.setattr("docproc.engine.model_runner.load_model", no_weights)
+    with pytest.raises(ValueError, match=r"draft tokenizer differs from target \(vocab hash \w+ vs \w+\)"):
+        LLM(str(qwen2_vl_dir), device="cpu", speculative_model=str(other))

@@ -1,0 +1,71 @@
+"""The acceptance rule and the K policy, on explicit distributions."""
+from __future__ import annotations
+
+import torch
+
+from docproc.engine.speculative import (AdaptiveK, accept_greedy, accept_sampled, best_k, expected_tokens)
+
+
+def chi_square_p(observed: torch.Tensor, expected: torch.Tensor) -> float:
+    keep = expected > 0
+    stat = ((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat.double() / 2))
+
+
+def test_greedy_acceptance_is_the_longest_matching_prefix_plus_the_target_token():
+    logits = torch.full((4, 10), -5.0)
+    for i, t in enumerate([3, 7, 1, 4]):
+        logits[i, t] = 5.0
+    assert accept_greedy(logits, [3, 7, 2]) == ([3, 7, 1], 2)
+    assert accept_greedy(logits, [3, 7, 1]) == ([3, 7, 1, 4], 3)  # all accepted: bonus token
+    assert accept_greedy(logits, [9, 7, 1]) == ([3], 0)
+
+
+def test_sampled_tokens_follow_the_target_distribution_chi_square():
+    """20k draws of the first emitted token with a deliberately bad draft: the output distribution
+    must be the target's p, not the draft's q."""
+    g = torch.Generator().manual_seed(0)
+    vocab = 8
+    p = torch.softmax(torch.randn(3, vocab, generator=g) * 1.5, -1)
+    q = torch.softmax(torch.randn(2, vocab, generator=g) * 1.5, -1)
+    counts = torch.zeros(vocab, dtype=torch.float64)
+    second = torch.zeros(vocab, dtype=torch.float64)
+    n = 20000
+    for _ in range(n):
+        drafts = [int(torch.multinomial(q[0], 1, generator=g)), int(torch.multinomial(q[1], 1, generator=g))]
+        out, acc = accept_sampled(p, q, drafts, g)
+        counts[out[0]] += 1
+        if acc >= 1:  # the second token, given the first draft was accepted, must follow p[1]
+            second[out[1]] += 1
+    assert chi_square_p(counts, p[0].double() * n) > 0.01
+    assert chi_square_p(second, p[1].double() * second.sum()) > 0.01
+    # and a draft equal to the target is always accepted
+    out, acc = accept_sampled(p, p[:2], [1, 2], g)
+    assert acc == 2 and out[:2] == [1, 2] and len(out) == 3
+
+
+def test_sampled_acceptance_is_reproducible_with_a_seed():
+    p = torch.softmax(torch.randn(4, 16), -1)
+    q = torch.softmax(torch.randn(3, 16), -1)
+    runs = [accept_sampled(p, q, [1, 2, 3], torch.Generator().manual_seed(5)) for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_expected_tokens_and_best_k():
+    assert expected_tokens(0.0, 4) == 1.0 and expected_tokens(1.0, 4) == 5.0
+    assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-12
+    assert best_k(0.9, 0.05, 8) >= 5  # cheap, accurate draft: long windows
+    assert best_k(0.1, 0.3, 8) == 0  # acceptance collapse: bypass
+    assert best_k(0.8, 1.0, 8) == 0  # a draft as costly as the target never pays
+
+
+def test_adaptive_k_bypasses_and_reprobes():
+    pol = AdaptiveK(k_max=6, fixed=False, prior=0.7, probe_every=4)
+    pol.cost_ratio = 0.1
+    assert pol.choose(1) > 0
+    for _ in range(20):
+        pol.observe(1, 4, 0)  # nothing accepted
+    picks = [pol.choose(1) for _ in range(8)]
+    assert picks.count(0) == 6 and picks.count(1) == 2  # bypass, re-probing every 4th step
+    assert AdaptiveK(k_max=3, fixed=True).choose(7) == 3
