@@ -50,7 +50,7 @@ GEOMETRIES = {
     "tiny-draft": dict(text=dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                  num_attention_heads=2, num_key_value_heads=1, mrope_section=[4, 6, 6],
                                  rope_theta=10000.0, max_position_embeddings=4096),
-                       vision=dict(depth=1, embed_dim=32, num_heads=2, mlp_ratio=2)),
+                       vision=dict(depth=2, embed_dim=32, num_heads=2, mlp_ratio=2)),  # tiny's trunk shape
     "2b": dict(text=dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                          num_attention_heads=12, num_key_value_heads=2, mrope_section=[16, 24, 24],
                          rope_theta=1000000.0, max_position_embeddings=32768),
@@ -117,6 +117,27 @@ def make_model(folder: Path, model_type: str = "qwen2_vl", *, tie: bool = False,
     (folder / "preprocessor_config.json").write_text(json.dumps(pre))
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ids["<|im_end|>"]}))
     return folder
+
+
+def share_vision_trunk(src: Path, dst: Path) -> None:
+    """Give dst the vision trunk weights of src (everything visual but the merger), as a draft
+    built on the target's frozen trunk has them."""
+    from safetensors.torch import load_file, save_file
+
+    def trunk_keys(state):
+        return {k for k in state if ("visual." in k) and ".merger." not in k}
+
+    src_state = {}
+    for f in sorted(Path(src).glob("*.safetensors")):
+        src_state.update(load_file(str(f)))
+    files = sorted(Path(dst).glob("*.safetensors"))
+    for f in files:
+        state = load_file(str(f))
+        for k in trunk_keys(state):
+            name = k.split("visual.", 1)[1]
+            match = [sk for sk in trunk_keys(src_state) if sk.split("visual.", 1)[1] == name]
+            state[k] = src_state[match[0]].clone()
+        save_file(state, str(f), metadata={"format": "pt"})
 
 
 def _rewrite_weights(folder: Path, naming: str, shards: int) -> None:

@@ -121,3 +121,29 @@ def test_mismatched_tokenizers_fail_before_weights_load(qwen2_vl_dir, tmp_path, 
     monkeypatch.setattr("docproc.engine.model_runner.load_model", no_weights)
     with pytest.raises(ValueError, match=r"draft tokenizer differs from target \(vocab hash \w+ vs \w+\)"):
         LLM(str(qwen2_vl_dir), device="cpu", speculative_model=str(other))
+
+
+def test_draft_sharing_the_target_vision_trunk_encodes_each_page_once(qwen2_vl_dir, tmp_path, plain):
+    from random_models import make_model, share_vision_trunk
+
+    draft = make_model(tmp_path / "draft_shared", geometry="tiny-draft", seed=5)
+    share_vision_trunk(qwen2_vl_dir, draft)
+    llm = LLM(str(qwen2_vl_dir), device="cpu", max_num_batched_tokens=16, speculative_model=str(draft),
+              num_speculative_tokens=3)
+    assert llm.runner.model.vision_trunk_fingerprint == llm.speculator.runner.model.vision_trunk_fingerprint
+    assert tokens(llm.generate(reqs(), GREEDY)) == plain
+    info = llm.spec_info()
+    assert info["shared_vision_trunk"] and info["draft_images_encoded"] == 0
+    assert info["draft_images_from_shared_trunk"] == 3  # three distinct pages, merged by the draft
+    # the draft's merger over the target's trunk output is exactly the draft's own encoding
+    import torch
+
+    pv, grid = llm.processor.pixel_values([page(1)])
+    _, trunk = llm.runner.model.vision.encode(pv, grid)
+    own_merged, _ = llm.speculator.runner.model.vision.encode(pv, grid)
+    assert torch.allclose(llm.speculator.runner.model.vision.merge(trunk[0]), own_merged[0], atol=1e-5)
+    # with its own tower the draft would have encoded them again
+    own = LLM(str(qwen2_vl_dir), device="cpu", speculative_model=str(draft), num_speculative_tokens=3,
+              draft_vision="own")
+    own.generate(reqs(), GREEDY)
+    assert own.spec_info()["draft_images_encoded"] == 3 and not own.spec_info()["shared_vision_trunk"]

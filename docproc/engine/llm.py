@@ -11,6 +11,7 @@ from docproc.engine.block_manager import BlockManager
 from docproc.engine.model_runner import ModelRunner
 from docproc.engine.scheduler import Scheduler
 from docproc.engine.draft import tokenizer_hash
+from docproc.engine.encoder_cache import EncoderCache
 from docproc.engine.sampler import probabilities
 from docproc.engine.sequence import Sequence
 from docproc.engine.speculative import accept_greedy, accept_sampled
@@ -115,6 +116,12 @@ class LLM:
             draft_runner.allocate_kv(num_blocks=self.runner.kv_cache.num_blocks)
             self.speculator = Speculator(draft_runner, k_max, adaptive, draft_vision,
                                          self.runner.hf_config.image_token_id, enable_prefix_caching)
+            t_model, d_model = self.runner.model, draft_runner.model
+            if (draft_vision == "auto" and t_model.vision_trunk_fingerprint == d_model.vision_trunk_fingerprint
+                    and t_model.vision.shares_trunk and d_model.vision.shares_trunk):
+                # the page goes through the trunk once; each model applies its own merger
+                self.runner.trunk_cache = EncoderCache(encoder_cache_entries)
+                draft_runner.trunk_source = self.runner.trunk_cache
         self.processor = self.runner.processor
         self.tokenizer = self.processor.tokenizer
         limit = self.runner.text_config.max_position_embeddings
@@ -207,6 +214,10 @@ class LLM:
         sp = self.speculator
         return {**sp.stats.as_dict(), "k_max": sp.k_max, "adaptive": not sp.policy.fixed,
                 "cost_ratio": round(sp.policy.cost_ratio, 4), "draft_vision": sp.vision,
+                "shared_vision_trunk": sp.runner.trunk_source is not None,
+                "draft_images_from_shared_trunk": sp.runner.num_shared_trunk_images,
+                "draft_images_encoded": sp.runner.encoder_cache.stats.num_encoded_images
+                                        - sp.runner.num_shared_trunk_images,
                 "draft_model": sp.runner.config.model,
                 "draft_fingerprint": {"text": sp.runner.model.text_fingerprint,
                                       "vision": sp.runner.model.vision_fingerprint}}

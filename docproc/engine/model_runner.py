@@ -80,6 +80,11 @@ class ModelRunner:
         self.encoder_cache = EncoderCache(config.cache.encoder_cache_entries)
         self.sampler = Sampler(config.seed, self.device)
         self.logits_hook = None  # tests: called with (list[Sequence], logits) at every sampled row
+        # trunk sharing with a draft (speculative decoding): the target keeps its trunk outputs in
+        # trunk_cache; a draft with the same trunk reads them through trunk_source
+        self.trunk_cache: EncoderCache | None = None
+        self.trunk_source: EncoderCache | None = None
+        self.num_shared_trunk_images = 0
         self.warmup_seconds = 0.0
         if allocate:
             self.allocate_kv()
@@ -148,10 +153,23 @@ class ModelRunner:
                     todo[span.content_hash] = (seq, img)
         if not todo:
             return
+        trunk_fp = self.model.vision_trunk_fingerprint
+        if self.trunk_source is not None:
+            # a draft whose trunk equals the target's: apply our merger to the target's trunk output
+            for h in list(todo):
+                trunk = self.trunk_source.get((trunk_fp, h))
+                if trunk is not None:
+                    self.encoder_cache.put((fp, h), self.model.vision.merge(trunk.to(self.device)))
+                    self.num_shared_trunk_images += 1
+                    del todo[h]
+            if not todo:
+                return
         pixels, grids = self.processor.pixel_values([img.image for _, img in todo.values()])
-        embeds = self.model.vision(pixels.to(self.device), grids.to(self.device))
-        for (h, (seq, _)), e in zip(todo.items(), embeds):
+        embeds, trunks = self.model.vision.encode(pixels.to(self.device), grids.to(self.device))
+        for i, ((h, (seq, _)), e) in enumerate(zip(todo.items(), embeds)):
             self.encoder_cache.put((fp, h), e)
+            if self.trunk_cache is not None and trunks is not None:
+                self.trunk_cache.put((trunk_fp, h), trunks[i])
             seq.num_encoded_images += 1
 
     def _prepare(self, scheduled):

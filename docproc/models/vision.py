@@ -26,6 +26,27 @@ class VisionEncoder(nn.Module):
         super().__init__()
         self.visual = build_vision_tower(hf_config)
         self.spatial_merge_size = hf_config.vision_config.spatial_merge_size
+        # Qwen2-VL's merger reads the trunk output in patch order, so another model's merger can
+        # be applied to it; Qwen2.5-VL's trunk output is window-permuted, so it is not shared.
+        self.shares_trunk = hf_config.model_type == "qwen2_vl"
+
+    @torch.inference_mode()
+    def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[list[torch.Tensor], list | None]:
+        """Like forward, and also the trunk output per image (before the merger) when this
+        architecture can share it: (merged per image, trunk per image or None)."""
+        dtype = next(self.visual.parameters()).dtype
+        out = self.visual(pixel_values.to(dtype), grid_thw=grid_thw)
+        merged = getattr(out, "pooler_output", out)
+        sizes = (grid_thw.prod(-1) // self.spatial_merge_size**2).tolist()
+        trunk = None
+        if self.shares_trunk and hasattr(out, "last_hidden_state"):
+            trunk = list(torch.split(out.last_hidden_state, grid_thw.prod(-1).tolist()))
+        return list(torch.split(merged, sizes)), trunk
+
+    @torch.inference_mode()
+    def merge(self, trunk: torch.Tensor) -> torch.Tensor:
+        """This model's merger over a trunk output: (t*h*w, embed) -> (t*h*w/merge^2, hidden)."""
+        return self.visual.merger(trunk.to(next(self.visual.merger.parameters()).dtype))
 
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
