@@ -10,12 +10,12 @@ from docproc.config import CacheConfig, EngineConfig
 from docproc.engine.block_manager import BlockManager
 from docproc.engine.model_runner import ModelRunner
 from docproc.engine.scheduler import Scheduler
-from docproc.engine.draft import tokenizer_hash
 from docproc.engine.encoder_cache import EncoderCache
 from docproc.engine.sampler import probabilities
 from docproc.engine.sequence import Sequence
 from docproc.engine.speculative import accept_greedy, accept_sampled
-from docproc.engine.speculator import Chunk, Speculator
+from docproc.engine.progress import Progress
+from docproc.engine.speculator import Chunk, Speculator, check_tokenizers, parse_spec_k
 from docproc.models.processor import PromptError
 from docproc.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from docproc.sampling_params import SamplingParams
@@ -37,29 +37,6 @@ def eos_token_ids(folder: str | Path, hf_config, tokenizer) -> set[int]:
     if ids is None:
         return set()
     return {int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])}
-
-
-def parse_spec_k(value: int | str) -> tuple[int, bool]:
-    """num_speculative_tokens: a number (fixed K) or "auto" (adaptive, K up to 8)."""
-    if isinstance(value, str):
-        if value == "auto":
-            return 8, True
-        if not value.isdigit():
-            raise ValueError(f"num_speculative_tokens must be a number or 'auto', got {value!r}")
-        value = int(value)
-    if not 1 <= value <= 15:
-        raise ValueError(f"num_speculative_tokens must be between 1 and 15, got {value}")
-    return value, False
-
-
-def check_tokenizers(target: str | Path, draft: str | Path) -> None:
-    """The draft must encode text exactly as the target does; checked before any weights load."""
-    from transformers import AutoTokenizer
-
-    hashes = [tokenizer_hash(AutoTokenizer.from_pretrained(str(p), local_files_only=True)) for p in (target, draft)]
-    if hashes[0] != hashes[1]:
-        raise ValueError(f"draft tokenizer differs from target (vocab hash {hashes[1]} vs {hashes[0]}): "
-                         f"pick a draft trained with the same tokenizer")
 
 
 class LLM:
@@ -166,7 +143,7 @@ class LLM:
             index[seq.seq_id] = i
             self.scheduler.add(seq)
 
-        progress = _Progress(len(index)) if use_tqdm else None
+        progress = Progress(len(index)) if use_tqdm else None
         try:
             while self.scheduler.has_unfinished:
                 for seq in self.step():
@@ -422,25 +399,3 @@ class LLM:
         return RequestOutput(request_id, prompt_text, prompt_ids, [CompletionOutput(0, "", [], "error")],
                              RequestMetrics(num_prompt_tokens=len(prompt_ids), finish_reason="error"),
                              error=error)
-
-
-class _Progress:
-    """A Rich progress bar over requests, drawn only when generate(use_tqdm=True)."""
-
-    def __init__(self, total: int) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self._progress = Progress(TextColumn("generate"), BarColumn(), MofNCompleteColumn(),
-                                  TextColumn("{task.fields[tps]} tok/s"), TimeElapsedColumn(), transient=True)
-        self._task = self._progress.add_task("generate", total=total, tps="-")
-        self._start = time.perf_counter()
-        self._tokens = 0
-        self._progress.start()
-
-    def advance(self, num_tokens: int) -> None:
-        self._tokens += num_tokens
-        tps = self._tokens / max(time.perf_counter() - self._start, 1e-9)
-        self._progress.update(self._task, advance=1, tps=f"{tps:.1f}")
-
-    def close(self) -> None:
-        self._progress.stop()

@@ -9,11 +9,34 @@ from dataclasses import dataclass
 import torch
 
 from docproc.engine.block_manager import BlockManager
-from docproc.engine.draft import DraftView, draft_prompt
+from docproc.engine.draft import DraftView, draft_prompt, tokenizer_hash
 from docproc.engine.model_runner import ModelRunner
 from docproc.engine.sampler import probabilities
 from docproc.engine.sequence import Sequence
 from docproc.engine.speculative import AdaptiveK, SpecStats
+
+
+def parse_spec_k(value: int | str) -> tuple[int, bool]:
+    """num_speculative_tokens: a number (fixed K) or "auto" (adaptive, K up to 8)."""
+    if isinstance(value, str):
+        if value == "auto":
+            return 8, True
+        if not value.isdigit():
+            raise ValueError(f"num_speculative_tokens must be a number or 'auto', got {value!r}")
+        value = int(value)
+    if not 1 <= value <= 15:
+        raise ValueError(f"num_speculative_tokens must be between 1 and 15, got {value}")
+    return value, False
+
+
+def check_tokenizers(target: str, draft: str) -> None:
+    """The draft must encode text exactly as the target does; checked before any weights load."""
+    from transformers import AutoTokenizer
+
+    hashes = [tokenizer_hash(AutoTokenizer.from_pretrained(str(p), local_files_only=True)) for p in (target, draft)]
+    if hashes[0] != hashes[1]:
+        raise ValueError(f"draft tokenizer differs from target (vocab hash {hashes[1]} vs {hashes[0]}): "
+                         f"pick a draft trained with the same tokenizer")
 
 
 @dataclass
