@@ -280,7 +280,11 @@ class LLM:
             if s.num_new_tokens == 1 and s.needs_sample:  # decoding
                 k = min(spec.policy.choose(seq.seq_id), seq.max_tokens - seq.num_generated_tokens - 1,
                         self.max_model_len - len(seq) - 1, self.scheduler.lookahead)
+                # the window needs target slots; a prompt's last token (not a decode step) may lack them
+                if k > 0 and not self.block_manager.can_append(seq, len(seq) + k):
+                    k = 0
                 if k > 0:
+                    self.block_manager.append_slots(seq, len(seq) + k)
                     work.append((seq, k))
                 else:
                     spec.stats.bypassed_steps += 1
