@@ -150,13 +150,14 @@ def test_draft_sharing_the_target_vision_trunk_encodes_each_page_once(qwen2_vl_d
 
 
 def test_a_prompt_finishing_in_a_one_token_chunk_gets_window_slots(qwen2_vl_dir):
-    """A prefill chunk that ends the prompt with a single token is verified like a decode step;
-    its window must get target slots even though the scheduler reserved none for it."""
-    # step 1 (budget 41): all 40 tokens of the first prompt and 1 of the second; step 2: the second
-    # prompt's last token alone, sampled, so it is verified with a 15-token window: 17 slots, 1 block
-    prompts = [{"prompt_token_ids": [10 + i % 50 for i in range(40)]}, {"prompt_token_ids": [11, 12]}]
-    sp = SamplingParams(max_tokens=12, ignore_eos=True)
-    want = tokens(LLM(str(qwen2_vl_dir), device="cpu").generate(prompts, sp))
-    llm = LLM(str(qwen2_vl_dir), device="cpu", speculative_model=str(qwen2_vl_dir), num_speculative_tokens=15,
-              max_num_batched_tokens=41)
-    assert tokens(llm.generate(prompts, sp)) == want
+    """A prompt whose cached prefix leaves one token to compute is verified with a window at
+    admission, before the scheduler's decode path ever reserved lookahead slots for it: with
+    8-token blocks, 17 tokens (16 cached) plus a 15-token window need a fourth block."""
+    prompt = [{"prompt_token_ids": [10 + i % 50 for i in range(17)]}]
+    sp = SamplingParams(max_tokens=30, ignore_eos=True)
+    want = tokens(LLM(str(qwen2_vl_dir), device="cpu", block_size=8).generate(prompt, sp))
+    llm = LLM(str(qwen2_vl_dir), device="cpu", block_size=8, speculative_model=str(qwen2_vl_dir),
+              num_speculative_tokens=15)
+    assert tokens(llm.generate(prompt, sp)) == want
+    again = llm.generate(prompt, sp)  # 16 tokens from the prefix cache, 1 to compute
+    assert again[0].metrics.num_cached_tokens == 16 and tokens(again) == want
