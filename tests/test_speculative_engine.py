@@ -161,3 +161,19 @@ def test_a_prompt_finishing_in_a_one_token_chunk_gets_window_slots(qwen2_vl_dir)
     assert tokens(llm.generate(prompt, sp)) == want
     again = llm.generate(prompt, sp)  # 16 tokens from the prefix cache, 1 to compute
     assert again[0].metrics.num_cached_tokens == 16 and tokens(again) == want
+
+
+def test_draft_with_other_image_settings_needs_text_only_mode(qwen2_vl_dir, tmp_path):
+    import json
+
+    other = tmp_path / "other_pixels"
+    other.mkdir()
+    for f in qwen2_vl_dir.iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    pre = json.loads((other / "preprocessor_config.json").read_text())
+    pre["max_pixels"] = 28 * 28 * 64
+    (other / "preprocessor_config.json").write_text(json.dumps(pre))
+    with pytest.raises(ValueError, match="draft image processor differs"):
+        LLM(str(qwen2_vl_dir), device="cpu", speculative_model=str(other))
+    llm = LLM(str(qwen2_vl_dir), device="cpu", speculative_model=str(other), draft_vision="none")
+    assert len(llm.generate(reqs()[:1], GREEDY)[0].outputs[0].token_ids) == 24

@@ -91,6 +91,12 @@ class LLM:
             t_bpt, d_bpt = self.runner.kv_cache.bytes_per_token, draft_runner.kv_cache.bytes_per_token
             self.runner.allocate_kv(share=t_bpt / (t_bpt + d_bpt))
             draft_runner.allocate_kv(num_blocks=self.runner.kv_cache.num_blocks)
+            if draft_vision != "none":
+                t_ip, d_ip = self.runner.processor.image_processor, draft_runner.processor.image_processor
+                if (t_ip.size, t_ip.patch_size, t_ip.merge_size) != (d_ip.size, d_ip.patch_size, d_ip.merge_size):
+                    raise ValueError(
+                        f"draft image processor differs from target ({dict(d_ip.size)} vs {dict(t_ip.size)}): the "
+                        f"draft must see the same image tokens; use draft_vision='none' or a matching draft")
             self.speculator = Speculator(draft_runner, k_max, adaptive, draft_vision,
                                          self.runner.hf_config.image_token_id, enable_prefix_caching)
             t_model, d_model = self.runner.model, draft_runner.model
