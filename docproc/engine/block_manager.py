@@ -49,6 +49,10 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[bytes, int] = {}
         self.stats = PrefixCacheStats()
+        # can_allocate then allocate look up the same prefix: keep the last lookup while the
+        # hash map is unchanged (_version counts its changes)
+        self._version = 0
+        self._last_lookup: tuple | None = None
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -60,6 +64,9 @@ class BlockManager:
 
     def _prefix_hits(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
         """Cached blocks matching the sequence's leading full blocks (stops at the first miss)."""
+        key = (seq.seq_id, len(seq), self._version)
+        if self._last_lookup is not None and self._last_lookup[0] == key:
+            return list(self._last_lookup[1]), list(self._last_lookup[2])
         hits: list[int] = []
         hashes: list[bytes] = []
         if not self.enable_prefix_caching:
@@ -75,7 +82,8 @@ class BlockManager:
             hits.append(block_id)
             hashes.append(h)
             prev = h
-        return hits, hashes
+        self._last_lookup = (key, hits, hashes)
+        return list(hits), list(hashes)
 
     def can_allocate(self, seq: Sequence) -> bool:
         hits, _ = self._prefix_hits(seq)
@@ -94,6 +102,7 @@ class BlockManager:
         if block.hash is not None:  # evict: its content is about to be overwritten
             if self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]
+                self._version += 1
             block.hash = None
             self.stats.num_evicted_blocks += 1
         block.ref_count = 1
@@ -147,6 +156,7 @@ class BlockManager:
             if block.hash is None and h not in self.hash_to_block:
                 block.hash = h
                 self.hash_to_block[h] = block.block_id
+                self._version += 1
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Roll a sequence back to its first `num_tokens` tokens (rejected draft tokens): only the

@@ -103,7 +103,8 @@ Reporter = Callable[[str, dict], None]  # (event, data): "start", "document", "b
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    # microseconds: runs that start within one second (cron, tests) must still order
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds")
 
 
 class Pipeline:
@@ -113,7 +114,7 @@ class Pipeline:
         self.queries: QuerySet = load_queries(settings.queries)
         self.llm = llm
         self.report = reporter or (lambda event, data: None)
-        self.run_id = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
+        self.run_id = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ") + "-" + uuid.uuid4().hex[:6]
         self.totals = RunTotals()
         self.stage_seconds = {"discover": 0.0, "open_render_hash": 0.0, "engine": 0.0, "write": 0.0,
                               "load_model": 0.0}
