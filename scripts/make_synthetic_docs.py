@@ -160,14 +160,19 @@ def draw_logo(page, spec: DocSpec, x: float, y: float, size: float) -> None:
                            color=spec.color, fill=spec.color, closePath=True)
 
 
-def render_pdf(spec: DocSpec) -> bytes:
+def draw_pdf(spec: DocSpec) -> pymupdf.Document:
+    """The document drawn in memory (training renders from this without serialising it)."""
     doc = pymupdf.open()
     doc.set_metadata({"producer": "docproc synthetic", "creator": "docproc", "title": spec.doc_id})
     if spec.kind == "invoice":
         _draw_invoice(doc, spec)
     else:
         _draw_receipt(doc, spec)
-    return doc.tobytes(garbage=3, deflate=True, no_new_id=True)
+    return doc
+
+
+def render_pdf(spec: DocSpec) -> bytes:
+    return draw_pdf(spec).tobytes(garbage=3, deflate=True, no_new_id=True)
 
 
 def _meta_lines(spec: DocSpec) -> list[tuple[str, str]]:
@@ -273,23 +278,28 @@ def _totals(w: _Writer, spec: DocSpec, x_label: float, x_value: float) -> None:
     w.y += fs + 8
 
 
-def scan_pages(pdf: bytes, rng: random.Random) -> list[Image.Image]:
+def scan_pages(pdf: "bytes | pymupdf.Document", rng: random.Random) -> list[Image.Image]:
     """Render and degrade like a cheap office scanner: rotation, blur, noise, JPEG artefacts."""
     out = []
-    doc = pymupdf.open(stream=pdf, filetype="pdf")
+    doc = pdf if isinstance(pdf, pymupdf.Document) else pymupdf.open(stream=pdf, filetype="pdf")
     nrng = np.random.default_rng(rng.randrange(2**32))
     for page in doc:
         pix = page.get_pixmap(dpi=rng.choice([110, 130, 150]))
         img = Image.frombytes("RGB", (pix.width, pix.height), pix.samples)
-        img = img.rotate(rng.uniform(-1.5, 1.5), resample=Image.BICUBIC, fillcolor=(255, 255, 255))
-        img = img.filter(ImageFilter.GaussianBlur(rng.uniform(0.0, 0.7)))
-        arr = np.asarray(img, dtype=np.float32)
-        arr += nrng.normal(0.0, rng.uniform(0.0, 8.0), arr.shape[:2])[..., None]
-        img = Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8))
-        buf = io.BytesIO()
-        img.save(buf, format="JPEG", quality=rng.randint(45, 90))
-        out.append(Image.open(io.BytesIO(buf.getvalue())).convert("RGB"))
+        out.append(degrade(img, rng, nrng))
     return out
+
+
+def degrade(img: Image.Image, rng: random.Random, nrng: np.random.Generator, max_angle: float = 1.5) -> Image.Image:
+    """Rotation, blur, sensor noise and JPEG artefacts, in that order."""
+    img = img.rotate(rng.uniform(-max_angle, max_angle), resample=Image.BICUBIC, fillcolor=(255, 255, 255))
+    img = img.filter(ImageFilter.GaussianBlur(rng.uniform(0.0, 0.7)))
+    arr = np.asarray(img, dtype=np.float32)
+    arr += nrng.normal(0.0, rng.uniform(0.0, 8.0), arr.shape[:2])[..., None]
+    img = Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8))
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=rng.randint(45, 90))
+    return Image.open(io.BytesIO(buf.getvalue())).convert("RGB")
 
 
 def truth_record(spec: DocSpec, file: str, fmt: str, pages: int) -> dict:

@@ -1,21 +1,28 @@
 """Train the bundled default pair (target and draft) on synthetic documents, on the device GPU.
 
-Runs in stages, each resumable across device calls (the device keeps nothing: carry WORK back
-through $OUT and forward with `carry`); every stage stops by itself after --minutes.
-
-    python scripts/train_tiny.py tokenizer --work WORK            # byte-level BPE + chat template
-    python scripts/train_tiny.py target --work WORK --minutes 8   # again to continue (resumes)
-    python scripts/train_tiny.py draft --work WORK --minutes 8    # distillation, trunk frozen
+    python scripts/train_tiny.py tokenizer --work WORK
+    python scripts/train_tiny.py train --work WORK --minutes 9 --total-minutes 16   # again to resume
     python scripts/train_tiny.py export --work WORK --to docproc/assets/models
 
-Recipe (see the issue's notes on the failed first attempt): examples are drawn by DataLoader
-worker processes (render + augment + patchify on the CPU cores, batch-ready tensors out) so the
-GPU is not starved; a curriculum starts with single text lines cut from the page ("read this
-line", short images, strong gradient into the vision trunk) and moves to whole pages with one
-query per field and an all-fields JSON query; answers are the values as printed. Every eval
-reports answer accuracy (teacher-forced exact match of the whole answer) with the real image and
-with the image of another document: the gap shows the image reaches the answer.
-`--micro` shrinks everything to run a few steps on a CPU (the tests do).
+One process trains both models. Every step encodes each document's pages once with the target's
+vision tower and trains the target on all of the document's queries (the rows share the image
+features, as the engine's prefix cache shares them at inference). The draft learns in the same
+step from the target's trunk output, detached (its trunk is the target's and never receives a
+gradient): its own merger and small LM, on the answers' cross-entropy. After the target's last
+step the target is frozen and the draft is distilled from it (KL on the answer positions).
+
+Curriculum: the first --region-share of the target's steps read bands of 1 to 5 text rows cut
+from a page at exactly the scale the page has at inference ("Read the text in the image.",
+answer = the rows' text layer); afterwards whole documents with every query of the default set,
+with one band batch in four to keep the reading signal. Half of all images are "scans"
+(rotation, blur, noise, JPEG). Examples are drawn by DataLoader workers on the CPU cores.
+
+Every eval reports, on held-out documents, the target's teacher-forced whole-answer accuracy per
+query and on bands, the same with each document's features swapped for another document's (it
+must collapse if the image reaches the answer), and the draft's top-1 agreement with the target.
+Each stage resumes from WORK (weights, optimizer state, step): on a warm device the optimizer
+state is there; carried back through $OUT only the bf16 weights travel (the optimizer restarts,
+with a short warm-up). `--micro` shrinks everything to run a few steps on a CPU (the tests do).
 """
 from __future__ import annotations
 
@@ -45,6 +52,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 IMAGE = dict(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 1280, patch_size=14, temporal_patch_size=2, merge_size=2,
              image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711])
+PAGE_DPI = 120  # `docproc run`'s default render resolution
+READ_QUESTION = "Read the text in the image."
 SIZES = {  # (vision depth, width, heads), (LM hidden, layers, heads, kv heads, ffn), vocab
     "target": dict(vision=(6, 256, 4), text=(384, 6, 6, 2, 1024), vocab=4096),
     "draft": dict(vision=(6, 256, 4), text=(192, 4, 3, 1, 512), vocab=4096),
@@ -54,21 +63,24 @@ SIZES = {  # (vision depth, width, heads), (LM hidden, layers, heads, kv heads, 
 
 
 # ---- tokenizer ------------------------------------------------------------------------------------
-def corpus(n_docs: int, seed: int):
-    from make_synthetic_docs import make_spec
-
-    qs = load_queries()
-    for i in range(n_docs):
-        spec = make_spec(random.Random(f"tok:{seed}:{i}"), f"t{i}")
-        yield " ".join(spec.printed[k] or "none" for k in spec.printed)
-        yield json.dumps(answers_json(spec.printed))
-        yield " ".join(f"{d} {q} {spec.amount(p)}" for d, q, p in spec.items)
-    for q in qs.queries:
-        yield q.question
-
-
 def answers_json(printed: dict) -> dict:
     return {k: printed[k] for k in ("vendor", "invoice_number", "date", "due_date", "currency", "total")}
+
+
+def corpus(n_docs: int, seed: int):
+    """The text layers of generated documents, their answers, and every prompt string."""
+    from make_synthetic_docs import draw_pdf, make_spec
+
+    from docproc.pipeline.queries import SYSTEM_PROMPT
+
+    for q in load_queries().queries:
+        yield q.question
+    yield SYSTEM_PROMPT
+    yield READ_QUESTION
+    for i in range(n_docs):
+        spec = make_spec(random.Random(f"tok:{seed}:{i}"), f"t{i}")
+        yield "\n".join(row for _, _, _, _, row in text_rows(draw_pdf(spec)[0]))
+        yield json.dumps(answers_json(spec.printed))
 
 
 def train_tokenizer(work: Path, vocab: int, seed: int) -> None:
@@ -76,11 +88,13 @@ def train_tokenizer(work: Path, vocab: int, seed: int) -> None:
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # digits one by one (as they are drawn, glyph by glyph), then byte-level BPE
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=SPECIALS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus(3000 if vocab > 1024 else 200, seed), trainer)
+    tok.train_from_iterator(corpus(400 if vocab > 1024 else 40, seed), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    additional_special_tokens=SPECIALS[1:])
     fast.chat_template = CHAT_TEMPLATE
@@ -88,20 +102,86 @@ def train_tokenizer(work: Path, vocab: int, seed: int) -> None:
 
 
 # ---- data ----------------------------------------------------------------------------------------------
-class Examples(torch.utils.data.IterableDataset):
-    """Endless (prompt, answer, images) examples, rendered in the worker that asks for them.
-    stage "lines": one text line of a page, cropped; stage "pages": whole pages, every query."""
+def text_rows(page) -> list[tuple[float, float, float, float, str]]:
+    """The page's text layer as rows (x0, y0, x1, y1, text) top-down: lines whose vertical centres
+    are within 3 pt are one row, read left to right."""
+    lines = []
+    for b in page.get_text("dict")["blocks"]:
+        for ln in b.get("lines", []):
+            text = "".join(s["text"] for s in ln["spans"]).strip()
+            if text:
+                lines.append((*ln["bbox"], text))
+    lines.sort(key=lambda t: ((t[1] + t[3]) / 2, t[0]))
+    rows: list[list] = []
+    for ln in lines:
+        if rows and abs((ln[1] + ln[3]) / 2 - (rows[-1][0][1] + rows[-1][0][3]) / 2) < 3:
+            rows[-1].append(ln)
+        else:
+            rows.append([ln])
+    out = []
+    for r in rows:
+        r.sort(key=lambda t: t[0])
+        out.append((min(t[0] for t in r), min(t[1] for t in r), max(t[2] for t in r), max(t[3] for t in r),
+                    " ".join(t[4] for t in r)))
+    return out
 
-    def __init__(self, work: Path, stage: str, seed: int, scan_fraction: float = 0.5) -> None:
-        self.work, self.stage, self.seed, self.scan_fraction = work, stage, seed, scan_fraction
+
+AUX_CLASSES = 97  # 0: no glyph centre here; 1..95: printable ASCII; 96: any other character
+
+
+def page_chars(page) -> list[tuple[float, float, int]]:
+    """Every drawn character's centre (page points) and class, from the text layer."""
+    out = []
+    for b in page.get_text("rawdict")["blocks"]:
+        for ln in b.get("lines", []):
+            for sp in ln["spans"]:
+                for ch in sp["chars"]:
+                    if ch["c"].strip():
+                        x0, y0, x1, y1 = ch["bbox"]
+                        o = ord(ch["c"])
+                        out.append(((x0 + x1) / 2, (y0 + y1) / 2, o - 31 if 32 < o < 127 else 96))
+    return out
+
+
+def char_targets(chars, width: int, height: int, to_pixels) -> torch.Tensor:
+    """Dense reading targets for the vision trunk: for each 14x14 patch of the image as the
+    processor resizes it, the class of the character centred in its left and right half (0 if
+    none), in the processor's patch order (2x2 merge blocks row-major, then row-major inside)."""
+    rh, rw = inference_size(height, width)
+    fx, fy = rw / width, rh / height
+    gh, gw = rh // 14, rw // 14
+    grid = torch.zeros((gh, gw, 2), dtype=torch.long)
+    for cx, cy, cls in chars:
+        px, py = to_pixels(cx, cy)
+        px, py = px * fx, py * fy
+        if 0 <= px < rw and 0 <= py < rh:
+            grid[int(py // 14), int(px // 14), int((px % 14) >= 7)] = cls
+    return grid.reshape(gh // 2, 2, gw // 2, 2, 2).permute(0, 2, 1, 3, 4).reshape(-1, 2)
+
+
+def inference_size(h: int, w: int) -> tuple[int, int]:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    return smart_resize(h, w, factor=28, min_pixels=IMAGE["min_pixels"], max_pixels=IMAGE["max_pixels"])
+
+
+class Examples(torch.utils.data.IterableDataset):
+    """Endless documents, each {"pixel_values", "image_grid_thw", "rows": [(ids, labels)]}, drawn in
+    the worker that asks. kind "bands": one band of text rows per item, one row; kind "pages": a
+    whole document, one row per query of the default set."""
+
+    def __init__(self, work: Path, kind: str, seed: int, scan_fraction: float = 0.5, max_pages: int = 3,
+                 tag: str = "train") -> None:
+        self.work, self.kind, self.seed, self.scan_fraction, self.max_pages = work, kind, seed, scan_fraction, max_pages
+        self.tag = tag
 
     def __iter__(self):
-        import pymupdf
+        import numpy as np
         from PIL import Image
         from transformers import AutoTokenizer
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-        from make_synthetic_docs import make_spec, render_pdf, scan_pages
+        from make_synthetic_docs import degrade, draw_pdf, make_spec, scan_pages
 
         info = torch.utils.data.get_worker_info()
         wid = info.id if info else 0
@@ -110,67 +190,89 @@ class Examples(torch.utils.data.IterableDataset):
         queries = load_queries().queries
         i = 0
         while True:
-            rng = random.Random(f"train:{self.seed}:{wid}:{i}")
+            rng = random.Random(f"{self.tag}:{self.kind}:{self.seed}:{wid}:{i}")
+            nrng = np.random.default_rng(rng.randrange(2**32))
             i += 1
-            spec = make_spec(rng, f"w{wid}_{i}", max_pages=1 if self.stage == "lines" else 2)
-            pdf = render_pdf(spec)
-            if rng.random() < self.scan_fraction:
-                pages = scan_pages(pdf, rng)
-            else:
-                doc = pymupdf.open(stream=pdf, filetype="pdf")
-                pages = []
-                for page in doc:
-                    pix = page.get_pixmap(dpi=rng.choice([100, 120, 144]))
-                    pages.append(Image.frombytes("RGB", (pix.width, pix.height), pix.samples))
-            if self.stage == "lines":
-                doc = pymupdf.open(stream=pdf, filetype="pdf")
+            scan = rng.random() < self.scan_fraction
+            spec = make_spec(rng, f"w{wid}_{i}", max_pages=self.max_pages if self.kind == "pages" else 1)
+            doc = draw_pdf(spec)
+            if self.kind == "bands":
                 page = doc[0]
-                lines = [ln for b in page.get_text("dict")["blocks"] for ln in b.get("lines", [])]
-                lines = [ln for ln in lines if "".join(s["text"] for s in ln["spans"]).strip()]
-                for ln in rng.sample(lines, min(4, len(lines))):
-                    text = "".join(s["text"] for s in ln["spans"]).strip()
-                    x0, y0, x1, y1 = ln["bbox"]
-                    sx, sy = pages[0].width / page.rect.width, pages[0].height / page.rect.height
-                    crop = pages[0].crop((max(0, x0 * sx - 6), max(0, y0 * sy - 4), min(pages[0].width, x1 * sx + 6),
-                                          min(pages[0].height, y1 * sy + 4)))
-                    yield self._encode(tok, proc, [crop], "Read the text in the image.", text)
+                pix = page.get_pixmap(dpi=rng.choice([100, PAGE_DPI, PAGE_DPI, 144]))
+                img = Image.frombytes("RGB", (pix.width, pix.height), pix.samples)
+                h, w = inference_size(img.height, img.width)
+                img = img.resize((w, h), Image.BICUBIC)  # the scale this page has at inference
+                sx, sy = w / page.rect.width, h / page.rect.height
+                rows = text_rows(page)
+                chars = page_chars(page)
+                for _ in range(4):
+                    a = rng.randrange(len(rows))
+                    sel = rows[a: a + rng.randint(1, 5)]
+                    m = rng.uniform(2, 10)
+                    box = (max(0, min(r[0] for r in sel) * sx - m), max(0, sel[0][1] * sy - m),
+                           min(w, max(r[2] for r in sel) * sx + m), min(h, max(r[3] for r in sel) * sy + m))
+                    ibox = tuple(int(round(v)) for v in box)
+                    crop = img.crop(ibox)
+                    if scan:
+                        crop = degrade(crop, rng, nrng, max_angle=0.3)
+                    ex = self._encode(tok, proc, [crop], [(READ_QUESTION, "\n".join(r[4] for r in sel))])
+                    ex["aux"] = char_targets(chars, crop.width, crop.height,
+                                             lambda x, y: (x * sx - ibox[0], y * sy - ibox[1]))
+                    yield ex
             else:
+                if scan:
+                    pages = scan_pages(doc, rng)
+                else:
+                    dpi = rng.choice([100, PAGE_DPI, PAGE_DPI, 144])
+                    pages = []
+                    for page in doc:
+                        pix = page.get_pixmap(dpi=dpi)
+                        pages.append(Image.frombytes("RGB", (pix.width, pix.height), pix.samples))
+                qa = []
                 for q in queries:
                     if q.type == "json":
-                        answer = json.dumps(answers_json(spec.printed))
+                        qa.append((q.question, json.dumps(answers_json(spec.printed))))
                     else:
-                        answer = spec.printed.get(q.name) or "none"
-                    yield self._encode(tok, proc, pages, q.question, answer)
+                        qa.append((q.question, spec.printed.get(q.name) or "none"))
+                yield self._encode(tok, proc, pages, qa)
 
     @staticmethod
-    def _encode(tok, proc, images, question, answer):
+    def _encode(tok, proc, images, qa):
         out = proc(images=images, return_tensors="pt")
         grid = out["image_grid_thw"]
-        prompt_ids = tok(build_prompt(len(images), question), add_special_tokens=False)["input_ids"]
-        answer_ids = tok(answer, add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
         pad = tok.convert_tokens_to_ids("<|image_pad|>")
-        ids = []
-        n_img = iter((grid.prod(-1) // 4).tolist())
-        for t in prompt_ids:
-            ids.extend([pad] * next(n_img) if t == pad else [t])
-        labels = [-100] * len(ids) + answer_ids
-        return {"input_ids": ids + answer_ids, "labels": labels, "pixel_values": out["pixel_values"],
-                "image_grid_thw": grid}
+        end = tok.convert_tokens_to_ids("<|im_end|>")
+        rows = []
+        for question, answer in qa:
+            prompt_ids = tok(build_prompt(len(images), question), add_special_tokens=False)["input_ids"]
+            answer_ids = tok(answer, add_special_tokens=False)["input_ids"] + [end]
+            ids, n_img = [], iter((grid.prod(-1) // 4).tolist())
+            for t in prompt_ids:
+                ids.extend([pad] * next(n_img) if t == pad else [t])
+            rows.append((ids + answer_ids, [-100] * len(ids) + answer_ids))
+        return {"pixel_values": out["pixel_values"], "image_grid_thw": grid, "rows": rows}
 
 
-def collate(batch: list[dict], pad_id: int, image_id: int) -> dict:
-    n = max(len(b["input_ids"]) for b in batch)
-    ids = torch.full((len(batch), n), pad_id, dtype=torch.long)
-    labels = torch.full((len(batch), n), -100, dtype=torch.long)
-    mask = torch.zeros((len(batch), n), dtype=torch.long)
-    for i, b in enumerate(batch):
-        ids[i, : len(b["input_ids"])] = torch.tensor(b["input_ids"])
-        labels[i, : len(b["labels"])] = torch.tensor(b["labels"])
-        mask[i, : len(b["input_ids"])] = 1
+def collate(docs: list[dict], pad_id: int) -> dict:
+    rows = [(r, d) for d, doc in enumerate(docs) for r in doc["rows"]]
+    n = max(len(ids) for (ids, _), _ in rows)
+    ids = torch.full((len(rows), n), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), n), -100, dtype=torch.long)
+    mask = torch.zeros((len(rows), n), dtype=torch.long)
+    for i, ((r_ids, r_labels), _) in enumerate(rows):
+        ids[i, : len(r_ids)] = torch.tensor(r_ids)
+        labels[i, : len(r_labels)] = torch.tensor(r_labels)
+        mask[i, : len(r_ids)] = 1
+    bounds, k = [], 0
+    for doc in docs:
+        bounds.append((k, k + doc["image_grid_thw"].shape[0]))
+        k = bounds[-1][1]
     return {"input_ids": ids, "labels": labels, "attention_mask": mask,
-            "mm_token_type_ids": (ids == image_id).int(),
-            "pixel_values": torch.cat([b["pixel_values"] for b in batch]),
-            "image_grid_thw": torch.cat([b["image_grid_thw"] for b in batch])}
+            "pixel_values": torch.cat([d["pixel_values"] for d in docs]),
+            "image_grid_thw": torch.cat([d["image_grid_thw"] for d in docs]),
+            "row_doc": torch.tensor([d for _, d in rows]), "doc_images": torch.tensor(bounds),
+            "aux": torch.cat([d["aux"] if "aux" in d else
+                              torch.full((d["pixel_values"].shape[0], 2), -100, dtype=torch.long) for d in docs])}
 
 
 # ---- models --------------------------------------------------------------------------------------------
@@ -228,130 +330,301 @@ def load_or_build(work: Path, name: str, size: str, device):
 
 
 # ---- training --------------------------------------------------------------------------------------------
-def answer_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
-    """Share of examples whose whole answer is right under teacher forcing."""
-    pred = logits[:, :-1].argmax(-1)
-    gold = labels[:, 1:]
-    ok = ((pred == gold) | (gold == -100)).all(-1)
-    return ok.float().mean().item()
+class Step:
+    """One batch through the target (and the draft): image features once per document."""
+
+    def __init__(self, target, draft, image_id: int) -> None:
+        self.target, self.draft, self.image_id = target, draft, image_id
+        self._trunk = None
+        target.model.visual.merger.register_forward_hook(self._grab)
+
+    def _grab(self, module, inputs, output):
+        self._trunk = inputs[0]
+
+    def features(self, batch, swap: list[int] | None = None, with_draft: bool = True):
+        feats = self.target.model.get_image_features(batch["pixel_values"], batch["image_grid_thw"]).pooler_output
+        t_docs = self._per_doc(feats, batch, swap)
+        return t_docs, (self.draft_features(batch, swap) if with_draft else None)
+
+    def draft_features(self, batch, swap: list[int] | None = None):
+        """The draft's merger over the target's trunk output of the last `features` call, detached."""
+        sizes = (batch["image_grid_thw"].prod(-1) // 4).tolist()
+        return self._per_doc(torch.split(self.draft.model.visual.merger(self._trunk.detach()), sizes), batch, swap)
+
+    def sync_trunk(self) -> None:
+        """The draft's trunk becomes the target's, byte for byte (its merger stays its own)."""
+        sd = self.draft.model.visual.state_dict()
+        sd.update({k: v for k, v in self.target.model.visual.state_dict().items() if not k.startswith("merger.")})
+        self.draft.model.visual.load_state_dict(sd)
+
+    @staticmethod
+    def _per_doc(feats, batch, swap):
+        docs = [torch.cat(feats[a:b]) for a, b in batch["doc_images"].tolist()]
+        if swap is not None:
+            docs = [docs[j] for j in swap]
+        return docs
+
+    def logits(self, model, batch, docs, positions):
+        ids = batch["input_ids"]
+        emb = model.model.get_input_embeddings()(ids)
+        img = torch.cat([docs[d] for d in batch["row_doc"].tolist()]).to(emb.dtype)
+        emb = emb.masked_scatter((ids == self.image_id)[..., None].expand_as(emb), img)
+        h = model.model.language_model(inputs_embeds=emb, position_ids=positions,
+                                       attention_mask=batch["attention_mask"]).last_hidden_state
+        sel = batch["labels"][:, 1:] != -100
+        return model.lm_head(h[:, :-1][sel]).float(), batch["labels"][:, 1:][sel], sel
+
+    def aux_logits(self, batch):
+        sel = batch["aux"] != -100
+        if not bool(sel.any()):
+            return None, None
+        logits = self.aux_head(self._trunk).float().view(-1, 2, AUX_CLASSES)
+        return logits[sel], batch["aux"][sel]
+
+    def aux_loss(self, batch):
+        logits, gold = self.aux_logits(batch)
+        if logits is None:
+            return None
+        weight = torch.ones(AUX_CLASSES, device=logits.device)
+        weight[0] = 0.1  # most of a page is blank
+        return torch.nn.functional.cross_entropy(logits, gold, weight=weight)
+
+    def positions(self, batch):
+        ids = batch["input_ids"]
+        grids = torch.cat([batch["image_grid_thw"][slice(*batch["doc_images"][d].tolist())]
+                           for d in batch["row_doc"].tolist()])
+        pos, _ = self.target.model.get_rope_index(ids, mm_token_type_ids=(ids == self.image_id).int(),
+                                                  image_grid_thw=grids, attention_mask=batch["attention_mask"])
+        return pos
 
 
-def train(args, role: str) -> None:
+def row_correct(pred: torch.Tensor, gold: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+    """Per row: is every answer token right (teacher-forced)?"""
+    ok = torch.ones(sel.shape, dtype=torch.bool, device=sel.device)
+    ok[sel] = pred == gold
+    return ok.all(-1)
+
+
+def save_all(work: Path, step_fn, tok, opts: dict, state: dict) -> None:
+    target, draft = step_fn.target, step_fn.draft
+    step_fn.sync_trunk()
+    save(target, tok, work / "target")
+    save(draft, tok, work / "draft")
+    torch.save(step_fn.aux_head.state_dict(), work / "aux_head.pt")
+    torch.save({k: o.state_dict() for k, o in opts.items()}, work / "optim.pt.tmp")
+    os.replace(work / "optim.pt.tmp", work / "optim.pt")
+    (work / "state.json").write_text(json.dumps(state, indent=1))
+
+
+def train(args) -> None:
     work = Path(args.work)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(args.seed)
-    size = ("micro-" if args.micro else "") + role
-    model, tok = load_or_build(work, role, size, device)
-    teacher = None
-    if role == "draft":
-        teacher, _ = load_or_build(work, "target", ("micro-" if args.micro else "") + "target", device)
-        teacher.eval().requires_grad_(False)
-        trunk = {k: v for k, v in teacher.model.visual.state_dict().items() if not k.startswith("merger.")}
-        model.model.visual.load_state_dict(trunk, strict=False)  # the target's trunk, frozen
-        for name, p in model.model.visual.named_parameters():
-            p.requires_grad_(name.startswith("merger."))
-    state_file = work / f"{role}_state.json"
-    state = json.loads(state_file.read_text()) if state_file.is_file() else {"step": 0, "log": []}
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    stage = "lines" if role == "target" and state["step"] < args.line_steps else "pages"
+    torch.backends.cuda.matmul.allow_tf32 = True
+    pre = "micro-" if args.micro else ""
+    target, tok = load_or_build(work, "target", pre + "target", device)
+    draft, _ = load_or_build(work, "draft", pre + "draft", device)
+    draft.model.visual.requires_grad_(False)
+    draft.model.visual.merger.requires_grad_(True)
+    state_file = work / "state.json"
+    state = json.loads(state_file.read_text()) if state_file.is_file() else {"step": 0, "distill_step": 0, "log": []}
+    # the trunk's dense reading head (training only, not part of the checkpoint)
+    aux_head = torch.nn.Linear(target.config.vision_config.embed_dim, 2 * AUX_CLASSES).to(device)
+    if (work / "aux_head.pt").is_file():
+        aux_head.load_state_dict(torch.load(work / "aux_head.pt", map_location=device))
+    opts = {"target": torch.optim.AdamW(list(target.parameters()) + list(aux_head.parameters()), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01),
+            "draft": torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=args.lr,
+                                       betas=(0.9, 0.95), weight_decay=0.01)}
+    warm = 0
+    if (work / "optim.pt").is_file():
+        for k, sd in torch.load(work / "optim.pt", map_location=device).items():
+            opts[k].load_state_dict(sd)
+        warm = 50  # the optimizer state came along: no new warm-up
     pad, image_id = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|image_pad|>")
+    step_fn = Step(target, draft, image_id)
+    step_fn.aux_head = aux_head
+    n_page, n_band = max(0, args.workers - args.workers // 3), args.workers // 3
 
-    def loader(stage_name, seed):
-        ds = Examples(work, stage_name, seed)
-        return iter(torch.utils.data.DataLoader(ds, batch_size=args.batch, num_workers=args.workers,
-                                                collate_fn=lambda b: collate(b, pad, image_id),
-                                                persistent_workers=args.workers > 0))
+    def loader(kind, batch, workers):
+        ds = Examples(work, kind, args.seed * 1000 + state["step"] + state["distill_step"])
+        return iter(torch.utils.data.DataLoader(ds, batch_size=batch, num_workers=workers,
+                                                collate_fn=lambda b: collate(b, pad), pin_memory=device.type == "cuda",
+                                                persistent_workers=workers > 0, prefetch_factor=4 if workers else None))
 
-    data = loader(stage, args.seed + state["step"])
-    held = collate([ex for _, ex in zip(range(2 * args.batch), Examples(work, "pages", 10_000 + args.seed))],
-                   pad, image_id)
+    pages, bands = loader("pages", args.batch, n_page), loader("bands", args.band_batch, n_band)
+    held = {"pages": collate([ex for _, ex in zip(range(args.eval_docs), Examples(work, "pages", args.seed, tag="heldout"))], pad),
+            "bands": collate([ex for _, ex in zip(range(4 * args.eval_docs), Examples(work, "bands", args.seed, tag="heldout"))], pad)}
+    names = [q.name for q in load_queries().queries]
     t_end = time.time() + 60 * args.minutes
-    t0, warm = time.time(), 0
-    model.train()
-    while time.time() < t_end and state["step"] < args.max_steps:
-        if stage == "lines" and state["step"] >= args.line_steps:
-            stage, data = "pages", loader("pages", args.seed + state["step"])
-        batch = {k: v.to(device, non_blocking=True) for k, v in next(data).items()}
-        # a short warm-up at each (re)start: the optimizer state does not travel between calls
-        lr = args.lr * min(1.0, (warm + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(1.0, state["step"] / args.max_steps)))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            out = model(**batch)
-            loss = out.loss
-            if teacher is not None:  # distillation on the answer tokens
+    t0, last_save = time.time(), time.time()
+    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    state.setdefault("train_seconds", 0.0)
+    state.setdefault("distill_seconds", 0.0)
+
+    def progress() -> tuple[bool, float]:
+        """(distilling?, progress of the current phase in [0, 1]): by steps when --max-steps is
+        given (an exact replay), else by training time against the planned minutes."""
+        if args.max_steps:
+            if state["step"] < args.max_steps:
+                return False, state["step"] / args.max_steps
+            return True, state["distill_step"] / args.distill_steps if args.distill_steps else 1.0
+        if state["train_seconds"] < 60 * args.target_minutes:
+            return False, state["train_seconds"] / (60 * args.target_minutes)
+        return True, state["distill_seconds"] / (60 * args.distill_minutes) if args.distill_minutes else 1.0
+
+    while time.time() < t_end:
+        distill, p = progress()
+        if distill and p >= 1:
+            break
+        t_step = time.time()
+        band_step = (not distill) and (p < args.region_share or state["step"] % 4 == 3)
+        batch = {k: v.to(device, non_blocking=True) for k, v in next(bands if band_step else pages).items()}
+        lr = args.lr * min(1.0, (warm + 1) / 50) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * p)))
+        for opt in opts.values():
+            for g in opt.param_groups:
+                g["lr"] = lr
+        target.train(not distill)
+        with amp:
+            pos = step_fn.positions(batch)
+            if distill:
                 with torch.no_grad():
-                    t_logits = teacher(**{k: v for k, v in batch.items() if k != "labels"}).logits
-                m = batch["labels"][:, 1:] != -100
-                s_lp = torch.log_softmax(out.logits[:, :-1][m].float(), -1)
-                t_lp = torch.log_softmax(t_logits[:, :-1][m].float(), -1)
-                loss = torch.nn.functional.kl_div(s_lp, t_lp, log_target=True, reduction="batchmean")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        state["step"] += 1
+                    t_docs, _ = step_fn.features(batch, with_draft=False)
+                    t_logits, gold, _ = step_fn.logits(target, batch, t_docs, pos)
+                d_logits, _, _ = step_fn.logits(draft, batch, step_fn.draft_features(batch), pos)
+                loss_t = torch.zeros((), device=device)
+                loss_d = torch.nn.functional.kl_div(torch.log_softmax(d_logits, -1), torch.log_softmax(t_logits, -1),
+                                                    log_target=True, reduction="batchmean")
+            else:
+                t_docs, d_docs = step_fn.features(batch)
+                t_logits, gold, _ = step_fn.logits(target, batch, t_docs, pos)
+                d_logits, _, _ = step_fn.logits(draft, batch, d_docs, pos)
+                loss_t = torch.nn.functional.cross_entropy(t_logits, gold)
+                loss_d = torch.nn.functional.cross_entropy(d_logits, gold)
+                loss_aux = step_fn.aux_loss(batch)
+                if loss_aux is not None:
+                    loss_t = loss_t + args.aux_weight * loss_aux
+        for opt in opts.values():
+            opt.zero_grad(set_to_none=True)
+        (loss_t + loss_d).backward()
+        # a non-finite loss or gradient skips that model's update (one bad batch must not turn
+        # the weights into NaN); skips are counted in the log
+        if not distill:
+            norm = torch.nn.utils.clip_grad_norm_(target.parameters(), 1.0)
+            if torch.isfinite(norm) and torch.isfinite(loss_t):
+                opts["target"].step()
+            else:
+                state["skipped_target"] = state.get("skipped_target", 0) + 1
+        norm_d = torch.nn.utils.clip_grad_norm_([p for p in draft.parameters() if p.requires_grad], 1.0)
+        if torch.isfinite(norm_d) and torch.isfinite(loss_d):
+            opts["draft"].step()
+        else:
+            state["skipped_draft"] = state.get("skipped_draft", 0) + 1
+        state["distill_step" if distill else "step"] += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        state["distill_seconds" if distill else "train_seconds"] += time.time() - t_step
         warm += 1
-        if state["step"] % args.eval_every == 0 or time.time() >= t_end:
-            state["log"].append(evaluate(model, held, device, state["step"], stage, loss.item(), time.time() - t0))
-            print(json.dumps(state["log"][-1]), flush=True)
-            model.train()
-    save(model, tok, work / role)
-    state_file.write_text(json.dumps(state, indent=1))
+        done = progress()[0] and progress()[1] >= 1
+        if (state["step"] + state["distill_step"]) % args.eval_every == 0 or time.time() >= t_end or done:
+            rec = evaluate(step_fn, held, names, device)
+            rec.update(step=state["step"], distill_step=state["distill_step"],
+                       phase="distill" if distill else ("bands" if band_step and p < args.region_share else "mixed"),
+                       loss_target=round(loss_t.item(), 4), loss_draft=round(loss_d.item(), 4),
+                       skipped=[state.get("skipped_target", 0), state.get("skipped_draft", 0)], lr=round(lr, 6),
+                       train_seconds=round(state["train_seconds"] + state["distill_seconds"], 1),
+                       seconds=round(time.time() - t0, 1))
+            state["log"].append(rec)
+            print(json.dumps(rec), flush=True)
+        if time.time() - last_save > 60 * args.save_minutes:
+            save_all(work, step_fn, tok, opts, state)
+            last_save = time.time()
+    save_all(work, step_fn, tok, opts, state)
 
 
 @torch.no_grad()
-def evaluate(model, held: dict, device, step: int, stage: str, loss: float, seconds: float) -> dict:
-    model.eval()
-    batch = {k: v.to(device) for k, v in held.items()}
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        acc = answer_accuracy(model(**batch).logits, batch["labels"])
-        # the same questions with the pages of other documents: if the image reaches the answer,
-        # accuracy must collapse
-        n = batch["image_grid_thw"].shape[0]
-        if n > 1:
-            perm = torch.roll(torch.arange(n), 1)
-            sizes = batch["image_grid_thw"].prod(-1)
-            if bool((sizes == sizes[perm]).all()):
-                chunks = list(torch.split(batch["pixel_values"], sizes.tolist()))
-                swapped = dict(batch, pixel_values=torch.cat([chunks[i] for i in perm.tolist()]))
-                acc_wrong = answer_accuracy(model(**swapped).logits, batch["labels"])
-            else:
-                acc_wrong = None
-        else:
-            acc_wrong = None
-    return {"step": step, "stage": stage, "loss": round(loss, 4), "heldout_answer_acc": round(acc, 4),
-            "heldout_answer_acc_other_image": None if acc_wrong is None else round(acc_wrong, 4),
-            "seconds": round(seconds, 1)}
+def evaluate(step_fn: Step, held: dict, names: list[str], device) -> dict:
+    """Teacher-forced whole-answer accuracy of the target per query and on bands, the same with
+    other documents' images, and the draft's top-1 agreement with the target's argmax."""
+    step_fn.target.eval()
+    step_fn.draft.eval()
+    out = {}
+    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    for kind, cpu_batch in held.items():
+        batch = {k: v.to(device) for k, v in cpu_batch.items()}
+        with amp:
+            pos = step_fn.positions(batch)
+            t_docs, d_docs = step_fn.features(batch)
+            t_logits, gold, sel = step_fn.logits(step_fn.target, batch, t_docs, pos)
+            d_logits, _, _ = step_fn.logits(step_fn.draft, batch, d_docs, pos)
+            t_pred, d_pred = t_logits.argmax(-1), d_logits.argmax(-1)
+            ok = row_correct(t_pred, gold, sel)
+            # every document's image features replaced by those of a document with the same grids
+            grids = [tuple(map(tuple, batch["image_grid_thw"][a:b].tolist())) for a, b in batch["doc_images"].tolist()]
+            swap = list(range(len(grids)))
+            for i, g in enumerate(grids):
+                j = next((j for j in list(range(i + 1, len(grids))) + list(range(i)) if grids[j] == g), i)
+                swap[i] = j
+            has_partner = torch.tensor([swap[d] != d for d in batch["row_doc"].tolist()], device=device)
+            o_logits, _, _ = step_fn.logits(step_fn.target, batch, step_fn.features(batch, swap)[0], pos)
+            ok_other = row_correct(o_logits.argmax(-1), gold, sel)
+        agree = (d_pred == t_pred).float()
+        row_of_tok = sel.nonzero()[:, 0]
+        if kind == "bands":
+            with amp:
+                step_fn.features(batch, with_draft=False)
+                a_logits, a_gold = step_fn.aux_logits(batch)
+            glyph = a_gold > 0
+            out["bands_char_acc"] = round((a_logits.argmax(-1)[glyph] == a_gold[glyph]).float().mean().item(), 4)
+            out["bands_acc"] = round(ok.float().mean().item(), 4)
+            out["bands_draft_agreement"] = round(agree.mean().item(), 4)
+            continue
+        q_of_row = torch.arange(sel.shape[0], device=device) % len(names)
+        for qi, name in enumerate(names):
+            rows = q_of_row == qi
+            out[f"acc_{name}"] = round(ok[rows].float().mean().item(), 4)
+            out[f"agree_{name}"] = round(agree[rows[row_of_tok]].mean().item(), 4)
+        out["pages_acc"] = round(ok.float().mean().item(), 4)
+        out["pages_acc_other_image"] = round(ok_other[has_partner].float().mean().item(), 4) if has_partner.any() else None
+        out["pages_draft_agreement"] = round(agree.mean().item(), 4)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["tokenizer", "target", "draft", "export"])
+    ap.add_argument("stage", choices=["tokenizer", "train", "export"])
     ap.add_argument("--work", required=True)
     ap.add_argument("--to", default=str(ROOT / "docproc" / "assets" / "models"))
-    ap.add_argument("--minutes", type=float, default=8.0)
-    ap.add_argument("--max-steps", type=int, default=30000)
-    ap.add_argument("--line-steps", type=int, default=3000)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--workers", type=int, default=max(0, (os.cpu_count() or 2) - 2))
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--minutes", type=float, default=9.0, help="stop (and save) after this long; run again to resume")
+    ap.add_argument("--target-minutes", type=float, default=12.0, help="planned training time of the target "
+                    "(joint with the draft); the LR schedule and curriculum follow the share of it spent")
+    ap.add_argument("--distill-minutes", type=float, default=3.0, help="planned draft distillation time after it")
+    ap.add_argument("--max-steps", type=int, default=0, help="plan by steps instead (exact replay): target steps")
+    ap.add_argument("--distill-steps", type=int, default=0, help="with --max-steps: distillation steps")
+    ap.add_argument("--region-share", type=float, default=0.2, help="share of the target's plan on text bands only")
+    ap.add_argument("--batch", type=int, default=8, help="documents per page batch (x7 query rows)")
+    ap.add_argument("--band-batch", type=int, default=48, help="text bands per band batch")
+    ap.add_argument("--workers", type=int, default=max(0, (os.cpu_count() or 2) - 1))
+    ap.add_argument("--lr", type=float, default=7e-4)
+    ap.add_argument("--aux-weight", type=float, default=1.0, help="weight of the trunk's dense reading loss")
+    ap.add_argument("--eval-every", type=int, default=200)
+    ap.add_argument("--eval-docs", type=int, default=24)
+    ap.add_argument("--save-minutes", type=float, default=3.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--micro", action="store_true", help="tiny sizes, for a CPU check")
     a = ap.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     if a.stage == "tokenizer":
-        train_tokenizer(work, SIZES["micro-target" if a.micro else "target"]["vocab"], a.seed)
-    elif a.stage in ("target", "draft"):
-        train(a, a.stage)
+        if not (work / "tokenizer" / "tokenizer.json").is_file():
+            train_tokenizer(work, SIZES["micro-target" if a.micro else "target"]["vocab"], a.seed)
+    elif a.stage == "train":
+        train(a)
     else:
         import shutil
 
         for role in ("target", "draft"):
-            shutil.copytree(work / role, Path(a.to) / role, dirs_exist_ok=True)
+            shutil.rmtree(Path(a.to) / role, ignore_errors=True)
+            shutil.copytree(work / role, Path(a.to) / role)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""The training script end to end at micro scale on CPU: tokenizer, target (both curriculum
-stages), draft by distillation with the target's frozen trunk, export; the result loads in
+"""The training script end to end at micro scale on CPU: tokenizer, joint training (both
+curriculum phases), resume, draft distillation with the target's frozen trunk, export; the result loads in
 transformers and in our engine, which detects the shared trunk."""
 from __future__ import annotations
 
@@ -23,16 +23,18 @@ def run(*args):
 
 def test_micro_training_pipeline(tmp_path):
     work, dest = tmp_path / "work", tmp_path / "models"
-    common = ["--work", work, "--micro", "--batch", "2", "--workers", "0", "--eval-every", "2"]
+    common = ["--work", work, "--micro", "--batch", "2", "--band-batch", "3", "--workers", "0", "--eval-every", "2",
+              "--eval-docs", "3", "--region-share", "0.5", "--distill-steps", "2"]
     run("tokenizer", "--work", work, "--micro")
     tok = json.loads((work / "tokenizer" / "tokenizer_config.json").read_text())
     assert "<|image_pad|>" in json.dumps(tok)
-    run("target", *common, "--max-steps", "4", "--line-steps", "2")
-    state = json.loads((work / "target_state.json").read_text())
-    assert state["step"] == 4 and {e["stage"] for e in state["log"]} == {"lines", "pages"}
-    run("target", *common, "--max-steps", "6", "--line-steps", "2")  # resumes from the checkpoint
-    assert json.loads((work / "target_state.json").read_text())["step"] == 6
-    run("draft", *common, "--max-steps", "2")
+    run("train", *common, "--max-steps", "4", "--distill-steps", "0")
+    state = json.loads((work / "state.json").read_text())
+    assert state["step"] == 4 and {e["phase"] for e in state["log"]} == {"bands", "mixed"}
+    assert 0 <= state["log"][-1]["acc_total"] <= 1 and 0 <= state["log"][-1]["bands_draft_agreement"] <= 1
+    run("train", *common, "--max-steps", "6")  # resumes from the checkpoint, then distils the draft
+    state = json.loads((work / "state.json").read_text())
+    assert state["step"] == 6 and state["distill_step"] == 2 and state["log"][-1]["phase"] == "distill"
     run("export", "--work", work, "--to", dest)
     from transformers import Qwen2VLForConditionalGeneration
 
@@ -51,3 +53,26 @@ def test_micro_training_pipeline(tmp_path):
                          "multi_modal_data": {"image": [Image.new("RGB", (200, 260), "white")]}}],
                        SamplingParams(max_tokens=4, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 4 and llm.spec_info()["shared_vision_trunk"]
+
+
+def test_dense_reading_targets_follow_the_processor_patch_order():
+    """The trunk's per-patch character targets must land on the patch the processor puts the
+    glyph in (2x2 merge blocks row-major, then row-major inside), in the right half-patch slot."""
+    import numpy as np
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import train_tiny as T
+
+    proc = Qwen2VLImageProcessorPil(**T.IMAGE)
+    for w, h, x0, y0, slot in [(280, 112, 98, 42, 0), (280, 112, 245, 84, 1), (560, 84, 490, 14, 0)]:
+        a = np.full((h, w, 3), 255, np.uint8)
+        a[y0:y0 + 14, x0:x0 + 7] = 0  # a dark half-patch where the "glyph" is
+        pv = proc(images=[Image.fromarray(a)], return_tensors="pt")["pixel_values"]
+        dark = (pv.view(pv.shape[0], 3, 2, 14, 14).mean((1, 2, 3, 4)) < 1.0).nonzero().flatten().tolist()
+        targets = T.char_targets([(x0 + 3.5, y0 + 7, 5)], w, h, lambda x, y: (x, y))
+        assert targets.shape == (pv.shape[0], 2)
+        hit = (targets > 0).any(-1).nonzero().flatten().tolist()
+        assert hit == dark and len(hit) == 1
+        assert targets[hit[0], slot] == 5 and targets[hit[0], 1 - slot] == 0
