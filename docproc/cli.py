@@ -82,6 +82,8 @@ def run(
     max_num_batched_tokens: int = typer.Option(8192, "--max-num-batched-tokens", help="Engine token budget per step."),
     gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization", help="Share of GPU memory to use."),
     batch_pages: int = typer.Option(32, "--batch-pages", help="Pages per engine batch (bounds memory)."),
+    anchor_text: bool = typer.Option(False, "--anchor-text", help="Put each PDF page's own text layer, with "
+                                     "coordinates, in the prompt beside its image (scans have none)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display and no summary."),
     log_json: bool = typer.Option(False, "--log-json", help="JSON lines (one per document, then the manifest) on stdout."),
 ) -> None:
@@ -100,7 +102,8 @@ def run(
                                queries=str(queries) if queries else None, device=device, kv_cache=kv_cache, dpi=dpi,
                                max_pages=max_pages, formats=parse_formats(format), force=force,
                                max_num_batched_tokens=max_num_batched_tokens,
-                               gpu_memory_utilization=gpu_memory_utilization, batch_pages=batch_pages)
+                               gpu_memory_utilization=gpu_memory_utilization, batch_pages=batch_pages,
+                               anchor_text=anchor_text)
     except (ValueError, typer.BadParameter) as e:
         err_console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(EXIT_USAGE)

@@ -242,3 +242,24 @@ def test_run_with_a_draft_reports_acceptance(docs, qwen2_vl_dir, tmp_path):
     assert data["run"]["acceptance_rate"] == 1.0
     assert all(v["acceptance_rate"] == 1.0 for v in data["per_query"].values())
     assert run_cli("run", docs, "--out", tmp_path / "x", "--model", qwen2_vl_dir, "--spec-k", "0").exit_code == 2
+
+
+def test_anchor_text_lengthens_pdf_prompts_only_and_is_part_of_the_fingerprint(docs, qwen2_vl_dir, tmp_path):
+    out = tmp_path / "out"
+    assert run_cli("run", docs, "--out", out, "--model", qwen2_vl_dir, "--device", "cpu", "-q").exit_code == 0
+    plain = {(r["path"], r["query"]): r for r in rows(out)}
+    res = run_cli("run", docs, "--out", out, "--model", qwen2_vl_dir, "--device", "cpu", "-q", "--anchor-text")
+    assert res.exit_code == 0, res.output
+    m = manifest(out)
+    assert m["settings"]["anchor_text"] is True
+    assert m["totals"]["already_done"] == 0 and m["totals"]["documents"] == 5  # other settings: redone
+    anchored = {(r["path"], r["query"]): r for r in rows(out)}
+    assert anchored.keys() == plain.keys()
+    for key, r in anchored.items():
+        if key[0].endswith(".pdf"):
+            assert r["prompt_tokens"] > plain[key]["prompt_tokens"] + 50
+        else:  # scans have no text layer: the very same prompt
+            assert r["prompt_tokens"] == plain[key]["prompt_tokens"]
+    assert any(k[0].endswith(".pdf") for k in anchored) and any(k[0].endswith(".png") for k in anchored)
+    again = run_cli("run", docs, "--out", out, "--model", qwen2_vl_dir, "--device", "cpu", "-q", "--anchor-text")
+    assert again.exit_code == 0 and manifest(out)["totals"]["already_done"] == 5

@@ -75,3 +75,43 @@ def test_eval_normalisation_and_f1():
     assert _norm("vendor", "  ACME  Corp ") == "acme corp"
     assert _f1("acme corp", "acme corp ltd") == pytest.approx(0.8)
     assert _f1(None, None) == 1.0 and _f1("x", None) == 0.0
+
+
+def test_anchor_text_holds_every_printed_field_with_coordinates(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from make_synthetic_docs import generate
+
+    from docproc.pipeline.ingest import ANCHOR_MAX_CHARS, discover, open_document
+
+    records = {r["file"]: r for r in generate(tmp_path, 4, seed=5, formats=("pdf", "png"), max_pages=2)}
+    seen = set()
+    for cand in discover([str(tmp_path)]):
+        if cand.skip_reason:
+            continue
+        doc = open_document(cand, with_text=True)
+        texts = [doc.page(i).text for i in range(doc.num_pages)]
+        rec = records[cand.path.name]
+        seen.add(rec["format"])
+        if rec["format"] != "pdf":
+            assert texts == [None] * doc.num_pages  # a scan has no text layer
+            continue
+        assert all(t.startswith("Page size: ") and len(t) <= ANCHOR_MAX_CHARS + 6 for t in texts)
+        joined = "\n".join(texts)
+        for value in rec["fields"].values():
+            if value is not None and not any("[...]" in t for t in texts):
+                assert value in joined
+        first = texts[0].splitlines()[1]
+        assert first.startswith("[") and "]" in first  # [x,y]text
+        doc.close()
+        assert open_document(cand).page(0).text is None  # only on request
+    assert seen == {"pdf", "png"}
+
+
+def test_anchor_text_goes_between_the_images_and_the_question():
+    p = build_prompt(2, "What is the total?", "Page 1:\nPage size: 595x842\n[36,76]Total 12.00")
+    assert p.index("<|vision_end|>Document text:\nPage 1:") > 0
+    assert p.index("[36,76]Total 12.00\nWhat is the total?") > p.rindex("<|vision_end|>")
+    assert build_prompt(1, "Q?", None) == build_prompt(1, "Q?")

@@ -43,6 +43,36 @@ class Page:
     sha256: str  # file bytes for single-image files; rendered pixels + size for PDF pages and frames
     width: int
     height: int
+    text: str | None = None  # the PDF's text layer with coordinates (--anchor-text); None for images
+
+
+ANCHOR_MAX_CHARS = 4000  # per page: a page with more text keeps its first lines and says it was cut
+
+
+def anchor_text(page) -> str:
+    """A PDF page's own text layer as prompt anchoring (as olmOCR does it): the page size in
+    points, then one line per text line, top to bottom and left to right, as `[x,y]text` with the
+    line's top-left corner in points. Empty when the page has no text layer."""
+    lines = []
+    for block in page.get_text("dict", sort=True)["blocks"]:
+        for ln in block.get("lines", []):
+            text = "".join(span["text"] for span in ln["spans"]).strip()
+            if text:
+                x0, y0 = ln["bbox"][0], ln["bbox"][1]
+                lines.append((round(y0), round(x0), text))
+    if not lines:
+        return ""
+    lines.sort()
+    out = [f"Page size: {round(page.rect.width)}x{round(page.rect.height)}"]
+    size = len(out[0])
+    for y, x, text in lines:
+        item = f"[{x},{y}]{text}"
+        if size + len(item) + 1 > ANCHOR_MAX_CHARS:
+            out.append("[...]")
+            break
+        out.append(item)
+        size += len(item) + 1
+    return "\n".join(out)
 
 
 class Document:
@@ -118,7 +148,8 @@ def _pixel_hash(img: Image.Image) -> str:
 
 
 def open_document(c: Candidate, *, dpi: int = 120, max_pages: int | None = None,
-                  max_pixels: int = DEFAULT_MAX_PIXELS, max_file_bytes: int = 1 << 30) -> Document:
+                  max_pixels: int = DEFAULT_MAX_PIXELS, max_file_bytes: int = 1 << 30,
+                  with_text: bool = False) -> Document:
     """Open, validate and hash a document; page 1 is rendered here so that a file whose pages
     cannot be read fails at once with its reason."""
     try:
@@ -133,7 +164,7 @@ def open_document(c: Candidate, *, dpi: int = 120, max_pages: int | None = None,
         digest = _sha256_file(c.path)
     except OSError as e:
         raise DocumentError(f"cannot read file: {e.strerror}") from None
-    doc = _open_pdf(c, digest, dpi, max_pages, max_pixels) if c.kind == "pdf" else \
+    doc = _open_pdf(c, digest, dpi, max_pages, max_pixels, with_text) if c.kind == "pdf" else \
         _open_image(c, digest, max_pages, max_pixels)
     try:
         doc.page(0)
@@ -143,7 +174,8 @@ def open_document(c: Candidate, *, dpi: int = 120, max_pages: int | None = None,
     return doc
 
 
-def _open_pdf(c: Candidate, digest: str, dpi: int, max_pages: int | None, max_pixels: int) -> Document:
+def _open_pdf(c: Candidate, digest: str, dpi: int, max_pages: int | None, max_pixels: int,
+              with_text: bool = False) -> Document:
     import pymupdf
 
     try:
@@ -165,10 +197,11 @@ def _open_pdf(c: Candidate, digest: str, dpi: int, max_pages: int | None, max_pi
             if w_in * h_in * dpi * dpi > max_pixels:  # lower the DPI to fit the pixel cap
                 page_dpi = max(1, int((max_pixels / max(w_in * h_in, 1e-6)) ** 0.5))
             pix = page.get_pixmap(dpi=page_dpi, alpha=False, colorspace=pymupdf.csRGB)
+            text = anchor_text(page) if with_text else None
         except Exception as e:
             raise DocumentError(f"cannot render page {i + 1}: {e}") from None
         img = Image.frombytes("RGB", (pix.width, pix.height), pix.samples)
-        return Page(i, img, _pixel_hash(img), img.width, img.height)
+        return Page(i, img, _pixel_hash(img), img.width, img.height, text or None)
 
     return Document(c, digest, pdf.page_count, max_pages, render, pdf.close)
 

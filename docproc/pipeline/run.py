@@ -5,7 +5,9 @@ Flow per batch: open documents lazily, render their pages window by window, buil
 a document's requests together so the prefix is computed once -- run the engine, parse answers,
 and flush the finished documents' rows atomically. A document whose pages exceed the prompt's
 image-token budget is split into consecutive windows of pages; each query is asked of every
-window and the first window (in page order) with a non-empty parsed answer wins.
+window and the first window (in page order) with a non-empty parsed answer wins. With
+--anchor-text, each born-digital PDF page's text layer (with coordinates) follows the images in
+the prompt, inside the shared prefix.
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ class RunSettings:
     draft: str | None = None  # speculative decoding: the draft model folder
     spec_k: str = "auto"  # a number or "auto"
     draft_vision: str = "auto"
+    anchor_text: bool = False  # put each PDF page's text layer (with coordinates) in the prompt
 
     def __post_init__(self) -> None:
         bad = set(self.formats) - {"json", "parquet"}
@@ -99,6 +102,13 @@ class _DocState:
     finished_adding: bool = False
 
 
+def window_anchor(pages) -> str | None:
+    """The anchor text of a window: each page's text layer under its page number; None when no
+    page has one (scans), so their prompts stay exactly the plain ones."""
+    parts = [f"Page {p.index + 1}:\n{p.text}" for p in pages if p.text]
+    return "\n".join(parts) if parts else None
+
+
 Reporter = Callable[[str, dict], None]  # (event, data): "start", "document", "batch", "end"
 
 
@@ -146,6 +156,8 @@ class Pipeline:
         payload = {"queries": self.queries.fingerprint, "model": self.model_fingerprint(), "draft": draft,
                    "dpi": self.s.dpi, "max_pages": self.s.max_pages, "kv_cache": info["kv_cache_dtype"],
                    "dtype": info["dtype"], "max_image_tokens": self.s.max_image_tokens, "prompt": PROMPT_VERSION}
+        if self.s.anchor_text:  # only when on: runs without it keep their fingerprints
+            payload["anchor_text"] = True
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
     # ---- the run -----------------------------------------------------------------------------
@@ -173,7 +185,8 @@ class Pipeline:
                     continue
                 t0 = time.perf_counter()
                 try:
-                    doc = open_document(cand, dpi=self.s.dpi, max_pages=self.s.max_pages)
+                    doc = open_document(cand, dpi=self.s.dpi, max_pages=self.s.max_pages,
+                                        with_text=self.s.anchor_text)
                 except DocumentError as e:
                     self.stage_seconds["open_render_hash"] += time.perf_counter() - t0
                     self.totals.errors += 1
@@ -231,6 +244,8 @@ class Pipeline:
             self.page_hashes.add(page.sha256)
             grid = llm.processor.grid_thw(page.image)
             n = grid[0] * grid[1] * grid[2] // llm.processor.merge_size ** 2
+            if page.text:  # the anchor text shares the window's budget with the images
+                n += len(llm.tokenizer.encode(page.text, add_special_tokens=False)) + 8
             if pages and tokens + n > budget:
                 self.stage_seconds["open_render_hash"] += time.perf_counter() - t0
                 state.windows_total += 1
@@ -251,8 +266,9 @@ class Pipeline:
         for w in batch:  # a document's queries stay together: its prefix is computed once
             images = [p.image for p in w.pages]
             uuids = [p.sha256 for p in w.pages]
+            anchor = window_anchor(w.pages) if self.s.anchor_text else None
             for q in self.queries.queries:
-                prompts.append({"prompt": build_prompt(len(images), q.question),
+                prompts.append({"prompt": build_prompt(len(images), q.question, anchor),
                                 "multi_modal_data": {"image": images}, "multi_modal_uuids": {"image": uuids}})
                 params.append(SamplingParams(temperature=0.0, max_tokens=q.max_tokens))
                 meta.append((w, q))
