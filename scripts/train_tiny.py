@@ -17,9 +17,16 @@ answer = the rows' text layer); afterwards whole documents with every query of t
 with one band batch in four to keep the reading signal. Half of all images are "scans"
 (rotation, blur, noise, JPEG). Examples are drawn by DataLoader workers on the CPU cores.
 
+Dense reading losses (training-only linear heads, not saved in the checkpoints): from each band's
+text layer, the character centred in each half of every 14x14 patch (on the trunk's output) and in
+each 7-pixel column of every merged 28x28 image token (on the target's and the draft's merger
+outputs, which is what their LMs read). Without them nothing learned to read in 8 minutes; with
+the trunk's, glyph accuracy reached 0.76 in 6 minutes (BENCHMARKS.md). Bands have at most
+--first-band-rows rows during the bands-only phase, then up to 5.
+
 Every eval reports, on held-out documents, the target's teacher-forced whole-answer accuracy per
 query and on bands, the same with each document's features swapped for another document's (it
-must collapse if the image reaches the answer), and the draft's top-1 agreement with the target.
+must collapse if the image reaches the answer), the draft's top-1 agreement with the target, and the dense heads' glyph accuracy on bands.
 Each stage resumes from WORK (weights, optimizer state, step): on a warm device the optimizer
 state is there; carried back through $OUT only the bf16 weights travel (the optimizer restarts,
 with a short warm-up). `--micro` shrinks everything to run a few steps on a CPU (the tests do).
@@ -143,19 +150,24 @@ def page_chars(page) -> list[tuple[float, float, int]]:
     return out
 
 
-def char_targets(chars, width: int, height: int, to_pixels) -> torch.Tensor:
-    """Dense reading targets for the vision trunk: for each 14x14 patch of the image as the
-    processor resizes it, the class of the character centred in its left and right half (0 if
-    none), in the processor's patch order (2x2 merge blocks row-major, then row-major inside)."""
+def char_targets(chars, width: int, height: int, to_pixels, merged: bool = False) -> torch.Tensor:
+    """Dense reading targets, for the image as the processor resizes it: the class of the
+    character whose centre falls in each slot (0 if none). Patch level (the trunk's output): each
+    14x14 patch has a left and a right half, in the processor's patch order (2x2 merge blocks
+    row-major, then row-major inside). merged=True (the LM's image tokens): each 28x28 token has
+    four 7-pixel columns, in token order (row-major)."""
     rh, rw = inference_size(height, width)
     fx, fy = rw / width, rh / height
-    gh, gw = rh // 14, rw // 14
-    grid = torch.zeros((gh, gw, 2), dtype=torch.long)
+    cell, slots = (28, 4) if merged else (14, 2)
+    gh, gw = rh // cell, rw // cell
+    grid = torch.zeros((gh, gw, slots), dtype=torch.long)
     for cx, cy, cls in chars:
         px, py = to_pixels(cx, cy)
         px, py = px * fx, py * fy
         if 0 <= px < rw and 0 <= py < rh:
-            grid[int(py // 14), int(px // 14), int((px % 14) >= 7)] = cls
+            grid[int(py // cell), int(px // cell), int((px % cell) * slots // cell)] = cls
+    if merged:
+        return grid.reshape(-1, slots)
     return grid.reshape(gh // 2, 2, gw // 2, 2, 2).permute(0, 2, 1, 3, 4).reshape(-1, 2)
 
 
@@ -171,9 +183,9 @@ class Examples(torch.utils.data.IterableDataset):
     whole document, one row per query of the default set."""
 
     def __init__(self, work: Path, kind: str, seed: int, scan_fraction: float = 0.5, max_pages: int = 3,
-                 tag: str = "train") -> None:
+                 tag: str = "train", band_rows: int = 5) -> None:
         self.work, self.kind, self.seed, self.scan_fraction, self.max_pages = work, kind, seed, scan_fraction, max_pages
-        self.tag = tag
+        self.tag, self.band_rows = tag, band_rows
 
     def __iter__(self):
         import numpy as np
@@ -207,7 +219,7 @@ class Examples(torch.utils.data.IterableDataset):
                 chars = page_chars(page)
                 for _ in range(4):
                     a = rng.randrange(len(rows))
-                    sel = rows[a: a + rng.randint(1, 5)]
+                    sel = rows[a: a + rng.randint(1, self.band_rows)]
                     m = rng.uniform(2, 10)
                     box = (max(0, min(r[0] for r in sel) * sx - m), max(0, sel[0][1] * sy - m),
                            min(w, max(r[2] for r in sel) * sx + m), min(h, max(r[3] for r in sel) * sy + m))
@@ -216,8 +228,9 @@ class Examples(torch.utils.data.IterableDataset):
                     if scan:
                         crop = degrade(crop, rng, nrng, max_angle=0.3)
                     ex = self._encode(tok, proc, [crop], [(READ_QUESTION, "\n".join(r[4] for r in sel))])
-                    ex["aux"] = char_targets(chars, crop.width, crop.height,
-                                             lambda x, y: (x * sx - ibox[0], y * sy - ibox[1]))
+                    to_px = lambda x, y: (x * sx - ibox[0], y * sy - ibox[1])  # noqa: E731
+                    ex["aux"] = char_targets(chars, crop.width, crop.height, to_px)
+                    ex["aux_tok"] = char_targets(chars, crop.width, crop.height, to_px, merged=True)
                     yield ex
             else:
                 if scan:
@@ -272,7 +285,10 @@ def collate(docs: list[dict], pad_id: int) -> dict:
             "image_grid_thw": torch.cat([d["image_grid_thw"] for d in docs]),
             "row_doc": torch.tensor([d for _, d in rows]), "doc_images": torch.tensor(bounds),
             "aux": torch.cat([d["aux"] if "aux" in d else
-                              torch.full((d["pixel_values"].shape[0], 2), -100, dtype=torch.long) for d in docs])}
+                              torch.full((d["pixel_values"].shape[0], 2), -100, dtype=torch.long) for d in docs]),
+            "aux_tok": torch.cat([d["aux_tok"] if "aux_tok" in d else
+                                  torch.full((d["pixel_values"].shape[0] // 4, 4), -100, dtype=torch.long)
+                                  for d in docs])}
 
 
 # ---- models --------------------------------------------------------------------------------------------
@@ -343,13 +359,15 @@ class Step:
 
     def features(self, batch, swap: list[int] | None = None, with_draft: bool = True):
         feats = self.target.model.get_image_features(batch["pixel_values"], batch["image_grid_thw"]).pooler_output
+        self._merged = torch.cat(feats)
         t_docs = self._per_doc(feats, batch, swap)
         return t_docs, (self.draft_features(batch, swap) if with_draft else None)
 
     def draft_features(self, batch, swap: list[int] | None = None):
         """The draft's merger over the target's trunk output of the last `features` call, detached."""
         sizes = (batch["image_grid_thw"].prod(-1) // 4).tolist()
-        return self._per_doc(torch.split(self.draft.model.visual.merger(self._trunk.detach()), sizes), batch, swap)
+        self._d_merged = self.draft.model.visual.merger(self._trunk.detach())
+        return self._per_doc(torch.split(self._d_merged, sizes), batch, swap)
 
     def sync_trunk(self) -> None:
         """The draft's trunk becomes the target's, byte for byte (its merger stays its own)."""
@@ -374,17 +392,22 @@ class Step:
         sel = batch["labels"][:, 1:] != -100
         return model.lm_head(h[:, :-1][sel]).float(), batch["labels"][:, 1:][sel], sel
 
-    def aux_logits(self, batch):
-        sel = batch["aux"] != -100
+    def aux_logits(self, batch, which: str):
+        """Dense reading logits and targets of the last features call: "trunk" (the target's
+        trunk, per half-patch), "tokens" / "draft_tokens" (the target's / draft's merged image
+        tokens, per 7-pixel column)."""
+        key, x, slots = {"trunk": ("aux", self._trunk, 2), "tokens": ("aux_tok", self._merged, 4),
+                         "draft_tokens": ("aux_tok", self._d_merged, 4)}[which]
+        sel = batch[key] != -100
         if not bool(sel.any()):
             return None, None
-        logits = self.aux_head(self._trunk).float().view(-1, 2, AUX_CLASSES)
-        return logits[sel], batch["aux"][sel]
+        logits = self.heads[which](x).float().view(-1, slots, AUX_CLASSES)
+        return logits[sel], batch[key][sel]
 
-    def aux_loss(self, batch):
-        logits, gold = self.aux_logits(batch)
+    def aux_loss(self, batch, which: str):
+        logits, gold = self.aux_logits(batch, which)
         if logits is None:
-            return None
+            return torch.zeros((), device=batch["aux"].device)
         weight = torch.ones(AUX_CLASSES, device=logits.device)
         weight[0] = 0.1  # most of a page is blank
         return torch.nn.functional.cross_entropy(logits, gold, weight=weight)
@@ -410,10 +433,17 @@ def save_all(work: Path, step_fn, tok, opts: dict, state: dict) -> None:
     step_fn.sync_trunk()
     save(target, tok, work / "target")
     save(draft, tok, work / "draft")
-    torch.save(step_fn.aux_head.state_dict(), work / "aux_head.pt")
+    torch.save(step_fn.heads.state_dict(), work / "aux_heads.pt")
     torch.save({k: o.state_dict() for k, o in opts.items()}, work / "optim.pt.tmp")
     os.replace(work / "optim.pt.tmp", work / "optim.pt")
     (work / "state.json").write_text(json.dumps(state, indent=1))
+
+
+def progress_share(state: dict, args) -> float:
+    """How far the target's plan is, in [0, 1] (by steps with --max-steps, else by time)."""
+    if args.max_steps:
+        return min(1.0, state.get("step", 0) / args.max_steps)
+    return min(1.0, state.get("train_seconds", 0.0) / (60 * args.target_minutes))
 
 
 def train(args) -> None:
@@ -428,12 +458,18 @@ def train(args) -> None:
     draft.model.visual.merger.requires_grad_(True)
     state_file = work / "state.json"
     state = json.loads(state_file.read_text()) if state_file.is_file() else {"step": 0, "distill_step": 0, "log": []}
-    # the trunk's dense reading head (training only, not part of the checkpoint)
-    aux_head = torch.nn.Linear(target.config.vision_config.embed_dim, 2 * AUX_CLASSES).to(device)
-    if (work / "aux_head.pt").is_file():
-        aux_head.load_state_dict(torch.load(work / "aux_head.pt", map_location=device))
-    opts = {"target": torch.optim.AdamW(list(target.parameters()) + list(aux_head.parameters()), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01),
-            "draft": torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=args.lr,
+    # dense reading heads (training only, not part of the checkpoints)
+    heads = torch.nn.ModuleDict({
+        "trunk": torch.nn.Linear(target.config.vision_config.embed_dim, 2 * AUX_CLASSES),
+        "tokens": torch.nn.Linear(target.config.text_config.hidden_size, 4 * AUX_CLASSES),
+        "draft_tokens": torch.nn.Linear(draft.config.text_config.hidden_size, 4 * AUX_CLASSES)}).to(device)
+    if (work / "aux_heads.pt").is_file():
+        heads.load_state_dict(torch.load(work / "aux_heads.pt", map_location=device))
+    opts = {"target": torch.optim.AdamW(list(target.parameters()) + list(heads["trunk"].parameters())
+                                        + list(heads["tokens"].parameters()), lr=args.lr,
+                                        betas=(0.9, 0.95), weight_decay=0.01),
+            "draft": torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad]
+                                       + list(heads["draft_tokens"].parameters()), lr=args.lr,
                                        betas=(0.9, 0.95), weight_decay=0.01)}
     warm = 0
     if (work / "optim.pt").is_file():
@@ -442,16 +478,18 @@ def train(args) -> None:
         warm = 50  # the optimizer state came along: no new warm-up
     pad, image_id = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|image_pad|>")
     step_fn = Step(target, draft, image_id)
-    step_fn.aux_head = aux_head
+    step_fn.heads = heads
     n_page, n_band = max(0, args.workers - args.workers // 3), args.workers // 3
 
-    def loader(kind, batch, workers):
-        ds = Examples(work, kind, args.seed * 1000 + state["step"] + state["distill_step"])
+    def loader(kind, batch, workers, band_rows=5):
+        ds = Examples(work, kind, args.seed * 1000 + state["step"] + state["distill_step"], band_rows=band_rows)
         return iter(torch.utils.data.DataLoader(ds, batch_size=batch, num_workers=workers,
                                                 collate_fn=lambda b: collate(b, pad), pin_memory=device.type == "cuda",
                                                 persistent_workers=workers > 0, prefetch_factor=4 if workers else None))
 
-    pages, bands = loader("pages", args.batch, n_page), loader("bands", args.band_batch, n_band)
+    short_bands = progress_share(state, args) < args.region_share
+    pages = loader("pages", args.batch, n_page)
+    bands = loader("bands", args.band_batch, n_band, args.first_band_rows if short_bands else 5)
     held = {"pages": collate([ex for _, ex in zip(range(args.eval_docs), Examples(work, "pages", args.seed, tag="heldout"))], pad),
             "bands": collate([ex for _, ex in zip(range(4 * args.eval_docs), Examples(work, "bands", args.seed, tag="heldout"))], pad)}
     names = [q.name for q in load_queries().queries]
@@ -476,6 +514,8 @@ def train(args) -> None:
         distill, p = progress()
         if distill and p >= 1:
             break
+        if short_bands and (distill or p >= args.region_share):  # the bands-only phase is over
+            short_bands, bands = False, loader("bands", args.band_batch, n_band)
         t_step = time.time()
         band_step = (not distill) and (p < args.region_share or state["step"] % 4 == 3)
         batch = {k: v.to(device, non_blocking=True) for k, v in next(bands if band_step else pages).items()}
@@ -500,9 +540,9 @@ def train(args) -> None:
                 d_logits, _, _ = step_fn.logits(draft, batch, d_docs, pos)
                 loss_t = torch.nn.functional.cross_entropy(t_logits, gold)
                 loss_d = torch.nn.functional.cross_entropy(d_logits, gold)
-                loss_aux = step_fn.aux_loss(batch)
-                if loss_aux is not None:
-                    loss_t = loss_t + args.aux_weight * loss_aux
+                loss_t = loss_t + args.aux_weight * step_fn.aux_loss(batch, "trunk") \
+                    + args.token_aux_weight * step_fn.aux_loss(batch, "tokens")
+                loss_d = loss_d + args.token_aux_weight * step_fn.aux_loss(batch, "draft_tokens")
         for opt in opts.values():
             opt.zero_grad(set_to_none=True)
         (loss_t + loss_d).backward()
@@ -571,10 +611,12 @@ def evaluate(step_fn: Step, held: dict, names: list[str], device) -> dict:
         row_of_tok = sel.nonzero()[:, 0]
         if kind == "bands":
             with amp:
-                step_fn.features(batch, with_draft=False)
-                a_logits, a_gold = step_fn.aux_logits(batch)
-            glyph = a_gold > 0
-            out["bands_char_acc"] = round((a_logits.argmax(-1)[glyph] == a_gold[glyph]).float().mean().item(), 4)
+                step_fn.features(batch)
+                for which, name in (("trunk", "bands_char_acc"), ("tokens", "bands_token_char_acc"),
+                                    ("draft_tokens", "bands_draft_token_char_acc")):
+                    a_logits, a_gold = step_fn.aux_logits(batch, which)
+                    glyph = a_gold > 0
+                    out[name] = round((a_logits.argmax(-1)[glyph] == a_gold[glyph]).float().mean().item(), 4)
             out["bands_acc"] = round(ok.float().mean().item(), 4)
             out["bands_draft_agreement"] = round(agree.mean().item(), 4)
             continue
@@ -606,6 +648,10 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=max(0, (os.cpu_count() or 2) - 1))
     ap.add_argument("--lr", type=float, default=7e-4)
     ap.add_argument("--aux-weight", type=float, default=1.0, help="weight of the trunk's dense reading loss")
+    ap.add_argument("--token-aux-weight", type=float, default=1.0,
+                    help="weight of the dense reading loss on the merged image tokens (target and draft)")
+    ap.add_argument("--first-band-rows", type=int, default=2,
+                    help="bands have at most this many rows in the bands-only phase (then up to 5)")
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--eval-docs", type=int, default=24)
     ap.add_argument("--save-minutes", type=float, default=3.0)

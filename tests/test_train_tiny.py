@@ -76,3 +76,8 @@ def test_dense_reading_targets_follow_the_processor_patch_order():
         hit = (targets > 0).any(-1).nonzero().flatten().tolist()
         assert hit == dark and len(hit) == 1
         assert targets[hit[0], slot] == 5 and targets[hit[0], 1 - slot] == 0
+        # merged image tokens: token k is patches 4k..4k+3; four 7-pixel columns per token
+        tokens = T.char_targets([(x0 + 3.5, y0 + 7, 5)], w, h, lambda x, y: (x, y), merged=True)
+        assert tokens.shape == (pv.shape[0] // 4, 4)
+        tok_hit = (tokens > 0).any(-1).nonzero().flatten().tolist()
+        assert tok_hit == [dark[0] // 4] and tokens[tok_hit[0]].tolist().index(5) == (x0 % 28) // 7
