@@ -62,6 +62,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
+        self.max_running = 0  # the most sequences running at once so far
 
     @property
     def has_unfinished(self) -> bool:
@@ -139,6 +140,7 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
             bm.commit(seq, seq.num_computed_tokens + n)  # later admissions this step may hit these
+        self.max_running = max(self.max_running, len(self.running))
         return out
 
     def finish(self, seq: Sequence, reason: str) -> None:

@@ -1,0 +1,470 @@
+"""Engine benchmarks for the device (issue #7), against transformers and against the rooflines.
+
+Random-weight models with Qwen2-VL-2B / -7B geometry are built from config (no download); pages are
+synthetic 868x1092 images (about 1,200 image tokens each). Every part writes its figures into one
+JSON file; a part that fails records its error and the others still run.
+
+    python scripts/bench_engine.py --parts a,c --json bench/results/DATE_engine_ac.json   # 7B / 2B
+    python scripts/bench_engine.py --parts b,d --json bench/results/DATE_engine_bd.json   # 2B
+    python scripts/bench_engine.py --geometry tiny --draft-geometry tiny-draft --device cpu --small \
+        --kv fp32,fp4 --json /tmp/b.json   # CPU check (tests/test_bench_engine.py)
+
+Not yet run on the device (as of 2026-11-29): no figures from it are in BENCHMARKS.md.
+
+(a) batch-1 decode: tokens/s of ours and of transformers' `generate` on the same weights and
+    prompt (one page + a question), and the bandwidth roofline: (LM weight bytes + KV bytes of
+    the context) per step over the copy bandwidth measured in the same run.
+(b) offline batch: D documents x Q queries, one page each, N new tokens (ignore_eos): pages/s and
+    tokens/s of ours with bf16 and FP4 KV, of transformers at each batch size tried (it recomputes
+    the page for every query), and the compute roofline: FLOPs of the vision tower once per page +
+    prefill of the unique prompt tokens + decode, over the bf16 matmul rate measured in the run.
+(c) speculation with acceptance controlled: the real draft forward runs, then each proposed token
+    is replaced by the target's known greedy continuation with probability a (else by a token that
+    is surely wrong); speedup over no draft at each a, batch size and K, next to E(a,K)/(1+Kc)
+    with c = draft step time / target step time measured here.
+(d) memory: at one fixed KV budget, the most sequences running at once (measured in the
+    scheduler) for bf16 and FP4 KV, with 1 query per page and with 4 queries per page.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from docproc import LLM, SamplingParams  # noqa: E402
+from docproc.engine.speculative import expected_tokens  # noqa: E402
+from docproc.pipeline.queries import build_prompt  # noqa: E402
+from random_models import make_model, share_vision_trunk  # noqa: E402
+
+QUESTIONS = ["What is the vendor name?", "What is the total amount?", "What is the document date?",
+             "Return vendor, invoice_number, date, due_date, currency and total as a JSON object."]
+
+
+# ---- measurements of the machine --------------------------------------------------------------------
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str, mib: int) -> float:
+    """Bytes/s of a device-to-device copy (read + write counted)."""
+    src = torch.empty(mib << 20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    sync(device)
+    t0 = time.perf_counter()
+    reps = 10
+    for _ in range(reps):
+        dst.copy_(src)
+    sync(device)
+    return 2 * src.numel() * reps / (time.perf_counter() - t0)
+
+
+def matmul_rate(device: str, n: int) -> float:
+    """FLOP/s of a square bf16 matmul (fp32 on CPU)."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    reps = 10
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync(device)
+    return 2 * n**3 * reps / (time.perf_counter() - t0)
+
+
+def page(seed: int, w: int, h: int) -> Image.Image:
+    """A page-sized image, different for every seed (so no two documents share a prefix)."""
+    rng = np.random.default_rng(seed)
+    img = np.full((h, w, 3), 255, np.uint8)
+    for y in range(40, h - 40, 24):  # text-like rows of dark specks
+        n = int(rng.integers(20, 80))
+        xs = rng.integers(40, w - 40, n)
+        img[y:y + 10, :][:, xs] = rng.integers(0, 120, (10, n, 1), dtype=np.uint8)
+    return Image.fromarray(img)
+
+
+def free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ---- model arithmetic ---------------------------------------------------------------------------------
+def lm_bytes_per_step(llm: LLM) -> int:
+    """Weight bytes one decode step reads: every language-model weight but the embedding table
+    (one row is gathered), the LM head included."""
+    text = llm.runner.model.text
+    n = sum(p.numel() * p.element_size() for name, p in text.named_parameters() if not name.startswith("embed_tokens"))
+    if text.lm_head.weight is text.embed_tokens.weight:  # tied: the head reads the embedding table
+        n += text.lm_head.weight.numel() * text.lm_head.weight.element_size()
+    return n
+
+
+def flops(llm: LLM, image_tokens: int, patches: int, prompt_tokens: int, new_tokens: int, queries: int) -> dict:
+    """Forward FLOPs for one page asked `queries` questions with the prefix computed once:
+    2 x params per token for the matmuls, plus attention (4 x context x head_dim x heads)."""
+    cfg = llm.runner.text_config
+    text = llm.runner.model.text
+    lm_params = sum(p.numel() for n, p in text.named_parameters() if not n.startswith("embed_tokens"))
+    if text.lm_head.weight is text.embed_tokens.weight:
+        lm_params += text.lm_head.weight.numel()
+    vis = llm.runner.model.vision
+    vis_params = sum(p.numel() for p in vis.parameters())
+    vc = llm.runner.hf_config.vision_config
+    vis_dim = getattr(vc, "embed_dim", None) or vc.hidden_size
+    vision = 2 * vis_params * patches + 4 * patches * patches * vis_dim * vc.depth
+    q_dim = cfg.num_attention_heads * cfg.head_dim
+    question = prompt_tokens - image_tokens
+    prefill_tokens = image_tokens + queries * question
+    prefill = 2 * lm_params * prefill_tokens + 2 * cfg.num_hidden_layers * q_dim * (
+        image_tokens**2 + queries * question * (2 * image_tokens + question))
+    ctx_mean = prompt_tokens + new_tokens / 2
+    decode = queries * new_tokens * (2 * lm_params + 4 * cfg.num_hidden_layers * q_dim * ctx_mean)
+    return {"vision": vision, "prefill": prefill, "decode": decode, "total": vision + prefill + decode}
+
+
+# ---- ours and transformers ----------------------------------------------------------------------------
+def ours(folder: Path, args, **kw) -> LLM:
+    return LLM(str(folder), device=args.device, dtype=args.dtype, gpu_memory_utilization=args.gpu_util,
+               max_num_batched_tokens=args.batched_tokens, **kw)
+
+
+def request(seed: int, question: str, args) -> dict:
+    return {"prompt": build_prompt(1, question), "multi_modal_data": {"image": [page(seed, args.page_w, args.page_h)]}}
+
+
+def hf_model(folder: Path, args):
+    from transformers import Qwen2VLForConditionalGeneration
+
+    dtype = getattr(torch, args.dtype)
+    model = Qwen2VLForConditionalGeneration.from_pretrained(str(folder), dtype=dtype, attn_implementation="sdpa")
+    return model.to(args.device).eval()
+
+
+def hf_batch(llm: LLM, reqs: list[dict], device: str) -> dict:
+    """transformers inputs for a batch of one-image prompts (left padding, as generate wants)."""
+    proc = llm.processor
+    rows, images = [], []
+    for r in reqs:
+        ids, _, loaded = proc.process(r["prompt"], None, r["multi_modal_data"]["image"])
+        rows.append(ids)
+        images.extend(im.image for im in loaded)
+    n = max(len(r) for r in rows)
+    pad = proc.tokenizer.pad_token_id or 0
+    ids = torch.full((len(rows), n), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), n), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, n - len(r):] = torch.tensor(r)
+        mask[i, n - len(r):] = 1
+    pv, grid = proc.pixel_values(images)
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "pixel_values": pv.to(device),
+            "image_grid_thw": grid.to(device), "mm_token_type_ids": (ids == proc.image_token_id).int().to(device)}
+
+
+@torch.inference_mode()
+def hf_generate(model, inputs: dict, new_tokens: int, device: str) -> float:
+    """Seconds for generate() of exactly new_tokens tokens per row, greedy."""
+    sync(device)
+    t0 = time.perf_counter()
+    model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                   pad_token_id=inputs["input_ids"][0, 0].item())
+    sync(device)
+    return time.perf_counter() - t0
+
+
+# ---- parts ---------------------------------------------------------------------------------------------
+def part_a(folder: Path, args, env: dict) -> dict:
+    """Batch-1 decode."""
+    n = args.new_tokens
+    req = request(1, QUESTIONS[1], args)
+    llm = ours(folder, args)
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    llm.generate([request(99, QUESTIONS[0], args)], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+    out = llm.generate([req], sp)[0]
+    m = out.metrics
+    decode_s = m.total_time - m.time_to_first_token
+    ours_tps = (n - 1) / decode_s
+    ctx = m.num_prompt_tokens + n // 2
+    info = llm.cache_info()
+    step_bytes = lm_bytes_per_step(llm) + ctx * info["bytes_per_token"]
+    roofline_tps = env["copy_bandwidth"] / step_bytes
+    inputs = hf_batch(llm, [req], args.device)
+    del llm
+    free()
+    model = hf_model(folder, args)
+    hf_generate(model, inputs, 4, args.device)  # warm-up
+    t1 = hf_generate(model, inputs, 1, args.device)
+    tn = hf_generate(model, inputs, n, args.device)
+    hf_tps = (n - 1) / (tn - t1)
+    del model
+    free()
+    return {"new_tokens": n, "prompt_tokens": m.num_prompt_tokens, "ours_tokens_per_s": round(ours_tps, 2),
+            "ours_ttft_s": round(m.time_to_first_token, 4), "transformers_tokens_per_s": round(hf_tps, 2),
+            "speedup_vs_transformers": round(ours_tps / hf_tps, 2), "bytes_per_step": step_bytes,
+            "roofline_tokens_per_s": round(roofline_tps, 2), "share_of_roofline": round(ours_tps / roofline_tps, 3)}
+
+
+def part_b(folder: Path, args, env: dict) -> dict:
+    """Offline batch: D documents x Q queries."""
+    d, q, n = args.docs, args.queries, args.new_tokens
+    reqs = [request(1000 + i, QUESTIONS[j % len(QUESTIONS)], args) for i in range(d) for j in range(q)]
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    res: dict = {"documents": d, "queries_per_document": q, "new_tokens": n}
+    for kv in args.kv:
+        llm = ours(folder, args, kv_cache_dtype=kv)
+        llm.generate([request(7, QUESTIONS[0], args)], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        sync(args.device)
+        t0 = time.perf_counter()
+        outs = llm.generate(reqs, sp)
+        sync(args.device)
+        dt = time.perf_counter() - t0
+        m = outs[0].metrics
+        grid = llm.processor.grid_thw(reqs[0]["multi_modal_data"]["image"][0])
+        patches = grid[0] * grid[1] * grid[2]
+        image_tokens = patches // llm.processor.merge_size ** 2
+        f = flops(llm, image_tokens, patches, m.num_prompt_tokens, n, q)
+        roofline_pages = env["matmul_flops"] / f["total"]
+        res[f"ours_{kv}"] = {"seconds": round(dt, 3), "pages_per_s": round(d / dt, 3),
+                             "tokens_per_s": round(d * q * n / dt, 1),
+                             "cached_prompt_tokens": sum(o.metrics.num_cached_tokens for o in outs),
+                             "preemptions": llm.cache_info()["num_preemptions"],
+                             "share_of_compute_roofline": round(d / dt / roofline_pages, 3)}
+        res["flops_per_page"] = f
+        res["compute_roofline_pages_per_s"] = round(roofline_pages, 3)
+        if kv == args.kv[0]:
+            inputs_all = [hf_batch(llm, reqs[i:i + b], args.device) for b in args.hf_batches for i in [0]]
+        del llm
+        free()
+    model = hf_model(folder, args)
+    best = None
+    for b, inputs in zip(args.hf_batches, inputs_all):
+        if b > len(reqs):
+            continue
+        try:
+            hf_generate(model, inputs, 2, args.device)  # warm-up
+            dt = hf_generate(model, inputs, n, args.device)
+        except torch.OutOfMemoryError:
+            free()
+            res[f"transformers_batch_{b}"] = "out of memory"
+            continue
+        tps = b * n / dt
+        res[f"transformers_batch_{b}"] = {"seconds": round(dt, 3), "tokens_per_s": round(tps, 1),
+                                           "pages_per_s": round(b / q / dt, 3)}
+        if best is None or tps > best[1]:
+            best = (b, tps)
+    del model
+    free()
+    if best:
+        res["transformers_best"] = {"batch": best[0], "tokens_per_s": round(best[1], 1)}
+        for kv in args.kv:
+            res[f"ours_{kv}"]["speedup_vs_transformers_best"] = round(res[f"ours_{kv}"]["tokens_per_s"] / best[1], 2)
+    return res
+
+
+class ControlledDraft:
+    """Benchmark-only: after the real draft forward, each proposed token becomes the target's
+    known greedy continuation with probability a, else a token that is surely wrong."""
+
+    def __init__(self, speculator, continuations: dict[str, list[int]], a: float, vocab: int, seed: int) -> None:
+        self.spec, self.cont, self.a, self.vocab = speculator, continuations, a, vocab
+        self.rng = random.Random(seed)
+        self._propose = speculator.propose
+        speculator.propose = self.propose
+
+    def propose(self, work):
+        out = self._propose(work)
+        for seq, _ in work:
+            prop = out.get(seq.seq_id)
+            if prop is None or not prop.tokens:
+                continue
+            cont = self.cont[seq.request_id]
+            base = seq.num_generated_tokens  # the proposals follow the last committed token
+            toks = []
+            for r in range(len(prop.tokens)):
+                right = cont[base + r] if base + r < len(cont) else prop.tokens[r]
+                toks.append(right if self.rng.random() < self.a else (right + 1) % self.vocab)
+            prop.tokens = toks
+        return out
+
+
+def part_c(folder: Path, draft: Path, args, env: dict) -> dict:
+    """Speculation with controlled acceptance: one plain engine for the baselines (and the greedy
+    continuations), then one speculative engine per K for every batch size and a."""
+    n = args.spec_new_tokens
+    res: dict = {"new_tokens": n, "baselines": {}, "runs": []}
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    warm = [request(5, QUESTIONS[0], args)]
+    batches = {b: [request(2000 + i, QUESTIONS[i % len(QUESTIONS)], args) for i in range(b)] for b in args.spec_batches}
+    plain = ours(folder, args)
+    plain.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True))
+    base, conts = {}, {}
+    for b, reqs in batches.items():
+        sync(args.device)
+        t0 = time.perf_counter()
+        outs = plain.generate(reqs, sp)
+        sync(args.device)
+        base[b] = time.perf_counter() - t0
+        conts[b] = [o.outputs[0].token_ids for o in outs]
+        res["baselines"][str(b)] = {"seconds": round(base[b], 3), "tokens_per_s": round(b * n / base[b], 1)}
+    vocab = plain.runner.text_config.vocab_size
+    del plain
+    free()
+    for k in args.spec_k:
+        llm = ours(folder, args, speculative_model=str(draft), num_speculative_tokens=k)
+        llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True))
+        for b, reqs in batches.items():
+            for a in args.accept:
+                ctl = ControlledDraft(llm.speculator, {str(i): c for i, c in enumerate(conts[b])}, a, vocab,
+                                      seed=int(a * 1000) + k)
+                try:
+                    sync(args.device)
+                    t0 = time.perf_counter()
+                    outs = llm.generate(reqs, sp)
+                    sync(args.device)
+                    dt = time.perf_counter() - t0
+                finally:
+                    llm.speculator.propose = ctl._propose
+                prop = sum(o.metrics.draft_proposed for o in outs)
+                acc = sum(o.metrics.draft_accepted for o in outs)
+                c = llm.speculator.policy.cost_ratio  # draft step / target step, measured by the engine
+                res["runs"].append({
+                    "batch": b, "k": k, "a": a, "seconds": round(dt, 3), "speedup": round(base[b] / dt, 3),
+                    "acceptance_rate": round(acc / prop, 4) if prop else None,
+                    "mean_accepted_per_step": round(acc / max(1, prop / k), 3) if prop else None,
+                    "cost_ratio_c": round(c, 4), "analytic_speedup": round(expected_tokens(a, k) / (1 + k * c), 3),
+                    "greedy_output_unchanged": all(o.outputs[0].token_ids == t for o, t in zip(outs, conts[b]))})
+                print(json.dumps(res["runs"][-1]), flush=True)
+        del llm
+        free()
+    return res
+
+
+def part_d(folder: Path, args, env: dict) -> dict:
+    """Most sequences running at once at one KV budget."""
+    res: dict = {"kv_cache_memory_bytes": args.kv_budget, "new_tokens": args.mem_new_tokens}
+    sp = SamplingParams(temperature=0.0, max_tokens=args.mem_new_tokens, ignore_eos=True)
+    for kv in args.kv:
+        for q in (1, 4):
+            llm = ours(folder, args, kv_cache_dtype=kv, kv_cache_memory_bytes=args.kv_budget,
+                       max_num_seqs=1024)
+            docs = max(1, args.mem_requests // q)
+            reqs = [request(3000 + i, QUESTIONS[j], args) for i in range(docs) for j in range(q)]
+            llm.generate(reqs, sp)
+            info = llm.cache_info()
+            res[f"{kv}_q{q}"] = {"requests": len(reqs), "max_running": llm.scheduler.max_running,
+                                 "num_blocks": info["num_blocks"], "bytes_per_token": info["bytes_per_token"],
+                                 "preemptions": info["num_preemptions"],
+                                 # the figure is the memory's limit only if the pool was the constraint
+                                 "capacity_bound": info["num_preemptions"] > 0
+                                 or llm.scheduler.max_running < len(reqs)}
+            del llm
+            free()
+    for kv in args.kv:
+        one, four = res[f"{kv}_q1"]["max_running"], res[f"{kv}_q4"]["max_running"]
+        res[f"{kv}_sharing_gain"] = round(four / max(one, 1), 2)
+    if len(args.kv) > 1:
+        a, b = args.kv[0], args.kv[1]
+        res[f"{b}_vs_{a}_q1"] = round(res[f"{b}_q1"]["max_running"] / max(1, res[f"{a}_q1"]["max_running"]), 2)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default="a,b,c,d")
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--work", default="/tmp/docproc-bench", help="where the random model folders go")
+    ap.add_argument("--geometry", default="7b", help="target geometry for a, c (random_models.GEOMETRIES)")
+    ap.add_argument("--batch-geometry", default="2b", help="geometry for b and d")
+    ap.add_argument("--draft-geometry", default="2b", help="draft geometry for c")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--gpu-util", type=float, default=0.85)
+    ap.add_argument("--batched-tokens", type=int, default=8192)
+    ap.add_argument("--page-w", type=int, default=868)
+    ap.add_argument("--page-h", type=int, default=1092)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--docs", type=int, default=64)
+    ap.add_argument("--queries", type=int, default=4)
+    ap.add_argument("--kv", default="bf16,fp4")
+    ap.add_argument("--hf-batches", default="4,16,64")
+    ap.add_argument("--spec-batches", default="1,8,32")
+    ap.add_argument("--spec-k", default="4")
+    ap.add_argument("--accept", default="0.5,0.7,0.9")
+    ap.add_argument("--spec-new-tokens", type=int, default=128)
+    ap.add_argument("--kv-budget", type=int, default=4 << 30)
+    ap.add_argument("--mem-requests", type=int, default=512)
+    ap.add_argument("--mem-new-tokens", type=int, default=256)
+    ap.add_argument("--small", action="store_true", help="CPU check: tiny sizes everywhere")
+    a = ap.parse_args()
+    a.kv = a.kv.split(",")
+    a.hf_batches = [int(x) for x in a.hf_batches.split(",")]
+    a.spec_batches = [int(x) for x in a.spec_batches.split(",")]
+    a.spec_k = [int(x) for x in a.spec_k.split(",")]
+    a.accept = [float(x) for x in a.accept.split(",")]
+    if a.small:
+        a.dtype, a.page_w, a.page_h, a.new_tokens, a.docs, a.spec_new_tokens = "float32", 448, 560, 6, 3, 8
+        a.hf_batches, a.spec_batches, a.kv_budget, a.mem_requests, a.mem_new_tokens = [2, 4], [1, 2], 1 << 20, 24, 16
+        a.batch_geometry = a.geometry
+    work = Path(a.work)
+    dev = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    a.device = dev
+    mk = dict(dtype=getattr(torch, a.dtype), device=dev, max_pixels=28 * 28 * 1280,
+              init_std=0.08 if a.small else None)
+    result = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+              "torch": torch.__version__, "args": {k: v for k, v in vars(a).items()}}
+    env = {"copy_bandwidth": copy_bandwidth(dev, 64 if a.small else 2048),
+           "matmul_flops": matmul_rate(dev, 512 if a.small else 8192)}
+    result["machine"] = {"copy_bandwidth_GBps": round(env["copy_bandwidth"] / 1e9, 1),
+                         "matmul_TFLOPs": round(env["matmul_flops"] / 1e12, 1)}
+    print(json.dumps(result["machine"]), flush=True)
+    parts = a.parts.split(",")
+    folders = {}
+
+    def model(geometry: str, seed: int = 0) -> Path:
+        if geometry not in folders:
+            folders[geometry] = make_model(work / geometry, geometry=geometry, seed=seed, **mk)
+            free()
+        return folders[geometry]
+
+    for p in parts:
+        t0 = time.perf_counter()
+        try:
+            if p == "a":
+                result["a_batch1_decode"] = part_a(model(a.geometry), a, env)
+            elif p == "b":
+                result["b_offline_batch"] = part_b(model(a.batch_geometry), a, env)
+            elif p == "c":
+                target, draft = model(a.geometry), model(a.draft_geometry, seed=1)
+                if a.small:
+                    share_vision_trunk(target, draft)
+                result["c_speculation"] = part_c(target, draft, a, env)
+            elif p == "d":
+                result["d_memory"] = part_d(model(a.batch_geometry), a, env)
+        except Exception as e:  # one failed part must not lose the others
+            result[f"{p}_error"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        result[f"{p}_seconds"] = round(time.perf_counter() - t0, 1)
+        Path(a.json).write_text(json.dumps(result, indent=1))
+        print(json.dumps({k: v for k, v in result.items() if k.startswith(p)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
