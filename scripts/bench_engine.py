@@ -211,8 +211,8 @@ def part_a(folder: Path, args, env: dict) -> dict:
     free()
     model = hf_model(folder, args)
     hf_generate(model, inputs, 4, args.device)  # warm-up
-    t1 = hf_generate(model, inputs, 1, args.device)
-    tn = hf_generate(model, inputs, n, args.device)
+    t1 = min(hf_generate(model, inputs, 1, args.device) for _ in range(3))  # the best of three: noise only adds
+    tn = min(hf_generate(model, inputs, n, args.device) for _ in range(3))
     hf_tps = (n - 1) / (tn - t1)
     del model
     free()

@@ -518,7 +518,10 @@ def train(args) -> None:
             short_bands, bands = False, loader("bands", args.band_batch, n_band)
         t_step = time.time()
         band_step = (not distill) and (p < args.region_share or state["step"] % 4 == 3)
-        batch = {k: v.to(device, non_blocking=True) for k, v in next(bands if band_step else pages).items()}
+        t_data = time.time()
+        cpu_batch = next(bands if band_step else pages)
+        state["data_wait_seconds"] = state.get("data_wait_seconds", 0.0) + time.time() - t_data
+        batch = {k: v.to(device, non_blocking=True) for k, v in cpu_batch.items()}
         lr = args.lr * min(1.0, (warm + 1) / 50) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * p)))
         for opt in opts.values():
             for g in opt.param_groups:
@@ -572,6 +575,7 @@ def train(args) -> None:
                        loss_target=round(loss_t.item(), 4), loss_draft=round(loss_d.item(), 4),
                        skipped=[state.get("skipped_target", 0), state.get("skipped_draft", 0)], lr=round(lr, 6),
                        train_seconds=round(state["train_seconds"] + state["distill_seconds"], 1),
+                       data_wait_seconds=round(state.get("data_wait_seconds", 0.0), 1),
                        seconds=round(time.time() - t0, 1))
             state["log"].append(rec)
             print(json.dumps(rec), flush=True)
