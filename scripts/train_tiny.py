@@ -22,7 +22,8 @@ text layer, the character centred in each half of every 14x14 patch (on the trun
 each 7-pixel column of every merged 28x28 image token (on the target's and the draft's merger
 outputs, which is what their LMs read). Without them nothing learned to read in 8 minutes; with
 the trunk's, glyph accuracy reached 0.76 in 6 minutes (BENCHMARKS.md). Bands have at most
---first-band-rows rows during the bands-only phase, then up to 5.
+--first-band-rows rows during the bands-only phase, then up to 5; a band sits on a white canvas of
+whole 28-pixel tokens, so the processor keeps its glyphs at their page scale.
 
 Every eval reports, on held-out documents, the target's teacher-forced whole-answer accuracy per
 query and on bands, the same with each document's features swapped for another document's (it
@@ -171,6 +172,21 @@ def char_targets(chars, width: int, height: int, to_pixels, merged: bool = False
     return grid.reshape(gh // 2, 2, gw // 2, 2, 2).permute(0, 2, 1, 3, 4).reshape(-1, 2)
 
 
+def on_token_grid(crop):
+    """The crop on a white canvas whose sides are whole 28-pixel image tokens (and at least the
+    processor's minimum area), so that the processor does not rescale it: a band's glyphs keep
+    exactly the size they have on the page at inference (the processor would otherwise stretch a
+    40-pixel band to 28 or 56)."""
+    from PIL import Image
+
+    w, h = -(-crop.width // 28) * 28, -(-crop.height // 28) * 28
+    while w * h < IMAGE["min_pixels"]:
+        w += 28
+    canvas = Image.new("RGB", (w, h), (255, 255, 255))
+    canvas.paste(crop, (0, 0))
+    return canvas
+
+
 def inference_size(h: int, w: int) -> tuple[int, int]:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
@@ -224,7 +240,7 @@ class Examples(torch.utils.data.IterableDataset):
                     box = (max(0, min(r[0] for r in sel) * sx - m), max(0, sel[0][1] * sy - m),
                            min(w, max(r[2] for r in sel) * sx + m), min(h, max(r[3] for r in sel) * sy + m))
                     ibox = tuple(int(round(v)) for v in box)
-                    crop = img.crop(ibox)
+                    crop = on_token_grid(img.crop(ibox))
                     if scan:
                         crop = degrade(crop, rng, nrng, max_angle=0.3)
                     ex = self._encode(tok, proc, [crop], [(READ_QUESTION, "\n".join(r[4] for r in sel))])

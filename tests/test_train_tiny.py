@@ -81,3 +81,16 @@ def test_dense_reading_targets_follow_the_processor_patch_order():
         assert tokens.shape == (pv.shape[0] // 4, 4)
         tok_hit = (tokens > 0).any(-1).nonzero().flatten().tolist()
         assert tok_hit == [dark[0] // 4] and tokens[tok_hit[0]].tolist().index(5) == (x0 % 28) // 7
+
+
+def test_bands_sit_on_the_token_grid_so_the_processor_keeps_their_scale():
+    from PIL import Image
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import train_tiny as T
+
+    for w, h in [(600, 40), (30, 20), (812, 141)]:
+        c = T.on_token_grid(Image.new("RGB", (w, h), "black"))
+        assert c.width % 28 == 0 and c.height % 28 == 0 and c.width >= w and c.height >= h
+        assert T.inference_size(c.height, c.width) == (c.height, c.width)  # no rescaling
+        assert c.getpixel((w - 1, h - 1)) == (0, 0, 0) and c.getpixel((c.width - 1, c.height - 1)) == (255, 255, 255)
