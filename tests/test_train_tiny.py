@@ -46,6 +46,22 @@ def test_micro_training_pipeline(tmp_path):
          .state_dict().items() if not k.startswith("merger.")}
     d = Qwen2VLForConditionalGeneration.from_pretrained(str(dest / "draft")).model.visual.state_dict()
     assert all(torch.equal(v, d[k]) for k, v in t.items())  # the draft's trunk is the target's
+    # the evaluation script that produces the model card's figures, on the micro pair
+    report_file = tmp_path / "report.json"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate_pair.py"), "--target", str(dest / "target"),
+                    "--draft", str(dest / "draft"), "--count", "2", "--seed", "3", "--work", str(tmp_path / "ep"),
+                    "--json", str(report_file), "--device", "cpu", "--kv", "fp32,fp4"],
+                   check=True, capture_output=True, cwd=ROOT, timeout=600)
+    report = json.loads(report_file.read_text())
+    names = {"vendor", "invoice_number", "date", "due_date", "currency", "total", "all_fields"}
+    assert set(report["eval"]) == {"fp32", "fp4"} and report["eval"]["fp32"]["documents"] == 2
+    assert 0 <= report["eval"]["fp4"]["overall_exact_match"] <= 1
+    assert 0 <= report["kv_comparison"]["identical_answers"] <= 1
+    assert report["speculation"]["answers_identical_to_plain"] is True  # greedy speculation is lossless
+    assert set(report["speculation"]["acceptance_per_query"]) == names
+    assert set(report["draft_agreement"]["per_query"]) == names
+    assert all(0 <= v["agreement"] <= 1 and v["tokens"] > 0 for v in report["draft_agreement"]["per_query"].values())
+
     llm = LLM(str(dest / "target"), device="cpu", speculative_model=str(dest / "draft"), num_speculative_tokens=2)
     from PIL import Image
 

@@ -1,0 +1,182 @@
+"""Every acceptance figure of a trained target/draft pair, from one command (issues #3, #5, #6).
+
+    python scripts/evaluate_pair.py --target docproc/assets/models/target \
+        --draft docproc/assets/models/draft --count 200 --seed 777 --json bench/results/DATE_pair.json
+
+On --count freshly generated documents (a seed the training never used: training draws its
+documents from its own "train:"/"heldout:" seed strings, the generator from "docproc-synthetic:"):
+1. `docproc run` with the target alone, once per --kv format, then `docproc eval`: overall and
+   per-field exact match and F1, PDFs and scans separately;
+2. for the second --kv format (FP4), the difference in exact match to the first and the share of
+   answers that are identical;
+3. the same run with the draft (greedy): answers must equal the plain run's (speculation is
+   lossless), and the draft's acceptance rate per query kind;
+4. the draft's top-1 agreement with the target's greedy tokens, teacher-forced on the target's
+   answers, per query kind (transformers' forward for the draft, on the token ids our engine
+   generated for the target);
+5. with --speed: tokens/s with and without the draft at batch 1 and 16 (greedy, 64 new tokens).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from docproc.pipeline.evaluate import evaluate  # noqa: E402
+from docproc.pipeline.ingest import discover, open_document  # noqa: E402
+from docproc.pipeline.queries import build_prompt, load_queries  # noqa: E402
+from docproc.pipeline.run import Pipeline, RunSettings  # noqa: E402
+
+
+def run_pipeline(docs: Path, out: Path, args, kv: str, draft: str | None) -> dict[tuple[str, str], dict]:
+    shutil.rmtree(out, ignore_errors=True)
+    s = RunSettings(inputs=[str(docs)], out=str(out), model=args.target, draft=draft, kv_cache=kv,
+                    device=args.device, spec_k=args.spec_k)
+    t0 = time.perf_counter()
+    manifest = Pipeline(s).run()
+    import pyarrow.parquet as pq
+
+    rows = {(Path(r["path"]).name, r["query"]): r for r in pq.read_table(out / "results.parquet").to_pylist()
+            if r["query"] is not None}
+    return {"manifest": manifest, "rows": rows, "seconds": time.perf_counter() - t0}
+
+
+def draft_agreement(docs: Path, args) -> dict:
+    """Teacher-forced top-1 agreement of the draft with the target's greedy answer tokens."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from docproc import LLM, SamplingParams
+
+    queries = load_queries().queries
+    llm = LLM(args.target, device=args.device)
+    reqs, kinds = [], []
+    for cand in discover([str(docs)]):
+        if cand.skip_reason:
+            continue
+        doc = open_document(cand)
+        images = [doc.page(i).image for i in range(doc.num_pages)]
+        doc.close()
+        for q in queries:
+            reqs.append({"prompt": build_prompt(len(images), q.question), "multi_modal_data": {"image": images}})
+            kinds.append(q.name)
+    outs = llm.generate(reqs, [SamplingParams(temperature=0.0, max_tokens=q.max_tokens) for q in queries]
+                        * (len(reqs) // len(queries)))
+    device = llm.runner.device
+    proc = llm.processor
+    del llm
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    draft = Qwen2VLForConditionalGeneration.from_pretrained(args.draft, dtype=dtype).to(device).eval()
+    hits: dict[str, list[float]] = defaultdict(list)
+    with torch.inference_mode():
+        for req, kind, out in zip(reqs, kinds, outs):
+            answer = list(out.outputs[0].token_ids)
+            if not answer:
+                continue
+            ids, _, loaded = proc.process(req["prompt"], None, req["multi_modal_data"]["image"])
+            pv, grid = proc.pixel_values([im.image for im in loaded])
+            t = torch.tensor([ids + answer], device=device)
+            logits = draft(input_ids=t, pixel_values=pv.to(device, dtype), image_grid_thw=grid.to(device),
+                           mm_token_type_ids=(t == proc.image_token_id).int()).logits[0]
+            pred = logits[len(ids) - 1: len(ids) - 1 + len(answer)].argmax(-1).tolist()
+            hits[kind].extend(float(p == a) for p, a in zip(pred, answer))
+    per = {k: {"agreement": round(sum(v) / len(v), 4), "tokens": len(v)} for k, v in hits.items()}
+    allv = [x for v in hits.values() for x in v]
+    return {"per_query": per, "overall": round(sum(allv) / max(1, len(allv)), 4)}
+
+
+def speed(args, docs: Path) -> dict:
+    from docproc import LLM, SamplingParams
+
+    cands = [c for c in discover([str(docs)]) if not c.skip_reason]
+    reqs = []
+    for i in range(16):
+        doc = open_document(cands[i % len(cands)])
+        img = doc.page(0).image
+        doc.close()
+        reqs.append({"prompt": build_prompt(1, load_queries().queries[-1].question), "multi_modal_data": {"image": [img]}})
+    sp = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    res = {}
+    for name, kw in (("plain", {}), ("draft", {"speculative_model": args.draft, "num_speculative_tokens": args.spec_k})):
+        llm = LLM(args.target, device=args.device, **kw)
+        llm.generate(reqs[:1], SamplingParams(max_tokens=4, ignore_eos=True))
+        for b in (1, 16):
+            if llm.runner.device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            llm.generate(reqs[:b], sp)
+            if llm.runner.device.type == "cuda":
+                torch.cuda.synchronize()
+            res[f"{name}_batch{b}_tokens_per_s"] = round(b * 64 / (time.perf_counter() - t0), 1)
+        del llm
+    for b in (1, 16):
+        res[f"speedup_batch{b}"] = round(res[f"draft_batch{b}_tokens_per_s"] / res[f"plain_batch{b}_tokens_per_s"], 3)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("--count", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=777)
+    ap.add_argument("--work", default="/tmp/docproc-evaluate-pair")
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--kv", default="auto,fp4", help="KV formats to evaluate; the second is compared to the first")
+    ap.add_argument("--spec-k", default="auto")
+    ap.add_argument("--speed", action="store_true")
+    a = ap.parse_args()
+    from make_synthetic_docs import generate
+
+    work = Path(a.work)
+    docs = work / "docs"
+    shutil.rmtree(docs, ignore_errors=True)
+    generate(docs, a.count, a.seed)
+    truth = work / "truth.jsonl"
+    (docs / "truth.jsonl").replace(truth)
+    report: dict = {"date": time.strftime("%Y-%m-%d"), "target": a.target, "draft": a.draft, "documents": a.count,
+                    "seed": a.seed, "device": a.device, "eval": {}}
+    kvs = a.kv.split(",")
+    runs = {}
+    for kv in kvs:
+        runs[kv] = run_pipeline(docs, work / f"out_{kv}", a, kv, None)
+        report["eval"][kv] = evaluate(work / f"out_{kv}", truth)
+        report["eval"][kv]["seconds"] = round(runs[kv]["seconds"], 1)
+        print(json.dumps({kv: report["eval"][kv]["overall_exact_match"]}), flush=True)
+    if len(kvs) > 1:
+        first, second = runs[kvs[0]]["rows"], runs[kvs[1]]["rows"]
+        same = [first[k]["answer"] == second[k]["answer"] for k in first if k in second]
+        report["kv_comparison"] = {
+            "formats": kvs[:2], "identical_answers": round(sum(same) / max(1, len(same)), 4),
+            "exact_match_difference_points": round(100 * (report["eval"][kvs[1]]["overall_exact_match"]
+                                                          - report["eval"][kvs[0]]["overall_exact_match"]), 2)}
+    spec = run_pipeline(docs, work / "out_draft", a, kvs[0], a.draft)
+    plain = runs[kvs[0]]["rows"]
+    per: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for k, r in spec["rows"].items():
+        per[k[1]][0] += r["draft_proposed"] or 0
+        per[k[1]][1] += r["draft_accepted"] or 0
+    report["speculation"] = {
+        "answers_identical_to_plain": all(spec["rows"][k]["answer"] == plain[k]["answer"] for k in plain),
+        "acceptance_per_query": {q: round(acc / p, 4) if p else None for q, (p, acc) in per.items()},
+        "engine": spec["manifest"]["draft"], "seconds": round(spec["seconds"], 1),
+        "plain_seconds": round(runs[kvs[0]]["seconds"], 1)}
+    report["draft_agreement"] = draft_agreement(docs, a)
+    if a.speed:
+        report["speed"] = speed(a, docs)
+    Path(a.json).write_text(json.dumps(report, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k != "eval"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
