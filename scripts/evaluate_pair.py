@@ -123,6 +123,83 @@ def speed(args, docs: Path) -> dict:
     return res
 
 
+def lm_flops_per_token(folder: str) -> int:
+    """2 x the language model's weights read per token (embedding lookup excluded, LM head included)."""
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    t = cfg.get("text_config", cfg)
+    h, layers, ffn, v = t["hidden_size"], t["num_hidden_layers"], t["intermediate_size"], t["vocab_size"]
+    d = h // t["num_attention_heads"]
+    kv = t["num_key_value_heads"] * d
+    per_layer = h * h * 2 + 2 * h * kv + 3 * h * ffn
+    return 2 * (layers * per_layer + h * v)
+
+
+def same_trunk(a: str, b: str) -> bool:
+    """Are the vision trunk weights (everything visual but the merger) of two folders identical?"""
+    from safetensors.torch import load_file
+
+    def trunk(folder):
+        out = {}
+        for f in sorted(Path(folder).glob("*.safetensors")):
+            out.update({k.split("visual.", 1)[1]: v for k, v in load_file(str(f)).items()
+                        if "visual." in k and ".merger." not in k and not k.split("visual.", 1)[1].startswith("merger.")})
+        return out
+
+    ta, tb = trunk(a), trunk(b)
+    return bool(ta) and ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+def model_card(report: dict, args, state: dict | None) -> str:
+    """MODEL_CARD.md for the bundled pair: what it is, how it was made, what it measures."""
+    kv = next(iter(report["eval"]))
+    e = report["eval"][kv]
+    lines = ["# The bundled model pair (docproc/assets/models)", "",
+             "Trained from scratch by `scripts/train_tiny.py` on synthetic invoices and receipts from",
+             "`scripts/make_synthetic_docs.py`. Synthetic documents only: real documents, other layouts, languages,",
+             "fields and handwriting are out of scope.", "", "## Architecture", ""]
+    for role in ("target", "draft"):
+        folder = getattr(args, role)
+        cfg = json.loads((Path(folder) / "config.json").read_text())
+        t, v = cfg.get("text_config", cfg), cfg["vision_config"]
+        size = sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
+        lines.append(f"- {role}: Qwen2-VL; vision {v['depth']} x {v['embed_dim']} ({v['num_heads']} heads), LM "
+                     f"{t['num_hidden_layers']} x {t['hidden_size']} ({t['num_attention_heads']} heads, "
+                     f"{t['num_key_value_heads']} KV heads, FFN {t['intermediate_size']}), vocabulary {t['vocab_size']}; "
+                     f"{size / 1e6:.1f} MB of weights; {lm_flops_per_token(folder) / 1e6:.1f} MFLOP per token")
+    ratio = lm_flops_per_token(args.draft) / lm_flops_per_token(args.target)
+    lines += [f"- draft / target FLOPs per token: {ratio:.2f}; the draft's vision trunk is byte for byte the "
+              f"target's: {same_trunk(args.target, args.draft)}",
+              "", "## Training", ""]
+    if state:
+        lines.append(f"- steps: target {state.get('step')}, draft distillation {state.get('distill_step')}; device "
+                     f"training time {(state.get('train_seconds', 0) + state.get('distill_seconds', 0)) / 60:.1f} min "
+                     f"on {state.get('device', 'an unrecorded device')}")
+    lines += ["- recipe: see the module docstring of `scripts/train_tiny.py` and BENCHMARKS.md", "",
+              f"## Measured ({report['date']}, {report['documents']} fresh documents, seed {report['seed']}, "
+              f"KV {kv})", "", "Command: `python scripts/evaluate_pair.py --target ... --draft ... --count "
+              f"{report['documents']} --seed {report['seed']}`", "",
+              f"Overall field exact match {e['overall_exact_match']:.3f} (F1 {e['overall_f1']:.3f}).", "",
+              "| field | exact match | F1 | n |", "|---|---|---|---|"]
+    lines += [f"| {k} | {v['exact_match']:.3f} | {v['f1']:.3f} | {v['n']} |" for k, v in e["per_field"].items()]
+    lines += ["", "| format | exact match | n |", "|---|---|---|"]
+    lines += [f"| {k} | {v['exact_match']:.3f} | {v['n']} |" for k, v in e["by_format"].items()]
+    if "kv_comparison" in report:
+        c = report["kv_comparison"]
+        lines += ["", f"KV {c['formats'][1]} vs {c['formats'][0]}: exact match {c['exact_match_difference_points']:+.2f} "
+                      f"points, identical answers {c['identical_answers']:.3f}."]
+    sp, ag = report["speculation"], report["draft_agreement"]
+    lines += ["", f"Speculative decoding (greedy) gives the plain answers: {sp['answers_identical_to_plain']}.", "",
+              "| query | draft top-1 agreement (teacher-forced) | greedy acceptance rate |", "|---|---|---|"]
+    for q, v in ag["per_query"].items():
+        acc = sp["acceptance_per_query"].get(q)
+        lines.append(f"| {q} | {v['agreement']:.3f} | {'-' if acc is None else f'{acc:.3f}'} |")
+    lines.append(f"| all | {ag['overall']:.3f} | |")
+    if "speed" in report:
+        s = report["speed"]
+        lines += ["", f"Speed on {report['device']}: " + ", ".join(f"{k} {v}" for k, v in s.items()) + "."]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True)
@@ -135,6 +212,8 @@ def main() -> None:
     ap.add_argument("--kv", default="auto,fp4", help="KV formats to evaluate; the second is compared to the first")
     ap.add_argument("--spec-k", default="auto")
     ap.add_argument("--speed", action="store_true")
+    ap.add_argument("--card", help="also write a MODEL_CARD.md here")
+    ap.add_argument("--state", help="the training's state.json (steps and device time for the card)")
     a = ap.parse_args()
     from make_synthetic_docs import generate
 
@@ -144,8 +223,10 @@ def main() -> None:
     generate(docs, a.count, a.seed)
     truth = work / "truth.jsonl"
     (docs / "truth.jsonl").replace(truth)
+    dev = "cuda" if a.device == "auto" and torch.cuda.is_available() else ("cpu" if a.device == "auto" else a.device)
     report: dict = {"date": time.strftime("%Y-%m-%d"), "target": a.target, "draft": a.draft, "documents": a.count,
-                    "seed": a.seed, "device": a.device, "eval": {}}
+                    "seed": a.seed, "eval": {},
+                    "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu"}
     kvs = a.kv.split(",")
     runs = {}
     for kv in kvs:
@@ -175,6 +256,9 @@ def main() -> None:
     if a.speed:
         report["speed"] = speed(a, docs)
     Path(a.json).write_text(json.dumps(report, indent=1))
+    if a.card:
+        state = json.loads(Path(a.state).read_text()) if a.state else None
+        Path(a.card).write_text(model_card(report, a, state))
     print(json.dumps({k: v for k, v in report.items() if k != "eval"}, indent=1))
 
 

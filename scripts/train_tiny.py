@@ -512,6 +512,7 @@ def train(args) -> None:
     t_end = time.time() + 60 * args.minutes
     t0, last_save = time.time(), time.time()
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    state["device"] = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     state.setdefault("train_seconds", 0.0)
     state.setdefault("distill_seconds", 0.0)
 

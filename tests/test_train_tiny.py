@@ -50,7 +50,8 @@ def test_micro_training_pipeline(tmp_path):
     report_file = tmp_path / "report.json"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate_pair.py"), "--target", str(dest / "target"),
                     "--draft", str(dest / "draft"), "--count", "2", "--seed", "3", "--work", str(tmp_path / "ep"),
-                    "--json", str(report_file), "--device", "cpu", "--kv", "fp32,fp4"],
+                    "--json", str(report_file), "--device", "cpu", "--kv", "fp32,fp4",
+                    "--card", str(tmp_path / "MODEL_CARD.md"), "--state", str(work / "state.json")],
                    check=True, capture_output=True, cwd=ROOT, timeout=600)
     report = json.loads(report_file.read_text())
     names = {"vendor", "invoice_number", "date", "due_date", "currency", "total", "all_fields"}
@@ -61,6 +62,9 @@ def test_micro_training_pipeline(tmp_path):
     assert set(report["speculation"]["acceptance_per_query"]) == names
     assert set(report["draft_agreement"]["per_query"]) == names
     assert all(0 <= v["agreement"] <= 1 and v["tokens"] > 0 for v in report["draft_agreement"]["per_query"].values())
+    card = (tmp_path / "MODEL_CARD.md").read_text()
+    assert "byte for byte the target's: True" in card and "steps: target 6, draft distillation 2" in card
+    assert f"Overall field exact match {report['eval']['fp32']['overall_exact_match']:.3f}" in card
 
     llm = LLM(str(dest / "target"), device="cpu", speculative_model=str(dest / "draft"), num_speculative_tokens=2)
     from PIL import Image
