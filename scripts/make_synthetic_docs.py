@@ -278,21 +278,30 @@ def _totals(w: _Writer, spec: DocSpec, x_label: float, x_value: float) -> None:
     w.y += fs + 8
 
 
-def scan_pages(pdf: "bytes | pymupdf.Document", rng: random.Random) -> list[Image.Image]:
+def scan_pages(pdf: "bytes | pymupdf.Document", rng: random.Random, info: list | None = None) -> list[Image.Image]:
     """Render and degrade like a cheap office scanner: rotation, blur, noise, JPEG artefacts."""
     out = []
     doc = pdf if isinstance(pdf, pymupdf.Document) else pymupdf.open(stream=pdf, filetype="pdf")
     nrng = np.random.default_rng(rng.randrange(2**32))
     for page in doc:
-        pix = page.get_pixmap(dpi=rng.choice([110, 130, 150]))
+        dpi = rng.choice([110, 130, 150])
+        pix = page.get_pixmap(dpi=dpi)
         img = Image.frombytes("RGB", (pix.width, pix.height), pix.samples)
-        out.append(degrade(img, rng, nrng))
+        page_info = {"dpi": dpi}
+        out.append(degrade(img, rng, nrng, info=page_info))
+        if info is not None:  # how each page was made (training maps the text layer onto the scan)
+            info.append(page_info)
     return out
 
 
-def degrade(img: Image.Image, rng: random.Random, nrng: np.random.Generator, max_angle: float = 1.5) -> Image.Image:
-    """Rotation, blur, sensor noise and JPEG artefacts, in that order."""
-    img = img.rotate(rng.uniform(-max_angle, max_angle), resample=Image.BICUBIC, fillcolor=(255, 255, 255))
+def degrade(img: Image.Image, rng: random.Random, nrng: np.random.Generator, max_angle: float = 1.5,
+            info: dict | None = None) -> Image.Image:
+    """Rotation (counter-clockwise, about the image centre; the angle goes into info), blur,
+    sensor noise and JPEG artefacts, in that order."""
+    angle = rng.uniform(-max_angle, max_angle)
+    if info is not None:
+        info["angle"] = angle
+    img = img.rotate(angle, resample=Image.BICUBIC, fillcolor=(255, 255, 255))
     img = img.filter(ImageFilter.GaussianBlur(rng.uniform(0.0, 0.7)))
     arr = np.asarray(img, dtype=np.float32)
     arr += nrng.normal(0.0, rng.uniform(0.0, 8.0), arr.shape[:2])[..., None]

@@ -23,7 +23,9 @@ each 7-pixel column of every merged 28x28 image token (on the target's and the d
 outputs, which is what their LMs read). Without them nothing learned to read in 8 minutes; with
 the trunk's, glyph accuracy reached 0.76 in 6 minutes (BENCHMARKS.md). Bands have at most
 --first-band-rows rows during the bands-only phase, then up to 5; a band sits on a white canvas of
-whole 28-pixel tokens, so the processor keeps its glyphs at their page scale.
+whole 28-pixel tokens, so the processor keeps its glyphs at their page scale. Whole pages get the
+same dense targets (--page-aux; a scan's rotation is applied to the text layer's positions), about
+five times the glyphs of a band batch per step.
 
 Every eval reports, on held-out documents, the target's teacher-forced whole-answer accuracy per
 query and on bands, the same with each document's features swapped for another document's (it
@@ -172,6 +174,19 @@ def char_targets(chars, width: int, height: int, to_pixels, merged: bool = False
     return grid.reshape(gh // 2, 2, gw // 2, 2, 2).permute(0, 2, 1, 3, 4).reshape(-1, 2)
 
 
+def page_to_pixels(dpi: float, angle: float, width: int, height: int):
+    """Page points -> pixels of a page rendered at dpi and then rotated counter-clockwise by angle
+    degrees about the image centre (as `degrade` does)."""
+    s, t = dpi / 72.0, math.radians(angle)
+    cos, sin, cx, cy = math.cos(t), math.sin(t), width / 2, height / 2
+
+    def to_pixels(x: float, y: float) -> tuple[float, float]:
+        px, py = x * s - cx, y * s - cy
+        return cx + px * cos + py * sin, cy - px * sin + py * cos
+
+    return to_pixels
+
+
 def on_token_grid(crop):
     """The crop on a white canvas whose sides are whole 28-pixel image tokens (and at least the
     processor's minimum area), so that the processor does not rescale it: a band's glyphs keep
@@ -199,9 +214,9 @@ class Examples(torch.utils.data.IterableDataset):
     whole document, one row per query of the default set."""
 
     def __init__(self, work: Path, kind: str, seed: int, scan_fraction: float = 0.5, max_pages: int = 3,
-                 tag: str = "train", band_rows: int = 5) -> None:
+                 tag: str = "train", band_rows: int = 5, page_aux: bool = True) -> None:
         self.work, self.kind, self.seed, self.scan_fraction, self.max_pages = work, kind, seed, scan_fraction, max_pages
-        self.tag, self.band_rows = tag, band_rows
+        self.tag, self.band_rows, self.page_aux = tag, band_rows, page_aux
 
     def __iter__(self):
         import numpy as np
@@ -250,20 +265,30 @@ class Examples(torch.utils.data.IterableDataset):
                     yield ex
             else:
                 if scan:
-                    pages = scan_pages(doc, rng)
+                    made: list[dict] = []
+                    pages = scan_pages(doc, rng, info=made)
                 else:
                     dpi = rng.choice([100, PAGE_DPI, PAGE_DPI, 144])
-                    pages = []
+                    pages, made = [], []
                     for page in doc:
                         pix = page.get_pixmap(dpi=dpi)
                         pages.append(Image.frombytes("RGB", (pix.width, pix.height), pix.samples))
+                        made.append({"dpi": dpi, "angle": 0.0})
                 qa = []
                 for q in queries:
                     if q.type == "json":
                         qa.append((q.question, json.dumps(answers_json(spec.printed))))
                     else:
                         qa.append((q.question, spec.printed.get(q.name) or "none"))
-                yield self._encode(tok, proc, pages, qa)
+                ex = self._encode(tok, proc, pages, qa)
+                if self.page_aux:  # the dense reading targets of every page, rotated like the scan
+                    maps = [page_to_pixels(m["dpi"], m["angle"], img.width, img.height) for m, img in zip(made, pages)]
+                    chars = [page_chars(page) for page in doc]
+                    ex["aux"] = torch.cat([char_targets(c, img.width, img.height, f)
+                                           for c, img, f in zip(chars, pages, maps)])
+                    ex["aux_tok"] = torch.cat([char_targets(c, img.width, img.height, f, merged=True)
+                                               for c, img, f in zip(chars, pages, maps)])
+                yield ex
 
     @staticmethod
     def _encode(tok, proc, images, qa):
@@ -498,7 +523,8 @@ def train(args) -> None:
     n_page, n_band = max(0, args.workers - args.workers // 3), args.workers // 3
 
     def loader(kind, batch, workers, band_rows=5):
-        ds = Examples(work, kind, args.seed * 1000 + state["step"] + state["distill_step"], band_rows=band_rows)
+        ds = Examples(work, kind, args.seed * 1000 + state["step"] + state["distill_step"], band_rows=band_rows,
+                      page_aux=args.page_aux)
         return iter(torch.utils.data.DataLoader(ds, batch_size=batch, num_workers=workers,
                                                 collate_fn=lambda b: collate(b, pad), pin_memory=device.type == "cuda",
                                                 persistent_workers=workers > 0, prefetch_factor=4 if workers else None))
@@ -671,6 +697,7 @@ def main() -> None:
     ap.add_argument("--aux-weight", type=float, default=1.0, help="weight of the trunk's dense reading loss")
     ap.add_argument("--token-aux-weight", type=float, default=1.0,
                     help="weight of the dense reading loss on the merged image tokens (target and draft)")
+    ap.add_argument("--page-aux", type=int, default=1, help="1: whole pages get the dense reading targets too")
     ap.add_argument("--first-band-rows", type=int, default=2,
                     help="bands have at most this many rows in the bands-only phase (then up to 5)")
     ap.add_argument("--eval-every", type=int, default=200)

@@ -114,3 +114,36 @@ def test_bands_sit_on_the_token_grid_so_the_processor_keeps_their_scale():
         assert c.width % 28 == 0 and c.height % 28 == 0 and c.width >= w and c.height >= h
         assert T.inference_size(c.height, c.width) == (c.height, c.width)  # no rescaling
         assert c.getpixel((w - 1, h - 1)) == (0, 0, 0) and c.getpixel((c.width - 1, c.height - 1)) == (255, 255, 255)
+
+
+def test_page_reading_targets_land_on_ink_for_clean_and_rotated_scans():
+    """The text layer's character positions, mapped through the render DPI and the scan's rotation,
+    fall on patches that hold ink; shifted by a few patches they mostly do not."""
+    import random
+
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import train_tiny as T
+    from make_synthetic_docs import draw_pdf, make_spec, scan_pages
+
+    proc = Qwen2VLImageProcessorPil(**T.IMAGE)
+    spec = make_spec(random.Random(4), "x", kind="invoice", max_pages=1)
+    doc = draw_pdf(spec)
+    info: list[dict] = []
+    scans = scan_pages(doc, random.Random(9), info=info)
+    pix = doc[0].get_pixmap(dpi=120)
+    clean = Image.frombytes("RGB", (pix.width, pix.height), pix.samples)
+    chars = T.page_chars(doc[0])
+    for img, made in ((clean, {"dpi": 120, "angle": 0.0}), (scans[0], info[0])):
+        if made is info[0]:
+            assert abs(made["angle"]) > 0.01  # this scan is rotated
+        pv = proc(images=[img], return_tensors="pt")["pixel_values"]
+        ink = pv.view(pv.shape[0], 3, 2, 14, 14).amin((1, 2, 3, 4)) < 0.0  # some dark pixel in the patch
+        f = T.page_to_pixels(made["dpi"], made["angle"], img.width, img.height)
+        targets = T.char_targets(chars, img.width, img.height, f)
+        labelled = (targets > 0).any(-1)
+        assert labelled.sum() > 100 and ink[labelled].float().mean() > 0.97, (labelled.sum(), ink[labelled].float().mean())
+        shifted = T.char_targets(chars, img.width, img.height, lambda x, y: (f(x, y)[0], f(x, y)[1] + 40))
+        assert ink[(shifted > 0).any(-1)].float().mean() < ink[labelled].float().mean() - 0.2
