@@ -499,6 +499,8 @@ def train(args) -> None:
     draft.model.visual.merger.requires_grad_(True)
     state_file = work / "state.json"
     state = json.loads(state_file.read_text()) if state_file.is_file() else {"step": 0, "distill_step": 0, "log": []}
+    if state.setdefault("max_pixels", IMAGE["max_pixels"]) != IMAGE["max_pixels"]:
+        raise SystemExit(f"this training used --max-pixels {state['max_pixels']}: pass the same to resume it")
     # dense reading heads (training only, not part of the checkpoints)
     heads = torch.nn.ModuleDict({
         "trunk": torch.nn.Linear(target.config.vision_config.embed_dim, 2 * AUX_CLASSES),
@@ -697,6 +699,9 @@ def main() -> None:
     ap.add_argument("--aux-weight", type=float, default=1.0, help="weight of the trunk's dense reading loss")
     ap.add_argument("--token-aux-weight", type=float, default=1.0,
                     help="weight of the dense reading loss on the merged image tokens (target and draft)")
+    ap.add_argument("--max-pixels", type=int, default=IMAGE["max_pixels"],
+                    help="the image processor's pixel cap (saved with the models): higher gives bigger glyphs "
+                         "and more image tokens; keep it fixed across the calls of one training")
     ap.add_argument("--page-aux", type=int, default=1, help="1: whole pages get the dense reading targets too")
     ap.add_argument("--first-band-rows", type=int, default=2,
                     help="bands have at most this many rows in the bands-only phase (then up to 5)")
@@ -706,6 +711,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--micro", action="store_true", help="tiny sizes, for a CPU check")
     a = ap.parse_args()
+    IMAGE["max_pixels"] = a.max_pixels  # read by the data workers (forked after this) and by save()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     if a.stage == "tokenizer":
