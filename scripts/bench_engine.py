@@ -108,24 +108,25 @@ def free() -> None:
 
 
 # ---- model arithmetic ---------------------------------------------------------------------------------
-def lm_bytes_per_step(llm: LLM) -> int:
-    """Weight bytes one decode step reads: every language-model weight but the embedding table
-    (one row is gathered), the LM head included."""
+def lm_weights(llm: LLM) -> list[torch.Tensor]:
+    """The language-model weights one decode step reads: all but the embedding table (one row is
+    gathered), the LM head included (the embedding table itself when tied)."""
     text = llm.runner.model.text
-    n = sum(p.numel() * p.element_size() for name, p in text.named_parameters() if not name.startswith("embed_tokens"))
-    if text.lm_head.weight is text.embed_tokens.weight:  # tied: the head reads the embedding table
-        n += text.lm_head.weight.numel() * text.lm_head.weight.element_size()
-    return n
+    out = [p for name, p in text.named_parameters() if not name.startswith("embed_tokens")]
+    if text.lm_head.weight is text.embed_tokens.weight:
+        out.append(text.lm_head.weight)
+    return out
+
+
+def lm_bytes_per_step(llm: LLM) -> int:
+    return sum(p.numel() * p.element_size() for p in lm_weights(llm))
 
 
 def flops(llm: LLM, image_tokens: int, patches: int, prompt_tokens: int, new_tokens: int, queries: int) -> dict:
     """Forward FLOPs for one page asked `queries` questions with the prefix computed once:
     2 x params per token for the matmuls, plus attention (4 x context x head_dim x heads)."""
     cfg = llm.runner.text_config
-    text = llm.runner.model.text
-    lm_params = sum(p.numel() for n, p in text.named_parameters() if not n.startswith("embed_tokens"))
-    if text.lm_head.weight is text.embed_tokens.weight:
-        lm_params += text.lm_head.weight.numel()
+    lm_params = sum(p.numel() for p in lm_weights(llm))
     vis = llm.runner.model.vision
     vis_params = sum(p.numel() for p in vis.parameters())
     vc = llm.runner.hf_config.vision_config

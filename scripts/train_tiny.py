@@ -115,12 +115,9 @@ def train_tokenizer(work: Path, vocab: int, seed: int) -> None:
 def text_rows(page) -> list[tuple[float, float, float, float, str]]:
     """The page's text layer as rows (x0, y0, x1, y1, text) top-down: lines whose vertical centres
     are within 3 pt are one row, read left to right."""
-    lines = []
-    for b in page.get_text("dict")["blocks"]:
-        for ln in b.get("lines", []):
-            text = "".join(s["text"] for s in ln["spans"]).strip()
-            if text:
-                lines.append((*ln["bbox"], text))
+    from docproc.pipeline.ingest import text_lines
+
+    lines = text_lines(page)
     lines.sort(key=lambda t: ((t[1] + t[3]) / 2, t[0]))
     rows: list[list] = []
     for ln in lines:
@@ -654,13 +651,12 @@ def evaluate(step_fn: Step, held: dict, names: list[str], device) -> dict:
                 j = next((j for j in list(range(i + 1, len(grids))) + list(range(i)) if grids[j] == g), i)
                 swap[i] = j
             has_partner = torch.tensor([swap[d] != d for d in batch["row_doc"].tolist()], device=device)
-            o_logits, _, _ = step_fn.logits(step_fn.target, batch, step_fn.features(batch, swap)[0], pos)
+            o_logits, _, _ = step_fn.logits(step_fn.target, batch, [t_docs[j] for j in swap], pos)
             ok_other = row_correct(o_logits.argmax(-1), gold, sel)
         agree = (d_pred == t_pred).float()
         row_of_tok = sel.nonzero()[:, 0]
         if kind == "bands":
-            with amp:
-                step_fn.features(batch)
+            with amp:  # the heads read the outputs of this batch's one features call above
                 for which, name in (("trunk", "bands_char_acc"), ("tokens", "bands_token_char_acc"),
                                     ("draft_tokens", "bands_draft_token_char_acc")):
                     a_logits, a_gold = step_fn.aux_logits(batch, which)

@@ -147,3 +147,36 @@ def test_page_reading_targets_land_on_ink_for_clean_and_rotated_scans():
         assert labelled.sum() > 100 and ink[labelled].float().mean() > 0.97, (labelled.sum(), ink[labelled].float().mean())
         shifted = T.char_targets(chars, img.width, img.height, lambda x, y: (f(x, y)[0], f(x, y)[1] + 40))
         assert ink[(shifted > 0).any(-1)].float().mean() < ink[labelled].float().mean() - 0.2
+
+
+def test_shared_feature_forward_equals_transformers_forward(tmp_path):
+    """Training encodes a document's pages once and scatters the features into each query's row,
+    with M-RoPE positions from get_rope_index; the answer logits must be those of transformers'
+    own forward on each row with its own pixels (float32)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import train_tiny as T
+
+    run("tokenizer", "--work", tmp_path, "--micro")
+    torch.manual_seed(0)
+    target, tok = T.build(tmp_path, "micro-target")
+    draft, _ = T.build(tmp_path, "micro-draft")
+    target.eval()
+    pad, image_id = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|image_pad|>")
+    docs = [ex for _, ex in zip(range(3), T.Examples(tmp_path, "pages", 5, tag="check", page_aux=False))]
+    b = T.collate(docs, pad)
+    step = T.Step(target, draft, image_id)
+    with torch.no_grad():
+        feats, _ = step.features(b)
+        logits, _, sel = step.logits(target, b, feats, step.positions(b))
+        offsets = [0] + b["image_grid_thw"].prod(-1).cumsum(0).tolist()
+        k = 0
+        for r in range(b["input_ids"].shape[0]):
+            first, last = b["doc_images"][b["row_doc"][r]].tolist()
+            n = int(b["attention_mask"][r].sum())
+            ids = b["input_ids"][r:r + 1, :n]
+            ref = target(input_ids=ids, pixel_values=b["pixel_values"][offsets[first]:offsets[last]],
+                         image_grid_thw=b["image_grid_thw"][first:last], mm_token_type_ids=(ids == image_id).int(),
+                         attention_mask=torch.ones_like(ids)).logits[0, :-1][sel[r, :n - 1]]
+            assert torch.allclose(ref, logits[k:k + len(ref)], atol=1e-5), r
+            k += len(ref)
+    assert k == logits.shape[0] and b["input_ids"].shape[0] == 3 * 7

@@ -49,17 +49,22 @@ class Page:
 ANCHOR_MAX_CHARS = 4000  # per page: a page with more text keeps its first lines and says it was cut
 
 
-def anchor_text(page) -> str:
-    """A PDF page's own text layer as prompt anchoring (as olmOCR does it): the page size in
-    points, then one line per text line, top to bottom and left to right, as `[x,y]text` with the
-    line's top-left corner in points. Empty when the page has no text layer."""
-    lines = []
+def text_lines(page) -> list[tuple[float, float, float, float, str]]:
+    """A PDF page's text layer as lines (x0, y0, x1, y1, text) in points, blank lines dropped."""
+    out = []
     for block in page.get_text("dict", sort=True)["blocks"]:
         for ln in block.get("lines", []):
             text = "".join(span["text"] for span in ln["spans"]).strip()
             if text:
-                x0, y0 = ln["bbox"][0], ln["bbox"][1]
-                lines.append((round(y0), round(x0), text))
+                out.append((*ln["bbox"], text))
+    return out
+
+
+def anchor_text(page) -> str:
+    """A PDF page's own text layer as prompt anchoring (as olmOCR does it): the page size in
+    points, then one line per text line, top to bottom and left to right, as `[x,y]text` with the
+    line's top-left corner in points. Empty when the page has no text layer."""
+    lines = [(round(y0), round(x0), text) for x0, y0, _, _, text in text_lines(page)]
     if not lines:
         return ""
     lines.sort()
