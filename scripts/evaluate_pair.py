@@ -38,10 +38,11 @@ from docproc.pipeline.queries import build_prompt, load_queries  # noqa: E402
 from docproc.pipeline.run import Pipeline, RunSettings  # noqa: E402
 
 
-def run_pipeline(docs: Path, out: Path, args, kv: str, draft: str | None) -> dict[tuple[str, str], dict]:
+def run_pipeline(docs: Path, out: Path, args, kv: str, draft: str | None,
+                 anchor: bool = False) -> dict[tuple[str, str], dict]:
     shutil.rmtree(out, ignore_errors=True)
     s = RunSettings(inputs=[str(docs)], out=str(out), model=args.target, draft=draft, kv_cache=kv,
-                    device=args.device, spec_k=args.spec_k)
+                    device=args.device, spec_k=args.spec_k, anchor_text=anchor)
     t0 = time.perf_counter()
     manifest = Pipeline(s).run()
     import pyarrow.parquet as pq
@@ -177,12 +178,20 @@ def model_card(report: dict, args, state: dict | None) -> str:
     lines += ["- recipe: see the module docstring of `scripts/train_tiny.py` and BENCHMARKS.md", "",
               f"## Measured ({report['date']}, {report['documents']} fresh documents, seed {report['seed']}, "
               f"KV {kv})", "", "Command: `python scripts/evaluate_pair.py --target ... --draft ... --count "
-              f"{report['documents']} --seed {report['seed']}`", "",
+              f"{report['documents']} --seed {report['seed']}{' --anchor-text' if 'eval_anchor_text' in report else ''}`", "",
               f"Overall field exact match {e['overall_exact_match']:.3f} (F1 {e['overall_f1']:.3f}).", "",
               "| field | exact match | F1 | n |", "|---|---|---|---|"]
     lines += [f"| {k} | {v['exact_match']:.3f} | {v['f1']:.3f} | {v['n']} |" for k, v in e["per_field"].items()]
     lines += ["", "| format | exact match | n |", "|---|---|---|"]
     lines += [f"| {k} | {v['exact_match']:.3f} | {v['n']} |" for k, v in e["by_format"].items()]
+    if "eval_anchor_text" in report:
+        ea = report["eval_anchor_text"]
+        lines += ["", f"With `--anchor-text` (each PDF page's text layer in the prompt; scans unchanged): overall "
+                      f"exact match {ea['overall_exact_match']:.3f} (F1 {ea['overall_f1']:.3f}).", "",
+                  "| format | exact match | n |", "|---|---|---|"]
+        lines += [f"| {k} | {v['exact_match']:.3f} | {v['n']} |" for k, v in ea["by_format"].items()]
+        lines += ["", "| field | exact match | F1 | n |", "|---|---|---|---|"]
+        lines += [f"| {k} | {v['exact_match']:.3f} | {v['f1']:.3f} | {v['n']} |" for k, v in ea["per_field"].items()]
     if "kv_comparison" in report:
         c = report["kv_comparison"]
         lines += ["", f"KV {c['formats'][1]} vs {c['formats'][0]}: exact match {c['exact_match_difference_points']:+.2f} "
@@ -212,6 +221,7 @@ def main() -> None:
     ap.add_argument("--kv", default="auto,fp4", help="KV formats to evaluate; the second is compared to the first")
     ap.add_argument("--spec-k", default="auto")
     ap.add_argument("--speed", action="store_true")
+    ap.add_argument("--anchor-text", action="store_true", help="also evaluate with `docproc run --anchor-text`")
     ap.add_argument("--card", help="also write a MODEL_CARD.md here")
     ap.add_argument("--state", help="the training's state.json (steps and device time for the card)")
     a = ap.parse_args()
@@ -234,6 +244,11 @@ def main() -> None:
         report["eval"][kv] = evaluate(work / f"out_{kv}", truth)
         report["eval"][kv]["seconds"] = round(runs[kv]["seconds"], 1)
         print(json.dumps({kv: report["eval"][kv]["overall_exact_match"]}), flush=True)
+    if a.anchor_text:  # the same documents with `docproc run --anchor-text` (PDFs get their text layer)
+        run = run_pipeline(docs, work / "out_anchor", a, kvs[0], None, anchor=True)
+        report["eval_anchor_text"] = evaluate(work / "out_anchor", truth)
+        report["eval_anchor_text"]["seconds"] = round(run["seconds"], 1)
+        print(json.dumps({"anchor_text": report["eval_anchor_text"]["overall_exact_match"]}), flush=True)
     if len(kvs) > 1:
         first, second = runs[kvs[0]]["rows"], runs[kvs[1]]["rows"]
         same = [first[k]["answer"] == second[k]["answer"] for k in first if k in second]

@@ -89,8 +89,11 @@ def corpus(n_docs: int, seed: int):
     yield READ_QUESTION
     for i in range(n_docs):
         spec = make_spec(random.Random(f"tok:{seed}:{i}"), f"t{i}")
-        yield "\n".join(row for _, _, _, _, row in text_rows(draw_pdf(spec)[0]))
+        doc = draw_pdf(spec)
+        yield "\n".join(row for _, _, _, _, row in text_rows(doc[0]))
         yield json.dumps(answers_json(spec.printed))
+        if i % 4 == 0:  # the anchor text's "[x,y]" lines, as --anchor-text prompts carry them
+            yield doc_anchor(doc)
 
 
 def train_tokenizer(work: Path, vocab: int, seed: int) -> None:
@@ -112,6 +115,17 @@ def train_tokenizer(work: Path, vocab: int, seed: int) -> None:
 
 
 # ---- data ----------------------------------------------------------------------------------------------
+def doc_anchor(doc) -> str | None:
+    """The anchor text `docproc run --anchor-text` puts in the prompt of a document's window of
+    these pages (the pipeline's own functions, so training sees exactly the inference prompt)."""
+    from types import SimpleNamespace
+
+    from docproc.pipeline.ingest import anchor_text
+    from docproc.pipeline.run import window_anchor
+
+    return window_anchor([SimpleNamespace(index=i, text=anchor_text(page)) for i, page in enumerate(doc)])
+
+
 def text_rows(page) -> list[tuple[float, float, float, float, str]]:
     """The page's text layer as rows (x0, y0, x1, y1, text) top-down: lines whose vertical centres
     are within 3 pt are one row, read left to right."""
@@ -211,9 +225,9 @@ class Examples(torch.utils.data.IterableDataset):
     whole document, one row per query of the default set."""
 
     def __init__(self, work: Path, kind: str, seed: int, scan_fraction: float = 0.5, max_pages: int = 3,
-                 tag: str = "train", band_rows: int = 5, page_aux: bool = True) -> None:
+                 tag: str = "train", band_rows: int = 5, page_aux: bool = True, anchor_share: float = 0.0) -> None:
         self.work, self.kind, self.seed, self.scan_fraction, self.max_pages = work, kind, seed, scan_fraction, max_pages
-        self.tag, self.band_rows, self.page_aux = tag, band_rows, page_aux
+        self.tag, self.band_rows, self.page_aux, self.anchor_share = tag, band_rows, page_aux, anchor_share
 
     def __iter__(self):
         import numpy as np
@@ -277,7 +291,10 @@ class Examples(torch.utils.data.IterableDataset):
                         qa.append((q.question, json.dumps(answers_json(spec.printed))))
                     else:
                         qa.append((q.question, spec.printed.get(q.name) or "none"))
-                ex = self._encode(tok, proc, pages, qa)
+                # born-digital PDFs: with --anchor-share, the text layer goes in the prompt as
+                # `docproc run --anchor-text` puts it there (scans never have one)
+                anchor = doc_anchor(doc) if not scan and rng.random() < self.anchor_share else None
+                ex = self._encode(tok, proc, pages, qa, anchor)
                 if self.page_aux:  # the dense reading targets of every page, rotated like the scan
                     maps = [page_to_pixels(m["dpi"], m["angle"], img.width, img.height) for m, img in zip(made, pages)]
                     chars = [page_chars(page) for page in doc]
@@ -288,14 +305,14 @@ class Examples(torch.utils.data.IterableDataset):
                 yield ex
 
     @staticmethod
-    def _encode(tok, proc, images, qa):
+    def _encode(tok, proc, images, qa, anchor=None):
         out = proc(images=images, return_tensors="pt")
         grid = out["image_grid_thw"]
         pad = tok.convert_tokens_to_ids("<|image_pad|>")
         end = tok.convert_tokens_to_ids("<|im_end|>")
         rows = []
         for question, answer in qa:
-            prompt_ids = tok(build_prompt(len(images), question), add_special_tokens=False)["input_ids"]
+            prompt_ids = tok(build_prompt(len(images), question, anchor), add_special_tokens=False)["input_ids"]
             answer_ids = tok(answer, add_special_tokens=False)["input_ids"] + [end]
             ids, n_img = [], iter((grid.prod(-1) // 4).tolist())
             for t in prompt_ids:
@@ -523,7 +540,7 @@ def train(args) -> None:
 
     def loader(kind, batch, workers, band_rows=5):
         ds = Examples(work, kind, args.seed * 1000 + state["step"] + state["distill_step"], band_rows=band_rows,
-                      page_aux=args.page_aux)
+                      page_aux=args.page_aux, anchor_share=args.anchor_share if kind == "pages" else 0.0)
         return iter(torch.utils.data.DataLoader(ds, batch_size=batch, num_workers=workers,
                                                 collate_fn=lambda b: collate(b, pad), pin_memory=device.type == "cuda",
                                                 persistent_workers=workers > 0, prefetch_factor=4 if workers else None))
@@ -533,6 +550,9 @@ def train(args) -> None:
     bands = loader("bands", args.band_batch, n_band, args.first_band_rows if short_bands else 5)
     held = {"pages": collate([ex for _, ex in zip(range(args.eval_docs), Examples(work, "pages", args.seed, tag="heldout"))], pad),
             "bands": collate([ex for _, ex in zip(range(4 * args.eval_docs), Examples(work, "bands", args.seed, tag="heldout"))], pad)}
+    if args.anchor_share > 0:  # born-digital documents with their anchor text in the prompt
+        held["anchored"] = collate([ex for _, ex in zip(range(args.eval_docs), Examples(
+            work, "pages", args.seed, tag="heldout-anchored", scan_fraction=0.0, anchor_share=1.0))], pad)
     names = [q.name for q in load_queries().queries]
     t_end = time.time() + 60 * args.minutes
     t0, last_save = time.time(), time.time()
@@ -666,13 +686,14 @@ def evaluate(step_fn: Step, held: dict, names: list[str], device) -> dict:
             out["bands_draft_agreement"] = round(agree.mean().item(), 4)
             continue
         q_of_row = torch.arange(sel.shape[0], device=device) % len(names)
+        pre = "" if kind == "pages" else f"{kind}_"
         for qi, name in enumerate(names):
             rows = q_of_row == qi
-            out[f"acc_{name}"] = round(ok[rows].float().mean().item(), 4)
-            out[f"agree_{name}"] = round(agree[rows[row_of_tok]].mean().item(), 4)
-        out["pages_acc"] = round(ok.float().mean().item(), 4)
-        out["pages_acc_other_image"] = round(ok_other[has_partner].float().mean().item(), 4) if has_partner.any() else None
-        out["pages_draft_agreement"] = round(agree.mean().item(), 4)
+            out[f"{pre}acc_{name}"] = round(ok[rows].float().mean().item(), 4)
+            out[f"{pre}agree_{name}"] = round(agree[rows[row_of_tok]].mean().item(), 4)
+        out[f"{kind}_acc"] = round(ok.float().mean().item(), 4)
+        out[f"{kind}_acc_other_image"] = round(ok_other[has_partner].float().mean().item(), 4) if has_partner.any() else None
+        out[f"{kind}_draft_agreement"] = round(agree.mean().item(), 4)
     return out
 
 
@@ -699,6 +720,8 @@ def main() -> None:
                     help="the image processor's pixel cap (saved with the models): higher gives bigger glyphs "
                          "and more image tokens; keep it fixed across the calls of one training")
     ap.add_argument("--page-aux", type=int, default=1, help="1: whole pages get the dense reading targets too")
+    ap.add_argument("--anchor-share", type=float, default=0.5,
+                    help="share of the born-digital documents trained with their anchor text in the prompt (--anchor-text)")
     ap.add_argument("--first-band-rows", type=int, default=2,
                     help="bands have at most this many rows in the bands-only phase (then up to 5)")
     ap.add_argument("--eval-every", type=int, default=200)

@@ -32,6 +32,7 @@ def test_micro_training_pipeline(tmp_path):
     state = json.loads((work / "state.json").read_text())
     assert state["step"] == 4 and {e["phase"] for e in state["log"]} == {"bands", "mixed"}
     assert 0 <= state["log"][-1]["acc_total"] <= 1 and 0 <= state["log"][-1]["bands_draft_agreement"] <= 1
+    assert 0 <= state["log"][-1]["anchored_acc"] <= 1  # held-out PDFs with their anchor text
     run("train", *common, "--max-steps", "6")  # resumes from the checkpoint, then distils the draft
     state = json.loads((work / "state.json").read_text())
     assert state["step"] == 6 and state["distill_step"] == 2 and state["log"][-1]["phase"] == "distill"
@@ -51,7 +52,7 @@ def test_micro_training_pipeline(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate_pair.py"), "--target", str(dest / "target"),
                     "--draft", str(dest / "draft"), "--count", "2", "--seed", "3", "--work", str(tmp_path / "ep"),
                     "--json", str(report_file), "--device", "cpu", "--kv", "fp32,fp4",
-                    "--card", str(tmp_path / "MODEL_CARD.md"), "--state", str(work / "state.json")],
+                    "--card", str(tmp_path / "MODEL_CARD.md"), "--state", str(work / "state.json"), "--anchor-text"],
                    check=True, capture_output=True, cwd=ROOT, timeout=600)
     report = json.loads(report_file.read_text())
     names = {"vendor", "invoice_number", "date", "due_date", "currency", "total", "all_fields"}
@@ -65,6 +66,7 @@ def test_micro_training_pipeline(tmp_path):
     card = (tmp_path / "MODEL_CARD.md").read_text()
     assert "byte for byte the target's: True" in card and "steps: target 6, draft distillation 2" in card
     assert f"Overall field exact match {report['eval']['fp32']['overall_exact_match']:.3f}" in card
+    assert report["eval_anchor_text"]["documents"] == 2 and "With `--anchor-text`" in card
 
     llm = LLM(str(dest / "target"), device="cpu", speculative_model=str(dest / "draft"), num_speculative_tokens=2)
     from PIL import Image
@@ -180,3 +182,24 @@ def test_shared_feature_forward_equals_transformers_forward(tmp_path):
             assert torch.allclose(ref, logits[k:k + len(ref)], atol=1e-5), r
             k += len(ref)
     assert k == logits.shape[0] and b["input_ids"].shape[0] == 3 * 7
+
+
+def test_training_anchor_text_is_the_pipelines(tmp_path):
+    """A document trained with anchor text sees exactly the anchor `docproc run --anchor-text`
+    builds from the PDF file on disk."""
+    import random
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import train_tiny as T
+    from make_synthetic_docs import draw_pdf, make_spec
+
+    from docproc.pipeline.ingest import discover, open_document
+    from docproc.pipeline.run import window_anchor
+
+    spec = make_spec(random.Random(5), "a5", max_pages=3)
+    doc = draw_pdf(spec)
+    path = tmp_path / "a5.pdf"
+    doc.save(str(path))
+    opened = open_document(next(discover([str(tmp_path)])), with_text=True)
+    want = window_anchor([opened.page(i) for i in range(opened.num_pages)])
+    assert want and "Page size:" in want and T.doc_anchor(doc) == want
