@@ -97,3 +97,23 @@ def test_docproc_run_reads_sample_documents_with_the_default_pair(tmp_path):
     manifest = json.loads(next((tmp_path / "out" / "runs").glob("*/manifest.json")).read_text())
     assert manifest["model"]["path"].endswith("models/target") and manifest["draft"]["draft_model"].endswith("models/draft")
     assert manifest["acceptance_rate"] > 0.5 and manifest["draft"]["shared_vision_trunk"], manifest["draft"]
+
+
+@pytest.mark.parametrize("kv", ["fp32", "fp4"])
+def test_speculation_with_the_bundled_pair_is_lossless(kv):
+    """Greedy answers with the bundled draft are token-identical to the target's alone, in one
+    batch with prefix-cache hits (each page's queries share it) and chunked prefill (512-token
+    chunks), with the float32 and the FP4 KV cache (the draft verifies against FP4 KV as stored)."""
+    queries = load_queries().queries
+    page = first_page("doc_2026_00006.jpg")
+    reqs = [{"prompt": build_prompt(1, q.question), "multi_modal_data": {"image": [page]}}
+            for q in queries if q.name in ("total", "all_fields")]
+    params = SamplingParams(max_tokens=48)
+    common = dict(device="cpu", dtype="float32", kv_cache_dtype=kv, max_num_batched_tokens=512)
+    plain = LLM(str(MODELS / "target"), **common).generate(reqs, params)
+    llm = LLM(str(MODELS / "target"), **common, speculative_model=str(MODELS / "draft"), num_speculative_tokens=4)
+    spec = llm.generate(reqs, params)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert sum(o.metrics.num_cached_tokens for o in spec) > 0  # later queries hit the page's prefix
+    info = llm.spec_info()
+    assert info["shared_vision_trunk"] and info["draft_accepted"] > 0

@@ -52,7 +52,7 @@ def test_micro_training_pipeline(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate_pair.py"), "--target", str(dest / "target"),
                     "--draft", str(dest / "draft"), "--count", "2", "--seed", "3", "--work", str(tmp_path / "ep"),
                     "--json", str(report_file), "--device", "cpu", "--kv", "fp32,fp4",
-                    "--card", str(tmp_path / "MODEL_CARD.md"), "--state", str(work / "state.json"), "--anchor-text"],
+                    "--card", str(tmp_path / "MODEL_CARD.md"), "--state", str(work / "state.json"), "--anchor-text", "--spec-docs", "1"],
                    check=True, capture_output=True, cwd=ROOT, timeout=600)
     report = json.loads(report_file.read_text())
     names = {"vendor", "invoice_number", "date", "due_date", "currency", "total", "all_fields"}
@@ -60,6 +60,7 @@ def test_micro_training_pipeline(tmp_path):
     assert 0 <= report["eval"]["fp4"]["overall_exact_match"] <= 1
     assert 0 <= report["kv_comparison"]["identical_answers"] <= 1
     assert report["speculation"]["answers_identical_to_plain"] is True  # greedy speculation is lossless
+    assert report["speculation"]["documents"] == 1  # --spec-docs 1: the speculation checks on the first one
     assert set(report["speculation"]["acceptance_per_query"]) == names
     assert set(report["draft_agreement"]["per_query"]) == names
     assert all(0 <= v["agreement"] <= 1 and v["tokens"] > 0 for v in report["draft_agreement"]["per_query"].values())
