@@ -74,7 +74,8 @@ def test_draft_shares_the_targets_trunk_and_is_four_times_cheaper():
 
 
 def test_docproc_run_reads_sample_documents_with_the_default_pair(tmp_path):
-    """`docproc run` with no --model uses the bundled pair (target + draft) and reads the pages:
+    """`docproc run` with no --model uses the bundled target (here with `--draft bundled`, which
+    is the default on CUDA only) and reads the pages:
     on these three samples (a PDF and two scans) it measured 15 of 18 fields right (2026-11-29;
     all three misses are the currency), so a floor of 0.65 catches a broken model or pipeline."""
     import shutil
@@ -90,7 +91,8 @@ def test_docproc_run_reads_sample_documents_with_the_default_pair(tmp_path):
     truth.write_text("".join(line for line in (SAMPLES / "truth.jsonl").read_text().splitlines(keepends=True)
                              if json.loads(line)["file"] in names))
     cli = [sys.executable, "-m", "docproc.cli"]
-    subprocess.run([*cli, "run", str(docs), "--out", str(tmp_path / "out"), "--quiet"], check=True, timeout=600)
+    subprocess.run([*cli, "run", str(docs), "--out", str(tmp_path / "out"), "--quiet", "--draft", "bundled"],
+                   check=True, timeout=600)
     report = json.loads(subprocess.run([*cli, "eval", str(tmp_path / "out"), "--truth", str(truth), "--json"],
                                        check=True, capture_output=True, text=True).stdout)
     assert report["documents"] == 3 and report["overall_exact_match"] >= 0.65, report
@@ -117,3 +119,15 @@ def test_speculation_with_the_bundled_pair_is_lossless(kv):
     assert sum(o.metrics.num_cached_tokens for o in spec) > 0  # later queries hit the page's prefix
     info = llm.spec_info()
     assert info["shared_vision_trunk"] and info["draft_accepted"] > 0
+
+
+def test_default_draft_is_the_bundled_one_on_cuda_only():
+    from docproc.cli import bundled_model, resolve_draft
+
+    bundled = str(bundled_model("draft"))
+    assert resolve_draft(None, None, "cuda") == bundled
+    assert resolve_draft(None, None, "cpu") is None  # speculation does not pay on a CPU (README)
+    assert resolve_draft(None, None, "auto") == (bundled if torch.cuda.is_available() else None)
+    assert resolve_draft(None, "/some/model", "cuda") is None  # another target: no default draft
+    assert resolve_draft("bundled", None, "cpu") == bundled and resolve_draft("none", None, "cuda") is None
+    assert resolve_draft("/my/draft", "/some/model", "cpu") == "/my/draft"

@@ -69,3 +69,22 @@ def test_adaptive_k_bypasses_and_reprobes():
     picks = [pol.choose(1) for _ in range(8)]
     assert picks.count(0) == 6 and picks.count(1) == 2  # bypass, re-probing every 4th step
     assert AdaptiveK(k_max=3, fixed=True).choose(7) == 3
+
+
+def test_adaptive_k_prices_verified_positions_from_measured_steps():
+    """Where a target step's time grows with its tokens (a CPU), verifying K more positions
+    costs about K more steps and the draft stops paying; where it hardly grows (a GPU at small
+    batch), the same acceptance picks long windows."""
+    assert best_k(0.8, 0.2, 8, r=0.0) >= 3
+    assert best_k(0.8, 0.2, 8, r=1.0) == 0
+    compute_bound = AdaptiveK(k_max=8, fixed=False, prior=0.8)
+    memory_bound = AdaptiveK(k_max=8, fixed=False, prior=0.8)
+    for pol in (compute_bound, memory_bound):
+        pol.cost_ratio = 0.2
+        pol.batch = 16
+    assert compute_bound.verify_cost == 0.0 and compute_bound.choose(1) >= 3  # nothing measured yet
+    for n in range(16, 200, 8):
+        compute_bound.observe_step(n, 0.001 + 0.002 * n)  # 2 ms per token, 1 ms fixed
+        memory_bound.observe_step(n, 0.020 + 0.00001 * n)  # 20 ms fixed, 10 us per token
+    assert compute_bound.verify_cost > 0.9 and compute_bound.choose(1) == 0
+    assert memory_bound.verify_cost < 0.01 and memory_bound.choose(2) >= 3

@@ -281,6 +281,7 @@ class LLM:
         prefill chunks in one forward, and acceptance keeps the target's distribution."""
         spec, runner = self.speculator, self.runner
         work = []
+        spec.policy.batch = max(1, sum(1 for s in out.scheduled if s.num_new_tokens == 1 and s.needs_sample))
         for s in out.scheduled:
             seq = s.seq
             if s.num_new_tokens == 1 and s.needs_sample:  # decoding
@@ -349,6 +350,7 @@ class LLM:
             else:
                 seq.num_computed_tokens = c.end
         t_target = time.perf_counter() - t0
+        spec.policy.observe_step(int(meta.slot_mapping.numel()), t_target)
         if work:
             spec.policy.observe_cost(t_draft / max(1, max(k for _, k in work)), t_target)
         self.num_steps += 1

@@ -27,9 +27,12 @@ def expected_tokens(a: float, k: int) -> float:
     return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
-def best_k(a: float, c: float, k_max: int) -> int:
-    """The k in 0..k_max with the highest expected speedup E(a, k) / (1 + k c)."""
-    return max(range(k_max + 1), key=lambda k: (expected_tokens(a, k) / (1.0 + k * c), -k))
+def best_k(a: float, c: float, k_max: int, r: float = 0.0) -> int:
+    """The k in 0..k_max with the highest expected speedup E(a, k) / (1 + k (c + r)): c is a draft
+    step's cost and r the extra cost of each verified position, both relative to a decode step of
+    the target (r ~ 0 where decode is memory-bound, as on a GPU; r ~ 1 where the target's step
+    time grows with its tokens, as on a CPU)."""
+    return max(range(k_max + 1), key=lambda k: (expected_tokens(a, k) / (1.0 + k * (c + r)), -k))
 
 
 def accept_greedy(target_logits: torch.Tensor, draft_tokens: list[int]) -> tuple[list[int], int]:
@@ -111,18 +114,48 @@ class AdaptiveK:
         self.decay = decay
         self.probe_every = probe_every
         self.cost_ratio = 0.2  # replaced by measurements as steps run
+        self.batch = 1  # sequences decoding this step (set by the engine before it chooses)
         self._acc: dict[int, float] = {}
         self._bypass: dict[int, int] = {}
+        self._steps: list[tuple[int, float]] = []  # (tokens in the target's forward, seconds)
+        self._fit: tuple[float, float] | None = None  # step seconds = alpha + beta * tokens
 
     def observe_cost(self, draft_step_s: float, target_step_s: float) -> None:
         if draft_step_s > 0 and target_step_s > 0:
             self.cost_ratio = 0.8 * self.cost_ratio + 0.2 * (draft_step_s / target_step_s)
 
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """A target forward's size and time: a least-squares line over the last 64 steps gives
+        the fixed and the per-token part of a step's cost."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        self._steps = (self._steps + [(tokens, seconds)])[-64:]
+        if len(self._steps) < 8:
+            return
+        n = len(self._steps)
+        mx = sum(x for x, _ in self._steps) / n
+        my = sum(y for _, y in self._steps) / n
+        vx = sum((x - mx) ** 2 for x, _ in self._steps)
+        if vx <= 0:
+            return
+        beta = max(0.0, sum((x - mx) * (y - my) for x, y in self._steps) / vx)
+        self._fit = (max(0.0, my - beta * mx), beta)
+
+    @property
+    def verify_cost(self) -> float:
+        """r: the extra cost of one more position per decoding sequence, relative to a decode
+        step of the current batch (0 until measured)."""
+        if self._fit is None:
+            return 0.0
+        alpha, beta = self._fit
+        step = alpha + beta * self.batch
+        return beta * self.batch / step if step > 0 else 0.0
+
     def choose(self, seq_id: int) -> int:
         if self.fixed:
             return self.k_max
         a = self._acc.get(seq_id, self.prior)
-        k = best_k(a, self.cost_ratio, self.k_max)
+        k = best_k(a, self.cost_ratio, self.k_max, self.verify_cost)
         if k == 0:
             n = self._bypass.get(seq_id, 0) + 1
             self._bypass[seq_id] = n
