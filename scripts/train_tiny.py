@@ -1,7 +1,7 @@
 """Train the bundled default pair (target and draft) on synthetic documents, on the device GPU.
 
     python scripts/train_tiny.py tokenizer --work WORK
-    python scripts/train_tiny.py train --work WORK --minutes 9 --total-minutes 16   # again to resume
+    python scripts/train_tiny.py train --work WORK --minutes 9 --target-minutes 22   # again to resume
     python scripts/train_tiny.py export --work WORK --to docproc/assets/models
 
 One process trains both models. Every step encodes each document's pages once with the target's
@@ -15,7 +15,8 @@ Curriculum: the first --region-share of the target's steps read bands of 1 to 5 
 from a page at exactly the scale the page has at inference ("Read the text in the image.",
 answer = the rows' text layer); afterwards whole documents with every query of the default set,
 with one band batch in four to keep the reading signal. Half of all images are "scans"
-(rotation, blur, noise, JPEG). Examples are drawn by DataLoader workers on the CPU cores.
+(rotation, blur, noise, JPEG); --anchor-share of the born-digital documents carry their text
+layer in the prompt exactly as `docproc run --anchor-text` builds it. Examples are drawn by DataLoader workers on the CPU cores.
 
 Dense reading losses (training-only linear heads, not saved in the checkpoints): from each band's
 text layer, the character centred in each half of every 14x14 patch (on the trunk's output) and in
