@@ -48,7 +48,7 @@ def resolve_model(model: Optional[str]) -> str:
 def resolve_draft(draft: Optional[str], model: Optional[str], device: str = "auto") -> Optional[str]:
     """--draft DIR, 'none' (off) or 'bundled' (the bundled draft). With no --draft: the bundled
     draft when the bundled target runs on CUDA; none on CPU, where speculation does not pay (the
-    bundled pair on sample_docs, 2-core CPU: engine 54.5 s without the draft, 74-75 s with it,
+    bundled pair on sample_docs, 2-core CPU: engine 54.5 s without the draft, 70.7-73.3 s with it,
     same answers; BENCHMARKS.md)."""
     bundled = bundled_model("draft")
     if draft is not None:

@@ -149,6 +149,15 @@ def same_trunk(a: str, b: str) -> bool:
     return bool(ta) and ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
 
 
+def eval_tables(e: dict) -> list[str]:
+    """Markdown tables of one `docproc eval` report: per field, then per format."""
+    lines = ["| field | exact match | F1 | n |", "|---|---|---|---|"]
+    lines += [f"| {k} | {v['exact_match']:.3f} | {v['f1']:.3f} | {v['n']} |" for k, v in e["per_field"].items()]
+    lines += ["", "| format | exact match | n |", "|---|---|---|"]
+    lines += [f"| {k} | {v['exact_match']:.3f} | {v['n']} |" for k, v in e["by_format"].items()]
+    return lines
+
+
 def model_card(report: dict, args, state: dict | None) -> str:
     """MODEL_CARD.md for the bundled pair: what it is, how it was made, what it measures."""
     kv = next(iter(report["eval"]))
@@ -199,18 +208,12 @@ def model_card(report: dict, args, state: dict | None) -> str:
               f"## Measured ({report['date']}, {report['documents']} fresh documents, seed {report['seed']}, "
               f"KV {kv})", "", "Command: `" + report.get("command", "python scripts/evaluate_pair.py ...") + "`", "",
               f"Overall field exact match {e['overall_exact_match']:.3f} (F1 {e['overall_f1']:.3f}).", "",
-              "| field | exact match | F1 | n |", "|---|---|---|---|"]
-    lines += [f"| {k} | {v['exact_match']:.3f} | {v['f1']:.3f} | {v['n']} |" for k, v in e["per_field"].items()]
-    lines += ["", "| format | exact match | n |", "|---|---|---|"]
-    lines += [f"| {k} | {v['exact_match']:.3f} | {v['n']} |" for k, v in e["by_format"].items()]
+              *eval_tables(e)]
     if "eval_anchor_text" in report:
         ea = report["eval_anchor_text"]
         lines += ["", f"With `--anchor-text` (each PDF page's text layer in the prompt; scans unchanged): overall "
                       f"exact match {ea['overall_exact_match']:.3f} (F1 {ea['overall_f1']:.3f}).", "",
-                  "| format | exact match | n |", "|---|---|---|"]
-        lines += [f"| {k} | {v['exact_match']:.3f} | {v['n']} |" for k, v in ea["by_format"].items()]
-        lines += ["", "| field | exact match | F1 | n |", "|---|---|---|---|"]
-        lines += [f"| {k} | {v['exact_match']:.3f} | {v['f1']:.3f} | {v['n']} |" for k, v in ea["per_field"].items()]
+                  *eval_tables(ea)]
     if "kv_comparison" in report:
         c = report["kv_comparison"]
         lines += ["", f"KV {c['formats'][1]} vs {c['formats'][0]}: exact match {c['exact_match_difference_points']:+.2f} "
@@ -226,6 +229,8 @@ def model_card(report: dict, args, state: dict | None) -> str:
     if "speed" in report:
         s = report["speed"]
         lines += ["", f"Speed on {report['device']}: " + ", ".join(f"{k} {v}" for k, v in s.items()) + "."]
+    for note in report.get("notes", []):  # how figures edited after the run were measured
+        lines += ["", f"Note: {note}"]
     worst = min(e["per_field"].items(), key=lambda kv: kv[1]["exact_match"])
     below = [f"{k} {v['exact_match']:.3f}" for k, v in e["by_format"].items() if v["exact_match"] < 0.9]
     lines += ["", "## Limits", "",
