@@ -17,9 +17,22 @@ class RequestMetrics:
     time_to_first_token: float | None = None
     total_time: float = 0.0
     finish_reason: str | None = None
-    # speculative decoding (filled by the speculative issue; zero without a draft)
-    draft_proposed: int = 0
-    draft_accepted: int = 0
+    # speculative decoding (zero / empty without a draft)
+    draft_proposed: int = 0  # draft tokens proposed for this request
+    draft_accepted: int = 0  # of which the target accepted
+    draft_verifications: int = 0  # verification steps (each accepts 0..K drafts, plus one target token)
+    draft_bypassed_steps: int = 0  # decode steps without the draft (the adaptive policy chose K = 0)
+    draft_accepted_length_histogram: dict[int, int] = field(default_factory=dict)  # accepted -> steps
+    draft_k_histogram: dict[int, int] = field(default_factory=dict)  # K chosen -> steps
+
+    @property
+    def draft_acceptance_rate(self) -> float | None:
+        return self.draft_accepted / self.draft_proposed if self.draft_proposed else None
+
+    @property
+    def draft_mean_accepted_length(self) -> float | None:
+        """Drafts accepted per verification step (the step also emits the target's own token)."""
+        return self.draft_accepted / self.draft_verifications if self.draft_verifications else None
 
 
 @dataclass

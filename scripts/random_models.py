@@ -64,7 +64,8 @@ GEOMETRIES = {
 
 def make_model(folder: Path, model_type: str = "qwen2_vl", *, tie: bool = False, naming: str = "new",
                shards: int = 1, dtype: torch.dtype = torch.float32, seed: int = 0, geometry: str = "tiny",
-               init_std: float | None = 0.08, device: str = "cpu", max_pixels: int = 28 * 28 * 16) -> Path:
+               init_std: float | None = 0.08, device: str = "cpu", max_pixels: int = 28 * 28 * 16,
+               vocab_size: int | None = None) -> Path:
     """Save a random model folder. naming: "new" (model.visual.*, model.language_model.*) or
     "published" (visual.*, model.layers.*, lm_head.*). init_std None keeps transformers' init;
     the tiny default scales weights up so that greedy decoding is far from ties."""
@@ -74,6 +75,7 @@ def make_model(folder: Path, model_type: str = "qwen2_vl", *, tie: bool = False,
     ids = special_ids()
     geo = GEOMETRIES[geometry]
     g = dict(geo["text"])
+    g["vocab_size"] = vocab_size or g["vocab_size"]  # rows of the embedding (the tokenizer is the same)
     hidden = g["hidden_size"]
     text = dict(vocab_size=g["vocab_size"], hidden_size=hidden, intermediate_size=g["intermediate_size"],
                 num_hidden_layers=g["num_hidden_layers"], num_attention_heads=g["num_attention_heads"],

@@ -55,6 +55,30 @@ def test_random_draft_is_lossless_with_chunked_prefill_and_prefix_hits(qwen2_vl_
     assert sum(o.metrics.draft_proposed for o in outs) == info["draft_proposed"]
     assert sum(o.metrics.draft_accepted for o in outs) == info["draft_accepted"]
     assert all(b.ref_count == 0 for b in llm.speculator.block_manager.blocks)
+    for o in outs:  # per-request figures add up
+        m = o.metrics
+        assert sum(m.draft_accepted_length_histogram.values()) == m.draft_verifications
+        assert sum(a * n for a, n in m.draft_accepted_length_histogram.items()) == m.draft_accepted
+        assert sum(k * n for k, n in m.draft_k_histogram.items()) == m.draft_proposed
+    assert sum(o.metrics.draft_verifications for o in outs) == info["verifications"]
+    assert sum(o.metrics.draft_bypassed_steps for o in outs) == info["bypassed_steps"]
+    # the four queries on one page: the draft's own prefix cache serves the page to all but the first
+    assert llm.speculator.block_manager.stats.num_hit_tokens > 0
+
+
+def test_draft_with_a_differently_padded_vocabulary(qwen2_vl_dir, tmp_path, plain):
+    """Qwen2-VL-7B and -2B share a tokenizer but not their embedding rows (152064 vs 151936): a
+    draft with fewer or more rows than the target is still lossless, greedy and sampled."""
+    from random_models import make_model
+
+    for rows in (352, 448):  # the target has 384
+        d = make_model(tmp_path / f"d{rows}", geometry="tiny-draft", seed=3, vocab_size=rows)
+        llm = LLM(str(qwen2_vl_dir), device="cpu", max_num_batched_tokens=16, speculative_model=str(d),
+                  num_speculative_tokens=3)
+        assert tokens(llm.generate(reqs(), GREEDY)) == plain
+        sampled = SamplingParams(max_tokens=16, temperature=1.0, seed=7, ignore_eos=True)
+        a, b = tokens(llm.generate(reqs(), sampled)), tokens(llm.generate(reqs(), sampled))
+        assert a == b and all(t < 384 for row in a for t in row)
 
 
 def test_draft_equal_to_target_accepts_everything(qwen2_vl_dir, plain):

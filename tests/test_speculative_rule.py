@@ -66,9 +66,39 @@ def test_adaptive_k_bypasses_and_reprobes():
     assert pol.choose(1) > 0
     for _ in range(20):
         pol.observe(1, 4, 0)  # nothing accepted
-    picks = [pol.choose(1) for _ in range(8)]
-    assert picks.count(0) == 6 and picks.count(1) == 2  # bypass, re-probing every 4th step
+    picks = []
+    for _ in range(4 + 8 + 16):
+        picks.append(pol.choose(1))
+        if picks[-1]:
+            pol.observe(1, picks[-1], 0)  # the probe confirms the collapse
+    # bypass, re-probing after 4 steps, then after 8, then 16: the probes' cost shrinks
+    assert [i for i, k in enumerate(picks) if k] == [3, 11, 27] and set(picks) == {0, 1}
+    for _ in range(30):
+        pol.observe(1, 1, 1)  # acceptance recovered
+    assert pol.choose(1) > 0
     assert AdaptiveK(k_max=3, fixed=True).choose(7) == 3
+
+
+def test_adaptive_k_is_one_choice_per_step_priced_by_measured_forwards():
+    """The draft's K forwards are paid by the whole step, so the batch gets one K. A draft forward
+    as slow as the target's step (launch-bound tiny models on a GPU) never pays at modest
+    acceptance; a cheap one does; new sequences start from the average acceptance seen so far."""
+    slow, cheap = AdaptiveK(k_max=8, fixed=False, prior=0.7), AdaptiveK(k_max=8, fixed=False, prior=0.7)
+    for pol, draft_s in ((slow, 0.010), (cheap, 0.001)):
+        pol.batch = 16
+        for n in (16, 32, 48, 64, 80, 96):
+            pol.observe_step(n, 0.010)  # flat: verified positions cost nothing extra
+            pol.observe_draft_forward(16, draft_s)
+    assert abs(slow.cost_ratio - 1.0) < 1e-9 and abs(cheap.cost_ratio - 0.1) < 1e-9
+    assert slow.verify_cost == 0.0
+    ids = list(range(16))
+    assert slow.choose_step(ids) == 0  # 1 + K forwards for E(0.7, K) < 1 + K tokens
+    assert cheap.choose_step(ids) >= 3
+    for s in ids:  # the sequences stop accepting: the batch stops drafting
+        for _ in range(10):
+            cheap.observe(s, 4, 0)
+    assert cheap.choose_step(ids) == 0
+    assert cheap.choose_step([99]) == 0  # a new sequence starts from the low running average
 
 
 def test_adaptive_k_prices_verified_positions_from_measured_steps():

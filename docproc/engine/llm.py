@@ -98,7 +98,8 @@ class LLM:
                         f"draft image processor differs from target ({dict(d_ip.size)} vs {dict(t_ip.size)}): the "
                         f"draft must see the same image tokens; use draft_vision='none' or a matching draft")
             self.speculator = Speculator(draft_runner, k_max, adaptive, draft_vision,
-                                         self.runner.hf_config.image_token_id, enable_prefix_caching)
+                                         self.runner.hf_config.image_token_id, enable_prefix_caching,
+                                         target_vocab=self.runner.text_config.vocab_size)
             t_model, d_model = self.runner.model, draft_runner.model
             if (draft_vision == "auto" and t_model.vision_trunk_fingerprint == d_model.vision_trunk_fingerprint
                     and t_model.vision.shares_trunk and d_model.vision.shares_trunk):
@@ -281,11 +282,13 @@ class LLM:
         prefill chunks in one forward, and acceptance keeps the target's distribution."""
         spec, runner = self.speculator, self.runner
         work = []
-        spec.policy.batch = max(1, sum(1 for s in out.scheduled if s.num_new_tokens == 1 and s.needs_sample))
+        decoding = [s.seq.seq_id for s in out.scheduled if s.num_new_tokens == 1 and s.needs_sample]
+        spec.policy.batch = max(1, len(decoding))
+        k_step = spec.policy.choose_step(decoding)  # one K for the step: its draft forwards are shared
         for s in out.scheduled:
             seq = s.seq
             if s.num_new_tokens == 1 and s.needs_sample:  # decoding
-                k = min(spec.policy.choose(seq.seq_id), seq.max_tokens - seq.num_generated_tokens - 1,
+                k = min(k_step, seq.max_tokens - seq.num_generated_tokens - 1,
                         self.max_model_len - len(seq) - 1, self.scheduler.lookahead)
                 # the window needs target slots; a prompt's last token (not a decode step) may lack them
                 if k > 0 and not self.block_manager.can_append(seq, len(seq) + k):
@@ -295,6 +298,7 @@ class LLM:
                     work.append((seq, k))
                 else:
                     spec.stats.bypassed_steps += 1
+                    seq.draft_bypassed_steps += 1
         t_draft = spec.draft_seconds
         proposals = spec.propose(work)
         t_draft = spec.draft_seconds - t_draft
@@ -330,6 +334,9 @@ class LLM:
                 spec.policy.observe(seq.seq_id, k, accepted)
                 seq.draft_proposed += k
                 seq.draft_accepted += accepted
+                seq.draft_verifications += 1
+                seq.draft_accepted_hist[accepted] = seq.draft_accepted_hist.get(accepted, 0) + 1
+                seq.draft_k_hist[k] = seq.draft_k_hist.get(k, 0) + 1
                 spec.after_verify(seq, committed_before, k, accepted)
                 done = False
                 for tok in emitted:  # EOS, stop strings and max_tokens apply inside the run
@@ -350,9 +357,8 @@ class LLM:
             else:
                 seq.num_computed_tokens = c.end
         t_target = time.perf_counter() - t0
-        spec.policy.observe_step(int(meta.slot_mapping.numel()), t_target)
-        if work:
-            spec.policy.observe_cost(t_draft / max(1, max(k for _, k in work)), t_target)
+        if len(decoding) == len(out.scheduled):  # decode/verify steps only: prefill chunks would skew the line
+            spec.policy.observe_step(int(meta.slot_mapping.numel()), t_target)
         self.num_steps += 1
         self.num_step_tokens += int(meta.slot_mapping.numel())
         self.step_seconds += t_target + t_draft
@@ -394,6 +400,10 @@ class LLM:
             num_preemptions=seq.num_preemptions,
             draft_proposed=seq.draft_proposed,
             draft_accepted=seq.draft_accepted,
+            draft_verifications=seq.draft_verifications,
+            draft_bypassed_steps=seq.draft_bypassed_steps,
+            draft_accepted_length_histogram=dict(sorted(seq.draft_accepted_hist.items())),
+            draft_k_histogram=dict(sorted(seq.draft_k_hist.items())),
             time_to_first_token=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
             total_time=end - seq.arrival_time,
             finish_reason=seq.finish_reason,

@@ -69,6 +69,7 @@ class ModelRunner:
         self.processor = Processor(config.model, self.hf_config)
         tc = self.model.text.cfg
         self.text_config = tc
+        self.max_input_id: int | None = None  # set by the speculator for a draft with a smaller vocabulary
         self.block_size = config.cache.block_size
         kv_name = resolve_kv_dtype(config.cache.kv_cache_dtype, self.dtype)
         heads = (tc.num_attention_heads, tc.num_key_value_heads, tc.head_dim, tc.head_dim ** -0.5, self.device)
@@ -208,8 +209,10 @@ class ModelRunner:
         self.backend.prepare(meta)
         rows = torch.cat(image_rows).to(dev) if image_rows else None
         embeds = torch.cat(image_embeds) if image_embeds else None
-        return (torch.tensor(ids, dtype=torch.long).to(dev), torch.cat(positions, dim=1).to(dev), meta, rows,
-                embeds)
+        ids_t = torch.tensor(ids, dtype=torch.long)
+        if self.max_input_id is not None:  # a draft whose embedding has fewer rows than the target's
+            ids_t.clamp_(max=self.max_input_id)
+        return ids_t.to(dev), torch.cat(positions, dim=1).to(dev), meta, rows, embeds
 
     def sampling_row(self, seq: Sequence) -> SamplingRow:
         sp = seq.sampling

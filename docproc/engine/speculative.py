@@ -9,9 +9,10 @@ Greedy requests are the special case of one-hot p and q: the longest prefix of d
 the target's argmax, then the target's argmax.
 
 Choice of K: with per-token acceptance rate a, k drafts yield E(a, k) = (1 - a^(k+1)) / (1 - a)
-tokens per verification; a step costs 1 + k c target-step units, c = draft step / target step.
-The policy picks the k in 0..k_max that maximises E(a, k) / (1 + k c); k = 0 means decode
-without the draft, re-probing with k = 1 every `probe_every` steps.
+tokens per verification; a step costs 1 + k (c + r) target-step units, c = draft step / target
+step, r = the target's extra cost per verified position. AdaptiveK picks one k in 0..k_max per
+engine step, for the whole batch (the draft's k forwards are paid by every sequence of the step);
+k = 0 means decode without the draft, re-probing with k = 1 now and then.
 """
 from __future__ import annotations
 
@@ -103,9 +104,50 @@ class SpecStats:
                 "k_histogram": dict(sorted(self.k_hist.items()))}
 
 
+class _Line:
+    """Least-squares line y = alpha + beta * x over the last `n` points (a flat line at the mean
+    while every x is the same)."""
+
+    def __init__(self, n: int = 64) -> None:
+        self.n = n
+        self.points: list[tuple[float, float]] = []
+        self.fit: tuple[float, float] | None = None
+
+    def add(self, x: float, y: float) -> None:
+        if x <= 0 or y <= 0:
+            return
+        self.points = (self.points + [(x, y)])[-self.n:]
+        pts = self.points
+        if len(pts) < 4:
+            return
+        m = len(pts)
+        mx = sum(p[0] for p in pts) / m
+        my = sum(p[1] for p in pts) / m
+        vx = sum((p[0] - mx) ** 2 for p in pts)
+        beta = max(0.0, sum((p[0] - mx) * (p[1] - my) for p in pts) / vx) if vx > 0 else 0.0
+        self.fit = (max(0.0, my - beta * mx), beta)
+
+    def at(self, x: float) -> float | None:
+        if self.fit is None:
+            return None
+        alpha, beta = self.fit
+        return alpha + beta * x
+
+
 class AdaptiveK:
-    """Per-sequence acceptance estimate (exponential moving average over verifications, prior
-    `prior`) and the measured draft/target cost ratio c; picks K each step."""
+    """Chooses one K per engine step for all decoding sequences.
+
+    A step's cost does not split per sequence: when any sequence drafts K tokens the draft runs
+    K forwards and every sequence waits for them (on a GPU a forward costs about the same for 1 or
+    16 sequences). So the policy scores each K for the whole batch: sum over sequences of
+    E(a_i, K), over the step's cost 1 + K (c + r) in plain-decode-step units, against 1 per
+    sequence for K = 0 (no draft). a_i: each sequence's acceptance (exponential moving average over
+    its verifications; sequences without one use the running average over all verifications).
+    c: the draft's decode forward over the target's decode step at this batch size, and r: the
+    target's extra time per verified position, both from least-squares lines over measured steps
+    (c uses `cost_ratio`'s set value until the draft has been timed). When K = 0 wins the engine
+    decodes without the draft and re-probes with K = 1 after `probe_every` steps, doubling that
+    interval (up to 16x) while probes keep confirming the bypass."""
 
     def __init__(self, k_max: int, fixed: bool, prior: float = 0.7, decay: float = 0.8, probe_every: int = 16):
         self.k_max = k_max
@@ -113,62 +155,80 @@ class AdaptiveK:
         self.prior = prior
         self.decay = decay
         self.probe_every = probe_every
-        self.cost_ratio = 0.2  # replaced by measurements as steps run
         self.batch = 1  # sequences decoding this step (set by the engine before it chooses)
+        self._c_prior = 0.2  # the cost ratio until the draft's forwards are measured
         self._acc: dict[int, float] = {}
-        self._bypass: dict[int, int] = {}
-        self._steps: list[tuple[int, float]] = []  # (tokens in the target's forward, seconds)
-        self._fit: tuple[float, float] | None = None  # step seconds = alpha + beta * tokens
+        self._global = prior  # acceptance over all verifications: the prior of new sequences
+        self._target = _Line()  # target forward seconds vs tokens in it
+        self._draft = _Line()  # draft decode forward seconds vs sequences in it
+        self._since_probe = 0
+        self._probe_interval = probe_every
 
-    def observe_cost(self, draft_step_s: float, target_step_s: float) -> None:
-        if draft_step_s > 0 and target_step_s > 0:
-            self.cost_ratio = 0.8 * self.cost_ratio + 0.2 * (draft_step_s / target_step_s)
-
+    # ---- measurements ----------------------------------------------------------------------------
     def observe_step(self, tokens: int, seconds: float) -> None:
-        """A target forward's size and time: a least-squares line over the last 64 steps gives
-        the fixed and the per-token part of a step's cost."""
-        if tokens <= 0 or seconds <= 0:
-            return
-        self._steps = (self._steps + [(tokens, seconds)])[-64:]
-        if len(self._steps) < 8:
-            return
-        n = len(self._steps)
-        mx = sum(x for x, _ in self._steps) / n
-        my = sum(y for _, y in self._steps) / n
-        vx = sum((x - mx) ** 2 for x, _ in self._steps)
-        if vx <= 0:
-            return
-        beta = max(0.0, sum((x - mx) * (y - my) for x, y in self._steps) / vx)
-        self._fit = (max(0.0, my - beta * mx), beta)
+        """A target forward's size and time."""
+        self._target.add(tokens, seconds)
 
-    @property
-    def verify_cost(self) -> float:
-        """r: the extra cost of one more position per decoding sequence, relative to a decode
-        step of the current batch (0 until measured)."""
-        if self._fit is None:
-            return 0.0
-        alpha, beta = self._fit
-        step = alpha + beta * self.batch
-        return beta * self.batch / step if step > 0 else 0.0
-
-    def choose(self, seq_id: int) -> int:
-        if self.fixed:
-            return self.k_max
-        a = self._acc.get(seq_id, self.prior)
-        k = best_k(a, self.cost_ratio, self.k_max, self.verify_cost)
-        if k == 0:
-            n = self._bypass.get(seq_id, 0) + 1
-            self._bypass[seq_id] = n
-            if n % self.probe_every == 0:
-                return 1  # re-probe: acceptance may have recovered
-        return k
+    def observe_draft_forward(self, seqs: int, seconds: float) -> None:
+        """A draft forward that decoded (at most two tokens per sequence) for `seqs` sequences."""
+        self._draft.add(seqs, seconds)
 
     def observe(self, seq_id: int, k: int, accepted: int) -> None:
         if k == 0:
             return
         rate = accepted / k
-        self._acc[seq_id] = self.decay * self._acc.get(seq_id, self.prior) + (1 - self.decay) * rate
+        self._acc[seq_id] = self.decay * self._acc.get(seq_id, self._global) + (1 - self.decay) * rate
+        self._global = 0.95 * self._global + 0.05 * rate
 
     def forget(self, seq_id: int) -> None:
         self._acc.pop(seq_id, None)
-        self._bypass.pop(seq_id, None)
+
+    # ---- costs -----------------------------------------------------------------------------------
+    @property
+    def cost_ratio(self) -> float:
+        """c at the current batch size: draft decode forward / target decode step."""
+        d, t = self._draft.at(self.batch), self._target.at(self.batch)
+        if d is None or not t:
+            return self._c_prior
+        return d / t
+
+    @cost_ratio.setter
+    def cost_ratio(self, value: float) -> None:
+        self._c_prior = value
+
+    @property
+    def verify_cost(self) -> float:
+        """r: the extra cost of one more position per decoding sequence, relative to a decode
+        step of the current batch (0 until measured)."""
+        step = self._target.at(self.batch)
+        if not step:
+            return 0.0
+        return self._target.fit[1] * self.batch / step
+
+    # ---- the choice ------------------------------------------------------------------------------
+    def choose_step(self, seq_ids: list[int]) -> int:
+        """K for this step's decoding sequences (0: decode without the draft)."""
+        if self.fixed:
+            return self.k_max
+        if not seq_ids:
+            return 0
+        accs = [self._acc.get(s, self._global) for s in seq_ids]
+        per_k = self.cost_ratio + self.verify_cost
+        best, best_value = 0, float(len(accs))
+        for k in range(1, self.k_max + 1):
+            value = sum(expected_tokens(a, k) for a in accs) / (1.0 + k * per_k)
+            if value > best_value * (1 + 1e-9):
+                best, best_value = k, value
+        if best > 0:
+            self._since_probe, self._probe_interval = 0, self.probe_every
+            return best
+        self._since_probe += 1
+        if self._since_probe >= self._probe_interval:  # acceptance may have recovered
+            self._since_probe = 0
+            self._probe_interval = min(16 * self.probe_every, 2 * self._probe_interval)
+            return 1
+        return 0
+
+    def choose(self, seq_id: int) -> int:
+        """The choice for a single decoding sequence."""
+        return self.choose_step([seq_id])

@@ -60,8 +60,16 @@ class Proposal:
 
 class Speculator:
     def __init__(self, runner: ModelRunner, k_max: int, adaptive: bool, vision: str, image_token_id: int,
-                 enable_prefix_caching: bool) -> None:
+                 enable_prefix_caching: bool, target_vocab: int | None = None) -> None:
         self.runner = runner
+        # Same tokenizer, but the embedding tables may be padded differently (Qwen2-VL-7B has 152064
+        # rows, 2B 151936): the draft proposes only ids the target has, its distributions are
+        # padded/cut to the target's width, and ids it has no row for are clamped on its input
+        # (a trained target never emits them; a random one may)
+        self.draft_vocab = runner.text_config.vocab_size
+        self.target_vocab = target_vocab or self.draft_vocab
+        if self.target_vocab > self.draft_vocab:
+            runner.max_input_id = self.draft_vocab - 1
         self.k_max = k_max
         self.vision = vision
         self.image_token_id = image_token_id
@@ -93,6 +101,10 @@ class Speculator:
         if not bm.can_append(v, v.num_committed + k):
             return False
         bm.append_slots(v, v.num_committed + k)
+        # this step's first draft forward computes every committed token: register their full
+        # blocks now, so that later sequences with the same prefix (the other queries of a page)
+        # hit them, as the target's scheduler does (never proposals: they may be rolled back)
+        bm.commit(v, v.num_committed)
         return True
 
     @torch.inference_mode()
@@ -107,8 +119,11 @@ class Speculator:
         for r in range(max((k for _, _, k in active), default=0)):
             live = [(seq, v) for seq, v, k in active if k > r]
             chunks = [Chunk(v, v.num_computed_tokens, len(v)) for _, v in live]
+            t_fwd = time.perf_counter()
             hidden, meta = runner.forward(chunks)
             logits = runner.logits(hidden, [meta.query_start[i + 1] - 1 for i in range(len(live))])
+            if self.draft_vocab > self.target_vocab:
+                logits = logits[:, : self.target_vocab]
             rows = [runner.sampling_row(v) for _, v in live]
             if all(row.temperature == 0 for row in rows):
                 tokens = logits.argmax(-1).tolist()
@@ -117,6 +132,10 @@ class Speculator:
                 p = probabilities(logits, rows)
                 e = runner.sampler.exponential(rows, logits.shape[-1], logits.device)
                 tokens = (p / e).argmax(-1).tolist()
+                if self.target_vocab > p.shape[-1]:  # no mass on the ids the draft lacks
+                    p = torch.nn.functional.pad(p, (0, self.target_vocab - p.shape[-1]))  # (both branches wait for the device here)
+            if max(c.num_new_tokens for c in chunks) <= 2:  # a decode forward, not a catch-up prefill
+                self.policy.observe_draft_forward(len(chunks), time.perf_counter() - t_fwd)
             for i, ((seq, v), tok) in enumerate(zip(live, tokens)):
                 v.num_computed_tokens = len(v)
                 v.proposals.append(tok)

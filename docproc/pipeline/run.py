@@ -84,6 +84,7 @@ class RunTotals:
     generated_tokens: int = 0
     draft_proposed: int = 0
     draft_accepted: int = 0
+    draft_verifications: int = 0
 
 
 @dataclass
@@ -280,13 +281,15 @@ class Pipeline:
             row = {"query": q.name, "query_type": q.type, "answer": out.outputs[0].text,
                    "prompt_tokens": m.num_prompt_tokens, "cached_tokens": m.num_cached_tokens,
                    "generated_tokens": m.num_generated_tokens, "draft_proposed": m.draft_proposed,
-                   "draft_accepted": m.draft_accepted, "latency_s": round(m.total_time, 4)}
+                   "draft_accepted": m.draft_accepted, "draft_verifications": m.draft_verifications,
+                   "latency_s": round(m.total_time, 4)}
             self.totals.requests += 1
             self.totals.prompt_tokens += m.num_prompt_tokens
             self.totals.cached_tokens += m.num_cached_tokens
             self.totals.generated_tokens += m.num_generated_tokens
             self.totals.draft_proposed += m.draft_proposed
             self.totals.draft_accepted += m.draft_accepted
+            self.totals.draft_verifications += m.draft_verifications
             if out.error:
                 row.update(value=None, status="error", error=out.error)
             else:
@@ -311,7 +314,8 @@ class Pipeline:
             chosen = next((r for _, r in candidates if r["status"] == "ok"), None) or \
                 next((r for _, r in candidates if r["status"] == "empty"), None) or candidates[0][1]
             merged = dict(chosen)
-            for k in ("prompt_tokens", "cached_tokens", "generated_tokens", "draft_proposed", "draft_accepted"):
+            for k in ("prompt_tokens", "cached_tokens", "generated_tokens", "draft_proposed", "draft_accepted",
+                      "draft_verifications"):
                 merged[k] = sum(r[k] for _, r in candidates)
             merged["latency_s"] = round(sum(r["latency_s"] for _, r in candidates), 4)
             rows.append(merged)

@@ -25,6 +25,7 @@ RESULT_SCHEMA = pa.schema([
     pa.field("generated_tokens", pa.int32()),
     pa.field("draft_proposed", pa.int32()),
     pa.field("draft_accepted", pa.int32()),
+    pa.field("draft_verifications", pa.int32()),  # verification steps (null in tables written before it existed)
     pa.field("latency_s", pa.float64()),
     pa.field("config_fingerprint", pa.string(), nullable=False),
     pa.field("part", pa.int64(), nullable=False),  # write order: the latest part wins per path

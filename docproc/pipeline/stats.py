@@ -33,10 +33,13 @@ def per_query(out: Path, run_id: str | None) -> dict:
         a["generated_tokens"] += r["generated_tokens"] or 0
         a["draft_proposed"] += r["draft_proposed"] or 0
         a["draft_accepted"] += r["draft_accepted"] or 0
+        a["draft_verifications"] += r.get("draft_verifications") or 0
         a["latency_s"] += r["latency_s"] or 0.0
     return {q: {"rows": int(a["rows"]), "answered": int(a["answered"]), "errors": int(a["errors"]),
                 "mean_generated_tokens": round(a["generated_tokens"] / a["rows"], 2),
                 "acceptance_rate": round(a["draft_accepted"] / a["draft_proposed"], 4) if a["draft_proposed"] else None,
+                "mean_accepted_length": (round(a["draft_accepted"] / a["draft_verifications"], 3)
+                                         if a["draft_verifications"] else None),
                 "mean_latency_s": round(a["latency_s"] / a["rows"], 4)} for q, a in sorted(acc.items())}
 
 
