@@ -9,7 +9,8 @@ JSON file; a part that fails records its error and the others still run.
     python scripts/bench_engine.py --geometry tiny --draft-geometry tiny-draft --device cpu --small \
         --kv fp32,fp4 --json /tmp/b.json   # CPU check (tests/test_bench_engine.py)
 
-Not yet run on the device (as of 2026-11-29): no figures from it are in BENCHMARKS.md.
+On the device so far (2026-11-30): part a twice (BENCHMARKS.md, with a profile); part c once with
+an earlier acceptance control that failed (rewritten since, not re-run); parts b and d never.
 
 (a) batch-1 decode: tokens/s of ours and of transformers' `generate` on the same weights and
     prompt (one page + a question), and the bandwidth roofline: (LM weight bytes + KV bytes of
@@ -18,10 +19,11 @@ Not yet run on the device (as of 2026-11-29): no figures from it are in BENCHMAR
     tokens/s of ours with bf16 and FP4 KV, of transformers at each batch size tried (it recomputes
     the page for every query), and the compute roofline: FLOPs of the vision tower once per page +
     prefill of the unique prompt tokens + decode, over the bf16 matmul rate measured in the run.
-(c) speculation with acceptance controlled: the real draft forward runs, then each proposed token
-    is replaced by the target's known greedy continuation with probability a (else by a token that
-    is surely wrong); speedup over no draft at each a, batch size and K, next to E(a,K)/(1+Kc)
-    with c = draft step time / target step time measured here.
+(c) speculation with acceptance controlled: the real draft forwards run, then at verification each
+    proposal counts as the target's own greedy token with probability a (else as one it rejects);
+    speedup over no draft at each a, batch size and K, next to E(a,K)/(1+Kc) with c = draft
+    forward time / target step time measured by the engine in the run (and with r, the target's
+    extra cost per verified position).
 (d) memory: at one fixed KV budget, the most sequences running at once (measured in the
     scheduler) for bf16 and FP4 KV, with 1 query per page and with 4 queries per page.
 """
@@ -205,6 +207,7 @@ def part_a(folder: Path, args, env: dict) -> dict:
     ours_tps = (n - 1) / decode_s
     ctx = m.num_prompt_tokens + n // 2
     info = llm.cache_info()
+    profile = profile_decode(llm, req, args) if args.profile_steps else None
     step_bytes = lm_bytes_per_step(llm) + ctx * info["bytes_per_token"]
     roofline_tps = env["copy_bandwidth"] / step_bytes
     inputs = hf_batch(llm, [req], args.device)
@@ -220,7 +223,34 @@ def part_a(folder: Path, args, env: dict) -> dict:
     return {"new_tokens": n, "prompt_tokens": m.num_prompt_tokens, "ours_tokens_per_s": round(ours_tps, 2),
             "ours_ttft_s": round(m.time_to_first_token, 4), "transformers_tokens_per_s": round(hf_tps, 2),
             "speedup_vs_transformers": round(ours_tps / hf_tps, 2), "bytes_per_step": step_bytes,
-            "roofline_tokens_per_s": round(roofline_tps, 2), "share_of_roofline": round(ours_tps / roofline_tps, 3)}
+            "roofline_tokens_per_s": round(roofline_tps, 2), "share_of_roofline": round(ours_tps / roofline_tps, 3),
+            **({"profile": profile} if profile else {})}
+
+
+def profile_decode(llm, req, args) -> dict:
+    """Where a batch-1 decode step's time goes: torch.profiler over --profile-steps decode steps
+    (after a prefix-cached prompt), the top operators by device time and by host time, and the
+    device-busy share of the wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    n = args.profile_steps
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    llm.generate([req], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # prompt now cached
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    sync(args.device)
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        llm.generate([req], sp)
+        sync(args.device)
+    wall = time.perf_counter() - t0
+    ka = prof.key_averages()
+    dev_key = "self_device_time_total" if hasattr(ka[0], "self_device_time_total") else "self_cuda_time_total"
+    busy_us = sum(getattr(e, dev_key, 0) for e in ka) if args.device == "cuda" else 0.0
+    rows = lambda key: [{"op": e.key, "calls": e.count, "self_us": round(getattr(e, key), 1)}  # noqa: E731
+                        for e in sorted(ka, key=lambda e: -getattr(e, key))[:20]]
+    return {"steps": n, "wall_s": round(wall, 4), "wall_ms_per_step": round(1e3 * wall / n, 3),
+            "device_busy_ms_per_step": round(busy_us / 1e3 / n, 3),
+            "top_device": rows(dev_key) if args.device == "cuda" else [], "top_host": rows("self_cpu_time_total")}
 
 
 def part_b(folder: Path, args, env: dict) -> dict:
@@ -280,35 +310,31 @@ def part_b(folder: Path, args, env: dict) -> dict:
     return res
 
 
-class ControlledDraft:
-    """Benchmark-only: after the real draft forward, each proposed token becomes the target's
-    known greedy continuation with probability a, else a token that is surely wrong."""
+class ControlledAcceptance:
+    """Benchmark-only: the real draft forwards run, then at verification each proposal counts as
+    the target's own greedy token with probability a, else as a token the target surely rejects.
+    Acceptance is then exactly controlled whatever bf16 near-ties in random weights do to greedy
+    continuations, the step costs are the real ones, and the emitted tokens are the target's."""
 
-    def __init__(self, speculator, continuations: dict[str, list[int]], a: float, vocab: int, seed: int) -> None:
-        self.spec, self.cont, self.a, self.vocab = speculator, continuations, a, vocab
-        self.rng = random.Random(seed)
-        self._propose = speculator.propose
-        speculator.propose = self.propose
+    def __init__(self, a: float, seed: int) -> None:
+        import docproc.engine.llm as engine_llm
 
-    def propose(self, work):
-        out = self._propose(work)
-        for seq, _ in work:
-            prop = out.get(seq.seq_id)
-            if prop is None or not prop.tokens:
-                continue
-            cont = self.cont[seq.request_id]
-            base = seq.num_generated_tokens  # the proposals follow the last committed token
-            toks = []
-            for r in range(len(prop.tokens)):
-                right = cont[base + r] if base + r < len(cont) else prop.tokens[r]
-                toks.append(right if self.rng.random() < self.a else (right + 1) % self.vocab)
-            prop.tokens = toks
-        return out
+        self.mod, self.real, self.a, self.rng = engine_llm, engine_llm.accept_greedy, a, random.Random(seed)
+        engine_llm.accept_greedy = self.accept
+
+    def accept(self, target_logits, draft_tokens):
+        top = target_logits.argmax(-1).tolist()
+        v = target_logits.shape[-1]
+        toks = [top[i] if self.rng.random() < self.a else (top[i] + 1) % v for i in range(len(draft_tokens))]
+        return self.real(target_logits, toks)
+
+    def close(self) -> None:
+        self.mod.accept_greedy = self.real
 
 
 def part_c(folder: Path, draft: Path, args, env: dict) -> dict:
-    """Speculation with controlled acceptance: one plain engine for the baselines (and the greedy
-    continuations), then one speculative engine per K for every batch size and a."""
+    """Speculation with controlled acceptance: one plain engine for the baselines, then one
+    speculative engine per K for every batch size and a."""
     n = args.spec_new_tokens
     res: dict = {"new_tokens": n, "baselines": {}, "runs": []}
     sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -316,25 +342,24 @@ def part_c(folder: Path, draft: Path, args, env: dict) -> dict:
     batches = {b: [request(2000 + i, QUESTIONS[i % len(QUESTIONS)], args) for i in range(b)] for b in args.spec_batches}
     plain = ours(folder, args)
     plain.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True))
-    base, conts = {}, {}
+    base = {}
     for b, reqs in batches.items():
+        plain.generate(reqs, SamplingParams(max_tokens=2, ignore_eos=True))  # the prompts into the prefix cache
         sync(args.device)
         t0 = time.perf_counter()
-        outs = plain.generate(reqs, sp)
+        plain.generate(reqs, sp)
         sync(args.device)
         base[b] = time.perf_counter() - t0
-        conts[b] = [o.outputs[0].token_ids for o in outs]
         res["baselines"][str(b)] = {"seconds": round(base[b], 3), "tokens_per_s": round(b * n / base[b], 1)}
-    vocab = plain.runner.text_config.vocab_size
     del plain
     free()
     for k in args.spec_k:
         llm = ours(folder, args, speculative_model=str(draft), num_speculative_tokens=k)
         llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True))
         for b, reqs in batches.items():
+            llm.generate(reqs, SamplingParams(max_tokens=2, ignore_eos=True))  # prompts cached, as for the baseline
             for a in args.accept:
-                ctl = ControlledDraft(llm.speculator, {str(i): c for i, c in enumerate(conts[b])}, a, vocab,
-                                      seed=int(a * 1000) + (k if isinstance(k, int) else 0))
+                ctl = ControlledAcceptance(a, seed=int(a * 1000) + (k if isinstance(k, int) else 0))
                 try:
                     sync(args.device)
                     t0 = time.perf_counter()
@@ -342,18 +367,21 @@ def part_c(folder: Path, draft: Path, args, env: dict) -> dict:
                     sync(args.device)
                     dt = time.perf_counter() - t0
                 finally:
-                    llm.speculator.propose = ctl._propose
+                    ctl.close()
                 prop = sum(o.metrics.draft_proposed for o in outs)
                 acc = sum(o.metrics.draft_accepted for o in outs)
-                c = llm.speculator.policy.cost_ratio  # draft step / target step, measured by the engine
-                res["runs"].append({
-                    "batch": b, "k": k, "a": a, "seconds": round(dt, 3), "speedup": round(base[b] / dt, 3),
-                    "acceptance_rate": round(acc / prop, 4) if prop else None,
-                    "cost_ratio_c": round(c, 4),
-                    # the adaptive policy ("auto") picks K per sequence: no single analytic figure
-                    "analytic_speedup": round(expected_tokens(a, k) / (1 + k * c), 3) if k != "auto" else None,
-                    "greedy_output_unchanged": all(o.outputs[0].token_ids == t for o, t in zip(outs, conts[b]))})
-                print(json.dumps(res["runs"][-1]), flush=True)
+                pol = llm.speculator.policy
+                pol.batch = b
+                c, r = pol.cost_ratio, pol.verify_cost  # measured by the engine on this run's steps
+                row = {"batch": b, "k": k, "a": a, "seconds": round(dt, 3), "speedup": round(base[b] / dt, 3),
+                       "acceptance_rate": round(acc / prop, 4) if prop else None,
+                       "cost_ratio_c": round(c, 4), "verify_cost_r": round(r, 4),
+                       "bypassed_steps": sum(o.metrics.draft_bypassed_steps for o in outs)}
+                if k != "auto":  # the adaptive policy picks K per step: no single analytic figure
+                    row["analytic_speedup"] = round(expected_tokens(a, k) / (1 + k * c), 3)
+                    row["analytic_speedup_with_r"] = round(expected_tokens(a, k) / (1 + k * (c + r)), 3)
+                res["runs"].append(row)
+                print(json.dumps(row), flush=True)
         del llm
         free()
     return res
@@ -414,6 +442,7 @@ def main() -> None:
     ap.add_argument("--kv-budget", type=int, default=4 << 30)
     ap.add_argument("--mem-requests", type=int, default=512)
     ap.add_argument("--mem-new-tokens", type=int, default=256)
+    ap.add_argument("--profile-steps", type=int, default=0, help="part a: also profile this many decode steps")
     ap.add_argument("--small", action="store_true", help="CPU check: tiny sizes everywhere")
     a = ap.parse_args()
     a.kv = a.kv.split(",")
@@ -455,6 +484,8 @@ def main() -> None:
                 result["b_offline_batch"] = part_b(model(a.batch_geometry), a, env)
             elif p == "c":
                 target, draft = model(a.geometry), model(a.draft_geometry, seed=1)
+                # (a 7B target and a 2B draft have embedding tables of different sizes: the engine
+                # handles that, as it must for the published pair)
                 if a.small:
                     share_vision_trunk(target, draft)
                 result["c_speculation"] = part_c(target, draft, a, env)

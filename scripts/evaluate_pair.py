@@ -95,31 +95,76 @@ def draft_agreement(docs: Path, args) -> dict:
 
 
 def speed(args, docs: Path) -> dict:
+    """Decode tokens/s of the real extraction workload, without and with the draft, at batch 1 and 16.
+
+    The workload is every query of the default set on the first page of the first --speed-docs
+    documents (greedy, natural answer lengths, as `docproc run` asks). One untimed pass fills the
+    prefix cache, so the timed passes (best of --speed-repeats) measure decoding: every prompt but
+    its last token comes from the cache. Batch b means at most b sequences run at once
+    (max_num_seqs=b). Configurations: plain; the draft with the adaptive policy (--spec-k, default
+    auto); the draft at a fixed K=4; the adaptive draft with --draft-vision none."""
     from docproc import LLM, SamplingParams
 
-    cands = [c for c in discover([str(docs)]) if not c.skip_reason]
-    reqs = []
-    for i in range(16):
-        doc = open_document(cands[i % len(cands)])
+    queries = load_queries().queries
+    cands = [c for c in discover([str(docs)]) if not c.skip_reason][: args.speed_docs]
+    reqs, params = [], []
+    for c in cands:
+        doc = open_document(c)
         img = doc.page(0).image
         doc.close()
-        reqs.append({"prompt": build_prompt(1, load_queries().queries[-1].question), "multi_modal_data": {"image": [img]}})
-    sp = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-    res = {}
-    for name, kw in (("plain", {}), ("draft", {"speculative_model": args.draft, "num_speculative_tokens": args.spec_k})):
-        llm = LLM(args.target, device=args.device, **kw)
-        llm.generate(reqs[:1], SamplingParams(max_tokens=4, ignore_eos=True))
-        for b in (1, 16):
-            if llm.runner.device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            llm.generate(reqs[:b], sp)
-            if llm.runner.device.type == "cuda":
-                torch.cuda.synchronize()
-            res[f"{name}_batch{b}_tokens_per_s"] = round(b * 64 / (time.perf_counter() - t0), 1)
-        del llm
+        for q in queries:
+            reqs.append({"prompt": build_prompt(1, q.question), "multi_modal_data": {"image": [img]}})
+            params.append(SamplingParams(temperature=0.0, max_tokens=q.max_tokens))
+    configs = {"plain": {}, "draft_adaptive": {"speculative_model": args.draft, "num_speculative_tokens": args.spec_k},
+               "draft_k4": {"speculative_model": args.draft, "num_speculative_tokens": 4},
+               "draft_text_only_adaptive": {"speculative_model": args.draft, "num_speculative_tokens": args.spec_k,
+                                            "draft_vision": "none"}}
+    res: dict = {"requests": len(reqs), "documents": len(cands), "repeats": args.speed_repeats, "configs": {}}
+    cuda = torch.cuda.is_available() and args.device != "cpu"
     for b in (1, 16):
-        res[f"speedup_batch{b}"] = round(res[f"draft_batch{b}_tokens_per_s"] / res[f"plain_batch{b}_tokens_per_s"], 3)
+        # every configuration is built and warmed first, then the timed passes alternate between
+        # them, so clock ramps and background noise do not favour whichever runs last
+        llms = {name: LLM(args.target, device=args.device, max_num_seqs=b, kv_cache_memory_bytes=512 << 20, **kw)
+                for name, kw in configs.items()}
+        for llm in llms.values():
+            llm.generate(reqs, params)  # fills the prefix cache (and warms up; the policy keeps what it measured)
+            if llm.speculator is not None:
+                from docproc.engine.speculative import SpecStats
+
+                llm.speculator.stats = SpecStats()  # the timed passes' figures only
+        best: dict[str, float] = {}
+        texts: dict[str, list[str]] = {}
+        tokens: dict[str, int] = {}
+        for _ in range(args.speed_repeats):
+            for name, llm in llms.items():
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                outs = llm.generate(reqs, params)
+                if cuda:
+                    torch.cuda.synchronize()
+                best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
+                texts[name] = [o.outputs[0].text for o in outs]
+                tokens[name] = sum(len(o.outputs[0].token_ids) for o in outs)
+        for name, llm in llms.items():
+            row = {"tokens": tokens[name], "seconds": round(best[name], 3),
+                   "tokens_per_s": round(tokens[name] / best[name], 1),
+                   "answers_identical_to_plain": texts[name] == texts["plain"]}
+            if llm.speculator is not None:
+                st = llm.speculator.stats
+                llm.speculator.policy.batch = b
+                row.update(acceptance_rate=None if st.acceptance_rate is None else round(st.acceptance_rate, 4),
+                           mean_accepted_length=None if st.mean_accepted_length is None else round(st.mean_accepted_length, 3),
+                           bypassed_steps=st.bypassed_steps, verifications=st.verifications,
+                           k_histogram=dict(sorted(st.k_hist.items())),
+                           cost_ratio=round(llm.speculator.policy.cost_ratio, 4),
+                           verify_cost=round(llm.speculator.policy.verify_cost, 4),
+                           speedup=round(best["plain"] / best[name], 3))
+            res["configs"][f"{name}_batch{b}"] = row
+            print(json.dumps({f"{name}_batch{b}": row}), flush=True)
+        del llms
+        if cuda:
+            torch.cuda.empty_cache()
     return res
 
 
@@ -221,14 +266,23 @@ def model_card(report: dict, args, state: dict | None) -> str:
     sp, ag = report["speculation"], report["draft_agreement"]
     lines += ["", f"Speculative decoding (greedy) gives the plain answers: {sp['answers_identical_to_plain']} "
                   f"(on {sp.get('documents', report['documents'])} of the documents, as are the figures below).", "",
-              "| query | draft top-1 agreement (teacher-forced) | greedy acceptance rate |", "|---|---|---|"]
+              "| query | draft top-1 agreement (teacher-forced) | greedy acceptance rate | drafts accepted per step |",
+              "|---|---|---|---|"]
     for q, v in ag["per_query"].items():
         acc = sp["acceptance_per_query"].get(q)
-        lines.append(f"| {q} | {v['agreement']:.3f} | {'-' if acc is None else f'{acc:.3f}'} |")
-    lines.append(f"| all | {ag['overall']:.3f} | |")
+        mal = sp.get("mean_accepted_length_per_query", {}).get(q)
+        lines.append(f"| {q} | {v['agreement']:.3f} | {'-' if acc is None else f'{acc:.3f}'} | "
+                     f"{'-' if mal is None else f'{mal:.2f}'} |")
+    lines.append(f"| all | {ag['overall']:.3f} | | |")
     if "speed" in report:
         s = report["speed"]
-        lines += ["", f"Speed on {report['device']}: " + ", ".join(f"{k} {v}" for k, v in s.items()) + "."]
+        lines += ["", f"Decode speed on {report['device']} ({s['requests']} requests: the default queries on the first "
+                      f"page of {s['documents']} documents, prefix cache warm, best of {s['repeats']}):", "",
+                  "| configuration | tokens/s | speedup | acceptance | accepted/step | bypassed steps |",
+                  "|---|---|---|---|---|---|"]
+        for k, v in s["configs"].items():
+            lines.append(f"| {k} | {v['tokens_per_s']} | {v.get('speedup', '-')} | {v.get('acceptance_rate', '-')} | "
+                         f"{v.get('mean_accepted_length', '-')} | {v.get('bypassed_steps', '-')} |")
     for note in report.get("notes", []):  # how figures edited after the run were measured
         lines += ["", f"Note: {note}"]
     worst = min(e["per_field"].items(), key=lambda kv: kv[1]["exact_match"])
@@ -253,7 +307,9 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--kv", default="auto,fp4", help="KV formats to evaluate; the second is compared to the first")
     ap.add_argument("--spec-k", default="auto")
-    ap.add_argument("--speed", action="store_true")
+    ap.add_argument("--speed", action="store_true", help="also measure decode tokens/s with and without the draft")
+    ap.add_argument("--speed-docs", type=int, default=16, help="documents in the --speed workload (x7 queries)")
+    ap.add_argument("--speed-repeats", type=int, default=3, help="timed passes per configuration (best kept)")
     ap.add_argument("--anchor-text", action="store_true", help="also evaluate with `docproc run --anchor-text`")
     ap.add_argument("--spec-docs", type=int, default=0,
                     help="run the speculation checks (lossless, acceptance, draft agreement) on the first N "
@@ -263,7 +319,21 @@ def main() -> None:
                          "evaluation continues where it stopped; the seconds then cover this call only")
     ap.add_argument("--card", help="also write a MODEL_CARD.md here")
     ap.add_argument("--state", help="the training's state.json (steps and device time for the card)")
+    ap.add_argument("--speed-only", metavar="DOCS", help="only the --speed measurement, on the documents in DOCS "
+                    "(image files need no PyMuPDF: the device has none)")
+    ap.add_argument("--card-from", metavar="REPORT", help="only rewrite --card from a saved report (its notes included)")
     a = ap.parse_args()
+    if a.card_from:
+        state = json.loads(Path(a.state).read_text()) if a.state else None
+        Path(a.card).write_text(model_card(json.loads(Path(a.card_from).read_text()), a, state))
+        return
+    if a.speed_only:
+        report = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(["python", "scripts/evaluate_pair.py", *sys.argv[1:]]),
+                  "target": a.target, "draft": a.draft,
+                  "device": torch.cuda.get_device_name() if torch.cuda.is_available() and a.device != "cpu" else "cpu",
+                  "speed": speed(a, Path(a.speed_only))}
+        Path(a.json).write_text(json.dumps(report, indent=1))
+        return
     from make_synthetic_docs import generate
 
     work = Path(a.work)
@@ -306,13 +376,15 @@ def main() -> None:
             shutil.copy(c.path, spec_docs / Path(c.path).name)
     spec = run_pipeline(spec_docs, work / "out_draft", a, kvs[0], a.draft)
     plain = {k: v for k, v in runs[kvs[0]]["rows"].items() if k in spec["rows"]}
-    per: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    per: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
     for k, r in spec["rows"].items():
         per[k[1]][0] += r["draft_proposed"] or 0
         per[k[1]][1] += r["draft_accepted"] or 0
+        per[k[1]][2] += r.get("draft_verifications") or 0
     report["speculation"] = {
         "answers_identical_to_plain": all(spec["rows"][k]["answer"] == plain[k]["answer"] for k in plain),
-        "acceptance_per_query": {q: round(acc / p, 4) if p else None for q, (p, acc) in per.items()},
+        "acceptance_per_query": {q: round(acc / p, 4) if p else None for q, (p, acc, _) in per.items()},
+        "mean_accepted_length_per_query": {q: round(acc / v, 3) if v else None for q, (_, acc, v) in per.items()},
         "documents": spec["manifest"]["totals"]["documents"],
         "engine": spec["manifest"]["draft"], "seconds": round(spec["seconds"], 1),
         "plain_seconds": round(runs[kvs[0]]["seconds"], 1)}

@@ -1,5 +1,5 @@
 """scripts/bench_engine.py end to end at tiny size on CPU: every part produces its figures, the
-controlled draft really controls acceptance (a = 1 accepts everything, output unchanged), and
+controlled acceptance really controls it (a = 1 accepts everything, a = 0.5 about half), and
 at one KV budget FP4 holds more running sequences than fp32, and 4 queries per page more than 1."""
 from __future__ import annotations
 
@@ -29,10 +29,10 @@ def test_bench_engine_small_on_cpu(tmp_path):
     assert b["ours_fp32"]["cached_prompt_tokens"] > 0  # the queries of a page share its prefix
     assert b["transformers_best"]["batch"] in (2, 4) and b["flops_per_page"]["total"] > 0
     runs = r["c_speculation"]["runs"]
-    assert all(x["greedy_output_unchanged"] for x in runs)
     assert all(x["acceptance_rate"] == 1.0 for x in runs if x["a"] == 1.0 and x["k"] == 4)
-    assert all(x["acceptance_rate"] < 1.0 for x in runs if x["a"] == 0.5 and x["k"] == 4)
-    assert {x["k"] for x in runs} == {4, "auto"} and all(x["analytic_speedup"] is None for x in runs if x["k"] == "auto")
+    assert all(0.2 < x["acceptance_rate"] < 0.8 for x in runs if x["a"] == 0.5 and x["k"] == 4)
+    assert {x["k"] for x in runs} == {4, "auto"} and all("analytic_speedup" not in x for x in runs if x["k"] == "auto")
+    assert all(x["analytic_speedup"] > 0 and x["cost_ratio_c"] > 0 for x in runs if x["k"] == 4)
     d = r["d_memory"]
     assert d["fp4_q1"]["num_blocks"] > 3 * d["fp32_q1"]["num_blocks"]
     assert d["fp32_q1"]["capacity_bound"] and d["fp32_q1"]["preemptions"] >= 0
