@@ -226,9 +226,11 @@ class Examples(torch.utils.data.IterableDataset):
     whole document, one row per query of the default set."""
 
     def __init__(self, work: Path, kind: str, seed: int, scan_fraction: float = 0.5, max_pages: int = 3,
-                 tag: str = "train", band_rows: int = 5, page_aux: bool = True, anchor_share: float = 0.0) -> None:
+                 tag: str = "train", band_rows: int = 5, page_aux: bool = True, anchor_share: float = 0.0,
+                 answer_weights: dict[str, float] | None = None) -> None:
         self.work, self.kind, self.seed, self.scan_fraction, self.max_pages = work, kind, seed, scan_fraction, max_pages
         self.tag, self.band_rows, self.page_aux, self.anchor_share = tag, band_rows, page_aux, anchor_share
+        self.answer_weights = answer_weights or {}
 
     def __iter__(self):
         import numpy as np
@@ -296,6 +298,7 @@ class Examples(torch.utils.data.IterableDataset):
                 # `docproc run --anchor-text` puts it there (scans never have one)
                 anchor = doc_anchor(doc) if not scan and rng.random() < self.anchor_share else None
                 ex = self._encode(tok, proc, pages, qa, anchor)
+                ex["row_weights"] = [self.answer_weights.get(q.name, 1.0) for q in queries]
                 if self.page_aux:  # the dense reading targets of every page, rotated like the scan
                     maps = [page_to_pixels(m["dpi"], m["angle"], img.width, img.height) for m, img in zip(made, pages)]
                     chars = [page_chars(page) for page in doc]
@@ -340,6 +343,7 @@ def collate(docs: list[dict], pad_id: int) -> dict:
             "pixel_values": torch.cat([d["pixel_values"] for d in docs]),
             "image_grid_thw": torch.cat([d["image_grid_thw"] for d in docs]),
             "row_doc": torch.tensor([d for _, d in rows]), "doc_images": torch.tensor(bounds),
+            "row_weight": torch.tensor([w for doc in docs for w in doc.get("row_weights", [1.0] * len(doc["rows"]))]),
             "aux": torch.cat([d["aux"] if "aux" in d else
                               torch.full((d["pixel_values"].shape[0], 2), -100, dtype=torch.long) for d in docs]),
             "aux_tok": torch.cat([d["aux_tok"] if "aux_tok" in d else
@@ -477,6 +481,16 @@ class Step:
         return pos
 
 
+def answer_loss(logits: torch.Tensor, gold: torch.Tensor, batch: dict) -> torch.Tensor:
+    """Cross-entropy over the answer tokens, each weighted by its row's --answer-weight (1 unless
+    set for its query): the mean when every weight is 1."""
+    w = batch["row_weight"].to(logits.device, torch.float32)
+    rows = (batch["labels"][:, 1:] != -100).nonzero()[:, 0]
+    w = w[rows]
+    ce = torch.nn.functional.cross_entropy(logits, gold, reduction="none")
+    return (ce * w).sum() / w.sum()
+
+
 def row_correct(pred: torch.Tensor, gold: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
     """Per row: is every answer token right (teacher-forced)?"""
     ok = torch.ones(sel.shape, dtype=torch.bool, device=sel.device)
@@ -541,6 +555,7 @@ def train(args) -> None:
 
     def loader(kind, batch, workers, band_rows=5):
         ds = Examples(work, kind, args.seed * 1000 + state["step"] + state["distill_step"], band_rows=band_rows,
+                      answer_weights=args.answer_weight,
                       page_aux=args.page_aux, anchor_share=args.anchor_share if kind == "pages" else 0.0)
         return iter(torch.utils.data.DataLoader(ds, batch_size=batch, num_workers=workers,
                                                 collate_fn=lambda b: collate(b, pad), pin_memory=device.type == "cuda",
@@ -604,8 +619,8 @@ def train(args) -> None:
                 t_docs, d_docs = step_fn.features(batch)
                 t_logits, gold, _ = step_fn.logits(target, batch, t_docs, pos)
                 d_logits, _, _ = step_fn.logits(draft, batch, d_docs, pos)
-                loss_t = torch.nn.functional.cross_entropy(t_logits, gold)
-                loss_d = torch.nn.functional.cross_entropy(d_logits, gold)
+                loss_t = answer_loss(t_logits, gold, batch)
+                loss_d = answer_loss(d_logits, gold, batch)
                 loss_t = loss_t + args.aux_weight * step_fn.aux_loss(batch, "trunk") \
                     + args.token_aux_weight * step_fn.aux_loss(batch, "tokens")
                 loss_d = loss_d + args.token_aux_weight * step_fn.aux_loss(batch, "draft_tokens")
@@ -725,12 +740,18 @@ def main() -> None:
                     help="share of the born-digital documents trained with their anchor text in the prompt (--anchor-text)")
     ap.add_argument("--first-band-rows", type=int, default=2,
                     help="bands have at most this many rows in the bands-only phase (then up to 5)")
+    ap.add_argument("--answer-weight", default="", help="weights of some queries' answer tokens in the target's "
+                    "and draft's loss, e.g. currency=4 (a single-token answer the model left at its prior)")
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--eval-docs", type=int, default=24)
     ap.add_argument("--save-minutes", type=float, default=3.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--micro", action="store_true", help="tiny sizes, for a CPU check")
     a = ap.parse_args()
+    a.answer_weight = {k: float(v) for k, v in (x.split("=") for x in a.answer_weight.split(",") if x)}
+    unknown = set(a.answer_weight) - {q.name for q in load_queries().queries}
+    if unknown:
+        ap.error(f"--answer-weight: no query named {', '.join(sorted(unknown))}")
     IMAGE["max_pixels"] = a.max_pixels  # read by the data workers (forked after this) and by save()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)

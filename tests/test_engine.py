@@ -125,7 +125,7 @@ def test_metrics_and_cache_info(llm):
 def test_preemption_by_recompute_keeps_greedy_output(qwen2_vl_dir):
     prompts = [f"<|im_start|>user\nquestion {i} about the invoice total" for i in range(6)]
     sp = SamplingParams(max_tokens=40, ignore_eos=True)
-    ref = LLM(str(qwen2_vl_dir), device="cpu").generate(prompts, sp)
+    ref = LLM(str(qwen2_vl_dir), device="cpu", enable_prefix_caching=False).generate(prompts, sp)
     tight = LLM(str(qwen2_vl_dir), device="cpu", num_kv_blocks=12, enable_prefix_caching=False)
     outs = tight.generate(prompts, sp)
     assert tight.scheduler.num_preemptions > 0
@@ -209,3 +209,26 @@ def test_bf16_checkpoint_loads(tmp_path):
     llm16 = LLM(str(folder), device="cpu", dtype="bfloat16")
     assert llm16.cache_info()["kv_cache_dtype"] == "bf16"
     assert len(llm16.generate(["x"], SamplingParams(max_tokens=4, ignore_eos=True))[0].outputs[0].token_ids) == 4
+
+
+def test_fused_projections_equal_the_separate_ones(qwen2_vl_dir):
+    """q/k/v and gate/up run as one matmul each after loading; the parameters are views of the
+    fused tensors (same names and values), and the outputs equal the unfused model's."""
+    from docproc.models.loader import load_model
+
+    model = load_model(qwen2_vl_dir, torch.device("cpu"), torch.float32)
+    text = model.text
+    attn, mlp = text.layers[0].self_attn, text.layers[0].mlp
+    assert attn.qkv_weight is not None and mlp.gate_up_weight is not None
+    assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()  # a view: no second copy
+    x = torch.randn(5, attn.q_proj.in_features)
+    fused = mlp(x)
+    mlp.gate_up_weight = None
+    assert torch.allclose(fused, mlp(x), atol=1e-5)
+    ref = LLM(str(qwen2_vl_dir), device="cpu", enable_prefix_caching=False)
+    prompt = ["<|im_start|>user\nthe quick brown fox"]
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+    out = ref.generate(prompt, greedy)[0].outputs[0].token_ids
+    for layer in ref.runner.model.text.layers:  # the unfused path
+        layer.self_attn.qkv_weight = layer.self_attn.qkv_bias = layer.mlp.gate_up_weight = None
+    assert ref.generate(prompt, greedy)[0].outputs[0].token_ids == out

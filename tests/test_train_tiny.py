@@ -33,7 +33,7 @@ def test_micro_training_pipeline(tmp_path):
     assert state["step"] == 4 and {e["phase"] for e in state["log"]} == {"bands", "mixed"}
     assert 0 <= state["log"][-1]["acc_total"] <= 1 and 0 <= state["log"][-1]["bands_draft_agreement"] <= 1
     assert 0 <= state["log"][-1]["anchored_acc"] <= 1  # held-out PDFs with their anchor text
-    run("train", *common, "--max-steps", "6")  # resumes from the checkpoint, then distils the draft
+    run("train", *common, "--max-steps", "6", "--answer-weight", "currency=4")  # resumes, then distils the draft
     state = json.loads((work / "state.json").read_text())
     assert state["step"] == 6 and state["distill_step"] == 2 and state["log"][-1]["phase"] == "distill"
     run("export", "--work", work, "--to", dest)
@@ -204,3 +204,21 @@ def test_training_anchor_text_is_the_pipelines(tmp_path):
     opened = open_document(next(discover([str(tmp_path)])), with_text=True)
     want = window_anchor([opened.page(i) for i in range(opened.num_pages)])
     assert want and "Page size:" in want and T.doc_anchor(doc) == want
+
+
+def test_answer_weights_scale_their_rows_tokens():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from train_tiny import answer_loss
+
+    torch.manual_seed(0)
+    labels = torch.full((2, 6), -100)
+    labels[0, 2:4] = torch.tensor([1, 2])  # row 0 answers with 2 tokens, row 1 with 3
+    labels[1, 3:6] = torch.tensor([3, 4, 5])
+    sel = labels[:, 1:] != -100
+    gold = labels[:, 1:][sel]
+    logits = torch.randn(len(gold), 8)
+    ce = torch.nn.functional.cross_entropy(logits, gold, reduction="none")
+    even = answer_loss(logits, gold, {"labels": labels, "row_weight": torch.tensor([1.0, 1.0])})
+    assert torch.allclose(even, ce.mean())
+    heavy = answer_loss(logits, gold, {"labels": labels, "row_weight": torch.tensor([4.0, 1.0])})
+    assert torch.allclose(heavy, (4 * ce[:2].sum() + ce[2:].sum()) / 11)

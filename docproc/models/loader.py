@@ -175,6 +175,7 @@ def load_model(folder: str | Path, device: torch.device, dtype: torch.dtype) -> 
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"{folder}: weights missing from the checkpoint: {', '.join(missing[:5])}{more}")
+    text.fuse_projections()
     text.eval()
     vision.eval()
     fp = {k: _combine(d) for k, d in digests.items()}

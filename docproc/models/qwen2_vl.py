@@ -56,13 +56,32 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.qkv_weight: torch.Tensor | None = None  # set by fuse(): q, k, v in one matrix
+        self.qkv_bias: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        """One matmul for q, k and v (fewer kernel launches per step). The three parameters become
+        views of the fused tensors, so names, state_dict and memory stay as they were."""
+        with torch.no_grad():
+            w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+            b = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
+        sizes = [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]
+        for proj, wv, bv in zip((self.q_proj, self.k_proj, self.v_proj), w.split(sizes), b.split(sizes)):
+            proj.weight.data, proj.bias.data = wv, bv
+        self.qkv_weight, self.qkv_bias = w, b
 
     def forward(self, x, cos, sin, kv_cache, meta, backend) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)  # (N, H, D)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # (N, Hkv, D)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_weight is not None:
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(n, h + 2 * hkv, d)
+            qk = apply_rotary(qkv[:, : h + hkv], cos, sin)  # q and k rotated together
+            q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + hkv:]
+        else:
+            q = self.q_proj(x).view(n, h, d)  # (N, H, D)
+            k = self.k_proj(x).view(n, hkv, d)  # (N, Hkv, D)
+            v = self.v_proj(x).view(n, hkv, d)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # Store before attending: a sequence in this batch may read blocks another one writes now.
         backend.store(kv_cache, k, v, meta)
         o = backend.attend(q, kv_cache, meta)
@@ -75,8 +94,20 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None  # set by fuse()
+
+    def fuse(self) -> None:
+        """One matmul for gate and up; the two parameters become views of the fused tensor."""
+        with torch.no_grad():
+            w = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        gate, up = w.split([self.gate_proj.out_features, self.up_proj.out_features])
+        self.gate_proj.weight.data, self.up_proj.weight.data = gate, up
+        self.gate_up_weight = w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is not None:
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -123,6 +154,12 @@ class Qwen2VLTextModel(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, meta, backend)
         return self.norm(x)
+
+    def fuse_projections(self) -> None:
+        """After the weights are loaded: q/k/v and gate/up each become one matmul."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
