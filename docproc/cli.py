@@ -47,9 +47,9 @@ def resolve_model(model: Optional[str]) -> str:
 
 def resolve_draft(draft: Optional[str], model: Optional[str], device: str = "auto") -> Optional[str]:
     """--draft DIR, 'none' (off) or 'bundled' (the bundled draft). With no --draft: the bundled
-    draft with the bundled target (on any device: on the 2-core CPU it decodes 1.2x faster and
-    sample_docs runs as fast as without it, same answers; BENCHMARKS.md), none with another target.
-    `device` is kept for callers; the choice no longer depends on it."""
+    draft when the bundled target runs on CUDA; none on CPU, where `docproc run` is mostly prefill
+    and the draft's own prefill of every page costs about what it saves on decode (40 documents on
+    the 2-core CPU: engine time 3-6% longer with it, same answers; BENCHMARKS.md)."""
     bundled = bundled_model("draft")
     if draft is not None:
         if draft.lower() == "none":
@@ -61,6 +61,13 @@ def resolve_draft(draft: Optional[str], model: Optional[str], device: str = "aut
         return draft
     if model is not None or not (bundled / "config.json").is_file():
         return None
+    if device == "cpu":
+        return None
+    if device == "auto":
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
     return str(bundled)
 
 
@@ -79,8 +86,8 @@ def run(
     queries: Optional[Path] = typer.Option(None, help="Query set (TOML). Default: the bundled invoice/receipt set."),
     model: Optional[str] = typer.Option(None, help="Model folder. Default: the bundled target model."),
     draft: Optional[str] = typer.Option(None, help="Draft model folder for speculative decoding, 'bundled' (the "
-                                                   "bundled draft) or 'none'. Default: the bundled draft with the "
-                                                   "bundled target, none with --model."),
+                                                   "bundled draft) or 'none'. Default: the bundled draft when the "
+                                                   "bundled target runs on CUDA; none on CPU or with --model."),
     spec_k: str = typer.Option("auto", "--spec-k", help="Draft tokens per step: a number, or auto (adaptive)."),
     draft_vision: str = typer.Option("auto", "--draft-vision", help="auto, own or none (the draft sees text only)."),
     kv_cache: str = typer.Option("auto", "--kv-cache", help="KV cache format: auto, bf16, fp16, fp32 or fp4."),
