@@ -133,7 +133,8 @@ class Speculator:
                 e = runner.sampler.exponential(rows, logits.shape[-1], logits.device)
                 tokens = (p / e).argmax(-1).tolist()
                 if self.target_vocab > p.shape[-1]:  # no mass on the ids the draft lacks
-                    p = torch.nn.functional.pad(p, (0, self.target_vocab - p.shape[-1]))  # (both branches wait for the device here)
+                    p = torch.nn.functional.pad(p, (0, self.target_vocab - p.shape[-1]))
+            # (both branches waited for the device in .tolist(): the time below is the forward's)
             if max(c.num_new_tokens for c in chunks) <= 2:  # a decode forward, not a catch-up prefill
                 self.policy.observe_draft_forward(len(chunks), time.perf_counter() - t_fwd)
             for i, ((seq, v), tok) in enumerate(zip(live, tokens)):
