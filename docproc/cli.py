@@ -49,7 +49,7 @@ def resolve_draft(draft: Optional[str], model: Optional[str], device: str = "aut
     """--draft DIR, 'none' (off) or 'bundled' (the bundled draft). With no --draft: the bundled
     draft when the bundled target runs on CUDA; none on CPU, where `docproc run` is mostly prefill
     and the draft's own prefill of every page costs about what it saves on decode (40 documents on
-    the 2-core CPU: engine time 3-6% longer with it, same answers; BENCHMARKS.md)."""
+    the 2-core CPU: engine time 6-7% longer (sample_docs 3-5%) with it, same answers; BENCHMARKS.md)."""
     bundled = bundled_model("draft")
     if draft is not None:
         if draft.lower() == "none":

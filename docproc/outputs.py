@@ -4,6 +4,45 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def ratio(num: int, den: int) -> float | None:
+    return num / den if den else None
+
+
+@dataclass
+class SpecStats:
+    """Speculation figures, per request and per engine."""
+
+    proposed: int = 0
+    accepted: int = 0
+    verifications: int = 0
+    bypassed_steps: int = 0
+    accepted_hist: dict[int, int] = field(default_factory=dict)  # accepted drafts per verification
+    k_hist: dict[int, int] = field(default_factory=dict)  # k chosen per verification
+
+    def record(self, k: int, accepted: int) -> None:
+        self.proposed += k
+        self.accepted += accepted
+        self.verifications += 1
+        self.accepted_hist[accepted] = self.accepted_hist.get(accepted, 0) + 1
+        self.k_hist[k] = self.k_hist.get(k, 0) + 1
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return ratio(self.accepted, self.proposed)
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Drafts accepted per verification (each verification also emits one target token)."""
+        return ratio(self.accepted, self.verifications)
+
+    def as_dict(self) -> dict:
+        return {"draft_proposed": self.proposed, "draft_accepted": self.accepted,
+                "verifications": self.verifications, "bypassed_steps": self.bypassed_steps,
+                "acceptance_rate": self.acceptance_rate, "mean_accepted_length": self.mean_accepted_length,
+                "accepted_length_histogram": dict(sorted(self.accepted_hist.items())),
+                "k_histogram": dict(sorted(self.k_hist.items()))}
+
+
 @dataclass
 class RequestMetrics:
     """What the engine did for one request. Times are seconds (time.perf_counter based)."""
@@ -27,12 +66,12 @@ class RequestMetrics:
 
     @property
     def draft_acceptance_rate(self) -> float | None:
-        return self.draft_accepted / self.draft_proposed if self.draft_proposed else None
+        return ratio(self.draft_accepted, self.draft_proposed)
 
     @property
     def draft_mean_accepted_length(self) -> float | None:
         """Drafts accepted per verification step (the step also emits the target's own token)."""
-        return self.draft_accepted / self.draft_verifications if self.draft_verifications else None
+        return ratio(self.draft_accepted, self.draft_verifications)
 
 
 @dataclass

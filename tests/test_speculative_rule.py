@@ -90,7 +90,7 @@ def test_adaptive_k_is_one_choice_per_step_priced_by_measured_forwards():
             pol.observe_step(n, 0.010)  # flat: verified positions cost nothing extra
             pol.observe_draft_forward(16, draft_s)
     assert abs(slow.cost_ratio - 1.0) < 1e-9 and abs(cheap.cost_ratio - 0.1) < 1e-9
-    assert slow.verify_cost == 0.0
+    assert slow.verify_cost < 1e-9
     ids = list(range(16))
     assert slow.choose_step(ids) == 0  # 1 + K forwards for E(0.7, K) < 1 + K tokens
     assert cheap.choose_step(ids) >= 3

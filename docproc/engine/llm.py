@@ -298,7 +298,7 @@ class LLM:
                     work.append((seq, k))
                 else:
                     spec.stats.bypassed_steps += 1
-                    seq.draft_bypassed_steps += 1
+                    seq.spec_stats.bypassed_steps += 1
         t_draft = spec.draft_seconds
         proposals = spec.propose(work)
         t_draft = spec.draft_seconds - t_draft
@@ -332,11 +332,7 @@ class LLM:
                                                        seq.generator or runner.sampler.generator)
                 spec.stats.record(k, accepted)
                 spec.policy.observe(seq.seq_id, k, accepted)
-                seq.draft_proposed += k
-                seq.draft_accepted += accepted
-                seq.draft_verifications += 1
-                seq.draft_accepted_hist[accepted] = seq.draft_accepted_hist.get(accepted, 0) + 1
-                seq.draft_k_hist[k] = seq.draft_k_hist.get(k, 0) + 1
+                seq.spec_stats.record(k, accepted)
                 spec.after_verify(seq, committed_before, k, accepted)
                 done = False
                 for tok in emitted:  # EOS, stop strings and max_tokens apply inside the run
@@ -398,12 +394,12 @@ class LLM:
             num_images=len(seq.images),
             num_encoded_images=seq.num_encoded_images,
             num_preemptions=seq.num_preemptions,
-            draft_proposed=seq.draft_proposed,
-            draft_accepted=seq.draft_accepted,
-            draft_verifications=seq.draft_verifications,
-            draft_bypassed_steps=seq.draft_bypassed_steps,
-            draft_accepted_length_histogram=dict(sorted(seq.draft_accepted_hist.items())),
-            draft_k_histogram=dict(sorted(seq.draft_k_hist.items())),
+            draft_proposed=seq.spec_stats.proposed,
+            draft_accepted=seq.spec_stats.accepted,
+            draft_verifications=seq.spec_stats.verifications,
+            draft_bypassed_steps=seq.spec_stats.bypassed_steps,
+            draft_accepted_length_histogram=dict(sorted(seq.spec_stats.accepted_hist.items())),
+            draft_k_histogram=dict(sorted(seq.spec_stats.k_hist.items())),
             time_to_first_token=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
             total_time=end - seq.arrival_time,
             finish_reason=seq.finish_reason,

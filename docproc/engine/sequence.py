@@ -6,6 +6,8 @@ from array import array
 from dataclasses import dataclass
 from enum import Enum
 
+from docproc.outputs import SpecStats
+
 
 class SequenceStatus(Enum):
     WAITING = "waiting"
@@ -71,12 +73,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.num_encoded_images = 0
-        self.draft_proposed = 0  # speculative decoding: drafts proposed / accepted for this request
-        self.draft_accepted = 0
-        self.draft_verifications = 0  # verification steps this request took part in
-        self.draft_bypassed_steps = 0  # decode steps it ran without the draft (policy said K = 0)
-        self.draft_accepted_hist: dict[int, int] = {}  # accepted drafts per verification
-        self.draft_k_hist: dict[int, int] = {}  # K chosen per verification
+        self.spec_stats = SpecStats()  # speculative decoding figures of this request
         self.draft = None  # the draft model's view of this sequence (engine/draft.py)
         # Opaque payloads owned by the engine layers above: the decoded images (one per span),
         # the request's sampling parameters and its random generator.

@@ -16,9 +16,11 @@ k = 0 means decode without the draft, re-probing with k = 1 now and then.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import deque
 
 import torch
+
+from docproc.outputs import SpecStats  # noqa: F401  (the figures live with the outputs: no torch)
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -28,12 +30,23 @@ def expected_tokens(a: float, k: int) -> float:
     return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
+def best_step_k(accs: list[float], per_k: float, k_max: int) -> int:
+    """The k in 0..k_max for one step of sequences with acceptance rates `accs` that maximises
+    sum_i E(a_i, k) / (1 + k per_k) (per_k = c + r in decode-step units; k = 0 yields one token
+    per sequence); the smallest such k on ties."""
+    best, best_value = 0, float(len(accs))
+    for k in range(1, k_max + 1):
+        value = sum(expected_tokens(a, k) for a in accs) / (1.0 + k * per_k)
+        if value > best_value * (1 + 1e-9):
+            best, best_value = k, value
+    return best
+
+
 def best_k(a: float, c: float, k_max: int, r: float = 0.0) -> int:
-    """The k in 0..k_max with the highest expected speedup E(a, k) / (1 + k (c + r)): c is a draft
-    step's cost and r the extra cost of each verified position, both relative to a decode step of
-    the target (r ~ 0 where decode is memory-bound, as on a GPU; r ~ 1 where the target's step
-    time grows with its tokens, as on a CPU)."""
-    return max(range(k_max + 1), key=lambda k: (expected_tokens(a, k) / (1.0 + k * (c + r)), -k))
+    """best_step_k for one sequence: c is a draft step's cost and r the extra cost of each verified
+    position, both relative to a decode step of the target (r ~ 0 where decode is memory-bound, as
+    on a GPU; r ~ 1 where the target's step time grows with its tokens, as on a CPU)."""
+    return best_step_k([a], c + r, k_max)
 
 
 def accept_greedy(target_logits: torch.Tensor, draft_tokens: list[int]) -> tuple[list[int], int]:
@@ -70,61 +83,36 @@ def accept_sampled(p: torch.Tensor, q: torch.Tensor, draft_tokens: list[int],
     return out, len(draft_tokens)
 
 
-@dataclass
-class SpecStats:
-    """Speculation figures, per request and per engine."""
-
-    proposed: int = 0
-    accepted: int = 0
-    verifications: int = 0
-    bypassed_steps: int = 0
-    accepted_hist: dict[int, int] = field(default_factory=dict)  # accepted drafts per verification
-    k_hist: dict[int, int] = field(default_factory=dict)  # k chosen per verification
-
-    def record(self, k: int, accepted: int) -> None:
-        self.proposed += k
-        self.accepted += accepted
-        self.verifications += 1
-        self.accepted_hist[accepted] = self.accepted_hist.get(accepted, 0) + 1
-        self.k_hist[k] = self.k_hist.get(k, 0) + 1
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        return self.accepted / self.proposed if self.proposed else None
-
-    @property
-    def mean_accepted_length(self) -> float | None:
-        return self.accepted / self.verifications if self.verifications else None
-
-    def as_dict(self) -> dict:
-        return {"draft_proposed": self.proposed, "draft_accepted": self.accepted,
-                "verifications": self.verifications, "bypassed_steps": self.bypassed_steps,
-                "acceptance_rate": self.acceptance_rate, "mean_accepted_length": self.mean_accepted_length,
-                "accepted_length_histogram": dict(sorted(self.accepted_hist.items())),
-                "k_histogram": dict(sorted(self.k_hist.items()))}
-
-
 class _Line:
     """Least-squares line y = alpha + beta * x over the last `n` points (a flat line at the mean
-    while every x is the same)."""
+    while every x is the same). Running sums: O(1) per point on the engine's step path."""
 
     def __init__(self, n: int = 64) -> None:
         self.n = n
-        self.points: list[tuple[float, float]] = []
+        self.points: deque[tuple[float, float]] = deque()
+        self._sx = self._sy = self._sxx = self._sxy = 0.0
         self.fit: tuple[float, float] | None = None
+
+    def _update(self, x: float, y: float, sign: float) -> None:
+        self._sx += sign * x
+        self._sy += sign * y
+        self._sxx += sign * x * x
+        self._sxy += sign * x * y
 
     def add(self, x: float, y: float) -> None:
         if x <= 0 or y <= 0:
             return
-        self.points = (self.points + [(x, y)])[-self.n:]
-        pts = self.points
-        if len(pts) < 4:
+        self.points.append((x, y))
+        self._update(x, y, 1.0)
+        if len(self.points) > self.n:
+            self._update(*self.points.popleft(), -1.0)
+        m = len(self.points)
+        if m < 4:
             return
-        m = len(pts)
-        mx = sum(p[0] for p in pts) / m
-        my = sum(p[1] for p in pts) / m
-        vx = sum((p[0] - mx) ** 2 for p in pts)
-        beta = max(0.0, sum((p[0] - mx) * (p[1] - my) for p in pts) / vx) if vx > 0 else 0.0
+        mx, my = self._sx / m, self._sy / m
+        vx = self._sxx - m * mx * mx
+        # (a spread of x below rounding noise counts as none: the flat line at the mean)
+        beta = max(0.0, (self._sxy - m * mx * my) / vx) if vx > 1e-9 * max(1.0, self._sxx) else 0.0
         self.fit = (max(0.0, my - beta * mx), beta)
 
     def at(self, x: float) -> float | None:
@@ -213,12 +201,7 @@ class AdaptiveK:
         if not seq_ids:
             return 0
         accs = [self._acc.get(s, self._global) for s in seq_ids]
-        per_k = self.cost_ratio + self.verify_cost
-        best, best_value = 0, float(len(accs))
-        for k in range(1, self.k_max + 1):
-            value = sum(expected_tokens(a, k) for a in accs) / (1.0 + k * per_k)
-            if value > best_value * (1 + 1e-9):
-                best, best_value = k, value
+        best = best_step_k(accs, self.cost_ratio + self.verify_cost, self.k_max)
         if best > 0:
             self._since_probe, self._probe_interval = 0, self.probe_every
             return best
