@@ -101,6 +101,8 @@ def run(
     batch_pages: int = typer.Option(32, "--batch-pages", help="Pages per engine batch (bounds memory)."),
     anchor_text: bool = typer.Option(False, "--anchor-text", help="Put each PDF page's own text layer, with "
                                      "coordinates, in the prompt beside its image (scans have none)."),
+    enforce_eager: bool = typer.Option(False, "--enforce-eager", help="No CUDA graphs for decode and "
+                                       "verification steps (debugging, profiling)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display and no summary."),
     log_json: bool = typer.Option(False, "--log-json", help="JSON lines (one per document, then the manifest) on stdout."),
 ) -> None:
@@ -120,7 +122,7 @@ def run(
                                max_pages=max_pages, formats=parse_formats(format), force=force,
                                max_num_batched_tokens=max_num_batched_tokens,
                                gpu_memory_utilization=gpu_memory_utilization, batch_pages=batch_pages,
-                               anchor_text=anchor_text)
+                               anchor_text=anchor_text, enforce_eager=enforce_eager)
     except (ValueError, typer.BadParameter) as e:
         err_console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(EXIT_USAGE)

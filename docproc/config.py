@@ -45,6 +45,7 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     cache: CacheConfig | None = None
+    enforce_eager: bool = False  # no CUDA graphs for decode/verify steps (debugging, profiling)
 
     def __post_init__(self) -> None:
         if self.cache is None:

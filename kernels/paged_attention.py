@@ -259,12 +259,29 @@ class TilePlan:
     max_context: int
 
 
-def plan_tiles(query_start: list[int], context_lens: list[int], block_tables: list[list[int]], group: int,
-               device, num_splits: int | None = None, num_sms: int = 132) -> TilePlan:
-    max_q = max(query_start[i + 1] - query_start[i] for i in range(len(context_lens)))
+def tile_shape(max_q: int, group: int) -> tuple[int, int]:
+    """(query tokens per tile, BLOCK_M rows) for windows of at most max_q tokens and GQA group size
+    `group`: up to ~64 rows of (token, head) per tile, a power of two >= 16."""
     tokens = max(1, min(max_q, max(1, 64 // group)))
     block_m = max(16, triton.next_power_of_2(tokens * group))
     tokens = max(1, block_m // group) if max_q > 1 else 1
+    return tokens, block_m
+
+
+def default_num_splits(num_tiles: int, max_context: int | None, num_sms: int) -> int:
+    """Key splits: enough programs to fill the chip, at least ~256 keys per split when the
+    context is known (None: unknown, as for a captured CUDA graph, where the kernel's minimum
+    split of BLOCK_N keys bounds the waste), at most 32, a power of two (few kernel variants)."""
+    want = max(1, -(-2 * num_sms // max(1, num_tiles)))
+    cap = 32 if max_context is None else max_context // 256
+    n = max(1, min(want, cap, 32))
+    return 1 << (n.bit_length() - 1)
+
+
+def plan_tiles(query_start: list[int], context_lens: list[int], block_tables: list[list[int]], group: int,
+               device, num_splits: int | None = None, num_sms: int = 132) -> TilePlan:
+    max_q = max(query_start[i + 1] - query_start[i] for i in range(len(context_lens)))
+    tokens, block_m = tile_shape(max_q, group)
     seqs, toks, nqs, poss = [], [], [], []
     for b, ctx in enumerate(context_lens):
         q0, q1 = query_start[b], query_start[b + 1]
@@ -276,10 +293,7 @@ def plan_tiles(query_start: list[int], context_lens: list[int], block_tables: li
             poss.append(ctx - num_q + j)
     max_ctx = max(context_lens)
     if num_splits is None:
-        # enough programs to fill the chip, but at least ~256 keys per split
-        want = max(1, -(-2 * num_sms // max(1, len(seqs))))
-        num_splits = max(1, min(want, max_ctx // 256, 32))
-        num_splits = 1 << (num_splits.bit_length() - 1)  # a power of two: few kernel variants to compile
+        num_splits = default_num_splits(len(seqs), max_ctx, num_sms)
     width = max(len(t) for t in block_tables)
     table = torch.zeros(len(block_tables), width, dtype=torch.int32)
     for b, t in enumerate(block_tables):

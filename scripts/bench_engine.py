@@ -201,10 +201,19 @@ def part_a(folder: Path, args, env: dict) -> dict:
     llm = ours(folder, args)
     sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     llm.generate([request(99, QUESTIONS[0], args)], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
-    out = llm.generate([req], sp)[0]
-    m = out.metrics
-    decode_s = m.total_time - m.time_to_first_token
-    ours_tps = (n - 1) / decode_s
+
+    def decode_tps():
+        m = llm.generate([req], sp)[0].metrics  # the prompt is prefix-cached after the first call
+        return (n - 1) / (m.total_time - m.time_to_first_token), m
+
+    graphs = llm.runner.graphs
+    runs = [decode_tps() for _ in range(3)]  # the best of three: noise only slows
+    ours_tps, m = max(runs, key=lambda r: r[0])
+    eager_tps = None
+    if graphs is not None:  # the same engine with its CUDA graphs switched off
+        llm.runner.graphs = None
+        eager_tps = max(decode_tps()[0] for _ in range(2))
+        llm.runner.graphs = graphs
     ctx = m.num_prompt_tokens + n // 2
     info = llm.cache_info()
     profile = profile_decode(llm, req, args) if args.profile_steps else None
@@ -221,7 +230,9 @@ def part_a(folder: Path, args, env: dict) -> dict:
     del model
     free()
     return {"new_tokens": n, "prompt_tokens": m.num_prompt_tokens, "ours_tokens_per_s": round(ours_tps, 2),
-            "ours_ttft_s": round(m.time_to_first_token, 4), "transformers_tokens_per_s": round(hf_tps, 2),
+            "ours_eager_tokens_per_s": eager_tps and round(eager_tps, 2), "step_graphs": info["step_graphs"],
+            "ours_ttft_s": round(runs[0][1].time_to_first_token, 4),  # the first run: prompt not yet cached
+            "transformers_tokens_per_s": round(hf_tps, 2),
             "speedup_vs_transformers": round(ours_tps / hf_tps, 2), "bytes_per_step": step_bytes,
             "roofline_tokens_per_s": round(roofline_tps, 2), "share_of_roofline": round(ours_tps / roofline_tps, 3),
             **({"profile": profile} if profile else {})}
@@ -322,11 +333,9 @@ class ControlledAcceptance:
         self.mod, self.real, self.a, self.rng = engine_llm, engine_llm.accept_greedy, a, random.Random(seed)
         engine_llm.accept_greedy = self.accept
 
-    def accept(self, target_logits, draft_tokens):
-        top = target_logits.argmax(-1).tolist()
-        v = target_logits.shape[-1]
-        toks = [top[i] if self.rng.random() < self.a else (top[i] + 1) % v for i in range(len(draft_tokens))]
-        return self.real(target_logits, toks)
+    def accept(self, top, draft_tokens):
+        toks = [top[i] if self.rng.random() < self.a else -1 for i in range(len(draft_tokens))]
+        return self.real(top, toks)
 
     def close(self) -> None:
         self.mod.accept_greedy = self.real

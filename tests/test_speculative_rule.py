@@ -17,9 +17,9 @@ def test_greedy_acceptance_is_the_longest_matching_prefix_plus_the_target_token(
     logits = torch.full((4, 10), -5.0)
     for i, t in enumerate([3, 7, 1, 4]):
         logits[i, t] = 5.0
-    assert accept_greedy(logits, [3, 7, 2]) == ([3, 7, 1], 2)
-    assert accept_greedy(logits, [3, 7, 1]) == ([3, 7, 1, 4], 3)  # all accepted: bonus token
-    assert accept_greedy(logits, [9, 7, 1]) == ([3], 0)
+    assert accept_greedy(logits.argmax(-1).tolist(), [3, 7, 2]) == ([3, 7, 1], 2)
+    assert accept_greedy(logits.argmax(-1).tolist(), [3, 7, 1]) == ([3, 7, 1, 4], 3)  # all accepted: bonus token
+    assert accept_greedy(logits.argmax(-1).tolist(), [9, 7, 1]) == ([3], 0)
 
 
 def test_sampled_tokens_follow_the_target_distribution_chi_square():

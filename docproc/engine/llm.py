@@ -60,6 +60,7 @@ class LLM:
         speculative_model: str | None = None,
         num_speculative_tokens: int | str = 4,
         draft_vision: str = "auto",
+        enforce_eager: bool = False,
     ) -> None:
         cache = CacheConfig(kv_cache_dtype=kv_cache_dtype, block_size=block_size,
                             enable_prefix_caching=enable_prefix_caching,
@@ -68,7 +69,8 @@ class LLM:
                             encoder_cache_entries=encoder_cache_entries)
         self.config = EngineConfig(model=str(model), device=device, dtype=dtype,
                                    max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                   max_model_len=max_model_len, seed=seed, cache=cache)
+                                   max_model_len=max_model_len, seed=seed, cache=cache,
+                                   enforce_eager=enforce_eager)
         self.speculator = None
         draft_runner = None
         if speculative_model is not None:
@@ -78,7 +80,8 @@ class LLM:
             check_tokenizers(model, speculative_model)  # before any weights load
             draft_cfg = EngineConfig(model=str(speculative_model), device=device, dtype=dtype,
                                      max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                     max_model_len=max_model_len, seed=seed + 1, cache=CacheConfig(
+                                     max_model_len=max_model_len, seed=seed + 1, enforce_eager=enforce_eager,
+                                     cache=CacheConfig(
                                          kv_cache_dtype=kv_cache_dtype, block_size=block_size,
                                          enable_prefix_caching=enable_prefix_caching,
                                          gpu_memory_utilization=gpu_memory_utilization,
@@ -90,7 +93,7 @@ class LLM:
             # both pools hold the same number of tokens: the budget is split by bytes per token
             t_bpt, d_bpt = self.runner.kv_cache.bytes_per_token, draft_runner.kv_cache.bytes_per_token
             self.runner.allocate_kv(share=t_bpt / (t_bpt + d_bpt))
-            draft_runner.allocate_kv(num_blocks=self.runner.kv_cache.num_blocks)
+            draft_runner.allocate_kv(num_blocks=self.runner.num_usable_blocks)
             if draft_vision != "none":
                 t_ip, d_ip = self.runner.processor.image_processor, draft_runner.processor.image_processor
                 if (t_ip.size, t_ip.patch_size, t_ip.merge_size) != (d_ip.size, d_ip.patch_size, d_ip.merge_size):
@@ -112,7 +115,7 @@ class LLM:
         if max_model_len is not None and max_model_len > limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}")
         self.max_model_len = max_model_len or limit
-        self.block_manager = BlockManager(self.runner.kv_cache.num_blocks, block_size, enable_prefix_caching)
+        self.block_manager = BlockManager(self.runner.num_usable_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
                                    lookahead=self.speculator.k_max if self.speculator else 0)
         self.eos_token_ids = eos_token_ids(model, self.runner.hf_config, self.tokenizer)
@@ -169,10 +172,12 @@ class LLM:
         kv = self.runner.kv_cache
         bm = self.block_manager
         enc = self.runner.encoder_cache.stats
+        g = self.runner.graphs
         return {
             "kv_cache_dtype": kv.dtype_name,
             "block_size": kv.block_size,
-            "num_blocks": kv.num_blocks,
+            "num_blocks": self.runner.num_usable_blocks,
+            "num_reserved_blocks": self.runner.num_reserved_blocks,
             "bytes_per_token": kv.bytes_per_token,
             "bytes_per_token_bf16": 2 * self.runner.text_config.num_hidden_layers * 2
                                     * self.runner.text_config.num_key_value_heads * self.runner.text_config.head_dim,
@@ -187,6 +192,10 @@ class LLM:
             "num_encoded_images": enc.num_encoded_images,
             "num_preemptions": self.scheduler.num_preemptions,
             "max_model_len": self.max_model_len,
+            "step_graphs": self.runner.step_graphs,  # "capture" (CUDA graphs), "static" (tests) or None
+            "num_cuda_graphs": len(g.graphs) if g else 0,
+            "cuda_graph_capture_seconds": round(g.capture_seconds, 3) if g else 0.0,
+            "num_graph_steps": g.num_replays if g else 0,
             "device": str(self.runner.device),
             "dtype": str(self.runner.dtype).removeprefix("torch."),
         }
@@ -313,6 +322,29 @@ class LLM:
             meta_rows.append(prop)
         t0 = time.perf_counter()
         hidden, meta = runner.forward(chunks)
+        # one logits call and one device sync for the whole step: every verified window and every
+        # sequence that samples its next token the plain way
+        spans, rows = [], []
+        for i, (c, prop) in enumerate(zip(chunks, meta_rows)):
+            lo, hi = meta.query_start[i], meta.query_start[i + 1]
+            if prop is not None and prop.tokens:
+                spans.append((len(rows), hi - lo))
+                rows.extend(range(lo, hi))
+            elif c.end == len(c.seq):  # prefill finished, or decoding without a draft this step
+                spans.append((len(rows), 1))
+                rows.append(hi - 1)
+            else:
+                spans.append(None)
+        logits = runner.logits(hidden, rows) if rows else None  # (len(rows), V) fp32
+        srows = [runner.sampling_row(c.seq) for c in chunks]
+        plain = [i for i, (c, prop) in enumerate(zip(chunks, meta_rows))
+                 if spans[i] is not None and not (prop is not None and prop.tokens)]
+        plain_tokens = {}
+        if plain:
+            picked = runner.sampler(logits[[spans[i][0] for i in plain]], [srows[i] for i in plain]).tolist()
+            plain_tokens = dict(zip(plain, picked))
+        top = logits.argmax(-1).tolist() if logits is not None and any(
+            p is not None and p.tokens and srows[i].temperature == 0 for i, p in enumerate(meta_rows)) else None
         now = time.perf_counter()
         finished: list[Sequence] = []
         for i, (c, prop) in enumerate(zip(chunks, meta_rows)):
@@ -321,13 +353,12 @@ class LLM:
                 k = len(prop.tokens)
                 del seq.token_ids[-k:]
                 committed_before = seq.draft.num_committed if seq.draft else 0
-                rows = list(range(meta.query_start[i], meta.query_start[i + 1]))
-                logits = runner.logits(hidden, rows)  # (k + 1, V)
-                row = runner.sampling_row(seq)
+                r0 = spans[i][0]
+                row = srows[i]
                 if row.temperature == 0:
-                    emitted, accepted = accept_greedy(logits, prop.tokens)
+                    emitted, accepted = accept_greedy(top[r0: r0 + k + 1], prop.tokens)
                 else:
-                    p = probabilities(logits, [row] * (k + 1))
+                    p = probabilities(logits[r0: r0 + k + 1], [row] * (k + 1))
                     emitted, accepted = accept_sampled(p, prop.probs, prop.tokens,
                                                        seq.generator or runner.sampler.generator)
                 spec.stats.record(k, accepted)
@@ -344,19 +375,17 @@ class LLM:
                     self.block_manager.truncate(seq, len(seq))
                 else:
                     finished.append(seq)
-            elif c.end == len(seq):  # prefill finished, or decoding without a draft this step
-                logits = runner.logits(hidden, [meta.query_start[i + 1] - 1])
-                tok = runner.sampler(logits, [runner.sampling_row(seq)]).item()
+            elif i in plain_tokens:
                 seq.num_computed_tokens = c.end
-                if self._append(seq, tok, now):
+                if self._append(seq, plain_tokens[i], now):
                     finished.append(seq)
             else:
                 seq.num_computed_tokens = c.end
         t_target = time.perf_counter() - t0
         if len(decoding) == len(out.scheduled):  # decode/verify steps only: prefill chunks would skew the line
-            spec.policy.observe_step(int(meta.slot_mapping.numel()), t_target)
+            spec.policy.observe_step(meta.num_tokens, t_target)
         self.num_steps += 1
-        self.num_step_tokens += int(meta.slot_mapping.numel())
+        self.num_step_tokens += meta.num_tokens
         self.step_seconds += t_target + t_draft
         return finished
 

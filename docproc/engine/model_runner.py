@@ -10,6 +10,7 @@ import torch
 
 from docproc.config import EngineConfig
 from docproc.engine.encoder_cache import EncoderCache
+from docproc.engine.graph_runner import GraphRunner
 from docproc.engine.kv_cache import KV_DTYPES, KVCache, resolve_kv_dtype
 from docproc.engine.sampler import Sampler, SamplingRow
 from docproc.engine.scheduler import SchedulerOutput
@@ -32,6 +33,14 @@ def resolve_device(device: str) -> torch.device:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError("device 'cuda' was asked for but torch sees no CUDA device: use --device cpu")
     return torch.device(device)
+
+
+def resolve_step_graphs(config: EngineConfig, device: torch.device) -> str | None:
+    """How small steps run: "capture" (CUDA graphs), "static" (the graphs' padded static-buffer
+    path run eagerly, with the Triton kernels: tests on CPU under TRITON_INTERPRET) or None."""
+    if config.enforce_eager or device.type != "cuda":
+        return None
+    return "capture"
 
 
 def resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
@@ -87,14 +96,33 @@ class ModelRunner:
         self.trunk_source: EncoderCache | None = None
         self.num_shared_trunk_images = 0
         self.warmup_seconds = 0.0
+        self.step_graphs = resolve_step_graphs(config, self.device)
+        if self.step_graphs == "static":
+            self.backend.use_triton = True
+        # with graphs, the pool's last block is the scratch block that padded rows write to
+        self.num_reserved_blocks = 1 if self.step_graphs else 0
+        self.graphs: GraphRunner | None = None
         if allocate:
             self.allocate_kv()
 
     def allocate_kv(self, share: float = 1.0, num_blocks: int | None = None) -> None:
-        """Allocate the pool: `num_blocks` exactly, or `share` of the memory budget; then compile
-        the attention kernels for every launch shape."""
-        self.kv_cache.allocate(num_blocks if num_blocks is not None else max(1, int(self._num_blocks() * share)))
+        """Allocate the pool: `num_blocks` usable blocks exactly, or `share` of the memory budget;
+        then compile the attention kernels for every launch shape."""
+        if num_blocks is not None:
+            usable = num_blocks
+        else:  # the scratch block comes out of the budget too
+            usable = max(1, int(self._num_blocks() * share) - self.num_reserved_blocks)
+        self.kv_cache.allocate(usable + self.num_reserved_blocks)
         self.warmup_seconds = self.backend.warmup(self.kv_cache.layers[0], self.block_size)
+        if self.step_graphs:
+            max_len = (self.config.max_model_len or self.text_config.max_position_embeddings) + 16
+            self.graphs = GraphRunner(self, self.config.max_num_seqs, max_len,
+                                      capture=self.step_graphs == "capture")
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks the block manager may hand out."""
+        return self.kv_cache.num_blocks - self.num_reserved_blocks
 
     # ---- sizing ----------------------------------------------------------------------------
     def _num_blocks(self) -> int:
@@ -227,6 +255,10 @@ class ModelRunner:
         and returns the final hidden states (num_tokens, hidden) and the step's metadata."""
         self._image_embeddings([s.seq for s in scheduled if any(
             max(s.start, sp.offset) < min(s.end, sp.end) for sp in s.seq.images)])
+        if self.graphs is not None:
+            done = self.graphs.run(scheduled)
+            if done is not None:
+                return done
         ids, pos, meta, rows, embeds = self._prepare(scheduled)
         hidden = self.model.text(ids, pos, self.kv_cache.layers, meta, self.backend, rows, embeds)
         return hidden, meta
@@ -248,4 +280,4 @@ class ModelRunner:
                 self.logits_hook([seq for _, seq in sample], logits)
             sampled = self.sampler(logits, [self.sampling_row(seq) for _, seq in sample]).tolist()
             tokens = {seq.seq_id: t for (_, seq), t in zip(sample, sampled)}
-        return StepResult(tokens, int(meta.slot_mapping.numel()), time.perf_counter() - t0)
+        return StepResult(tokens, meta.num_tokens, time.perf_counter() - t0)

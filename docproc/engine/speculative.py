@@ -49,9 +49,9 @@ def best_k(a: float, c: float, k_max: int, r: float = 0.0) -> int:
     return best_step_k([a], c + r, k_max)
 
 
-def accept_greedy(target_logits: torch.Tensor, draft_tokens: list[int]) -> tuple[list[int], int]:
-    """target_logits: (k + 1, V). Returns (emitted tokens, number of drafts accepted)."""
-    top = target_logits.argmax(-1).tolist()
+def accept_greedy(top: list[int], draft_tokens: list[int]) -> tuple[list[int], int]:
+    """top: the target's argmax at the k + 1 verified positions. Returns (emitted tokens, number
+    of drafts accepted)."""
     j = 0
     while j < len(draft_tokens) and draft_tokens[j] == top[j]:
         j += 1

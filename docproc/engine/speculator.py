@@ -73,7 +73,7 @@ class Speculator:
         self.k_max = k_max
         self.vision = vision
         self.image_token_id = image_token_id
-        self.block_manager = BlockManager(runner.kv_cache.num_blocks, runner.block_size, enable_prefix_caching)
+        self.block_manager = BlockManager(runner.num_usable_blocks, runner.block_size, enable_prefix_caching)
         self.policy = AdaptiveK(k_max, fixed=not adaptive)
         self.stats = SpecStats()
         self.draft_seconds = 0.0

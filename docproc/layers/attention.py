@@ -40,6 +40,11 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.context_lens)
 
+    @property
+    def num_tokens(self) -> int:
+        """Query tokens of the step (a CUDA graph's slot_mapping also holds padding rows)."""
+        return self.query_start[-1]
+
 
 class _Backend:
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, device: torch.device) -> None:
@@ -60,7 +65,7 @@ class _Backend:
     def warmup(self, layer, block_size: int) -> float:
         """Compile the kernels for the launch shapes the engine uses (decode, verify windows,
         prefill chunks, each split count), so no request pays Triton's JIT. Returns seconds."""
-        if not self.use_triton:
+        if not self.use_triton or self.device.type != "cuda":
             return 0.0
         t0 = time.perf_counter()
         n_blocks = self.num_blocks(layer)

@@ -50,6 +50,7 @@ class RunSettings:
     spec_k: str = "auto"  # a number or "auto"
     draft_vision: str = "auto"
     anchor_text: bool = False  # put each PDF page's text layer (with coordinates) in the prompt
+    enforce_eager: bool = False  # no CUDA graphs (debugging, profiling)
 
     def __post_init__(self) -> None:
         bad = set(self.formats) - {"json", "parquet"}
@@ -141,7 +142,7 @@ class Pipeline:
                            max_num_batched_tokens=self.s.max_num_batched_tokens,
                            gpu_memory_utilization=self.s.gpu_memory_utilization, seed=self.s.seed,
                            speculative_model=self.s.draft, num_speculative_tokens=self.s.spec_k,
-                           draft_vision=self.s.draft_vision)
+                           draft_vision=self.s.draft_vision, enforce_eager=self.s.enforce_eager)
             self.stage_seconds["load_model"] += time.perf_counter() - t0
         return self.llm
 

@@ -1,0 +1,216 @@
+"""CUDA graphs for small steps: decode, speculative verification, the draft's proposals.
+
+A decode step of a 7B model is ~1,300 kernel launches whose host-side cost (27 ms per step
+measured on an H200, against ~5.5 ms of kernel time) dwarfs the work. A captured graph replays
+them with one launch. Graphs need fixed shapes and fixed addresses, so:
+
+- a graph is captured per key (B, q): at most B sequences with at most q new tokens each. Every
+  sequence gets q query rows; a shorter window is padded, and so are missing sequences. Padded
+  rows have token 0, position 0 and write their K/V to a scratch slot (the pool's last block,
+  which the block manager never hands out); their attention tiles have zero query tokens, so
+  they read nothing. Outputs of real rows are gathered to the front inside the graph.
+- every input lives in two static buffers (int64: ids, positions, slots, gather rows; int32: the
+  attention tile plan and block tables), filled on the host in pinned memory and copied with one
+  non-blocking copy each per step; the graph reads them at fixed addresses.
+- the attention's key-split count is fixed per graph (the context length is unknown at capture);
+  the kernel's splits are at least BLOCK_N keys, so unused splits exit at once.
+
+Steps with image tokens, longer windows or bigger batches run eagerly. Graphs are captured
+lazily, the first time a key is needed (an eager run on the static buffers first, so Triton and
+cuBLAS are initialised outside capture), into one memory pool per runner; the returned hidden
+states are valid until the runner's next forward.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+
+import numpy as np
+import torch
+
+from docproc.layers.attention import AttentionMetadata
+from kernels.paged_attention import TilePlan, default_num_splits, tile_shape
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+Q_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16)
+MAX_GRAPH_TOKENS = 2048
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int | None:
+    for b in buckets:
+        if b >= n:
+            return b
+    return None
+
+
+def text_position_delta(images, start: int, end: int) -> int | None:
+    """M-RoPE: tokens start..end-1 that touch no image all sit at index + delta on the three axes
+    (delta = what the images before them added); None if the run touches an image."""
+    delta = 0
+    for im in images:
+        if im.offset >= end:
+            break
+        if im.end > start:
+            return None
+        delta += im.position_span - im.num_tokens
+    return delta
+
+
+class GraphRunner:
+    def __init__(self, runner, max_batch: int, max_len: int, capture: bool = True) -> None:
+        """runner: the ModelRunner whose text model and KV pool the graphs use; max_len: the longest
+        sequence (tokens, speculative window included). capture=False runs the same padded static
+        path eagerly (tests on CPU, where Triton runs in its interpreter)."""
+        self.runner = weakref.proxy(runner)  # the runner owns us: no cycle to keep its pool alive
+        self.capture = capture
+        self.device = runner.device
+        backend = runner.backend
+        self.group = backend.num_heads // backend.num_kv_heads
+        self.num_sms = backend.num_sms
+        self.block_size = runner.block_size
+        self.batches = tuple(b for b in BATCH_BUCKETS if b <= max(max_batch, 1))
+        if self.batches[-1] < max_batch:
+            self.batches += (max_batch,)
+        self.max_batch = self.batches[-1]
+        self.width = -(-max_len // self.block_size) + 1  # block-table columns
+        max_tokens = MAX_GRAPH_TOKENS
+        max_tiles = max_tokens  # at most one tile per query token
+        self.host64 = torch.zeros(6 * max_tokens, dtype=torch.long, pin_memory=capture)
+        self.host32 = torch.zeros(4 * max_tiles + self.max_batch * self.width, dtype=torch.int32,
+                                  pin_memory=capture)
+        self.dev64 = torch.zeros_like(self.host64, device=self.device)
+        self.dev32 = torch.zeros_like(self.host32, device=self.device)
+        self.copied = torch.cuda.Event() if capture else None
+        self.pool = None
+        self.graphs: dict[tuple[int, int], tuple] = {}
+        self.num_replays = 0
+        self.capture_seconds = 0.0
+
+    @property
+    def scratch_slot(self) -> int:
+        return (self.runner.kv_cache.num_blocks - 1) * self.block_size
+
+    # ---- eligibility -----------------------------------------------------------------------
+    def key_for(self, chunks) -> tuple[int, int] | None:
+        if not chunks:
+            return None
+        q = max(c.end - c.start for c in chunks)
+        b = bucket(len(chunks), self.batches)
+        qb = bucket(q, Q_BUCKETS)
+        if b is None or qb is None or b * qb > MAX_GRAPH_TOKENS:
+            return None
+        for c in chunks:
+            if len(c.seq.block_table) > self.width:
+                return None
+        return b, qb
+
+    # ---- per step ----------------------------------------------------------------------------
+    def _layout(self, key):
+        """Views of the static buffers for a key: the same addresses every time."""
+        b, q = key
+        n = b * q
+        tokens, block_m = tile_shape(q, self.group)
+        per_seq = -(-q // tokens)
+        t = b * per_seq
+        d64, d32 = self.dev64, self.dev32
+        views = {
+            "ids": d64[:n], "pos": d64[n: 4 * n].view(3, n), "slots": d64[4 * n: 5 * n], "rows": d64[5 * n: 6 * n],
+            "tile_seq": d32[:t], "tile_tok": d32[t: 2 * t], "tile_nq": d32[2 * t: 3 * t],
+            "tile_pos": d32[3 * t: 4 * t], "table": d32[4 * t: 4 * t + b * self.width].view(b, self.width),
+        }
+        return views, n, t, tokens, block_m, per_seq
+
+    def _fill(self, chunks, key) -> tuple[int, int, int, list[int], list[int]] | None:
+        """Write the step's inputs into the pinned host buffers; None if a chunk touches an image.
+        Returns (int64 count, int32 count, real rows, query_start, context_lens)."""
+        b, q = key
+        _, n, t, tokens, _, per_seq = self._layout(key)
+        bs = self.block_size
+        h64 = self.host64.numpy()
+        h32 = self.host32.numpy()
+        ids, pos, slots, rows = h64[:n], h64[n: 4 * n].reshape(3, n), h64[4 * n: 5 * n], h64[5 * n: 6 * n]
+        tseq, ttok, tnq, tpos = h32[:t], h32[t: 2 * t], h32[2 * t: 3 * t], h32[3 * t: 4 * t]
+        table = h32[4 * t: 4 * t + b * self.width].reshape(b, self.width)
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous step's copy has left these buffers
+        ids[:] = 0
+        pos[:] = 0
+        slots[:] = self.scratch_slot
+        tseq[:] = np.repeat(np.arange(b, dtype=np.int32), per_seq)
+        tnq[:] = 0
+        tpos[:] = 0
+        ttok[:] = np.arange(t, dtype=np.int32) // per_seq * q + np.arange(t, dtype=np.int32) % per_seq * tokens
+        clamp = self.runner.max_input_id
+        query_start, context_lens = [0], []
+        r = 0
+        for i, c in enumerate(chunks):
+            seq, start, end = c.seq, c.start, c.end
+            num = end - start
+            delta = text_position_delta(seq.images, start, end)
+            if delta is None:
+                return None
+            base = i * q
+            tok = seq.token_ids[start:end]
+            ids[base: base + num] = tok if clamp is None else [min(x, clamp) for x in tok]
+            pos[:, base: base + num] = np.arange(start + delta, end + delta)
+            bt = seq.block_table
+            slots[base: base + num] = [bt[x // bs] * bs + x % bs for x in range(start, end)]
+            table[i, : len(bt)] = bt
+            rows[r: r + num] = np.arange(base, base + num)
+            r += num
+            for j in range(per_seq):
+                tnq[i * per_seq + j] = max(0, min(tokens, num - j * tokens))
+                tpos[i * per_seq + j] = end - num + j * tokens if j * tokens < num else 0
+            query_start.append(r)
+            context_lens.append(end)
+        rows[r:] = 0
+        return 6 * n, 4 * t + b * self.width, r, query_start, context_lens
+
+    def _forward_static(self, key) -> torch.Tensor:
+        views, n, t, tokens, block_m, _ = self._layout(key)
+        splits = default_num_splits(t, None, self.num_sms)
+        plan = TilePlan(views["tile_seq"], views["tile_tok"], views["tile_nq"], views["tile_pos"], views["table"],
+                        tokens, block_m, splits, 0)
+        meta = AttentionMetadata(views["slots"], [0, n], [n], [], self.block_size, plan)
+        text = self.runner.model.text
+        hidden = text(views["ids"], views["pos"], self.runner.kv_cache.layers, meta, self.runner.backend)
+        return hidden.index_select(0, views["rows"])  # real rows first
+
+    def _capture(self, key) -> None:
+        t0 = time.perf_counter()
+        self._forward_static(key)  # eager first: Triton/cuBLAS set up outside the capture
+        torch.cuda.synchronize(self.device)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self._forward_static(key)
+        self.graphs[key] = (graph, out)
+        self.capture_seconds += time.perf_counter() - t0
+
+    def run(self, chunks) -> tuple[torch.Tensor, AttentionMetadata] | None:
+        """Hidden states of the chunks' tokens (num_tokens, hidden) and the step's metadata, or
+        None if this step does not fit a graph."""
+        key = self.key_for(chunks)
+        if key is None:
+            return None
+        filled = self._fill(chunks, key)
+        if filled is None:
+            return None
+        n64, n32, num_tokens, query_start, context_lens = filled
+        self.dev64[:n64].copy_(self.host64[:n64], non_blocking=True)
+        self.dev32[:n32].copy_(self.host32[:n32], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+        if not self.capture:
+            out = self._forward_static(key)
+        else:
+            if key not in self.graphs:
+                self._capture(key)
+            graph, out = self.graphs[key]
+            graph.replay()
+        self.num_replays += 1
+        views = self._layout(key)[0]
+        meta = AttentionMetadata(views["slots"], query_start, context_lens, [c.seq.block_table for c in chunks],
+                                 self.block_size)
+        return out[:num_tokens], meta
