@@ -12,6 +12,7 @@ from torch import nn
 
 from docproc.layers.attention import AttentionMetadata
 from docproc.models.rope import MRotaryEmbedding, apply_rotary
+from kernels.fused import add_rms_norm, add_rms_norm_ref, rotary_, silu_mul
 
 
 @dataclass
@@ -39,11 +40,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """weight * norm(x); with a residual, (weight * norm(x + residual), x + residual). On CUDA
+        one fused kernel (kernels/fused.py), else its torch reference."""
+        fn = add_rms_norm if x.is_cuda else add_rms_norm_ref
+        out, r = fn(x, residual, self.weight, self.eps)
+        return out if residual is None else (out, r)
 
 
 class Attention(nn.Module):
@@ -75,7 +77,10 @@ class Attention(nn.Module):
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_weight is not None:
             qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(n, h + 2 * hkv, d)
-            qk = apply_rotary(qkv[:, : h + hkv], cos, sin)  # q and k rotated together
+            if x.is_cuda:  # q and k rotated together, in place, by one kernel
+                qk = rotary_(qkv[:, : h + hkv], cos, sin)
+            else:
+                qk = apply_rotary(qkv[:, : h + hkv], cos, sin)
             q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + hkv:]
         else:
             q = self.q_proj(x).view(n, h, d)  # (N, H, D)
@@ -106,7 +111,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
-            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            gate_up = F.linear(x, self.gate_up_weight)  # (N, 2 * intermediate)
+            if x.is_cuda:
+                return self.down_proj(silu_mul(gate_up))
+            gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -119,9 +127,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, meta, backend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, kv_cache, meta, backend) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is carried separately, so that each residual add is fused into the
+        next norm: returns (this layer's MLP output, the stream before it); the stream after the
+        layer is their sum."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, meta, backend)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class Qwen2VLTextModel(nn.Module):
@@ -151,9 +167,10 @@ class Qwen2VLTextModel(nn.Module):
         if image_rows is not None and image_rows.numel():
             x = x.index_copy(0, image_rows, image_embeds.to(x.dtype))
         cos, sin = self.rotary(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta, backend)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta, backend)
+        return self.norm(x, residual)[0] if residual is not None else self.norm(x)
 
     def fuse_projections(self) -> None:
         """After the weights are loaded: q/k/v and gate/up each become one matmul."""
