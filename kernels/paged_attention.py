@@ -268,13 +268,11 @@ def tile_shape(max_q: int, group: int) -> tuple[int, int]:
     return tokens, block_m
 
 
-def default_num_splits(num_tiles: int, max_context: int | None, num_sms: int) -> int:
-    """Key splits: enough programs to fill the chip, at least ~256 keys per split when the
-    context is known (None: unknown, as for a captured CUDA graph, where the kernel's minimum
-    split of BLOCK_N keys bounds the waste), at most 32, a power of two (few kernel variants)."""
+def default_num_splits(num_tiles: int, max_context: int, num_sms: int) -> int:
+    """Key splits: enough programs to fill the chip, but at least ~256 keys per split, at most 32,
+    a power of two (few kernel variants to compile)."""
     want = max(1, -(-2 * num_sms // max(1, num_tiles)))
-    cap = 32 if max_context is None else max_context // 256
-    n = max(1, min(want, cap, 32))
+    n = max(1, min(want, max_context // 256, 32))
     return 1 << (n.bit_length() - 1)
 
 

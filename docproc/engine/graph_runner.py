@@ -4,7 +4,9 @@ A decode step of a 7B model is ~1,300 kernel launches whose host-side cost (27 m
 measured on an H200, against ~5.5 ms of kernel time) dwarfs the work. A captured graph replays
 them with one launch. Graphs need fixed shapes and fixed addresses, so:
 
-- a graph is captured per key (B, q): at most B sequences with at most q new tokens each. Every
+- a graph is captured per key (B, q, S): at most B sequences with at most q new tokens each, S
+  attention key splits (flash-decoding; from the step's longest context, as the eager path picks
+  them, so a run whose contexts stay in one range uses one or two split counts). Every
   sequence gets q query rows; a shorter window is padded, and so are missing sequences. Padded
   rows have token 0, position 0 and write their K/V to a scratch slot (the pool's last block,
   which the block manager never hands out); their attention tiles have zero query tokens, so
@@ -12,8 +14,6 @@ them with one launch. Graphs need fixed shapes and fixed addresses, so:
 - every input lives in two static buffers (int64: ids, positions, slots, gather rows; int32: the
   attention tile plan and block tables), filled on the host in pinned memory and copied with one
   non-blocking copy each per step; the graph reads them at fixed addresses.
-- the attention's key-split count is fixed per graph (the context length is unknown at capture);
-  the kernel's splits are at least BLOCK_N keys, so unused splits exit at once.
 
 Steps with image tokens, longer windows or bigger batches run eagerly. Graphs are captured
 lazily, the first time a key is needed (an eager run on the static buffers first, so Triton and
@@ -82,7 +82,7 @@ class GraphRunner:
         self.dev32 = torch.zeros_like(self.host32, device=self.device)
         self.copied = torch.cuda.Event() if capture else None
         self.pool = None
-        self.graphs: dict[tuple[int, int], tuple] = {}
+        self.graphs: dict[tuple[int, int, int], tuple] = {}
         self.num_replays = 0
         self.capture_seconds = 0.0
 
@@ -91,7 +91,7 @@ class GraphRunner:
         return (self.runner.kv_cache.num_blocks - 1) * self.block_size
 
     # ---- eligibility -----------------------------------------------------------------------
-    def key_for(self, chunks) -> tuple[int, int] | None:
+    def key_for(self, chunks) -> tuple[int, int, int] | None:
         if not chunks:
             return None
         q = max(c.end - c.start for c in chunks)
@@ -102,12 +102,14 @@ class GraphRunner:
         for c in chunks:
             if len(c.seq.block_table) > self.width:
                 return None
-        return b, qb
+        tokens, _ = tile_shape(qb, self.group)
+        splits = default_num_splits(b * -(-qb // tokens), max(c.end for c in chunks), self.num_sms)
+        return b, qb, splits
 
     # ---- per step ----------------------------------------------------------------------------
     def _layout(self, key):
         """Views of the static buffers for a key: the same addresses every time."""
-        b, q = key
+        b, q, _ = key
         n = b * q
         tokens, block_m = tile_shape(q, self.group)
         per_seq = -(-q // tokens)
@@ -123,7 +125,7 @@ class GraphRunner:
     def _fill(self, chunks, key) -> tuple[int, int, int, list[int], list[int]] | None:
         """Write the step's inputs into the pinned host buffers; None if a chunk touches an image.
         Returns (int64 count, int32 count, real rows, query_start, context_lens)."""
-        b, q = key
+        b, q, _ = key
         _, n, t, tokens, _, per_seq = self._layout(key)
         bs = self.block_size
         h64 = self.host64.numpy()
@@ -168,7 +170,7 @@ class GraphRunner:
 
     def _forward_static(self, key) -> torch.Tensor:
         views, n, t, tokens, block_m, _ = self._layout(key)
-        splits = default_num_splits(t, None, self.num_sms)
+        splits = key[2]
         plan = TilePlan(views["tile_seq"], views["tile_tok"], views["tile_nq"], views["tile_pos"], views["table"],
                         tokens, block_m, splits, 0)
         meta = AttentionMetadata(views["slots"], [0, n], [n], [], self.block_size, plan)
