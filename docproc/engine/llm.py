@@ -321,6 +321,7 @@ class LLM:
             chunks.append(Chunk(s.seq, start, end))
             meta_rows.append(prop)
         t0 = time.perf_counter()
+        captures = runner.num_graph_captures
         hidden, meta = runner.forward(chunks)
         # one logits call and one device sync for the whole step: every verified window and every
         # sequence that samples its next token the plain way
@@ -382,7 +383,8 @@ class LLM:
             else:
                 seq.num_computed_tokens = c.end
         t_target = time.perf_counter() - t0
-        if len(decoding) == len(out.scheduled):  # decode/verify steps only: prefill chunks would skew the line
+        # decode/verify steps only (prefill chunks would skew the line), and none that captured a graph
+        if len(decoding) == len(out.scheduled) and runner.num_graph_captures == captures:
             spec.policy.observe_step(meta.num_tokens, t_target)
         self.num_steps += 1
         self.num_step_tokens += meta.num_tokens

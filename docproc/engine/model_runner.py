@@ -120,6 +120,12 @@ class ModelRunner:
                                       capture=self.step_graphs == "capture")
 
     @property
+    def num_graph_captures(self) -> int:
+        """CUDA graphs captured so far: a step that captured one took far longer than it will
+        again, and must not feed the speculation policy's cost lines."""
+        return len(self.graphs.graphs) if self.graphs is not None else 0
+
+    @property
     def num_usable_blocks(self) -> int:
         """Blocks the block manager may hand out."""
         return self.kv_cache.num_blocks - self.num_reserved_blocks

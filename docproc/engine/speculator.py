@@ -120,6 +120,7 @@ class Speculator:
             live = [(seq, v) for seq, v, k in active if k > r]
             chunks = [Chunk(v, v.num_computed_tokens, len(v)) for _, v in live]
             t_fwd = time.perf_counter()
+            captures = runner.num_graph_captures
             hidden, meta = runner.forward(chunks)
             logits = runner.logits(hidden, [meta.query_start[i + 1] - 1 for i in range(len(live))])
             if self.draft_vocab > self.target_vocab:
@@ -135,7 +136,8 @@ class Speculator:
                 if self.target_vocab > p.shape[-1]:  # no mass on the ids the draft lacks
                     p = torch.nn.functional.pad(p, (0, self.target_vocab - p.shape[-1]))
             # (both branches waited for the device in .tolist(): the time below is the forward's)
-            if max(c.num_new_tokens for c in chunks) <= 2:  # a decode forward, not a catch-up prefill
+            # a decode forward (not a catch-up prefill) that captured no CUDA graph
+            if max(c.num_new_tokens for c in chunks) <= 2 and runner.num_graph_captures == captures:
                 self.policy.observe_draft_forward(len(chunks), time.perf_counter() - t_fwd)
             for i, ((seq, v), tok) in enumerate(zip(live, tokens)):
                 v.num_computed_tokens = len(v)
