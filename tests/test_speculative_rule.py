@@ -101,6 +101,24 @@ def test_adaptive_k_is_one_choice_per_step_priced_by_measured_forwards():
     assert cheap.choose_step([99]) == 0  # a new sequence starts from the low running average
 
 
+def test_a_draft_that_cannot_pay_at_any_acceptance_is_probed_rarely():
+    """c + r >= 1 (measured): even all-accepted drafts cannot beat plain decoding, so the policy
+    goes straight to the longest probe interval (each probe costs the draft a catch-up prefill);
+    a draft that could pay at a better acceptance keeps probing every 16 steps, doubling."""
+    hopeless, hopeful = AdaptiveK(k_max=4, fixed=False, prior=0.7), AdaptiveK(k_max=4, fixed=False, prior=0.7)
+    for pol, draft_s in ((hopeless, 0.011), (hopeful, 0.004)):
+        for n in (1, 2, 3, 4):  # (a line needs four points)
+            pol.observe_step(n, 0.010)
+            pol.observe_draft_forward(1, draft_s)
+        for _ in range(30):
+            pol.observe(1, 4, 0)
+    assert hopeless.costs_measured and hopeless.cost_ratio > 1 and hopeful.cost_ratio < 1
+    probes = {name: [i for i in range(300) if pol.choose(1)] for name, pol in (("hopeless", hopeless),
+                                                                              ("hopeful", hopeful))}
+    assert probes["hopeless"] == [255]
+    assert probes["hopeful"][:3] == [15, 47, 111]
+
+
 def test_adaptive_k_prices_verified_positions_from_measured_steps():
     """Where a target step's time grows with its tokens (a CPU), verifying K more positions
     costs about K more steps and the draft stops paying; where it hardly grows (a GPU at small

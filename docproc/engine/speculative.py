@@ -135,7 +135,10 @@ class AdaptiveK:
     target's extra time per verified position, both from least-squares lines over measured steps
     (c uses `cost_ratio`'s set value until the draft has been timed). When K = 0 wins the engine
     decodes without the draft and re-probes with K = 1 after `probe_every` steps, doubling that
-    interval (up to 16x) while probes keep confirming the bypass."""
+    interval (up to 16x) while probes keep confirming the bypass. When the measured costs say no K
+    could pay even if every draft were accepted (c + r >= 1: a draft as slow as the target, as
+    two tiny models are on a GPU, where a step's fixed costs dominate), probing waits the longest
+    interval at once: each probe costs the draft a catch-up prefill of everything it skipped."""
 
     def __init__(self, k_max: int, fixed: bool, prior: float = 0.7, decay: float = 0.8, probe_every: int = 16):
         self.k_max = k_max
@@ -180,6 +183,11 @@ class AdaptiveK:
             return self._c_prior
         return d / t
 
+    @property
+    def costs_measured(self) -> bool:
+        """Whether c comes from timed draft and target forwards (not the prior)."""
+        return self._draft.at(self.batch) is not None and bool(self._target.at(self.batch))
+
     @cost_ratio.setter
     def cost_ratio(self, value: float) -> None:
         self._c_prior = value
@@ -201,10 +209,13 @@ class AdaptiveK:
         if not seq_ids:
             return 0
         accs = [self._acc.get(s, self._global) for s in seq_ids]
-        best = best_step_k(accs, self.cost_ratio + self.verify_cost, self.k_max)
+        per_k = self.cost_ratio + self.verify_cost
+        best = best_step_k(accs, per_k, self.k_max)
         if best > 0:
             self._since_probe, self._probe_interval = 0, self.probe_every
             return best
+        if per_k >= 1.0 and self.costs_measured:  # hopeless at any acceptance
+            self._probe_interval = 16 * self.probe_every
         self._since_probe += 1
         if self._since_probe >= self._probe_interval:  # acceptance may have recovered
             self._since_probe = 0
