@@ -136,3 +136,51 @@ def test_adaptive_k_prices_verified_positions_from_measured_steps():
         memory_bound.observe_step(n, 0.020 + 0.00001 * n)  # 20 ms fixed, 10 us per token
     assert compute_bound.verify_cost > 0.9 and compute_bound.choose(1) == 0
     assert memory_bound.verify_cost < 0.01 and memory_bound.choose(2) >= 3
+
+
+def test_the_drafts_catch_up_prefill_must_be_repaid_by_the_expected_saving():
+    """A sequence drafts only if its expected saving over its remaining tokens repays the draft's
+    catch-up forward (a new page: its whole prompt), that cost shared by the queries of the page."""
+    pol = AdaptiveK(k_max=4, fixed=False, prior=0.8)
+    assert pol.worth_catching_up(1, 4, 1300, 1, 0) is None  # unmeasured: the engine lets one page go
+    for n in (1, 2, 3, 4):
+        pol.observe_step(n, 0.010)  # a 10 ms decode step, flat in tokens (r = 0)
+        pol.observe_draft_forward(1, 0.002)  # c = 0.2
+    pol.observe_draft_prefill(1000, 0.1)  # one catch-up timed: priced proportionally until four are
+    assert pol.worth_catching_up(1, 4, 1300, 1, generated=0) is not None
+    for n in (100, 400, 800, 1300):
+        pol.observe_draft_prefill(n, 0.0001 * n)  # 0.1 ms per token: a page costs 130 ms
+    # gain at K = 4, a = 0.8: E = 3.36 over 1.8 step units = 1.87; saving 4.6 ms per remaining token
+    assert pol.worth_catching_up(1, 4, 1300, 1, generated=0)  # 32 tokens to go (the prior): 149 ms
+    assert not pol.worth_catching_up(1, 4, 1300, 1, generated=20)  # 12 to go: 56 ms < 130 ms
+    assert pol.worth_catching_up(1, 4, 1300, 7, generated=20)  # seven queries of the page share it
+    assert pol.worth_catching_up(1, 4, 2, 1, generated=31)  # decode-sized catch-ups always go
+    for _ in range(30):
+        pol.observe_finished(4)  # short answers: the expected remainder shrinks
+    assert not pol.worth_catching_up(1, 4, 1300, 1, generated=0)
+    pol.probing = True  # a probe's cost is bounded by the probe interval instead
+    assert pol.worth_catching_up(1, 4, 1300, 1, generated=0)
+    assert AdaptiveK(k_max=4, fixed=True).worth_catching_up(1, 4, 10 ** 6, 1, 0)
+
+
+def test_catch_up_pricing_falls_back_on_all_target_steps_before_a_pure_decode_step_is_timed():
+    """In a pipeline run the first steps mix prefill chunks with decodes, all about 8k tokens:
+    until a pure decode step is timed, a catch-up is priced from those steps per token (a fitted
+    line would sit flat at their mean, seconds, and call a decode step as costly as a prefill).
+    On a CPU that is right: verifying K more positions costs about K steps, and a page's prefill
+    for the draft does not pay. On a GPU it is conservative until decode steps are timed."""
+    cpu = AdaptiveK(k_max=4, fixed=False, prior=0.8)
+    gpu = AdaptiveK(k_max=4, fixed=False, prior=0.8)
+    for n in (8000, 8100, 8150, 8192):
+        cpu.observe_any_step(n, 2.2)  # ~0.27 ms per token
+        cpu.observe_draft_prefill(n, 0.4)
+        gpu.observe_any_step(n, 0.100)
+        gpu.observe_draft_prefill(n, 0.02)
+    cpu.batch = gpu.batch = 50
+    assert not cpu.worth_catching_up(1, 4, 1300, 7, generated=0)
+    assert not gpu.worth_catching_up(1, 4, 1300, 7, generated=0)  # conservative: priced like the CPU
+    for n in (50, 100, 150, 200):
+        gpu.observe_step(n, 0.008 + 0.000001 * n)  # decode/verify: an 8 ms floor, tokens nearly free
+        gpu.observe_draft_forward(50, 0.002)
+    gpu.batch = 7  # the seven queries of one page decoding: each has a seventh of an 8 ms step
+    assert gpu.worth_catching_up(1, 4, 1300, 7, generated=0)

@@ -207,6 +207,7 @@ class LLM:
         sp = self.speculator
         return {**sp.stats.as_dict(), "k_max": sp.k_max, "adaptive": not sp.policy.fixed,
                 "cost_ratio": round(sp.policy.cost_ratio, 4), "draft_vision": sp.vision,
+                "catch_up_skips": sp.num_catch_up_skips,
                 "shared_vision_trunk": sp.runner.trunk_source is not None,
                 "draft_images_from_shared_trunk": sp.runner.num_shared_trunk_images,
                 "draft_images_encoded": sp.runner.encoder_cache.stats.num_encoded_images
@@ -282,6 +283,7 @@ class LLM:
         self.scheduler.finish(seq, reason)
         if self.speculator is not None:
             self.speculator.release(seq)
+            self.speculator.policy.observe_finished(seq.num_generated_tokens)
         seq.finish_time = now
         return True
 
@@ -294,6 +296,16 @@ class LLM:
         decoding = [s.seq.seq_id for s in out.scheduled if s.num_new_tokens == 1 and s.needs_sample]
         spec.policy.batch = max(1, len(decoding))
         k_step = spec.policy.choose_step(decoding)  # one K for the step: its draft forwards are shared
+        catch_up: dict[int, tuple[int, tuple | None]] = {}
+        pages: dict[tuple, int] = {}  # sequences this step whose draft would prefill the same page
+        explore = None  # while the catch-up cost is unmeasured: the one page this step may prefill
+        if k_step > 0 and not spec.policy.fixed:
+            for s in out.scheduled:
+                if s.num_new_tokens == 1 and s.needs_sample:
+                    catch_up[s.seq.seq_id] = spec.catch_up(s.seq)
+                    page = catch_up[s.seq.seq_id][1]
+                    if page is not None:
+                        pages[page] = pages.get(page, 0) + 1
         for s in out.scheduled:
             seq = s.seq
             if s.num_new_tokens == 1 and s.needs_sample:  # decoding
@@ -302,6 +314,16 @@ class LLM:
                 # the window needs target slots; a prompt's last token (not a decode step) may lack them
                 if k > 0 and not self.block_manager.can_append(seq, len(seq) + k):
                     k = 0
+                if k > 0 and seq.seq_id in catch_up:
+                    tokens, page = catch_up[seq.seq_id]
+                    worth = spec.policy.worth_catching_up(seq.seq_id, k, tokens, pages.get(page, 1),
+                                                          seq.num_generated_tokens)
+                    if worth is None:  # unmeasured: one page (its queries together) to measure it
+                        explore = explore or page or (seq.seq_id,)
+                        worth = explore in (page, (seq.seq_id,))
+                    if not worth:
+                        k = 0
+                        spec.num_catch_up_skips += 1
                 if k > 0:
                     self.block_manager.append_slots(seq, len(seq) + k)
                     work.append((seq, k))
@@ -384,8 +406,10 @@ class LLM:
                 seq.num_computed_tokens = c.end
         t_target = time.perf_counter() - t0
         # decode/verify steps only (prefill chunks would skew the line), and none that captured a graph
-        if len(decoding) == len(out.scheduled) and runner.num_graph_captures == captures:
-            spec.policy.observe_step(meta.num_tokens, t_target)
+        if runner.num_graph_captures == captures:
+            spec.policy.observe_any_step(meta.num_tokens, t_target)
+            if len(decoding) == len(out.scheduled):
+                spec.policy.observe_step(meta.num_tokens, t_target)
         self.num_steps += 1
         self.num_step_tokens += meta.num_tokens
         self.step_seconds += t_target + t_draft

@@ -121,6 +121,16 @@ class _Line:
         alpha, beta = self.fit
         return alpha + beta * x
 
+    def proportional(self, x: float) -> float | None:
+        """y proportional to x through the points so far (None without any)."""
+        if not self.points:
+            return None
+        return x * self._sy / self._sx
+
+    def at_or_proportional(self, x: float) -> float | None:
+        """at(x), or before four points the proportional estimate."""
+        return self.at(x) if self.fit is not None else self.proportional(x)
+
 
 class AdaptiveK:
     """Chooses one K per engine step for all decoding sequences.
@@ -138,7 +148,12 @@ class AdaptiveK:
     interval (up to 16x) while probes keep confirming the bypass. When the measured costs say no K
     could pay even if every draft were accepted (c + r >= 1: a draft as slow as the target, as
     two tiny models are on a GPU, where a step's fixed costs dominate), probing waits the longest
-    interval at once: each probe costs the draft a catch-up prefill of everything it skipped."""
+    interval at once: each probe costs the draft a catch-up prefill of everything it skipped.
+
+    That catch-up is priced too (`worth_catching_up`): before a sequence drafts, the draft must
+    compute every token it has not seen (a new page's ~1,300 prompt tokens, or what it skipped
+    while bypassed); a sequence drafts only if its expected saving over its remaining tokens pays
+    for that forward (shared by the sequences with the same page)."""
 
     def __init__(self, k_max: int, fixed: bool, prior: float = 0.7, decay: float = 0.8, probe_every: int = 16):
         self.k_max = k_max
@@ -150,10 +165,14 @@ class AdaptiveK:
         self._c_prior = 0.2  # the cost ratio until the draft's forwards are measured
         self._acc: dict[int, float] = {}
         self._global = prior  # acceptance over all verifications: the prior of new sequences
-        self._target = _Line()  # target forward seconds vs tokens in it
+        self._target = _Line()  # target forward seconds vs tokens in it (decode/verify steps)
+        self._any_step = _Line()  # the same over every target step, prefill chunks included
         self._draft = _Line()  # draft decode forward seconds vs sequences in it
         self._since_probe = 0
         self._probe_interval = probe_every
+        self._draft_prefill = _Line()  # draft catch-up forward seconds vs tokens in it
+        self._generated = 32.0  # tokens a request generates (moving average; a prior until one finishes)
+        self.probing = False  # this step's K is a probe (its cost is bounded by the probe interval)
 
     # ---- measurements ----------------------------------------------------------------------------
     def observe_step(self, tokens: int, seconds: float) -> None:
@@ -163,6 +182,48 @@ class AdaptiveK:
     def observe_draft_forward(self, seqs: int, seconds: float) -> None:
         """A draft forward that decoded (at most two tokens per sequence) for `seqs` sequences."""
         self._draft.add(seqs, seconds)
+
+    def observe_any_step(self, tokens: int, seconds: float) -> None:
+        """Any target forward (prefill chunks too): the fallback for pricing a catch-up while no
+        pure decode step has been timed (a pipeline run mixes prefill into its steps for long)."""
+        self._any_step.add(tokens, seconds)
+
+    def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
+        """A draft forward that caught up (more than two tokens for some sequence)."""
+        self._draft_prefill.add(tokens, seconds)
+
+    def observe_finished(self, num_generated: int) -> None:
+        self._generated = 0.9 * self._generated + 0.1 * num_generated
+
+    def worth_catching_up(self, seq_id: int, k: int, tokens: int, share: int, generated: int) -> bool | None:
+        """Whether a sequence should draft k tokens this step when the draft must first compute
+        `tokens` tokens it has not seen, a cost shared by `share` sequences (the same page): its
+        expected saving over the rest of its output, (remaining tokens) x (its share of a decode
+        step) x (1 - 1 / gain), gain = E(a, k) / (1 + k (c + r)), must repay that forward. None
+        while the costs are unmeasured (the engine then lets one page per step go, to measure)."""
+        if self.fixed or self.probing or tokens <= 2:
+            return True
+        if self._target.fit is not None:
+            step = self._target.at(self.batch)
+            r = self._target.fit[1] * self.batch / step if step else 0.0
+        else:
+            # every step so far, prefill chunks included, priced per token: a pipeline's first
+            # steps are all about the same size, so a fitted line would be flat at their mean
+            # (seconds) and call a 7-token decode step as costly as an 8,192-token prefill. On a
+            # GPU this underestimates a decode step (fixed costs dominate it): conservative
+            step = self._any_step.proportional(self.batch)
+            r = 1.0
+        cost = self._draft_prefill.at_or_proportional(tokens)
+        if not step or cost is None:
+            return None
+        draft = self._draft.at(self.batch)
+        c = draft / step if draft is not None else self._c_prior
+        a = self._acc.get(seq_id, self._global)
+        gain = expected_tokens(a, k) / (1.0 + k * (c + r))
+        if gain <= 1.0:
+            return False
+        remaining = max(1.0, self._generated - generated)
+        return remaining * step / self.batch * (1.0 - 1.0 / gain) * max(1, share) >= cost
 
     def observe(self, seq_id: int, k: int, accepted: int) -> None:
         if k == 0:
@@ -204,6 +265,7 @@ class AdaptiveK:
     # ---- the choice ------------------------------------------------------------------------------
     def choose_step(self, seq_ids: list[int]) -> int:
         """K for this step's decoding sequences (0: decode without the draft)."""
+        self.probing = False
         if self.fixed:
             return self.k_max
         if not seq_ids:
@@ -220,6 +282,7 @@ class AdaptiveK:
         if self._since_probe >= self._probe_interval:  # acceptance may have recovered
             self._since_probe = 0
             self._probe_interval = min(16 * self.probe_every, 2 * self._probe_interval)
+            self.probing = True
             return 1
         return 0
 

@@ -77,6 +77,27 @@ class Speculator:
         self.policy = AdaptiveK(k_max, fixed=not adaptive)
         self.stats = SpecStats()
         self.draft_seconds = 0.0
+        self.num_catch_up_skips = 0  # sequence-steps not drafted because the catch-up would not pay
+        # pages whose tokens the draft has computed (its prefix cache holds them unless evicted):
+        # a new query of such a page catches up only its own text
+        self.seen_images: set[str] = set()
+
+    def catch_up(self, seq: Sequence) -> tuple[int, tuple[str, ...] | None]:
+        """(tokens the draft must compute before it can propose for seq, the key of the page
+        whose prefill that is, or None when the page is already in the draft's cache)."""
+        v = seq.draft
+        if v is not None and v.block_table:
+            return len(v) - v.num_computed_tokens, None
+        images = [] if self.vision == "none" else seq.images
+        prompt = seq.num_prompt_tokens - (sum(im.num_tokens for im in seq.images) if self.vision == "none" else 0)
+        total = prompt + seq.num_generated_tokens
+        if not images:
+            return total, None
+        key = tuple(im.content_hash for im in images)
+        if all(h in self.seen_images for h in key):
+            cached = images[-1].end // self.runner.block_size * self.runner.block_size
+            return total - cached, None
+        return total, key
 
     def view(self, seq: Sequence) -> DraftView:
         if seq.draft is None:
@@ -101,6 +122,7 @@ class Speculator:
         if not bm.can_append(v, v.num_committed + k):
             return False
         bm.append_slots(v, v.num_committed + k)
+        self.seen_images.update(im.content_hash for im in v.images)
         # this step's first draft forward computes every committed token: register their full
         # blocks now, so that later sequences with the same prefix (the other queries of a page)
         # hit them, as the target's scheduler does (never proposals: they may be rolled back)
@@ -137,8 +159,12 @@ class Speculator:
                     p = torch.nn.functional.pad(p, (0, self.target_vocab - p.shape[-1]))
             # (both branches waited for the device in .tolist(): the time below is the forward's)
             # a decode forward (not a catch-up prefill) that captured no CUDA graph
-            if max(c.num_new_tokens for c in chunks) <= 2 and runner.num_graph_captures == captures:
-                self.policy.observe_draft_forward(len(chunks), time.perf_counter() - t_fwd)
+            if runner.num_graph_captures == captures:
+                if max(c.num_new_tokens for c in chunks) <= 2:
+                    self.policy.observe_draft_forward(len(chunks), time.perf_counter() - t_fwd)
+                else:
+                    self.policy.observe_draft_prefill(sum(c.num_new_tokens for c in chunks),
+                                                      time.perf_counter() - t_fwd)
             for i, ((seq, v), tok) in enumerate(zip(live, tokens)):
                 v.num_computed_tokens = len(v)
                 v.proposals.append(tok)
