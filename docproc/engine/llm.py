@@ -316,8 +316,8 @@ class LLM:
                     k = 0
                 if k > 0 and seq.seq_id in catch_up:
                     tokens, page = catch_up[seq.seq_id]
-                    worth = spec.policy.worth_catching_up(seq.seq_id, k, tokens, pages.get(page, 1),
-                                                          seq.num_generated_tokens)
+                    share = spec.page_share(page, pages[page]) if page is not None else 1
+                    worth = spec.policy.worth_catching_up(seq.seq_id, k, tokens, share, seq.num_generated_tokens)
                     if worth is None:  # unmeasured: one page (its queries together) to measure it
                         explore = explore or page or (seq.seq_id,)
                         worth = explore in (page, (seq.seq_id,))

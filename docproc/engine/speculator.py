@@ -81,6 +81,9 @@ class Speculator:
         # pages whose tokens the draft has computed (its prefix cache holds them unless evicted):
         # a new query of such a page catches up only its own text
         self.seen_images: set[str] = set()
+        # queries so far per page the draft has not computed: a page asked about before will
+        # likely be asked about again, so its prefill is shared by those queries too
+        self.page_queries: dict[tuple[str, ...], set[int]] = {}
 
     def catch_up(self, seq: Sequence) -> tuple[int, tuple[str, ...] | None]:
         """(tokens the draft must compute before it can propose for seq, the key of the page
@@ -97,7 +100,15 @@ class Speculator:
         if all(h in self.seen_images for h in key):
             cached = images[-1].end // self.runner.block_size * self.runner.block_size
             return total - cached, None
+        self.page_queries.setdefault(key, set()).add(seq.seq_id)
+        while len(self.page_queries) > 4096:  # bounded: forget the oldest pages
+            del self.page_queries[next(iter(self.page_queries))]
         return total, key
+
+    def page_share(self, key: tuple[str, ...], concurrent: int) -> int:
+        """How many queries a page's prefill for the draft is shared by: those decoding with it
+        now, or all queries of it seen so far if more (queries of a page often come one by one)."""
+        return max(concurrent, len(self.page_queries.get(key, ())))
 
     def view(self, seq: Sequence) -> DraftView:
         if seq.draft is None:
@@ -123,6 +134,7 @@ class Speculator:
             return False
         bm.append_slots(v, v.num_committed + k)
         self.seen_images.update(im.content_hash for im in v.images)
+        self.page_queries.pop(tuple(im.content_hash for im in v.images), None)
         # this step's first draft forward computes every committed token: register their full
         # blocks now, so that later sequences with the same prefix (the other queries of a page)
         # hit them, as the target's scheduler does (never proposals: they may be rolled back)
