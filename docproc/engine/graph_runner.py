@@ -185,7 +185,7 @@ class GraphRunner:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.device(self.device), torch.cuda.graph(graph, pool=self.pool):  # (cuda:N too)
             out = self._forward_static(key)
         self.graphs[key] = (graph, out)
         self.capture_seconds += time.perf_counter() - t0
