@@ -3,29 +3,15 @@ path runs eagerly ("static" mode) with the Triton kernels in their interpreter, 
 tokens the plain path gives; on a GPU the captured graphs are compared with eager steps."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
+from test_fp4_engine import reqs  # two queries of one page (prefix hits) and a text-only prompt
 
 import docproc.engine.model_runner as model_runner
 from docproc import LLM, SamplingParams
 from docproc.engine.graph_runner import bucket, text_position_delta
 from docproc.engine.sequence import ImageSpan
 from docproc.models.rope import mrope_positions
-
-IMG = "<|vision_start|><|image_pad|><|vision_end|>"
-
-
-def page(seed):
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (60, 90, 3), dtype=np.uint8))
-
-
-def reqs():
-    return [{"prompt": "<|im_start|>user\n" + IMG + "What is the total?", "multi_modal_data": {"image": [page(1)]}},
-            {"prompt": "<|im_start|>user\nthe quick brown fox"},
-            {"prompt": "<|im_start|>user\n" + IMG + "Invoice number?", "multi_modal_data": {"image": [page(1)]}}]
 
 
 def test_buckets_and_text_positions_match_mrope():

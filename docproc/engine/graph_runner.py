@@ -83,6 +83,7 @@ class GraphRunner:
         self.copied = torch.cuda.Event() if capture else None
         self.pool = None
         self.graphs: dict[tuple[int, int, int], tuple] = {}
+        self._layouts: dict[tuple[int, int, int], tuple] = {}
         self.num_replays = 0
         self.capture_seconds = 0.0
 
@@ -108,7 +109,12 @@ class GraphRunner:
 
     # ---- per step ----------------------------------------------------------------------------
     def _layout(self, key):
-        """Views of the static buffers for a key: the same addresses every time."""
+        """Views of the static buffers for a key: the same addresses every time (made once)."""
+        if key not in self._layouts:
+            self._layouts[key] = self._make_layout(key)
+        return self._layouts[key]
+
+    def _make_layout(self, key):
         b, q, _ = key
         n = b * q
         tokens, block_m = tile_shape(q, self.group)
