@@ -22,6 +22,7 @@ import triton.language as tl
 from kernels.fp4 import _e4m3_decode
 
 LOG2E = 1.4426950408889634
+TWO_119 = tl.constexpr(2.0 ** 119)
 
 
 # ---- torch reference --------------------------------------------------------------------------
@@ -211,6 +212,152 @@ def _paged_attn_kernel(
 
 
 @triton.jit
+def _fp4_tile(codes_ptr, scales_ptr, row_c, row_s, nmask, GH: tl.constexpr, BLOCK_N: tl.constexpr):
+    """BLOCK_N cached FP4 vectors of one KV head as float32 halves (lo: dims 0..D/2, hi: D/2..D),
+    each element code value x group scale x 2^-8 (head scale left out: the caller folds it and the
+    2^8 into q or the output).
+
+    Codes are loaded once as (BLOCK_N, GH, 16) bytes (GH = D/32 groups per half), so each E4M3
+    group scale is decoded once and broadcast along the group's 16 dims. An E2M1 code becomes float32
+    bits in two shifts and masks: its 3 magnitude bits land on the exponent's two low bits and the
+    mantissa's top bit, its sign on the sign bit; that float is the code's value x 2^-126 (exact,
+    codes 0 and +-0.5 are subnormal), and 2^118 rides on the scale."""
+    g = tl.arange(0, GH)
+    j = tl.arange(0, 16)
+    c = tl.load(codes_ptr + row_c[:, None, None] + (g[None, :, None] * 16 + j[None, None, :]),
+                mask=nmask[:, None, None], other=0).to(tl.int32)
+    # E4M3 bits << 20 are float32 bits of the scale x 2^-120 (subnormal scales included); two
+    # exact multiplies by 2^119 make it scale x 2^118
+    s_lo = tl.load(scales_ptr + row_s[:, None] + g[None, :], mask=nmask[:, None], other=0).to(tl.int32)
+    s_hi = tl.load(scales_ptr + row_s[:, None] + GH + g[None, :], mask=nmask[:, None], other=0).to(tl.int32)
+    s_lo = (s_lo << 20).to(tl.float32, bitcast=True) * TWO_119 * TWO_119
+    s_hi = (s_hi << 20).to(tl.float32, bitcast=True) * TWO_119 * TWO_119
+    r_lo = (((c & 7) << 22) | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+    r_hi = (((c & 0x70) << 18) | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
+    lo = tl.reshape(r_lo * s_lo[:, :, None], [BLOCK_N, GH * 16])
+    hi = tl.reshape(r_hi * s_hi[:, :, None], [BLOCK_N, GH * 16])
+    return lo, hi
+
+
+@triton.jit
+def _paged_attn_fp4_kernel(
+    # pointers
+    q_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    tile_seq_ptr, tile_tok_ptr, tile_nq_ptr, tile_pos_ptr, table_ptr,
+    kc_ptr, ks_ptr, ki_ptr, kv_ptr, vc_ptr, vs_ptr, vi_ptr, vv_ptr, khs_ptr, vhs_ptr,
+    # sizes
+    block_size, sm_scale_log2,
+    # strides
+    sq_t, sq_h, so_t, so_h, s_table,
+    sk_b, sk_s, sk_h,  # codes view
+    ss_b, ss_s, ss_h,  # scales view
+    si_b, si_s, si_h,  # outlier index view
+    sv_b, sv_s, sv_h,  # outlier value view
+    # meta
+    GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HALF: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_OUTLIERS: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """The FP4 member of the family (same tiles, splits and partials as _paged_attn_kernel).
+    Keys: the group-scaled codes go through the tensor cores with q carrying the head scale; each
+    outlier slot then adds q[row, channel] x value for its key (a gather of q, not a select over
+    every element). Values: outlier slots replace their (zero-coded) element before the dot; the
+    head scale is applied to the output."""
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = tl.load(tile_seq_ptr + tile)
+    tok0 = tl.load(tile_tok_ptr + tile)
+    nq = tl.load(tile_nq_ptr + tile)
+    pos0 = tl.load(tile_pos_ptr + tile)
+    GH: tl.constexpr = HALF // 16
+
+    r, t, head, row_ok = _tile_rows(kvh, nq, GROUP, TOKENS, BLOCK_M)
+    pos = pos0 + t
+    d = tl.arange(0, HALF)
+    q_off = (tok0 + t) * sq_t + head * sq_h
+    khs = tl.load(khs_ptr + kvh)
+    vhs = tl.load(vhs_ptr + kvh)
+    q_unit = sm_scale_log2 * khs * 256.0  # the tile's keys hold value / (head scale x 2^8)
+    q_lo = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * q_unit
+    q_hi = tl.load(q_ptr + q_off[:, None] + HALF + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * q_unit
+    if not DOT_FP32:
+        q_lo = q_lo.to(tl.bfloat16)
+        q_hi = q_hi.to(tl.bfloat16)
+    v_unit = vhs * 256.0
+    inv_v_unit = 1.0 / v_unit
+
+    kend = pos0 + nq
+    chunk = tl.cdiv(tl.cdiv(kend, BLOCK_N), NUM_SPLITS) * BLOCK_N
+    start = split * chunk
+    stop = tl.minimum(start + chunk, kend)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc_lo = tl.zeros([BLOCK_M, HALF], tl.float32)
+    acc_hi = tl.zeros([BLOCK_M, HALF], tl.float32)
+    for n0 in range(start, stop, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nmask = n < stop
+        blk = tl.load(table_ptr + seq * s_table + n // block_size, mask=nmask, other=0).to(tl.int64)
+        off = n % block_size
+        row_c = tl.multiple_of(blk * sk_b + off * sk_s + kvh * sk_h, 16)
+        row_s = blk * ss_b + off * ss_s + kvh * ss_h
+        row_o = blk * si_b + off * si_s + kvh * si_h
+        row_v = blk * sv_b + off * sv_s + kvh * sv_h
+        k_lo, k_hi = _fp4_tile(kc_ptr, ks_ptr, row_c, row_s, nmask, GH, BLOCK_N)
+        if DOT_FP32:
+            s = tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee")
+            s += tl.dot(q_hi, tl.trans(k_hi), input_precision="ieee")
+        else:
+            s = tl.dot(q_lo, tl.trans(k_lo.to(tl.bfloat16)))
+            s += tl.dot(q_hi, tl.trans(k_hi.to(tl.bfloat16)))
+        for o in tl.static_range(NUM_OUTLIERS):  # unused slots hold (0, 0.0): they add nothing
+            idx = tl.load(ki_ptr + row_o + o, mask=nmask, other=0).to(tl.int32)
+            val = tl.load(kv_ptr + row_v + o, mask=nmask, other=0.0).to(tl.float32)
+            qg = tl.load(q_ptr + q_off[:, None] + idx[None, :], mask=row_ok[:, None] & nmask[None, :],
+                         other=0.0).to(tl.float32)
+            s += qg * (val * sm_scale_log2)[None, :]
+        visible = (n[None, :] <= pos[:, None]) & nmask[None, :] & row_ok[:, None]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_lo, v_hi = _fp4_tile(vc_ptr, vs_ptr, row_c, row_s, nmask, GH, BLOCK_N)
+        for o in tl.static_range(NUM_OUTLIERS):  # the outlier's own code is 0: replace it
+            idx = tl.load(vi_ptr + row_o + o, mask=nmask, other=0).to(tl.int32)
+            val = tl.load(vv_ptr + row_v + o, mask=nmask, other=0.0).to(tl.float32)
+            idx = tl.where(val != 0.0, idx, -1)  # an unused slot (0, 0.0) must not touch channel 0
+            v_lo = tl.where(d[None, :] == idx[:, None], (val * inv_v_unit)[:, None], v_lo)
+            v_hi = tl.where(d[None, :] + HALF == idx[:, None], (val * inv_v_unit)[:, None], v_hi)
+        if DOT_FP32:
+            acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo, input_precision="ieee")
+            acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi, input_precision="ieee")
+        else:
+            acc_lo = acc_lo * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v_lo.to(tl.bfloat16))
+            acc_hi = acc_hi * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v_hi.to(tl.bfloat16))
+        m_i = m_new
+    acc_lo = acc_lo * v_unit
+    acc_hi = acc_hi * v_unit
+
+    if NUM_SPLITS == 1:
+        inv = tl.where(l_i > 0, 1.0 / tl.maximum(l_i, 1e-30), 0.0)
+        o_off = (tok0 + t) * so_t + head * so_h
+        tl.store(out_ptr + o_off[:, None] + d[None, :], (acc_lo * inv[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+        tl.store(out_ptr + o_off[:, None] + HALF + d[None, :], (acc_hi * inv[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+    else:
+        base = (tile * tl.num_programs(1) + kvh) * NUM_SPLITS + split
+        a_off = base * BLOCK_M * 2 * HALF + r[:, None] * 2 * HALF + d[None, :]
+        tl.store(part_acc_ptr + a_off, acc_lo)
+        tl.store(part_acc_ptr + a_off + HALF, acc_hi)
+        tl.store(part_ml_ptr + base * 2 * BLOCK_M + r, m_i)
+        tl.store(part_ml_ptr + base * 2 * BLOCK_M + BLOCK_M + r, l_i)
+
+
+@triton.jit
 def _combine_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr, tile_tok_ptr, tile_nq_ptr,
     so_t, so_h,
@@ -356,17 +503,30 @@ def paged_attention(
     else:
         part_acc = part_ml = out
     dot_fp32 = q.dtype == torch.float32
-    _paged_attn_kernel[(n_tiles, n_kv, splits)](
-        q, out, part_acc, part_ml,
-        plan.tile_seq, plan.tile_tok, plan.tile_nq, plan.tile_pos, plan.block_table,
-        dense_k, dense_v, kc, ks, ki, kv, vc, vs, vi, vv, khs, vhs,
-        block_size, scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), plan.block_table.stride(0),
-        *strides_k, *strides_s, *strides_o, *strides_v,
-        GROUP=group, TOKENS=plan.tokens_per_tile, BLOCK_M=plan.block_m, BLOCK_N=block_n, HALF=d // 2,
-        NUM_SPLITS=splits, IS_FP4=is_fp4, NUM_OUTLIERS=num_outliers, DOT_FP32=dot_fp32,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    if is_fp4:
+        _paged_attn_fp4_kernel[(n_tiles, n_kv, splits)](
+            q, out, part_acc, part_ml,
+            plan.tile_seq, plan.tile_tok, plan.tile_nq, plan.tile_pos, plan.block_table,
+            kc, ks, ki, kv, vc, vs, vi, vv, khs, vhs,
+            block_size, scale * LOG2E,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), plan.block_table.stride(0),
+            *strides_k, *strides_s, *strides_o, *strides_v,
+            GROUP=group, TOKENS=plan.tokens_per_tile, BLOCK_M=plan.block_m, BLOCK_N=block_n, HALF=d // 2,
+            NUM_SPLITS=splits, NUM_OUTLIERS=num_outliers, DOT_FP32=dot_fp32,
+            num_warps=num_warps, num_stages=num_stages,
+        )
+    else:
+        _paged_attn_kernel[(n_tiles, n_kv, splits)](
+            q, out, part_acc, part_ml,
+            plan.tile_seq, plan.tile_tok, plan.tile_nq, plan.tile_pos, plan.block_table,
+            dense_k, dense_v, kc, ks, ki, kv, vc, vs, vi, vv, khs, vhs,
+            block_size, scale * LOG2E,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), plan.block_table.stride(0),
+            *strides_k, *strides_s, *strides_o, *strides_v,
+            GROUP=group, TOKENS=plan.tokens_per_tile, BLOCK_M=plan.block_m, BLOCK_N=block_n, HALF=d // 2,
+            NUM_SPLITS=splits, IS_FP4=is_fp4, NUM_OUTLIERS=num_outliers, DOT_FP32=dot_fp32,
+            num_warps=num_warps, num_stages=num_stages,
+        )
     if splits > 1:
         _combine_kernel[(n_tiles, n_kv)](
             out, part_acc, part_ml, plan.tile_tok, plan.tile_nq, out.stride(0), out.stride(1),

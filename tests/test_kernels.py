@@ -142,19 +142,65 @@ def test_paged_attention_dense_matches_reference(q_lens, ctx_lens, splits):
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4), (out - ref).abs().max()
 
 
+def fp4_layer_with_outliers(nb, bs, kv_heads, d, seed=0, head_scale=fp4.DEFAULT_HEAD_SCALE):
+    """An FP4 pool whose keys carry a large fixed channel (in the low half) and whose values carry
+    one in the high half, so both kinds of outlier slot are used (and many slots stay unused)."""
+    g = torch.Generator().manual_seed(seed)
+    layer = FP4PagedLayer(nb, bs, kv_heads, d, DEV, head_scale=head_scale)
+    k = torch.randn(nb * bs, kv_heads, d, generator=g) * 2
+    k[:, :, 9] += 30.0
+    v = torch.randn(nb * bs, kv_heads, d, generator=g)
+    v[::3, :, d // 2 + 5] -= 25.0
+    v[7::11, :, 0] += 40.0  # channel 0: an unused slot (0, 0.0) must not be mistaken for it
+    layer.store(k.to(DEV), v.to(DEV), torch.arange(nb * bs, device=DEV), use_triton=False)
+    return layer
+
+
 @pytest.mark.parametrize("q_lens,ctx_lens", CASES)
 def test_paged_attention_fp4_matches_reference(q_lens, ctx_lens):
     heads, kv_heads, d, bs, nb = 4, 2, 64, 4, 40
     q, qs, tables = make_batch(q_lens, ctx_lens, heads, kv_heads, d, bs, nb, seed=1)
-    layer = FP4PagedLayer(nb, bs, kv_heads, d, DEV)
-    k = torch.randn(nb * bs, kv_heads, d, device=DEV) * 2
-    k[:, :, 9] += 30.0
-    layer.store(k, torch.randn(nb * bs, kv_heads, d, device=DEV), torch.arange(nb * bs, device=DEV), use_triton=False)
+    layer = fp4_layer_with_outliers(nb, bs, kv_heads, d)
+    assert (layer.v["oval"] != 0).any() and (layer.k["oval"] != 0).any() and (layer.v["oval"] == 0).any()
     plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=2)
     out = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
                           block_n=16)
     ref = paged_attention_ref(q, layer.gather, qs, ctx_lens, tables, bs, d ** -0.5)
     assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4), (out - ref).abs().max()
+
+
+def test_paged_attention_fp4_head_dim_128_non_power_of_two_head_scale():
+    """The real models' head_dim (128: four 16-dim groups per half), a head scale that is not a
+    power of two, one split; bf16 queries on a GPU (the interpreter's bf16 dot is not usable on
+    CPU), float32 under the interpreter."""
+    heads, kv_heads, d, bs, nb = 6, 2, 128, 4, 24
+    q_lens, ctx_lens = [1, 3], [29, 18]
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    q, qs, tables = make_batch(q_lens, ctx_lens, heads, kv_heads, d, bs, nb, dtype=dtype, seed=2)
+    layer = fp4_layer_with_outliers(nb, bs, kv_heads, d, seed=4, head_scale=0.07)
+    plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=1)
+    out = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
+                          block_n=16)
+    ref = paged_attention_ref(q.float(), layer.gather, qs, ctx_lens, tables, bs, d ** -0.5)
+    err = (out.float() - ref).abs().max() / ref.abs().max()
+    assert err < (2e-2 if dtype == torch.bfloat16 else 1e-5), err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernel at the 7B geometry: GPU only")
+@pytest.mark.parametrize("block_n,num_warps", [(64, 4), (128, 4), (128, 8)])
+def test_paged_attention_fp4_7b_geometry_on_gpu(block_n, num_warps):
+    heads, kv_heads, d, bs = 28, 4, 128, 16
+    q_lens, ctx_lens = [1] * 5 + [5, 16], [4096, 1, 77, 1000, 2049, 300, 1500]
+    nb = sum(-(-c // bs) for c in ctx_lens) + 3
+    q, qs, tables = make_batch(q_lens, ctx_lens, heads, kv_heads, d, bs, nb, dtype=torch.bfloat16, seed=5)
+    layer = fp4_layer_with_outliers(nb, bs, kv_heads, d, seed=6)
+    ref = paged_attention_ref(q.float(), layer.gather, qs, ctx_lens, tables, bs, d ** -0.5)
+    for splits in (1, 8):
+        plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=splits)
+        out = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
+                              block_n=block_n, num_warps=num_warps)
+        err = ((out.float() - ref).abs().amax(-1) / ref.abs().amax(-1)).max()
+        assert err < 2e-2, (splits, err)
 
 
 def test_paged_reference_agrees_with_contiguous_attention():

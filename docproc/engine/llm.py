@@ -255,10 +255,28 @@ class LLM:
             if self.scheduler.has_unfinished and not self.scheduler.running and not out.failed:
                 raise RuntimeError("scheduler made no progress with nothing running: the KV pool is too small")
             return finished
+        k_step = 0
         if self.speculator is not None:
-            return finished + self._spec_step(out)
+            spec = self.speculator
+            decoding = [s.seq.seq_id for s in out.scheduled if s.num_new_tokens == 1 and s.needs_sample]
+            spec.policy.batch = max(1, len(decoding))
+            k_step = spec.policy.choose_step(decoding)  # one K for the step: its draft forwards are shared
+            if k_step > 0:
+                return finished + self._spec_step(out, decoding, k_step)
+            # bypassed: the plain step itself (no per-step speculation bookkeeping on the host)
+            spec.stats.bypassed_steps += len(decoding)
+            for s in out.scheduled:
+                if s.num_new_tokens == 1 and s.needs_sample:
+                    s.seq.spec_stats.bypassed_steps += 1
+            captures = self.runner.num_graph_captures
         ends = [(s.seq, s.end) for s in out.scheduled]
         result = self.runner.execute(out)
+        if self.speculator is not None and self.runner.num_graph_captures == captures:
+            # decode/verify steps only feed the target's line (prefill chunks would skew it), and
+            # none that captured a graph
+            self.speculator.policy.observe_any_step(result.num_tokens, result.seconds)
+            if len(decoding) == len(out.scheduled):
+                self.speculator.policy.observe_step(result.num_tokens, result.seconds)
         self.num_steps += 1
         self.num_step_tokens += result.num_tokens
         self.step_seconds += result.seconds
@@ -287,15 +305,13 @@ class LLM:
         seq.finish_time = now
         return True
 
-    def _spec_step(self, out) -> list[Sequence]:
-        """One step with speculation: the draft proposes k tokens for each decoding sequence, the
-        target scores every sequence's window (its last token plus the proposals) and the
-        prefill chunks in one forward, and acceptance keeps the target's distribution."""
+    def _spec_step(self, out, decoding: list[int], k_step: int) -> list[Sequence]:
+        """One step with speculation (k_step > 0): the draft proposes up to k_step tokens for each
+        decoding sequence, the target scores every sequence's window (its last token plus the
+        proposals) and the prefill chunks in one forward, and acceptance keeps the target's
+        distribution."""
         spec, runner = self.speculator, self.runner
         work = []
-        decoding = [s.seq.seq_id for s in out.scheduled if s.num_new_tokens == 1 and s.needs_sample]
-        spec.policy.batch = max(1, len(decoding))
-        k_step = spec.policy.choose_step(decoding)  # one K for the step: its draft forwards are shared
         catch_up: dict[int, tuple[int, tuple | None]] = {}
         pages: dict[tuple, int] = {}  # sequences this step whose draft would prefill the same page
         explore = None  # while the catch-up cost is unmeasured: the one page this step may prefill
