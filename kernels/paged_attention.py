@@ -1,7 +1,8 @@
 """Paged attention over the KV cache: a torch reference, and one Triton kernel family for decode,
 speculative verification (1-16 query tokens, causal inside the window) and prefill chunks (a
-chunk over its cached prefix plus itself), reading either an FP4 cache (kernels/fp4.py format,
-decoded in registers) or a bf16/fp16/fp32 cache; the cache format is a compile-time choice.
+chunk over its cached prefix plus itself), reading a bf16/fp16/fp32 cache (`_paged_attn_kernel`)
+or an FP4 cache (`_paged_attn_fp4_kernel`: the kernels/fp4.py format, decoded in registers). Both
+share the tiling, the key splits, the partials and the merge kernel.
 
 Work is split into tiles of (sequence, a run of its query tokens) x KV head: a tile's rows are
 (query token, query head of the KV head's group), so each KV block is read once for the whole GQA
@@ -18,8 +19,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from kernels.fp4 import _e4m3_decode
 
 LOG2E = 1.4426950408889634
 TWO_119 = tl.constexpr(2.0 ** 119)
@@ -55,47 +54,6 @@ def paged_attention_ref(
 
 # ---- Triton ---------------------------------------------------------------------------------------
 @triton.jit
-def _e2m1_decode(code):
-    """4-bit E2M1 codes (int32) -> float32 by building the IEEE bits: no exp2, no table.
-    magnitude index i = e << 1 | m: e = 0 gives 0.5 * m, else (1 + m / 2) * 2^(e - 1)."""
-    e = (code >> 1) & 3
-    m = code & 1
-    bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22))
-    bits = bits | ((code & 8) << 28)  # sign
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _load_kv_half(base_codes, base_scales, base_oidx, base_oval, hs, cache_ptr, row_off, d, nmask,
-                  HI: tl.constexpr, HALF: tl.constexpr, IS_FP4: tl.constexpr, NUM_OUTLIERS: tl.constexpr,
-                  row_off_s, row_off_o, row_off_v):
-    """One half (lo: dims 0..D/2, hi: dims D/2..D) of BLOCK_N cached vectors, as float32 (N, HALF)."""
-    if IS_FP4:
-        codes = tl.load(base_codes + row_off[:, None] + d[None, :], mask=nmask[:, None], other=0).to(tl.int32)
-        if HI:
-            codes = codes >> 4
-        else:
-            codes = codes & 15
-        # one E4M3 scale per 16 dims, fetched per element (the repeated addresses hit L1) and decoded
-        # by building IEEE bits: normal 2^(e-7) (1 + m/8) is exponent e + 120 and mantissa m << 20
-        grp = d // 16 + HI * (HALF // 16)
-        sb = tl.load(base_scales + row_off_s[:, None] + grp[None, :], mask=nmask[:, None], other=0).to(tl.int32)
-        se = sb >> 3
-        sm = sb & 7
-        scale = tl.where(se == 0, sm.to(tl.float32) * 0.001953125,
-                         (((se + 120) << 23) | (sm << 20)).to(tl.float32, bitcast=True)) * hs
-        x = _e2m1_decode(codes) * scale
-        for s in tl.static_range(NUM_OUTLIERS):
-            idx = tl.load(base_oidx + row_off_o + s, mask=nmask, other=0).to(tl.int32) - HI * HALF
-            val = tl.load(base_oval + row_off_v + s, mask=nmask, other=0.0).to(tl.float32)
-            x += tl.where(d[None, :] == idx[:, None], val[:, None], 0.0)
-        return x
-    else:
-        return tl.load(cache_ptr + row_off[:, None] + HI * HALF + d[None, :], mask=nmask[:, None],
-                       other=0.0).to(tl.float32)
-
-
-@triton.jit
 def _tile_rows(kvh, nq, GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr):
     """A tile's rows: row r is query token r // GROUP of the tile, query head kvh * GROUP + r % GROUP."""
     r = tl.arange(0, BLOCK_M)
@@ -111,19 +69,14 @@ def _paged_attn_kernel(
     q_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     tile_seq_ptr, tile_tok_ptr, tile_nq_ptr, tile_pos_ptr, table_ptr,
     k_ptr, v_ptr,  # bf16/fp16/fp32 caches (num_blocks, block_size, Hkv, D)
-    kc_ptr, ks_ptr, ki_ptr, kv_ptr, vc_ptr, vs_ptr, vi_ptr, vv_ptr, khs_ptr, vhs_ptr,  # FP4 views
     # sizes
     block_size, sm_scale_log2,
     # strides
     sq_t, sq_h, so_t, so_h, s_table,
-    sk_b, sk_s, sk_h,  # dense cache, or FP4 codes view
-    ss_b, ss_s, ss_h,  # FP4 scales view
-    si_b, si_s, si_h,  # FP4 outlier index view
-    sv_b, sv_s, sv_h,  # FP4 outlier value view
+    sk_b, sk_s, sk_h,  # the caches
     # meta
     GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HALF: tl.constexpr, NUM_SPLITS: tl.constexpr, IS_FP4: tl.constexpr, NUM_OUTLIERS: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    HALF: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -151,24 +104,14 @@ def _paged_attn_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc_lo = tl.zeros([BLOCK_M, HALF], tl.float32)
     acc_hi = tl.zeros([BLOCK_M, HALF], tl.float32)
-    khs = 0.0
-    vhs = 0.0
-    if IS_FP4:
-        khs = tl.load(khs_ptr + kvh)
-        vhs = tl.load(vhs_ptr + kvh)
     for n0 in range(start, stop, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < stop
         blk = tl.load(table_ptr + seq * s_table + n // block_size, mask=nmask, other=0).to(tl.int64)
         off = n % block_size
         row_off = blk * sk_b + off * sk_s + kvh * sk_h
-        row_off_s = blk * ss_b + off * ss_s + kvh * ss_h
-        row_off_o = blk * si_b + off * si_s + kvh * si_h
-        row_off_v = blk * sv_b + off * sv_s + kvh * sv_h
-        k_lo = _load_kv_half(kc_ptr, ks_ptr, ki_ptr, kv_ptr, khs, k_ptr, row_off, d, nmask, 0, HALF, IS_FP4,
-                             NUM_OUTLIERS, row_off_s, row_off_o, row_off_v)
-        k_hi = _load_kv_half(kc_ptr, ks_ptr, ki_ptr, kv_ptr, khs, k_ptr, row_off, d, nmask, 1, HALF, IS_FP4,
-                             NUM_OUTLIERS, row_off_s, row_off_o, row_off_v)
+        k_lo = tl.load(k_ptr + row_off[:, None] + d[None, :], mask=nmask[:, None], other=0.0).to(tl.float32)
+        k_hi = tl.load(k_ptr + row_off[:, None] + HALF + d[None, :], mask=nmask[:, None], other=0.0).to(tl.float32)
         if DOT_FP32:
             s = tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee")
             s += tl.dot(q_hi, tl.trans(k_hi), input_precision="ieee")
@@ -182,10 +125,8 @@ def _paged_attn_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_lo = _load_kv_half(vc_ptr, vs_ptr, vi_ptr, vv_ptr, vhs, v_ptr, row_off, d, nmask, 0, HALF, IS_FP4,
-                             NUM_OUTLIERS, row_off_s, row_off_o, row_off_v)
-        v_hi = _load_kv_half(vc_ptr, vs_ptr, vi_ptr, vv_ptr, vhs, v_ptr, row_off, d, nmask, 1, HALF, IS_FP4,
-                             NUM_OUTLIERS, row_off_s, row_off_o, row_off_v)
+        v_lo = tl.load(v_ptr + row_off[:, None] + d[None, :], mask=nmask[:, None], other=0.0).to(tl.float32)
+        v_hi = tl.load(v_ptr + row_off[:, None] + HALF + d[None, :], mask=nmask[:, None], other=0.0).to(tl.float32)
         if DOT_FP32:
             acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo, input_precision="ieee")
             acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi, input_precision="ieee")
@@ -460,13 +401,15 @@ def paged_attention(
     v_cache: torch.Tensor | None = None,
     fp4_k: tuple | None = None,  # (codes, scales, outlier_idx, outlier_val, head_scale) views
     fp4_v: tuple | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,  # keys per inner step: 128 for FP4, 64 for dense (tuned on the H200)
     num_warps: int = 4,
     num_stages: int = 2,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     n_tok, n_heads, d = q.shape
     is_fp4 = fp4_k is not None
+    if block_n is None:
+        block_n = 128 if is_fp4 else 64
     assert d % 32 == 0 and (d & (d - 1)) == 0, f"head_dim must be a power of two >= 32, got {d}"
     assert q.stride(2) == 1, "q must be contiguous in head_dim"
     if is_fp4:
@@ -477,7 +420,6 @@ def paged_attention(
         assert ks.shape[-1] == d // 16 and ki.shape == kv.shape and vc.stride() == kc.stride()
         assert vs.stride() == ks.stride() and vi.stride() == ki.stride() and vv.stride() == kv.stride()
         num_outliers = ki.shape[-1]
-        dense_k = dense_v = kc  # unused
         strides_k = kc.stride()[:3]
         strides_s = ks.stride()[:3]
         strides_o = ki.stride()[:3]
@@ -486,11 +428,7 @@ def paged_attention(
         assert k_cache is not None and v_cache is not None and k_cache.stride() == v_cache.stride()
         assert k_cache.stride(-1) == 1 and k_cache.shape[-1] == d
         n_kv, block_size = k_cache.shape[2], k_cache.shape[1]
-        dense_k, dense_v = k_cache, v_cache
-        kc = ks = ki = kv = vc = vs = vi = vv = khs = vhs = k_cache  # unused
-        num_outliers = 1
         strides_k = k_cache.stride()[:3]
-        strides_s = strides_o = strides_v = (0, 0, 0)
     assert n_heads % n_kv == 0, f"{n_heads} query heads are not a multiple of {n_kv} KV heads"
     group = n_heads // n_kv
     if out is None:
@@ -519,12 +457,12 @@ def paged_attention(
         _paged_attn_kernel[(n_tiles, n_kv, splits)](
             q, out, part_acc, part_ml,
             plan.tile_seq, plan.tile_tok, plan.tile_nq, plan.tile_pos, plan.block_table,
-            dense_k, dense_v, kc, ks, ki, kv, vc, vs, vi, vv, khs, vhs,
+            k_cache, v_cache,
             block_size, scale * LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), plan.block_table.stride(0),
-            *strides_k, *strides_s, *strides_o, *strides_v,
+            *strides_k,
             GROUP=group, TOKENS=plan.tokens_per_tile, BLOCK_M=plan.block_m, BLOCK_N=block_n, HALF=d // 2,
-            NUM_SPLITS=splits, IS_FP4=is_fp4, NUM_OUTLIERS=num_outliers, DOT_FP32=dot_fp32,
+            NUM_SPLITS=splits, DOT_FP32=dot_fp32,
             num_warps=num_warps, num_stages=num_stages,
         )
     if splits > 1:

@@ -107,7 +107,7 @@ def tune(geo: str = "7b", batch: int = 32, ctx: int = 16384) -> tuple[dict, list
     v = torch.randn_like(k)
     layer = FP4PagedLayer(nb, BLOCK_SIZE, hkv, d, "cuda")
     layer.store(k.view(-1, hkv, d), v.view(-1, hkv, d), torch.arange(nb * BLOCK_SIZE, device="cuda"), True)
-    grid = [dict(block_n=n, num_warps=w, num_stages=s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
+    grid = [dict(block_n=n, num_warps=w, num_stages=s) for n in (32, 64, 128, 256) for w in (4, 8) for s in (2, 3)]
     best, log = {}, []
     for fmt in ("bf16", "fp4"):
         for cfg in grid:

@@ -187,7 +187,7 @@ def test_paged_attention_fp4_head_dim_128_non_power_of_two_head_scale():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernel at the 7B geometry: GPU only")
-@pytest.mark.parametrize("block_n,num_warps", [(64, 4), (128, 4), (128, 8)])
+@pytest.mark.parametrize("block_n,num_warps", [(64, 4), (128, 4), (128, 8), (256, 4)])
 def test_paged_attention_fp4_7b_geometry_on_gpu(block_n, num_warps):
     heads, kv_heads, d, bs = 28, 4, 128, 16
     q_lens, ctx_lens = [1] * 5 + [5, 16], [4096, 1, 77, 1000, 2049, 300, 1500]

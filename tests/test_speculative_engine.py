@@ -201,3 +201,29 @@ def test_draft_with_other_image_settings_needs_text_only_mode(qwen2_vl_dir, tmp_
         LLM(str(qwen2_vl_dir), device="cpu", speculative_model=str(other))
     llm = LLM(str(qwen2_vl_dir), device="cpu", speculative_model=str(other), draft_vision="none")
     assert len(llm.generate(reqs()[:1], GREEDY)[0].outputs[0].token_ids) == 24
+
+
+def test_a_probe_drafts_for_one_sequence_only(qwen2_vl_dir, draft_dir, plain):
+    """A probe step (the bypassing policy checking acceptance) drafts for the one decoding
+    sequence whose draft has least to catch up, not for the whole batch: each drafting sequence
+    would first cost the draft a prefill of what it skipped."""
+    llm = LLM(str(qwen2_vl_dir), device="cpu", max_num_batched_tokens=16, speculative_model=str(draft_dir),
+              num_speculative_tokens="auto")
+    pol, spec = llm.speculator.policy, llm.speculator
+
+    def always_probe(seq_ids):
+        pol.probing = bool(seq_ids)
+        return 1 if seq_ids else 0
+
+    pol.choose_step = always_probe
+    sizes, propose = [], spec.propose
+
+    def counting(work):
+        sizes.append(len([w for w in work if w[1] > 0]))
+        return propose(work)
+
+    spec.propose = counting
+    outs = llm.generate(reqs(), GREEDY)
+    assert tokens(outs) == plain
+    assert max(sizes) == 1 and sum(sizes) > 0
+    assert llm.spec_info()["bypassed_steps"] > 0  # the other decoding sequences of each step

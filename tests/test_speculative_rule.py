@@ -113,10 +113,13 @@ def test_a_draft_that_cannot_pay_at_any_acceptance_is_probed_rarely():
         for _ in range(30):
             pol.observe(1, 4, 0)
     assert hopeless.costs_measured and hopeless.cost_ratio > 1 and hopeful.cost_ratio < 1
-    probes = {name: [i for i in range(300) if pol.choose(1)] for name, pol in (("hopeless", hopeless),
-                                                                              ("hopeful", hopeful))}
-    assert probes["hopeless"] == [255]
+    probes = {name: [i for i in range(4000) if pol.choose(1)] for name, pol in (("hopeless", hopeless),
+                                                                               ("hopeful", hopeful))}
+    # hopeless: from 256 steps, doubling without bound (a run's probes cost ~nothing over it)
+    assert probes["hopeless"] == [255, 767, 1791, 3839]
+    # hopeful: from 16, doubling up to 256 (acceptance may recover)
     assert probes["hopeful"][:3] == [15, 47, 111]
+    assert {b - a for a, b in zip(probes["hopeful"][5:], probes["hopeful"][6:])} == {256}
 
 
 def test_adaptive_k_prices_verified_positions_from_measured_steps():

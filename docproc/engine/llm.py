@@ -315,6 +315,7 @@ class LLM:
         catch_up: dict[int, tuple[int, tuple | None]] = {}
         pages: dict[tuple, int] = {}  # sequences this step whose draft would prefill the same page
         explore = None  # while the catch-up cost is unmeasured: the one page this step may prefill
+        probe_only = None  # a probe drafts for one sequence: the one with least to catch up
         if k_step > 0 and not spec.policy.fixed:
             for s in out.scheduled:
                 if s.num_new_tokens == 1 and s.needs_sample:
@@ -322,6 +323,8 @@ class LLM:
                     page = catch_up[s.seq.seq_id][1]
                     if page is not None:
                         pages[page] = pages.get(page, 0) + 1
+            if spec.policy.probing and catch_up:
+                probe_only = min(catch_up, key=lambda sid: catch_up[sid][0])
         for s in out.scheduled:
             seq = s.seq
             if s.num_new_tokens == 1 and s.needs_sample:  # decoding
@@ -329,6 +332,8 @@ class LLM:
                         self.max_model_len - len(seq) - 1, self.scheduler.lookahead)
                 # the window needs target slots; a prompt's last token (not a decode step) may lack them
                 if k > 0 and not self.block_manager.can_append(seq, len(seq) + k):
+                    k = 0
+                if probe_only is not None and seq.seq_id != probe_only:
                     k = 0
                 if k > 0 and seq.seq_id in catch_up:
                     tokens, page = catch_up[seq.seq_id]

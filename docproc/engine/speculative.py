@@ -145,10 +145,12 @@ class AdaptiveK:
     target's extra time per verified position, both from least-squares lines over measured steps
     (c uses `cost_ratio`'s set value until the draft has been timed). When K = 0 wins the engine
     decodes without the draft and re-probes with K = 1 after `probe_every` steps, doubling that
-    interval (up to 16x) while probes keep confirming the bypass. When the measured costs say no K
-    could pay even if every draft were accepted (c + r >= 1: a draft as slow as the target, as
-    two tiny models are on a GPU, where a step's fixed costs dominate), probing waits the longest
-    interval at once: each probe costs the draft a catch-up prefill of everything it skipped.
+    interval (up to 16x) while probes keep confirming the bypass. A probe drafts for one sequence
+    only, the one whose draft has least to catch up. When the measured costs say no K could pay
+    even if every draft were accepted (c + r >= 1: a draft as slow as the target, as two tiny
+    models are on a GPU, where a step's fixed costs dominate), probing starts at the longest
+    interval and keeps doubling it without bound: each probe costs the draft a catch-up prefill of
+    everything it skipped, and can only re-measure costs that already rule it out.
 
     That catch-up is priced too (`worth_catching_up`): before a sequence drafts, the draft must
     compute every token it has not seen (a new page's ~1,300 prompt tokens, or what it skipped
@@ -276,12 +278,17 @@ class AdaptiveK:
         if best > 0:
             self._since_probe, self._probe_interval = 0, self.probe_every
             return best
-        if per_k >= 1.0 and self.costs_measured:  # hopeless at any acceptance
-            self._probe_interval = 16 * self.probe_every
+        hopeless = per_k >= 1.0 and self.costs_measured  # no K pays at any acceptance
+        if hopeless:
+            self._probe_interval = max(self._probe_interval, 16 * self.probe_every)
         self._since_probe += 1
-        if self._since_probe >= self._probe_interval:  # acceptance may have recovered
+        if self._since_probe >= self._probe_interval:  # acceptance (or the costs) may have changed
             self._since_probe = 0
-            self._probe_interval = min(16 * self.probe_every, 2 * self._probe_interval)
+            # while probes confirm the bypass the interval doubles: up to 16x probe_every, and
+            # without bound while the costs alone rule the draft out (a probe there can only
+            # re-measure the costs, so over a run its price must vanish)
+            cap = float("inf") if hopeless else 16 * self.probe_every
+            self._probe_interval = min(cap, 2 * self._probe_interval)
             self.probing = True
             return 1
         return 0
