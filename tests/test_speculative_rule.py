@@ -158,9 +158,14 @@ def test_the_drafts_catch_up_prefill_must_be_repaid_by_the_expected_saving():
     assert not pol.worth_catching_up(1, 4, 1300, 1, generated=20)  # 12 to go: 56 ms < 130 ms
     assert pol.worth_catching_up(1, 4, 1300, 7, generated=20)  # seven queries of the page share it
     assert pol.worth_catching_up(1, 4, 2, 1, generated=31)  # decode-sized catch-ups always go
+    # max_tokens bounds the remainder: 5 tokens left cannot repay the page
+    assert not pol.worth_catching_up(1, 4, 1300, 1, generated=0, left=5)
     for _ in range(30):
         pol.observe_finished(4)  # short answers: the expected remainder shrinks
     assert not pol.worth_catching_up(1, 4, 1300, 1, generated=0)
+    assert not pol.worth_catching_up(1, 4, 1300, 1, generated=0, left=100)
+    # ...unless the sequence cannot stop before max_tokens (EOS ignored, no stop strings)
+    assert pol.worth_catching_up(1, 4, 1300, 1, generated=0, left=100, exact=True)
     pol.probing = True  # a probe's cost is bounded by the probe interval instead
     assert pol.worth_catching_up(1, 4, 1300, 1, generated=0)
     assert AdaptiveK(k_max=4, fixed=True).worth_catching_up(1, 4, 10 ** 6, 1, 0)

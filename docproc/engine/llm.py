@@ -338,7 +338,11 @@ class LLM:
                 if k > 0 and seq.seq_id in catch_up:
                     tokens, page = catch_up[seq.seq_id]
                     share = spec.page_share(page, pages[page]) if page is not None else 1
-                    worth = spec.policy.worth_catching_up(seq.seq_id, k, tokens, share, seq.num_generated_tokens)
+                    sp = seq.sampling
+                    exact = sp.ignore_eos and not sp.stop and not getattr(sp, "stop_token_ids", None)
+                    worth = spec.policy.worth_catching_up(seq.seq_id, k, tokens, share, seq.num_generated_tokens,
+                                                          left=seq.max_tokens - seq.num_generated_tokens,
+                                                          exact=exact)
                     if worth is None:  # unmeasured: one page (its queries together) to measure it
                         explore = explore or page or (seq.seq_id,)
                         worth = explore in (page, (seq.seq_id,))

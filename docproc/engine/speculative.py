@@ -197,12 +197,16 @@ class AdaptiveK:
     def observe_finished(self, num_generated: int) -> None:
         self._generated = 0.9 * self._generated + 0.1 * num_generated
 
-    def worth_catching_up(self, seq_id: int, k: int, tokens: int, share: int, generated: int) -> bool | None:
+    def worth_catching_up(self, seq_id: int, k: int, tokens: int, share: int, generated: int,
+                          left: int | None = None, exact: bool = False) -> bool | None:
         """Whether a sequence should draft k tokens this step when the draft must first compute
         `tokens` tokens it has not seen, a cost shared by `share` sequences (the same page): its
         expected saving over the rest of its output, (remaining tokens) x (its share of a decode
         step) x (1 - 1 / gain), gain = E(a, k) / (1 + k (c + r)), must repay that forward. None
-        while the costs are unmeasured (the engine then lets one page per step go, to measure)."""
+        while the costs are unmeasured (the engine then lets one page per step go, to measure).
+        Remaining tokens: `left` (what max_tokens still allows) when the sequence cannot stop
+        earlier (`exact`: EOS ignored, no stop strings), else the running average of finished
+        requests' lengths less what it has generated, at most `left`."""
         if self.fixed or self.probing or tokens <= 2:
             return True
         if self._target.fit is not None:
@@ -224,7 +228,12 @@ class AdaptiveK:
         gain = expected_tokens(a, k) / (1.0 + k * (c + r))
         if gain <= 1.0:
             return False
-        remaining = max(1.0, self._generated - generated)
+        if exact and left is not None:
+            remaining = max(1.0, float(left))
+        else:
+            remaining = max(1.0, self._generated - generated)
+            if left is not None:
+                remaining = min(remaining, max(1.0, float(left)))
         return remaining * step / self.batch * (1.0 - 1.0 / gain) * max(1, share) >= cost
 
     def observe(self, seq_id: int, k: int, accepted: int) -> None:
