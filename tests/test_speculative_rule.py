@@ -192,3 +192,16 @@ def test_catch_up_pricing_falls_back_on_all_target_steps_before_a_pure_decode_st
         gpu.observe_draft_forward(50, 0.002)
     gpu.batch = 7  # the seven queries of one page decoding: each has a seventh of an 8 ms step
     assert gpu.worth_catching_up(1, 4, 1300, 7, generated=0)
+
+
+def test_a_compiling_first_catch_up_does_not_price_later_ones_out():
+    """Before four catch-ups are timed their cost is proportional to tokens at the cheapest rate
+    seen: a first forward that compiled kernels (seconds) must not make every page look dear."""
+    pol = AdaptiveK(k_max=4, fixed=False, prior=0.8)
+    for n in (1, 2, 3, 4):
+        pol.observe_step(n, 0.010)
+        pol.observe_draft_forward(1, 0.002)
+    pol.observe_draft_prefill(1300, 3.0)  # compiled on the way
+    assert not pol.worth_catching_up(1, 4, 1300, 1, generated=0, left=128, exact=True)
+    pol.observe_draft_prefill(1300, 0.02)  # the same page size, warm: 20 ms
+    assert pol.worth_catching_up(1, 4, 1300, 1, generated=0, left=128, exact=True)

@@ -122,10 +122,11 @@ class _Line:
         return alpha + beta * x
 
     def proportional(self, x: float) -> float | None:
-        """y proportional to x through the points so far (None without any)."""
+        """y proportional to x at the smallest ratio y / x seen so far (None without any points):
+        one-off costs (a kernel compiled, a page faulted in) only ever inflate a time."""
         if not self.points:
             return None
-        return x * self._sy / self._sx
+        return x * min(y / px for px, y in self.points)
 
     def at_or_proportional(self, x: float) -> float | None:
         """at(x), or before four points the proportional estimate."""

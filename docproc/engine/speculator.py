@@ -77,6 +77,7 @@ class Speculator:
         self.policy = AdaptiveK(k_max, fixed=not adaptive)
         self.stats = SpecStats()
         self.draft_seconds = 0.0
+        self._timed_kinds: set[str] = set()  # forward kinds run once already (later ones are timed)
         self.num_catch_up_skips = 0  # sequence-steps not drafted because the catch-up would not pay
         # pages whose tokens the draft has computed (its prefix cache holds them unless evicted):
         # a new query of such a page catches up only its own text
@@ -170,13 +171,17 @@ class Speculator:
                 if self.target_vocab > p.shape[-1]:  # no mass on the ids the draft lacks
                     p = torch.nn.functional.pad(p, (0, self.target_vocab - p.shape[-1]))
             # (both branches waited for the device in .tolist(): the time below is the forward's)
-            # a decode forward (not a catch-up prefill) that captured no CUDA graph
-            if runner.num_graph_captures == captures:
-                if max(c.num_new_tokens for c in chunks) <= 2:
+            # timed unless it captured a CUDA graph or is the draft's first forward of its kind on
+            # this engine (that one may compile kernels: seconds that would price every later
+            # catch-up out)
+            kind = "decode" if max(c.num_new_tokens for c in chunks) <= 2 else "prefill"
+            if runner.num_graph_captures == captures and kind in self._timed_kinds:
+                if kind == "decode":
                     self.policy.observe_draft_forward(len(chunks), time.perf_counter() - t_fwd)
                 else:
                     self.policy.observe_draft_prefill(sum(c.num_new_tokens for c in chunks),
                                                       time.perf_counter() - t_fwd)
+            self._timed_kinds.add(kind)
             for i, ((seq, v), tok) in enumerate(zip(live, tokens)):
                 v.num_computed_tokens = len(v)
                 v.proposals.append(tok)
