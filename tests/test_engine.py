@@ -232,3 +232,28 @@ def test_fused_projections_equal_the_separate_ones(qwen2_vl_dir):
     for layer in ref.runner.model.text.layers:  # the unfused path
         layer.self_attn.qkv_weight = layer.self_attn.qkv_bias = layer.mlp.gate_up_weight = None
     assert ref.generate(prompt, greedy)[0].outputs[0].token_ids == out
+
+
+def test_a_page_shared_by_queries_is_hashed_once_per_call(llm, monkeypatch):
+    """The queries of a page pass the same PIL object: one generate() call converts and hashes it
+    once (a 1000x1400 page costs ~3-6 ms to hash); a later call hashes again, so a page edited in
+    between is seen as new."""
+    from docproc.models import processor
+
+    calls = []
+    real = processor.load_image
+    monkeypatch.setattr(processor, "load_image", lambda obj, h=None: calls.append(h) or real(obj, h))
+    a, b = page(31), page(32)
+    reqs = [{"prompt": IMG + q, "multi_modal_data": {"image": [img]}}
+            for img, q in ((a, "vendor"), (a, "total"), (b, "vendor"), (a, "date"))]
+    sp = SamplingParams(max_tokens=3)
+    first = [o.outputs[0].token_ids for o in llm.generate(reqs, sp)]
+    assert len(calls) == 2
+    a.paste((0, 0, 0), (0, 0, 40, 40))  # the page changes between calls
+    second = llm.generate(reqs[:1] + reqs[2:3], sp)
+    assert len(calls) == 4
+    assert second[0].metrics.num_encoded_images == 1  # new pixels, new hash: encoded afresh
+    assert second[1].metrics.num_encoded_images == 0  # the unchanged page: from the encoder cache
+    fresh = [o.outputs[0].token_ids for o in llm.generate([dict(r, multi_modal_data={"image": [page(31)]})
+                                                           if i in (0, 1, 3) else r for i, r in enumerate(reqs)], sp)]
+    assert fresh == first  # memoised answers equal those of separately loaded images

@@ -144,9 +144,10 @@ class LLM:
 
         results: list[RequestOutput | None] = [None] * len(prompts)
         index: dict[int, int] = {}
+        images: dict = {}  # one conversion and content hash per image object in this call
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             try:
-                seq = self._make_sequence(prompt, sp, str(i))
+                seq = self._make_sequence(prompt, sp, str(i), images)
             except PromptError as e:
                 results[i] = self._error_output(str(i), prompt, [], str(e))
                 continue
@@ -217,7 +218,8 @@ class LLM:
                                       "vision": sp.runner.model.vision_fingerprint}}
 
     # ---- internals -------------------------------------------------------------------------
-    def _make_sequence(self, prompt: PromptType, sp: SamplingParams, request_id: str) -> Sequence:
+    def _make_sequence(self, prompt: PromptType, sp: SamplingParams, request_id: str,
+                       images_memo: dict | None = None) -> Sequence:
         if isinstance(prompt, str):
             text, token_ids, images, uuids = prompt, None, [], None
         elif isinstance(prompt, dict):
@@ -228,7 +230,7 @@ class LLM:
             uuids = (prompt.get("multi_modal_uuids") or {}).get("image")
         else:
             raise PromptError(f"a prompt must be a string or a dict, got {type(prompt).__name__}")
-        ids, spans, loaded = self.processor.process(text, token_ids, list(images), uuids)
+        ids, spans, loaded = self.processor.process(text, token_ids, list(images), uuids, images_memo)
         if len(ids) >= self.max_model_len:
             raise PromptError(
                 f"prompt is {len(ids)} tokens (images expanded) but max_model_len is {self.max_model_len}: "

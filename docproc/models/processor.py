@@ -96,7 +96,11 @@ class Processor:
         return out["pixel_values"], out["image_grid_thw"]
 
     def process(self, prompt: str | None, prompt_token_ids: list[int] | None, images: list,
-                uuids: list[str] | None = None) -> tuple[list[int], list[ImageSpan], list[LoadedImage]]:
+                uuids: list[str] | None = None, memo: dict | None = None,
+                ) -> tuple[list[int], list[ImageSpan], list[LoadedImage]]:
+        """memo: loaded images by (id of the caller's PIL image, uuid), shared by the requests of one
+        generate() call (the queries of a page pass the same object): each is converted and hashed
+        once, not once per request. Only valid while those objects are alive and unchanged."""
         if prompt_token_ids is None:
             if not isinstance(prompt, str):
                 raise PromptError(f"prompt must be a string, got {type(prompt).__name__}")
@@ -110,7 +114,17 @@ class Processor:
             )
         if uuids is not None and len(uuids) != len(images):
             raise PromptError(f"{len(uuids)} multi_modal_uuids for {len(images)} images: give one per image")
-        loaded = [load_image(im, None if uuids is None else uuids[i]) for i, im in enumerate(images)]
+        loaded = []
+        for i, im in enumerate(images):
+            uid = None if uuids is None else uuids[i]
+            key = (id(im), uid) if memo is not None and isinstance(im, Image.Image) else None
+            if key is not None and key in memo:
+                loaded.append(memo[key])
+                continue
+            li = load_image(im, uid)
+            if key is not None:
+                memo[key] = li
+            loaded.append(li)
         out: list[int] = []
         spans: list[ImageSpan] = []
         prev = 0
