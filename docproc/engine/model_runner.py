@@ -271,6 +271,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        n = len(rows)
+        if n and rows[-1] - rows[0] == n - 1 and all(b == a + 1 for a, b in zip(rows, rows[1:])):
+            # a run of rows (every decode step; a verify step of one sequence): a view, with no
+            # index tensor to copy from pageable host memory, which would make the host wait for
+            # the forward before it can queue the LM head and the sampler
+            return self.model.text.compute_logits(hidden[rows[0]: rows[0] + n])
         return self.model.text.compute_logits(hidden[torch.tensor(rows, device=self.device)])
 
     @torch.inference_mode()
