@@ -197,6 +197,7 @@ def _paged_attn_fp4_kernel(
     # meta
     GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HALF: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_OUTLIERS: tl.constexpr, DOT_FP32: tl.constexpr,
+    KEYS_AS_ROWS: tl.constexpr,
 ):
     """The FP4 member of the family (same tiles, splits and partials as _paged_attn_kernel).
     Keys: the group-scaled codes go through the tensor cores with q carrying the head scale; each
@@ -250,8 +251,12 @@ def _paged_attn_fp4_kernel(
             s = tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee")
             s += tl.dot(q_hi, tl.trans(k_hi), input_precision="ieee")
         else:
-            s = tl.dot(q_lo, tl.trans(k_lo.to(tl.bfloat16)))
-            s += tl.dot(q_hi, tl.trans(k_hi.to(tl.bfloat16)))
+            if KEYS_AS_ROWS:  # scores^T = K q^T: the decoded keys are the MMA's row operand as loaded
+                s = tl.trans(tl.dot(k_lo.to(tl.bfloat16), tl.trans(q_lo))
+                             + tl.dot(k_hi.to(tl.bfloat16), tl.trans(q_hi)))
+            else:
+                s = tl.dot(q_lo, tl.trans(k_lo.to(tl.bfloat16)))
+                s += tl.dot(q_hi, tl.trans(k_hi.to(tl.bfloat16)))
         for o in tl.static_range(NUM_OUTLIERS):  # unused slots hold (0, 0.0): they add nothing
             idx = tl.load(ki_ptr + row_o + o, mask=nmask, other=0).to(tl.int32)
             val = tl.load(kv_ptr + row_v + o, mask=nmask, other=0.0).to(tl.float32)
@@ -405,6 +410,7 @@ def paged_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     out: torch.Tensor | None = None,
+    fp4_keys_as_rows: bool = False,  # FP4: scores as K q^T (a tuning variant; see bench_kernels)
 ) -> torch.Tensor:
     n_tok, n_heads, d = q.shape
     is_fp4 = fp4_k is not None
@@ -450,7 +456,7 @@ def paged_attention(
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), plan.block_table.stride(0),
             *strides_k, *strides_s, *strides_o, *strides_v,
             GROUP=group, TOKENS=plan.tokens_per_tile, BLOCK_M=plan.block_m, BLOCK_N=block_n, HALF=d // 2,
-            NUM_SPLITS=splits, NUM_OUTLIERS=num_outliers, DOT_FP32=dot_fp32,
+            NUM_SPLITS=splits, NUM_OUTLIERS=num_outliers, DOT_FP32=dot_fp32, KEYS_AS_ROWS=fp4_keys_as_rows,
             num_warps=num_warps, num_stages=num_stages,
         )
     else:

@@ -110,7 +110,10 @@ def tune(geo: str = "7b", batch: int = 32, ctx: int = 16384) -> tuple[dict, list
     grid = [dict(block_n=n, num_warps=w, num_stages=s) for n in (32, 64, 128, 256) for w in (4, 8) for s in (2, 3)]
     best, log = {}, []
     for fmt in ("bf16", "fp4"):
-        for cfg in grid:
+        # FP4 also tries scores computed as K q^T (decoded keys as the MMA's row operand)
+        variants = grid if fmt == "bf16" else grid + [dict(c, fp4_keys_as_rows=True) for c in grid
+                                                      if c["block_n"] >= 64 and c["num_warps"] == 4]
+        for cfg in variants:
             if fmt == "bf16":
                 fn = lambda: paged_attention(q, plan, d ** -0.5, k_cache=k, v_cache=v, **cfg)  # noqa: E731
             else:

@@ -187,8 +187,9 @@ def test_paged_attention_fp4_head_dim_128_non_power_of_two_head_scale():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernel at the 7B geometry: GPU only")
-@pytest.mark.parametrize("block_n,num_warps", [(64, 4), (128, 4), (128, 8), (256, 4)])
-def test_paged_attention_fp4_7b_geometry_on_gpu(block_n, num_warps):
+@pytest.mark.parametrize("block_n,num_warps,keys_as_rows", [(64, 4, False), (128, 4, False), (128, 8, False),
+                                                             (256, 4, False), (128, 4, True)])
+def test_paged_attention_fp4_7b_geometry_on_gpu(block_n, num_warps, keys_as_rows):
     heads, kv_heads, d, bs = 28, 4, 128, 16
     q_lens, ctx_lens = [1] * 5 + [5, 16], [4096, 1, 77, 1000, 2049, 300, 1500]
     nb = sum(-(-c // bs) for c in ctx_lens) + 3
@@ -198,7 +199,7 @@ def test_paged_attention_fp4_7b_geometry_on_gpu(block_n, num_warps):
     for splits in (1, 8):
         plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=splits)
         out = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
-                              block_n=block_n, num_warps=num_warps)
+                              block_n=block_n, num_warps=num_warps, fp4_keys_as_rows=keys_as_rows)
         err = ((out.float() - ref).abs().amax(-1) / ref.abs().amax(-1)).max()
         assert err < 2e-2, (splits, err)
 
