@@ -122,8 +122,10 @@ class DenseAttention(_Backend):
             return paged_attention(q, meta.plan, self.scale, k_cache=layer[0], v_cache=layer[1])
 
         def gather(blocks):
+            # index_select, not layer[:, idx]: on CPU advanced indexing on the block dim is ~8x slower
+            # (616 vs 80 us for an 82-block context), and the torch path is the CPU's decode path
             idx = torch.tensor(blocks, device=layer.device)
-            kv = layer[:, idx].reshape(2, -1, self.num_kv_heads, self.head_dim)
+            kv = layer.index_select(1, idx).reshape(2, -1, self.num_kv_heads, self.head_dim)
             return kv[0], kv[1]
 
         return paged_attention_ref(q, gather, meta.query_start, meta.context_lens, meta.block_tables,
