@@ -72,6 +72,26 @@ def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
     return torch.where(neg == 1, -mag, mag)
 
 
+_LUTS: dict = {}
+
+
+def dequantize_lut(t: "FP4Tensor", head_scale: torch.Tensor | float = DEFAULT_HEAD_SCALE) -> torch.Tensor:
+    """dequantize_ref by table lookup (the tables are dequantize_ref's own decodes of all 16 codes
+    and all 256 scale bytes, so the result is bit-identical): the CPU decode path, which
+    dequantizes a sequence's whole context every step."""
+    dev = t.codes.device
+    if dev not in _LUTS:
+        _LUTS[dev] = (e2m1_decode(torch.arange(16, device=dev)).float(), e4m3_decode(torch.arange(256, device=dev)).float())
+    e2m1, e4m3 = _LUTS[dev]
+    lead = t.codes.shape[:-1]
+    d = 2 * t.codes.shape[-1]
+    hs = torch.as_tensor(head_scale, dtype=torch.float32, device=dev).expand(lead)
+    c = t.codes.long()
+    vals = e2m1[torch.cat([c & 15, c >> 4], dim=-1)].view(*lead, d // GROUP, GROUP)
+    x = (vals * (e4m3[t.scales.long()] * hs.unsqueeze(-1)).unsqueeze(-1)).view(*lead, d)
+    return x.scatter_add(-1, t.outlier_idx.long(), t.outlier_val.float())
+
+
 @dataclass
 class FP4Tensor:
     codes: torch.Tensor  # (..., D/2) uint8, half-split packed
@@ -319,8 +339,8 @@ class FP4PagedLayer:
         out = []
         for which, i in (("k", 0), ("v", 1)):
             t = getattr(self, which)
-            q = FP4Tensor(t["codes"][idx], t["scales"][idx], t["oidx"][idx], t["oval"][idx])
-            x = dequantize_ref(q, self.head_scale[i])  # (n, bs, Hkv, D)
+            q = FP4Tensor(*(t[name].index_select(0, idx) for name in ("codes", "scales", "oidx", "oval")))
+            x = dequantize_lut(q, self.head_scale[i])  # (n, bs, Hkv, D)
             out.append(x.reshape(-1, self.num_kv_heads, self.head_dim))
         return out[0], out[1]
 

@@ -6,8 +6,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from kernels import fp4  # noqa: E402
-from kernels.fp4 import (FP4PagedLayer, bytes_per_token_head, dequantize_ref, e2m1_decode, e2m1_encode,  # noqa: E402
-                         e4m3_decode, e4m3_encode, quantize_ref)
+from kernels.fp4 import (FP4PagedLayer, FP4Tensor, bytes_per_token_head, dequantize_lut,  # noqa: E402
+                         dequantize_ref, e2m1_decode, e2m1_encode, e4m3_decode, e4m3_encode, quantize_ref)
 from kernels.paged_attention import paged_attention, paged_attention_ref, plan_tiles  # noqa: E402
 
 # compiled kernels on a GPU, the interpreter on CPU
@@ -230,3 +230,18 @@ def test_paged_reference_agrees_with_contiguous_attention():
         q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1), v.repeat_interleave(2, 1).transpose(0, 1),
         is_causal=True).transpose(0, 1)
     assert torch.allclose(paged, dense, atol=1e-5)
+
+
+def test_table_dequantize_is_bit_identical_to_the_reference():
+    """The CPU decode path dequantizes by table lookup; every code, scale byte and outlier slot
+    must give exactly the reference's floats."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(64, 3, 128, generator=g) * 5
+    x[:, :, 7] += 40.0
+    for hs in (fp4.DEFAULT_HEAD_SCALE, 0.07, torch.tensor([0.5, 0.01, 3.0]).expand(64, 3)):
+        q = quantize_ref(x, hs)
+        assert torch.equal(dequantize_lut(q, hs), dequantize_ref(q, hs))
+    every = FP4Tensor(torch.arange(256, dtype=torch.uint8).view(4, 64).repeat(1, 1),
+                      torch.arange(32, dtype=torch.uint8).view(4, 8) * 4 % 127,
+                      torch.zeros(4, 2, dtype=torch.uint8), torch.zeros(4, 2, dtype=torch.float16))
+    assert torch.equal(dequantize_lut(every, 1.0), dequantize_ref(every, 1.0))
