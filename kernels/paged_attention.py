@@ -69,6 +69,48 @@ def _tile_rows(kvh, nq, GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.c
 
 
 @triton.jit
+def _key_range(pos0, nq, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """This split's keys [start, stop): keys 0..pos0 + nq - 1 are visible to some row of the tile."""
+    kend = pos0 + nq
+    chunk = tl.cdiv(tl.cdiv(kend, BLOCK_N), NUM_SPLITS) * BLOCK_N
+    start = split * chunk
+    return start, tl.minimum(start + chunk, kend)
+
+
+@triton.jit
+def _softmax_step(s, visible, m_i, l_i):
+    """Online softmax over one key block (base 2): the block's weights p, the rescale of what came
+    before (alpha), the new running max and sum."""
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _store_tile(out_ptr, part_acc_ptr, part_ml_ptr, acc_lo, acc_hi, m_i, l_i, tile, kvh, split, tok0, t, head, r,
+                row_ok, d, so_t, so_h, BLOCK_M: tl.constexpr, HALF: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """The tile's output (one split), or its partials for the merge kernel: acc (tile, kvh, split,
+    BLOCK_M, 2*HALF), m and l (tile, kvh, split, 2, BLOCK_M)."""
+    if NUM_SPLITS == 1:
+        inv = tl.where(l_i > 0, 1.0 / tl.maximum(l_i, 1e-30), 0.0)
+        o_off = (tok0 + t) * so_t + head * so_h
+        tl.store(out_ptr + o_off[:, None] + d[None, :], (acc_lo * inv[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+        tl.store(out_ptr + o_off[:, None] + HALF + d[None, :], (acc_hi * inv[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+    else:
+        base = (tile * tl.num_programs(1) + kvh) * NUM_SPLITS + split
+        a_off = base * BLOCK_M * 2 * HALF + r[:, None] * 2 * HALF + d[None, :]
+        tl.store(part_acc_ptr + a_off, acc_lo)
+        tl.store(part_acc_ptr + a_off + HALF, acc_hi)
+        tl.store(part_ml_ptr + base * 2 * BLOCK_M + r, m_i)
+        tl.store(part_ml_ptr + base * 2 * BLOCK_M + BLOCK_M + r, l_i)
+
+
+@triton.jit
 def _paged_attn_kernel(
     # pointers
     q_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
@@ -100,10 +142,7 @@ def _paged_attn_kernel(
     q_lo = q_lo * sm_scale_log2
     q_hi = q_hi * sm_scale_log2
 
-    kend = pos0 + nq  # keys 0..kend-1 are visible to some row of this tile
-    chunk = tl.cdiv(tl.cdiv(kend, BLOCK_N), NUM_SPLITS) * BLOCK_N
-    start = split * chunk
-    stop = tl.minimum(start + chunk, kend)
+    start, stop = _key_range(pos0, nq, split, BLOCK_N, NUM_SPLITS)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -124,12 +163,7 @@ def _paged_attn_kernel(
             s = tl.dot(q_lo.to(tl.bfloat16), tl.trans(k_lo.to(tl.bfloat16)))
             s += tl.dot(q_hi.to(tl.bfloat16), tl.trans(k_hi.to(tl.bfloat16)))
         visible = (n[None, :] <= pos[:, None]) & nmask[None, :] & row_ok[:, None]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = _softmax_step(s, visible, m_i, l_i)
         v_lo = tl.load(v_ptr + row_off[:, None] + d[None, :], mask=nmask[:, None], other=0.0).to(tl.float32)
         v_hi = tl.load(v_ptr + row_off[:, None] + HALF + d[None, :], mask=nmask[:, None], other=0.0).to(tl.float32)
         if DOT_FP32:
@@ -140,21 +174,8 @@ def _paged_attn_kernel(
             acc_hi = acc_hi * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v_hi.to(tl.bfloat16))
         m_i = m_new
 
-    if NUM_SPLITS == 1:
-        inv = tl.where(l_i > 0, 1.0 / tl.maximum(l_i, 1e-30), 0.0)
-        o_off = (tok0 + t) * so_t + head * so_h
-        tl.store(out_ptr + o_off[:, None] + d[None, :], (acc_lo * inv[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None])
-        tl.store(out_ptr + o_off[:, None] + HALF + d[None, :], (acc_hi * inv[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None])
-    else:
-        # partials: acc (tile, kvh, split, BLOCK_M, 2*HALF), m and l (tile, kvh, split, 2, BLOCK_M)
-        base = (tile * tl.num_programs(1) + kvh) * NUM_SPLITS + split
-        a_off = base * BLOCK_M * 2 * HALF + r[:, None] * 2 * HALF + d[None, :]
-        tl.store(part_acc_ptr + a_off, acc_lo)
-        tl.store(part_acc_ptr + a_off + HALF, acc_hi)
-        tl.store(part_ml_ptr + base * 2 * BLOCK_M + r, m_i)
-        tl.store(part_ml_ptr + base * 2 * BLOCK_M + BLOCK_M + r, l_i)
+    _store_tile(out_ptr, part_acc_ptr, part_ml_ptr, acc_lo, acc_hi, m_i, l_i, tile, kvh, split, tok0, t, head, r,
+                row_ok, d, so_t, so_h, BLOCK_M, HALF, NUM_SPLITS)
 
 
 @triton.jit
@@ -233,10 +254,7 @@ def _paged_attn_fp4_kernel(
     v_unit = vhs * 256.0
     inv_v_unit = 1.0 / v_unit
 
-    kend = pos0 + nq
-    chunk = tl.cdiv(tl.cdiv(kend, BLOCK_N), NUM_SPLITS) * BLOCK_N
-    start = split * chunk
-    stop = tl.minimum(start + chunk, kend)
+    start, stop = _key_range(pos0, nq, split, BLOCK_N, NUM_SPLITS)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -269,12 +287,7 @@ def _paged_attn_fp4_kernel(
                          other=0.0).to(tl.float32)
             s += qg * (val * sm_scale_log2)[None, :]
         visible = (n[None, :] <= pos[:, None]) & nmask[None, :] & row_ok[:, None]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = _softmax_step(s, visible, m_i, l_i)
         v_lo, v_hi = _fp4_tile(vc_ptr, vs_ptr, row_c, row_s, nmask, GH, BLOCK_N)
         for o in tl.static_range(NUM_OUTLIERS):  # the outlier's own code is 0: replace it
             idx = tl.load(vi_ptr + row_o + o, mask=nmask, other=0).to(tl.int32)
@@ -292,20 +305,8 @@ def _paged_attn_fp4_kernel(
     acc_lo = acc_lo * v_unit
     acc_hi = acc_hi * v_unit
 
-    if NUM_SPLITS == 1:
-        inv = tl.where(l_i > 0, 1.0 / tl.maximum(l_i, 1e-30), 0.0)
-        o_off = (tok0 + t) * so_t + head * so_h
-        tl.store(out_ptr + o_off[:, None] + d[None, :], (acc_lo * inv[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None])
-        tl.store(out_ptr + o_off[:, None] + HALF + d[None, :], (acc_hi * inv[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None])
-    else:
-        base = (tile * tl.num_programs(1) + kvh) * NUM_SPLITS + split
-        a_off = base * BLOCK_M * 2 * HALF + r[:, None] * 2 * HALF + d[None, :]
-        tl.store(part_acc_ptr + a_off, acc_lo)
-        tl.store(part_acc_ptr + a_off + HALF, acc_hi)
-        tl.store(part_ml_ptr + base * 2 * BLOCK_M + r, m_i)
-        tl.store(part_ml_ptr + base * 2 * BLOCK_M + BLOCK_M + r, l_i)
+    _store_tile(out_ptr, part_acc_ptr, part_ml_ptr, acc_lo, acc_hi, m_i, l_i, tile, kvh, split, tok0, t, head, r,
+                row_ok, d, so_t, so_h, BLOCK_M, HALF, NUM_SPLITS)
 
 
 @triton.jit

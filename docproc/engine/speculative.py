@@ -85,7 +85,8 @@ def accept_sampled(p: torch.Tensor, q: torch.Tensor, draft_tokens: list[int],
 
 class _Line:
     """Least-squares line y = alpha + beta * x over the last `n` points (a flat line at the mean
-    while every x is the same). Running sums: O(1) per point on the engine's step path."""
+    while every x is the same). Running sums: O(1) per point on the engine's step path (the
+    proportional estimate scans the at most `n` points)."""
 
     def __init__(self, n: int = 64) -> None:
         self.n = n
