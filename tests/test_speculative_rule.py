@@ -101,6 +101,33 @@ def test_adaptive_k_is_one_choice_per_step_priced_by_measured_forwards():
     assert cheap.choose_step([99]) == 0  # a new sequence starts from the low running average
 
 
+def test_the_step_choice_fast_path_agrees_with_scoring_every_k():
+    """choose_step skips scoring every K for every sequence when the cost per draft position is at
+    least the highest acceptance (then no K pays for anyone): its choice must be the full one."""
+    import random
+
+    from docproc.engine.speculative import best_step_k
+
+    rng = random.Random(5)
+    for trial in range(300):
+        pol = AdaptiveK(k_max=8, fixed=False, prior=rng.uniform(0.1, 0.95), probe_every=10 ** 9)
+        pol.batch = rng.randint(1, 16)
+        draft_s = rng.uniform(0.001, 0.012)
+        for n in (1, 2, 3, 4):
+            pol.observe_step(n * pol.batch, 0.010 + rng.uniform(0, 0.002) * n)
+            pol.observe_draft_forward(pol.batch, draft_s)
+        ids = list(range(pol.batch))
+        for s in ids:
+            for _ in range(rng.randint(0, 5)):
+                k = rng.randint(1, 8)
+                pol.observe(s, k, rng.randint(0, k))
+        if trial % 3 == 0:
+            pol.forget(ids[0])
+        per_k = pol.cost_ratio + pol.verify_cost
+        full = best_step_k([pol._acc.get(s, pol._global) for s in ids], per_k, 8)
+        assert pol.choose_step(ids) == full, (trial, per_k)
+
+
 def test_a_draft_that_cannot_pay_at_any_acceptance_is_probed_rarely():
     """c + r >= 1 (measured): even all-accepted drafts cannot beat plain decoding, so the policy
     goes straight to the longest probe interval (each probe costs the draft a catch-up prefill);
@@ -120,6 +147,34 @@ def test_a_draft_that_cannot_pay_at_any_acceptance_is_probed_rarely():
     # hopeful: from 16, doubling up to 256 (acceptance may recover)
     assert probes["hopeful"][:3] == [15, 47, 111]
     assert {b - a for a, b in zip(probes["hopeful"][5:], probes["hopeful"][6:])} == {256}
+
+
+def test_probes_are_spaced_so_that_they_cost_at_most_one_percent_of_the_bypassed_steps():
+    """A probe step's measured time over a plain step's (the draft's catch-up, its forward, the
+    wider verify) sets the least interval between probes: at 10 ms a step, a probe 20 ms dearer
+    comes at most once in 200 steps (the budget is 1%). The median of the last five probes is
+    used, so one slow probe (a page faulted in) weighs little."""
+    def run(extra_of_probe):
+        pol = AdaptiveK(k_max=4, fixed=False, prior=0.7, probe_every=16)
+        for n in (1, 2, 3, 4):
+            pol.observe_step(n, 0.010)
+            pol.observe_draft_forward(1, 0.004)  # c = 0.4: the draft could pay at a good acceptance
+        for _ in range(30):
+            pol.observe(1, 4, 0)  # but nothing is accepted: bypassed, probing
+        probes = []
+        for i in range(2000):
+            if pol.choose(1):
+                probes.append(i)
+                pol.observe(1, 1, 0)  # the probe confirms the collapse
+                pol.observe_probe(0.010 + extra_of_probe(len(probes)))
+        return [b - a for a, b in zip(probes, probes[1:])], probes[0]
+
+    gaps, first = run(lambda n: 0.020 if n != 3 else 2.0)
+    assert first == 15  # unmeasured: the usual first interval
+    # 32, 64 and 128 would be due, the 1% budget asks 200; then the doubling's cap, 256
+    assert gaps[:6] == [200, 200, 200, 256, 256, 256]
+    gaps, _ = run(lambda n: 0.001)  # cheap probes: the doubling from 16 alone
+    assert gaps[:5] == [32, 64, 128, 256, 256]
 
 
 def test_adaptive_k_prices_verified_positions_from_measured_steps():

@@ -257,28 +257,38 @@ class LLM:
             if self.scheduler.has_unfinished and not self.scheduler.running and not out.failed:
                 raise RuntimeError("scheduler made no progress with nothing running: the KV pool is too small")
             return finished
-        k_step = 0
-        if self.speculator is not None:
-            spec = self.speculator
-            decoding = [s.seq.seq_id for s in out.scheduled if s.num_new_tokens == 1 and s.needs_sample]
+        spec = self.speculator
+        if spec is not None:
+            dec_seqs = out.decoding
+            decoding = [seq.seq_id for seq in dec_seqs]
             spec.policy.batch = max(1, len(decoding))
             k_step = spec.policy.choose_step(decoding)  # one K for the step: its draft forwards are shared
             if k_step > 0:
-                return finished + self._spec_step(out, decoding, k_step)
-            # bypassed: the plain step itself (no per-step speculation bookkeeping on the host)
+                if not spec.policy.probing:
+                    return finished + self._spec_step(out, decoding, k_step)
+                # a probe's cost sets how often probes may come; not timed when it captured a CUDA
+                # graph or ran a draft forward of a new kind (one-off costs)
+                before = (self.runner.num_graph_captures, spec.runner.num_graph_captures, len(spec._timed_kinds))
+                t0 = time.perf_counter()
+                done = self._spec_step(out, decoding, k_step)
+                if before == (self.runner.num_graph_captures, spec.runner.num_graph_captures,
+                              len(spec._timed_kinds)):
+                    spec.policy.observe_probe(time.perf_counter() - t0)
+                return finished + done
+            # bypassed: the plain step itself, with as little speculation bookkeeping on the host as
+            # can be (a small model's decode step is ~0.3 ms of host time on a GPU)
             spec.stats.bypassed_steps += len(decoding)
-            for s in out.scheduled:
-                if s.num_new_tokens == 1 and s.needs_sample:
-                    s.seq.spec_stats.bypassed_steps += 1
+            for seq in dec_seqs:
+                seq.spec_stats.bypassed_steps += 1
             captures = self.runner.num_graph_captures
         ends = [(s.seq, s.end) for s in out.scheduled]
         result = self.runner.execute(out)
-        if self.speculator is not None and self.runner.num_graph_captures == captures:
+        if spec is not None and self.runner.num_graph_captures == captures:
             # decode/verify steps only feed the target's line (prefill chunks would skew it), and
             # none that captured a graph
-            self.speculator.policy.observe_any_step(result.num_tokens, result.seconds)
+            spec.policy.observe_any_step(result.num_tokens, result.seconds)
             if len(decoding) == len(out.scheduled):
-                self.speculator.policy.observe_step(result.num_tokens, result.seconds)
+                spec.policy.observe_step(result.num_tokens, result.seconds)
         self.num_steps += 1
         self.num_step_tokens += result.num_tokens
         self.step_seconds += result.seconds

@@ -40,6 +40,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     failed: list[tuple[Sequence, str]] = field(default_factory=list)  # can never run: why
+    # the scheduled sequences that compute one token, their last, and sample the next: decode
+    # steps (and a prompt whose cached prefix left one token), the rows a draft may propose for
+    decoding: list[Sequence] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -104,6 +107,7 @@ class Scheduler:
                 continue
             bm.append_slots(seq, len(seq) + self.lookahead)
             out.scheduled.append(ScheduledSeq(seq, 1))
+            out.decoding.append(seq)
             bm.commit(seq, len(seq))
             budget -= 1
 
@@ -136,8 +140,11 @@ class Scheduler:
             bm.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            n = min(seq.num_uncomputed_tokens, budget)
+            left = seq.num_uncomputed_tokens
+            n = min(left, budget)
             out.scheduled.append(ScheduledSeq(seq, n))
+            if left == 1:
+                out.decoding.append(seq)
             budget -= n
             bm.commit(seq, seq.num_computed_tokens + n)  # later admissions this step may hit these
         self.max_running = max(self.max_running, len(self.running))

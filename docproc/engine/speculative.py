@@ -93,6 +93,7 @@ class _Line:
         self.points: deque[tuple[float, float]] = deque()
         self._sx = self._sy = self._sxx = self._sxy = 0.0
         self.fit: tuple[float, float] | None = None
+        self.version = 0  # points added so far (a cache of what the line gives is keyed on it)
 
     def _update(self, x: float, y: float, sign: float) -> None:
         self._sx += sign * x
@@ -104,6 +105,7 @@ class _Line:
         if x <= 0 or y <= 0:
             return
         self.points.append((x, y))
+        self.version += 1
         self._update(x, y, 1.0)
         if len(self.points) > self.n:
             self._update(*self.points.popleft(), -1.0)
@@ -147,8 +149,9 @@ class AdaptiveK:
     target's extra time per verified position, both from least-squares lines over measured steps
     (c uses `cost_ratio`'s set value until the draft has been timed). When K = 0 wins the engine
     decodes without the draft and re-probes with K = 1 after `probe_every` steps, doubling that
-    interval (up to 16x) while probes keep confirming the bypass. A probe drafts for one sequence
-    only, the one whose draft has least to catch up. When the measured costs say no K could pay
+    interval (up to 16x) while probes keep confirming the bypass, and never sooner than the
+    measured cost of a probe allows (`observe_probe`: probing costs at most 1% of the bypassed
+    decode time). A probe drafts for one sequence only, the one whose draft has least to catch up. When the measured costs say no K could pay
     even if every draft were accepted (c + r >= 1: a draft as slow as the target, as two tiny
     models are on a GPU, where a step's fixed costs dominate), probing starts at the longest
     interval and keeps doubling it without bound: each probe costs the draft a catch-up prefill of
@@ -177,10 +180,31 @@ class AdaptiveK:
         self._draft_prefill = _Line()  # draft catch-up forward seconds vs tokens in it
         self._generated = 32.0  # tokens a request generates (moving average; a prior until one finishes)
         self.probing = False  # this step's K is a probe (its cost is bounded by the probe interval)
+        # the highest acceptance any sequence may be scored with (None: to recompute), for
+        # choose_step's fast path: on a GPU with small models a decode step is ~0.3 ms of host
+        # time, and scoring every K for every sequence each step cost ~5% of it
+        self._a_hi: float | None = None
+        self._per_k_key: tuple | None = None  # what _per_k was computed from
+        self._per_k = 0.0
+        self._measured = False
+        self._bypassing = False  # the last choice was K = 0 (not a probe)
+        self._skipped = 0  # target steps not fed to its line while bypassing (one in 8 is)
+        # probes are priced too: a probe step's measured time over a plain step's (the draft's
+        # catch-up of what it skipped, its forward, the wider verify) is spread over at least
+        # enough bypassed steps that probing costs at most `probe_budget` of the decode time
+        self.probe_budget = 0.01
+        self._probe_extra: deque[float] = deque(maxlen=5)  # the last probes' extra seconds
+        self._probe_floor = 0.0  # bypassed steps between probes that keep them within budget
 
     # ---- measurements ----------------------------------------------------------------------------
     def observe_step(self, tokens: int, seconds: float) -> None:
-        """A target forward's size and time."""
+        """A target forward's size and time. While the draft is bypassed only one step in 8 is
+        kept: the steps are all alike then, and each kept point costs the host ~2 us of a step
+        that can be ~0.3 ms in all."""
+        if self._bypassing:
+            self._skipped = (self._skipped + 1) & 7
+            if self._skipped:
+                return
         self._target.add(tokens, seconds)
 
     def observe_draft_forward(self, seqs: int, seconds: float) -> None:
@@ -189,12 +213,25 @@ class AdaptiveK:
 
     def observe_any_step(self, tokens: int, seconds: float) -> None:
         """Any target forward (prefill chunks too): the fallback for pricing a catch-up while no
-        pure decode step has been timed (a pipeline run mixes prefill into its steps for long)."""
-        self._any_step.add(tokens, seconds)
+        pure decode step has been timed (a pipeline run mixes prefill into its steps for long);
+        unused, so not kept, once decode steps are."""
+        if self._target.fit is None:
+            self._any_step.add(tokens, seconds)
 
     def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
         """A draft forward that caught up (more than two tokens for some sequence)."""
         self._draft_prefill.add(tokens, seconds)
+
+    def observe_probe(self, seconds: float) -> None:
+        """A probe step's wall time (draft and target): sets the least probe interval that keeps
+        probing within `probe_budget` of the bypassed steps' time (from the median of the last
+        five probes: a one-off, such as a kernel compiled on the first, weighs little)."""
+        step = self._target.at(self.batch)
+        if not step:
+            return
+        self._probe_extra.append(max(0.0, seconds - step))
+        extra = sorted(self._probe_extra)[len(self._probe_extra) // 2]
+        self._probe_floor = extra / (self.probe_budget * step)
 
     def observe_finished(self, num_generated: int) -> None:
         self._generated = 0.9 * self._generated + 0.1 * num_generated
@@ -244,9 +281,20 @@ class AdaptiveK:
         rate = accepted / k
         self._acc[seq_id] = self.decay * self._acc.get(seq_id, self._global) + (1 - self.decay) * rate
         self._global = 0.95 * self._global + 0.05 * rate
+        self._a_hi = None
 
     def forget(self, seq_id: int) -> None:
-        self._acc.pop(seq_id, None)
+        if self._acc.pop(seq_id, None) is not None:
+            self._a_hi = None
+
+    def _bypass_bound(self) -> float:
+        """The highest acceptance a sequence is scored with. A step whose cost per draft position
+        (c + r) is at least that is bypassed: a sequence with acceptance a gains from k drafts
+        only if E(a, k) - 1 = a + a^2 + ... + a^k > k (c + r), and that mean of a, ..., a^k is
+        largest at k = 1, where it is a."""
+        if self._a_hi is None:
+            self._a_hi = max(self._global, max(self._acc.values(), default=0.0))
+        return self._a_hi
 
     # ---- costs -----------------------------------------------------------------------------------
     @property
@@ -278,22 +326,35 @@ class AdaptiveK:
     # ---- the choice ------------------------------------------------------------------------------
     def choose_step(self, seq_ids: list[int]) -> int:
         """K for this step's decoding sequences (0: decode without the draft)."""
-        self.probing = False
+        self.probing = self._bypassing = False
         if self.fixed:
             return self.k_max
         if not seq_ids:
             return 0
-        accs = [self._acc.get(s, self._global) for s in seq_ids]
-        per_k = self.cost_ratio + self.verify_cost
-        best = best_step_k(accs, per_k, self.k_max)
+        b = self.batch
+        key = (self._target.version, self._draft.version, b, self._c_prior)
+        if key != self._per_k_key:  # c + r, recomputed only when a line or the batch changed
+            draft, step = self._draft.at(b), self._target.at(b)
+            self._measured = draft is not None and bool(step)  # c from timed forwards, not the prior
+            if not self._measured:
+                self._per_k = self._c_prior + (self._target.fit[1] * b / step if step else 0.0)
+            else:
+                self._per_k = (draft + self._target.fit[1] * b) / step
+            self._per_k_key = key
+        per_k = self._per_k
+        if per_k >= self._bypass_bound():  # no sequence's K pays (sum_i E(a_i, k) <= n (1 + k per_k))
+            best = 0
+        else:
+            best = best_step_k([self._acc.get(s, self._global) for s in seq_ids], per_k, self.k_max)
         if best > 0:
             self._since_probe, self._probe_interval = 0, self.probe_every
             return best
-        hopeless = per_k >= 1.0 and self.costs_measured  # no K pays at any acceptance
+        hopeless = per_k >= 1.0 and self._measured  # no K pays at any acceptance
         if hopeless:
             self._probe_interval = max(self._probe_interval, 16 * self.probe_every)
         self._since_probe += 1
-        if self._since_probe >= self._probe_interval:  # acceptance (or the costs) may have changed
+        if self._since_probe >= self._probe_interval and self._since_probe >= self._probe_floor:
+            # acceptance (or the costs) may have changed
             self._since_probe = 0
             # while probes confirm the bypass the interval doubles: up to 16x probe_every, and
             # without bound while the costs alone rule the draft out (a probe there can only
@@ -302,6 +363,7 @@ class AdaptiveK:
             self._probe_interval = min(cap, 2 * self._probe_interval)
             self.probing = True
             return 1
+        self._bypassing = True
         return 0
 
     def choose(self, seq_id: int) -> int:
