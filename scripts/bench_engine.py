@@ -33,6 +33,7 @@ import argparse
 import gc
 import json
 import random
+import statistics
 import sys
 import time
 import traceback
@@ -341,53 +342,70 @@ class ControlledAcceptance:
         self.mod.accept_greedy = self.real
 
 
+def timed(llm: LLM, reqs: list, sp: SamplingParams, device: str) -> tuple[float, list]:
+    sync(device)
+    t0 = time.perf_counter()
+    outs = llm.generate(reqs, sp)
+    sync(device)
+    return time.perf_counter() - t0, outs
+
+
+def paired(plain_s: list[float], spec_s: list[float]) -> dict:
+    """Speedup figures from alternated passes: the best of each (as before the seventh session),
+    and the median and range of the per-repeat ratios (each pair ran back to back, so a slow
+    stretch of the machine hits both sides of a ratio)."""
+    ratios = sorted(p / q for p, q in zip(plain_s, spec_s))
+    return {"speedup": round(min(plain_s) / min(spec_s), 3),
+            "speedup_paired_median": round(statistics.median(ratios), 3),
+            "speedup_paired_range": [round(ratios[0], 3), round(ratios[-1], 3)]}
+
+
 def part_c(folder: Path, draft: Path, args, env: dict) -> dict:
-    """Speculation with controlled acceptance: one plain engine for the baselines, then one
-    speculative engine per K for every batch size and a."""
+    """Speculation with controlled acceptance. The plain engine stays loaded beside each
+    speculative engine (one per K) and the two alternate, pass by pass, for every batch size and
+    a: the device's slow and fast stretches (several % between calls) then hit both sides of each
+    ratio. Both engines get the same KV budget (--spec-kv-bytes), both are warmed on each batch
+    (graphs captured, prompts cached) before any pass is timed."""
     n = args.spec_new_tokens
-    res: dict = {"new_tokens": n, "baselines": {}, "runs": []}
+    res: dict = {"new_tokens": n, "repeats": args.spec_repeats, "baselines": {}, "runs": []}
     sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     warm = [request(5, QUESTIONS[0], args)]
     batches = {b: [request(2000 + i, QUESTIONS[i % len(QUESTIONS)], args) for i in range(b)] for b in args.spec_batches}
-    plain = ours(folder, args)
+    plain = ours(folder, args, kv_cache_memory_bytes=args.spec_kv_bytes)
     plain.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True))
-    base = {}
-    for b, reqs in batches.items():
-        plain.generate(reqs, SamplingParams(max_tokens=2, ignore_eos=True))  # the prompts into the prefix cache
-        times = []
-        for _ in range(args.spec_repeats):  # the best of n: the first may capture CUDA graphs
-            sync(args.device)
-            t0 = time.perf_counter()
-            plain.generate(reqs, sp)
-            sync(args.device)
-            times.append(time.perf_counter() - t0)
-        base[b] = min(times)
-        res["baselines"][str(b)] = {"seconds": round(base[b], 3), "tokens_per_s": round(b * n / base[b], 1)}
-    del plain
-    free()
+    base_all: dict[int, list[float]] = {b: [] for b in batches}
+    for reqs in batches.values():
+        plain.generate(reqs, sp)  # prompts cached, graphs of every batch size captured
     for k in args.spec_k:
-        llm = ours(folder, args, speculative_model=str(draft), num_speculative_tokens=k)
+        llm = ours(folder, args, speculative_model=str(draft), num_speculative_tokens=k,
+                   kv_cache_memory_bytes=args.spec_kv_bytes)
         llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True))
         for b, reqs in batches.items():
-            llm.generate(reqs, SamplingParams(max_tokens=2, ignore_eos=True))  # prompts cached, as for the baseline
+            llm.generate(reqs, SamplingParams(max_tokens=2, ignore_eos=True))  # prompts cached, as for plain
             for a in args.accept:
-                dt = float("inf")
-                for _ in range(args.spec_repeats):  # the same acceptance pattern each time; the best
-                    ctl = ControlledAcceptance(a, seed=int(a * 1000) + (k if isinstance(k, int) else 0))
+                seed = int(a * 1000) + (k if isinstance(k, int) else 0)
+                ctl = ControlledAcceptance(a, seed=seed)
+                try:
+                    llm.generate(reqs, sp)  # untimed: this (b, a)'s verify graphs captured
+                finally:
+                    ctl.close()
+                plain_s, spec_s = [], []
+                for _ in range(args.spec_repeats):  # the same acceptance pattern each time
+                    plain_s.append(timed(plain, reqs, sp, args.device)[0])
+                    ctl = ControlledAcceptance(a, seed=seed)
                     try:
-                        sync(args.device)
-                        t0 = time.perf_counter()
-                        outs = llm.generate(reqs, sp)
-                        sync(args.device)
-                        dt = min(dt, time.perf_counter() - t0)
+                        dt, outs = timed(llm, reqs, sp, args.device)
                     finally:
                         ctl.close()
+                    spec_s.append(dt)
+                base_all[b].extend(plain_s)
                 prop = sum(o.metrics.draft_proposed for o in outs)
                 acc = sum(o.metrics.draft_accepted for o in outs)
                 pol = llm.speculator.policy
                 pol.batch = b
                 c, r = pol.cost_ratio, pol.verify_cost  # measured by the engine on this run's steps
-                row = {"batch": b, "k": k, "a": a, "seconds": round(dt, 3), "speedup": round(base[b] / dt, 3),
+                row = {"batch": b, "k": k, "a": a, "seconds": round(min(spec_s), 3),
+                       "baseline_seconds": round(min(plain_s), 3), **paired(plain_s, spec_s),
                        "acceptance_rate": round(acc / prop, 4) if prop else None,
                        "cost_ratio_c": round(c, 4), "verify_cost_r": round(r, 4),
                        "bypassed_steps": sum(o.metrics.draft_bypassed_steps for o in outs)}
@@ -398,6 +416,13 @@ def part_c(folder: Path, draft: Path, args, env: dict) -> dict:
                 print(json.dumps(row), flush=True)
         del llm
         free()
+    for b, times in base_all.items():
+        if times:
+            best = min(times)
+            res["baselines"][str(b)] = {"seconds": round(best, 3), "median_seconds": round(statistics.median(times), 3),
+                                        "tokens_per_s": round(b * n / best, 1)}
+    del plain
+    free()
     return res
 
 
@@ -453,7 +478,10 @@ def main() -> None:
     ap.add_argument("--spec-k", default="4,auto", help="fixed K values and/or auto (the adaptive policy)")
     ap.add_argument("--accept", default="0.5,0.7,0.9")
     ap.add_argument("--spec-new-tokens", type=int, default=128)
-    ap.add_argument("--spec-repeats", type=int, default=2, help="part c: timed runs per figure (the best counts)")
+    ap.add_argument("--spec-repeats", type=int, default=5,
+                    help="part c: alternated plain/speculative pass pairs per figure")
+    ap.add_argument("--spec-kv-bytes", type=int, default=8 << 30,
+                    help="part c: KV cache bytes of each engine (the plain and the speculative one are loaded together)")
     ap.add_argument("--kv-budget", type=int, default=4 << 30)
     ap.add_argument("--mem-requests", type=int, default=512)
     ap.add_argument("--mem-new-tokens", type=int, default=256)
@@ -469,6 +497,7 @@ def main() -> None:
         a.dtype, a.page_w, a.page_h, a.new_tokens, a.docs, a.spec_new_tokens = "float32", 448, 560, 6, 3, 8
         a.hf_batches, a.spec_batches, a.kv_budget, a.mem_requests, a.mem_new_tokens = [2, 4], [1, 2], 1 << 20, 24, 16
         a.batch_geometry = a.geometry
+        a.spec_kv_bytes, a.spec_repeats = 4 << 20, 2
     work = Path(a.work)
     dev = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     a.device = dev

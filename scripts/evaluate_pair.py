@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -103,8 +104,11 @@ def speed(args, docs: Path) -> dict:
     request hashed its ~4 MB page, about 3 ms of host time per request inside the timed passes). One untimed pass fills the
     prefix cache, so the timed passes (best of --speed-repeats) measure decoding: every prompt but
     its last token comes from the cache. Batch b means at most b sequences run at once
-    (max_num_seqs=b). Configurations: plain; the draft with the adaptive policy (--spec-k, default
-    auto); the draft at a fixed K=4; the adaptive draft with --draft-vision none."""
+    (max_num_seqs=b). Configurations: plain; plain again (a second identical engine: the noise
+    floor of the ratios); the draft with the adaptive policy (--spec-k, default auto); the draft
+    at a fixed K=4; the adaptive draft with --draft-vision none. Each repeat runs every
+    configuration once, back to back; reported: the best pass of each, its median, and the median
+    and range of the per-repeat ratios to plain."""
     from docproc import LLM, SamplingParams
 
     queries = load_queries().queries
@@ -119,7 +123,7 @@ def speed(args, docs: Path) -> dict:
             reqs.append({"prompt": build_prompt(1, q.question), "multi_modal_data": {"image": [img]},
                          "multi_modal_uuids": {"image": [sha]}})
             params.append(SamplingParams(temperature=0.0, max_tokens=q.max_tokens))
-    configs = {"plain": {}, "draft_adaptive": {"speculative_model": args.draft, "num_speculative_tokens": args.spec_k},
+    configs = {"plain": {}, "plain_again": {}, "draft_adaptive": {"speculative_model": args.draft, "num_speculative_tokens": args.spec_k},
                "draft_k4": {"speculative_model": args.draft, "num_speculative_tokens": 4},
                "draft_text_only_adaptive": {"speculative_model": args.draft, "num_speculative_tokens": args.spec_k,
                                             "draft_vision": "none"}}
@@ -136,7 +140,7 @@ def speed(args, docs: Path) -> dict:
                 from docproc.engine.speculative import SpecStats
 
                 llm.speculator.stats = SpecStats()  # the timed passes' figures only
-        best: dict[str, float] = {}
+        times: dict[str, list[float]] = {name: [] for name in llms}
         texts: dict[str, list[str]] = {}
         tokens: dict[str, int] = {}
         for _ in range(args.speed_repeats):
@@ -147,13 +151,23 @@ def speed(args, docs: Path) -> dict:
                 outs = llm.generate(reqs, params)
                 if cuda:
                     torch.cuda.synchronize()
-                best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
+                times[name].append(time.perf_counter() - t0)
                 texts[name] = [o.outputs[0].text for o in outs]
                 tokens[name] = sum(len(o.outputs[0].token_ids) for o in outs)
+        best = {name: min(t) for name, t in times.items()}
         for name, llm in llms.items():
             row = {"tokens": tokens[name], "seconds": round(best[name], 3),
+                   "median_seconds": round(statistics.median(times[name]), 4),
                    "tokens_per_s": round(tokens[name] / best[name], 1),
                    "answers_identical_to_plain": texts[name] == texts["plain"]}
+            if name != "plain":
+                # each repeat ran every configuration back to back: the ratio within a repeat is
+                # immune to the machine's slow and fast stretches; plain_again (a second, identical
+                # plain engine) shows what the same code scores against itself: the noise floor
+                ratios = sorted(p / q for p, q in zip(times["plain"], times[name]))
+                row.update(speedup=round(best["plain"] / best[name], 3),
+                           speedup_paired_median=round(statistics.median(ratios), 3),
+                           speedup_paired_range=[round(ratios[0], 3), round(ratios[-1], 3)])
             if llm.speculator is not None:
                 st = llm.speculator.stats
                 llm.speculator.policy.batch = b
@@ -162,8 +176,7 @@ def speed(args, docs: Path) -> dict:
                            bypassed_steps=st.bypassed_steps, verifications=st.verifications,
                            k_histogram=dict(sorted(st.k_hist.items())),
                            cost_ratio=round(llm.speculator.policy.cost_ratio, 4),
-                           verify_cost=round(llm.speculator.policy.verify_cost, 4),
-                           speedup=round(best["plain"] / best[name], 3))
+                           verify_cost=round(llm.speculator.policy.verify_cost, 4))
             res["configs"][f"{name}_batch{b}"] = row
             print(json.dumps({f"{name}_batch{b}": row}), flush=True)
         del llms
@@ -313,7 +326,8 @@ def main() -> None:
     ap.add_argument("--spec-k", default="auto")
     ap.add_argument("--speed", action="store_true", help="also measure decode tokens/s with and without the draft")
     ap.add_argument("--speed-docs", type=int, default=16, help="documents in the --speed workload (x7 queries)")
-    ap.add_argument("--speed-repeats", type=int, default=3, help="timed passes per configuration (best kept)")
+    ap.add_argument("--speed-repeats", type=int, default=3,
+                    help="repeats; each times every configuration once, back to back")
     ap.add_argument("--anchor-text", action="store_true", help="also evaluate with `docproc run --anchor-text`")
     ap.add_argument("--spec-docs", type=int, default=0,
                     help="run the speculation checks (lossless, acceptance, draft agreement) on the first N "

@@ -1,0 +1,149 @@
+"""Where a draft engine's extra host time goes when the adaptive policy bypasses the draft.
+
+Two modes:
+- default (the device): the bundled pair on the `evaluate_pair.py --speed` workload (the default
+  queries on the first page of --docs documents, prefix cache warm), three engines alternated
+  pass by pass: plain, the adaptive draft, and the adaptive draft with probes switched off. For
+  each, the best pass's total, the time inside LLM.step, inside the target's forward
+  (runner.execute) and inside speculative steps.
+- --stub (any machine): the target's forward replaced by a constant-time stub, so that a step is
+  only the engine's host work; prints microseconds per step, plain vs the adaptive draft with its
+  cost lines set so that it bypasses (probes off).
+
+    python scripts/spec_host_overhead.py --docs-dir DIR [--device cuda] [--batches 1,16] [--repeats 6]
+    python scripts/spec_host_overhead.py --stub
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from docproc import LLM, SamplingParams  # noqa: E402
+from docproc.engine.model_runner import StepResult  # noqa: E402
+
+T, D = str(ROOT / "docproc/assets/models/target"), str(ROOT / "docproc/assets/models/draft")
+
+
+def no_probes(llm: LLM) -> None:
+    pol = llm.speculator.policy
+    pol.probe_every = pol._probe_interval = 10 ** 9
+
+
+def stub(batches: list[int]) -> None:
+    def fake_execute(out):  # a constant token for every sampling row: only host work remains
+        return StepResult({s.seq.seq_id: 40 for s in out.scheduled if s.needs_sample},
+                          sum(s.num_new_tokens for s in out.scheduled), 0.0003)
+
+    reqs = [f"hello world {i}" for i in range(32)]
+    sp = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    for b in batches:
+        plain = LLM(T, device="cpu", max_num_seqs=b)
+        spec = LLM(T, device="cpu", max_num_seqs=b, speculative_model=D, num_speculative_tokens="auto")
+        for llm in (plain, spec):
+            llm.runner.execute = fake_execute
+        no_probes(spec)
+        pol = spec.speculator.policy
+        for n in range(1, 6):  # c ~ 1: the draft cannot pay, every step bypasses it
+            pol.observe_step(n * b, 0.0003)
+            pol.observe_draft_forward(b, 0.00029)
+        best: dict[str, float] = {}
+        for _ in range(3):
+            for name, llm in (("plain", plain), ("adaptive_bypassing", spec)):
+                t0 = time.perf_counter()
+                llm.generate(reqs, sp)
+                best[name] = min(best.get(name, 1e9), time.perf_counter() - t0)
+        steps = len(reqs) * sp.max_tokens / b
+        print(json.dumps({"batch": b, **{f"{k}_us_per_step": round(v / steps * 1e6, 2) for k, v in best.items()}}))
+
+
+def device_run(args) -> None:
+    from docproc.pipeline.ingest import discover, open_document
+    from docproc.pipeline.queries import build_prompt, load_queries
+
+    queries = load_queries().queries
+    reqs, params = [], []
+    for c in [c for c in discover([args.docs_dir]) if not c.skip_reason][: args.docs]:
+        doc = open_document(c)
+        page = doc.page(0)
+        img, sha = page.image, page.sha256
+        doc.close()
+        for q in queries:
+            reqs.append({"prompt": build_prompt(1, q.question), "multi_modal_data": {"image": [img]},
+                         "multi_modal_uuids": {"image": [sha]}})
+            params.append(SamplingParams(temperature=0.0, max_tokens=q.max_tokens))
+    cuda = args.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for b in args.batches:
+        configs = {"plain": {}, "adaptive": {"speculative_model": D, "num_speculative_tokens": "auto"},
+                   "adaptive_no_probes": {"speculative_model": D, "num_speculative_tokens": "auto"}}
+        llms = {n: LLM(T, device=args.device, max_num_seqs=b, kv_cache_memory_bytes=512 << 20, **kw)
+                for n, kw in configs.items()}
+        no_probes(llms["adaptive_no_probes"])
+        acc: dict[str, dict] = {}
+        for name, llm in llms.items():
+            llm.generate(reqs, params)  # prefix cache filled, graphs captured
+            st = acc[name] = {"step_s": 0.0, "steps": 0, "execute_s": 0.0, "spec_step_s": 0.0, "spec_steps": 0}
+
+            def wrap(obj, attr, seconds, count=None, _st=st):
+                orig = getattr(obj, attr)
+
+                def timed(*a, **k):
+                    t0 = time.perf_counter()
+                    r = orig(*a, **k)
+                    _st[seconds] += time.perf_counter() - t0
+                    if count:
+                        _st[count] += 1
+                    return r
+                setattr(obj, attr, timed)
+
+            wrap(llm, "step", "step_s", "steps")
+            wrap(llm.runner, "execute", "execute_s")
+            if llm.speculator is not None:
+                wrap(llm, "_spec_step", "spec_step_s", "spec_steps")
+        best: dict[str, dict] = {}
+        for _ in range(args.repeats):
+            for name, llm in llms.items():
+                for key in acc[name]:
+                    acc[name][key] = 0
+                sync()
+                t0 = time.perf_counter()
+                llm.generate(reqs, params)
+                sync()
+                dt = time.perf_counter() - t0
+                if name not in best or dt < best[name]["total_ms"] / 1e3:
+                    best[name] = {"total_ms": round(dt * 1e3, 2),
+                                  **{k[:-2] + "_ms" if k.endswith("_s") else k: round(v * 1e3, 2) if k.endswith("_s") else v
+                                     for k, v in acc[name].items()}}
+        for name, row in best.items():
+            print(json.dumps({"batch": b, "config": name, **row}), flush=True)
+        del llms
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stub", action="store_true")
+    ap.add_argument("--docs-dir", default=".work/speed_docs")
+    ap.add_argument("--docs", type=int, default=6)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--repeats", type=int, default=6)
+    args = ap.parse_args()
+    args.batches = [int(x) for x in args.batches.split(",")]
+    if args.stub:
+        stub(args.batches)
+    else:
+        device_run(args)
+
+
+if __name__ == "__main__":
+    main()
