@@ -230,6 +230,10 @@ def test_paged_reference_agrees_with_contiguous_attention():
         q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1), v.repeat_interleave(2, 1).transpose(0, 1),
         is_causal=True).transpose(0, 1)
     assert torch.allclose(paged, dense, atol=1e-5)
+    # a chunk after a cached prefix, short (masked) and long (padded to a causal square), and decode
+    for num_q in (1, 5, 11, 12, 20):
+        chunk = paged_attention_ref(q[ctx - num_q:], gather, [0, num_q], [ctx], [table], bs, d ** -0.5)
+        assert torch.allclose(chunk, dense[ctx - num_q:], atol=1e-5), num_q
 
 
 def test_table_dequantize_is_bit_identical_to_the_reference():

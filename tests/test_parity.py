@@ -170,3 +170,21 @@ def test_hf_generate_agrees(pair):
         gen = hf.generate(**kw, max_new_tokens=N_TOKENS, min_new_tokens=N_TOKENS, do_sample=False,
                           eos_token_id=None, pad_token_id=0)
     assert gen[0, len(out.prompt_token_ids):].tolist() == out.outputs[0].token_ids
+
+
+def test_vision_tower_in_place_activation_gives_transformers_floats(qwen2_vl_dir):
+    """The engine's vision tower swaps transformers' QuickGELU for an in-place one (CPU speed):
+    the trunk and merged outputs must be transformers' own, bit for bit."""
+    from transformers.activations import QuickGELUActivation
+
+    llm = LLM(qwen2_vl_dir, device="cpu")
+    enc = llm.runner.model.vision
+    assert not any(isinstance(m, QuickGELUActivation) for m in enc.modules())
+    assert any(type(m).__name__ == "QuickGELUInPlace" for m in enc.modules())
+    hf = hf_model(qwen2_vl_dir)
+    pv, grid = llm.processor.pixel_values([image(120, 90, 1), image(150, 150, 3)])
+    merged, trunk = enc.encode(pv, grid)
+    with torch.no_grad():
+        out = hf.model.visual(pv, grid_thw=grid)
+    assert torch.equal(torch.cat(merged), out.pooler_output)
+    assert torch.equal(torch.cat(trunk), out.last_hidden_state)
