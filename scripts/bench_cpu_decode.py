@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from docproc import LLM, SamplingParams  # noqa: E402
-from docproc.pipeline.ingest import discover, open_document  # noqa: E402
-from docproc.pipeline.queries import build_prompt, load_queries  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from docproc import LLM  # noqa: E402
+from workloads import first_page_queries  # noqa: E402
 
 
 def main() -> None:
@@ -34,17 +34,7 @@ def main() -> None:
     ap.add_argument("--texts", default=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    queries = load_queries().queries
-    reqs, params = [], []
-    for c in [c for c in discover([a.docs]) if not c.skip_reason][: a.num_docs]:
-        doc = open_document(c)
-        page = doc.page(0)
-        img, sha = page.image, page.sha256
-        doc.close()
-        for q in queries:
-            reqs.append({"prompt": build_prompt(1, q.question), "multi_modal_data": {"image": [img]},
-                         "multi_modal_uuids": {"image": [sha]}})
-            params.append(SamplingParams(temperature=0.0, max_tokens=q.max_tokens))
+    reqs, params, _ = first_page_queries(a.docs, a.num_docs)
     texts = {}
     for kv in a.kv.split(","):
         for b in map(int, a.batches.split(",")):

@@ -109,25 +109,15 @@ def speed(args, docs: Path) -> dict:
     at a fixed K=4; the adaptive draft with --draft-vision none. Each repeat runs every
     configuration once, back to back; reported: the best pass of each, its median, and the median
     and range of the per-repeat ratios to plain."""
-    from docproc import LLM, SamplingParams
+    from docproc import LLM
+    from workloads import first_page_queries
 
-    queries = load_queries().queries
-    cands = [c for c in discover([str(docs)]) if not c.skip_reason][: args.speed_docs]
-    reqs, params = [], []
-    for c in cands:
-        doc = open_document(c)
-        page = doc.page(0)
-        img, sha = page.image, page.sha256
-        doc.close()
-        for q in queries:  # the page's SHA-256 keys its caches, as `docproc run` passes it
-            reqs.append({"prompt": build_prompt(1, q.question), "multi_modal_data": {"image": [img]},
-                         "multi_modal_uuids": {"image": [sha]}})
-            params.append(SamplingParams(temperature=0.0, max_tokens=q.max_tokens))
+    reqs, params, num_docs = first_page_queries(str(docs), args.speed_docs)
     configs = {"plain": {}, "plain_again": {}, "draft_adaptive": {"speculative_model": args.draft, "num_speculative_tokens": args.spec_k},
                "draft_k4": {"speculative_model": args.draft, "num_speculative_tokens": 4},
                "draft_text_only_adaptive": {"speculative_model": args.draft, "num_speculative_tokens": args.spec_k,
                                             "draft_vision": "none"}}
-    res: dict = {"requests": len(reqs), "documents": len(cands), "repeats": args.speed_repeats, "configs": {}}
+    res: dict = {"requests": len(reqs), "documents": num_docs, "repeats": args.speed_repeats, "configs": {}}
     cuda = torch.cuda.is_available() and args.device != "cpu"
     for b in (1, 16):
         # every configuration is built and warmed first, then the timed passes alternate between

@@ -25,9 +25,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 from docproc import LLM, SamplingParams  # noqa: E402
 from docproc.engine.model_runner import StepResult  # noqa: E402
+from workloads import first_page_queries  # noqa: E402
 
 T, D = str(ROOT / "docproc/assets/models/target"), str(ROOT / "docproc/assets/models/draft")
 
@@ -65,20 +67,7 @@ def stub(batches: list[int]) -> None:
 
 
 def device_run(args) -> None:
-    from docproc.pipeline.ingest import discover, open_document
-    from docproc.pipeline.queries import build_prompt, load_queries
-
-    queries = load_queries().queries
-    reqs, params = [], []
-    for c in [c for c in discover([args.docs_dir]) if not c.skip_reason][: args.docs]:
-        doc = open_document(c)
-        page = doc.page(0)
-        img, sha = page.image, page.sha256
-        doc.close()
-        for q in queries:
-            reqs.append({"prompt": build_prompt(1, q.question), "multi_modal_data": {"image": [img]},
-                         "multi_modal_uuids": {"image": [sha]}})
-            params.append(SamplingParams(temperature=0.0, max_tokens=q.max_tokens))
+    reqs, params, _ = first_page_queries(args.docs_dir, args.docs)
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     for b in args.batches:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fused import add_rms_norm, add_rms_norm_ref, rotary_, rotary_ref, silu_mul, silu_mul_ref
+from kernels.fused import (add_rms_norm, add_rms_norm_ref, rotary_, rotary_ref, rotary_store_, rotary_store_ref, silu_mul,
+                           silu_mul_ref)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -50,6 +51,32 @@ def test_rotary_in_place_on_a_strided_view_matches_reference(dtype):
     assert torch.equal(qkv[:, h + hkv:], before[:, h + hkv:])  # the v heads are untouched
 
 
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float16, torch.float32)])
+@pytest.mark.parametrize("hkv", [1, 2])
+def test_rotary_store_rotates_in_place_and_fills_the_cache_slots(dtype, cache_dtype, hkv):
+    g = torch.Generator().manual_seed(3)
+    n, h, d, num_slots = 7, 6, 64, 40
+    qkv = torch.randn(n, h + 2 * hkv, d, generator=g).to(DEV, dtype)
+    pos = torch.arange(n, dtype=torch.float32)[:, None] * (1.0 / 10000 ** (torch.arange(0, d, 2) / d))
+    emb = torch.cat([pos, pos], dim=-1)
+    cos, sin = emb.cos().to(DEV, dtype), emb.sin().to(DEV, dtype)
+    slots = torch.randperm(num_slots, generator=g)[:n].to(DEV)
+    caches = [torch.zeros(2, num_slots, hkv, d, dtype=cache_dtype, device=DEV) for _ in range(2)]
+    ref_qkv = qkv.clone()
+    ref_q = rotary_store_ref(ref_qkv, cos, sin, caches[0][0], caches[0][1], slots, h)
+    q = rotary_store_(qkv, cos, sin, caches[1][0], caches[1][1], slots, h)
+    assert q.data_ptr() == qkv.data_ptr() and q.shape == (n, h, d)
+    t = tol(dtype)
+    assert torch.allclose(qkv.float(), ref_qkv.float(), rtol=t, atol=t)  # q, k rotated; v as it was
+    assert torch.equal(qkv[:, h + hkv:], ref_qkv[:, h + hkv:])
+    assert torch.allclose(caches[1].float(), caches[0].float(), rtol=t, atol=t)
+    assert torch.equal(caches[1][1], caches[0][1])  # v copied exactly
+    unused = torch.ones(num_slots, dtype=torch.bool, device=DEV)
+    unused[slots] = False
+    assert caches[1][:, unused].abs().sum() == 0 and caches[1][:, slots].abs().sum() > 0
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_matches_reference(dtype):
     g = torch.Generator().manual_seed(2)
@@ -58,3 +85,36 @@ def test_silu_mul_matches_reference(dtype):
     ref = silu_mul_ref(x)
     t = tol(dtype)
     assert out.shape == (3, 1500) and torch.allclose(out.float(), ref.float(), rtol=t, atol=t)
+
+
+@pytest.mark.parametrize("fmt", ["dense", "fp4"])
+def test_backend_rotary_store_equals_rotate_then_store(fmt):
+    """The CUDA model path hands the fused projection output to backend.rotary_store (one kernel
+    for a dense cache); it must leave the cache, and give the attention, that rotating then
+    storing gives (the CPU path)."""
+    from docproc.layers.attention import AttentionMetadata, DenseAttention, FP4Attention
+
+    h, hkv, d, bs, n = 4, 2, 32, 4, 9
+    dev = torch.device(DEV)
+    if fmt == "dense":
+        backend = DenseAttention(h, hkv, d, d ** -0.5, dev, torch.float32, torch.float32)
+    else:
+        backend = FP4Attention(h, hkv, d, d ** -0.5, dev, torch.float32)
+    table = [3, 0, 5]
+    meta = AttentionMetadata(torch.tensor([table[i // bs] * bs + i % bs for i in range(n)], device=dev),
+                             [0, n], [n], [table], bs)
+    backend.prepare(meta)
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(n, h + 2 * hkv, d, generator=g).to(dev)
+    pos = torch.arange(n, dtype=torch.float32)[:, None] * (1.0 / 10000 ** (torch.arange(0, d, 2) / d))
+    cos, sin = torch.cat([pos, pos], -1).cos().to(dev), torch.cat([pos, pos], -1).sin().to(dev)
+    fused_layer, plain_layer = backend.allocate(6, bs), backend.allocate(6, bs)
+    q = backend.rotary_store(fused_layer, qkv.clone(), cos, sin, meta)
+    qk = rotary_ref(qkv[:, : h + hkv], cos, sin)
+    backend.store(plain_layer, qk[:, h:], qkv[:, h + hkv:], meta)
+    assert torch.allclose(q, qk[:, :h], atol=1e-6)
+    if fmt == "dense":
+        assert torch.allclose(fused_layer, plain_layer, atol=1e-6)
+    else:
+        assert torch.equal(fused_layer.pages, plain_layer.pages)
+    assert torch.allclose(backend.attend(q, fused_layer, meta), backend.attend(qk[:, :h], plain_layer, meta), atol=1e-5)

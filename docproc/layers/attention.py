@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.fp4 import DEFAULT_NUM_OUTLIERS, DEFAULT_THRESHOLD, FP4PagedLayer
+from kernels.fused import rotary_, rotary_store_
 from kernels.paged_attention import TilePlan, paged_attention, paged_attention_ref, plan_tiles
 
 
@@ -62,6 +63,15 @@ class _Backend:
             meta.plan = plan_tiles(meta.query_start, meta.context_lens, meta.block_tables,
                                    self.num_heads // self.num_kv_heads, self.device, num_sms=self.num_sms)
 
+    def rotary_store(self, layer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     meta: AttentionMetadata) -> torch.Tensor:
+        """CUDA: rotate the q and k heads of a fused projection output (N, H + 2 Hkv, D) in place
+        and store k and v; returns q. A backend may do both in one kernel."""
+        h, hkv = self.num_heads, self.num_kv_heads
+        qk = rotary_(qkv[:, : h + hkv], cos, sin)
+        self.store(layer, qk[:, h:], qkv[:, h + hkv:], meta)
+        return qk[:, :h]
+
     def warmup(self, layer, block_size: int) -> float:
         """Compile the kernels for the launch shapes the engine uses (decode, verify windows,
         prefill chunks, each split count), so no request pays Triton's JIT. Returns seconds."""
@@ -82,6 +92,10 @@ class _Backend:
             kv = torch.zeros(q_len, self.num_kv_heads, self.head_dim, device=self.device, dtype=self.compute_dtype)
             self.store(layer, kv, kv, meta)
             self.attend(q, layer, meta)
+            qkv = torch.zeros(q_len, self.num_heads + 2 * self.num_kv_heads, self.head_dim, device=self.device,
+                              dtype=self.compute_dtype)
+            cs = torch.zeros(q_len, self.head_dim, device=self.device, dtype=self.compute_dtype)
+            self.rotary_store(layer, qkv, cs, cs, meta)  # the model's path on CUDA (fused qkv)
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
@@ -115,6 +129,12 @@ class DenseAttention(_Backend):
         flat = layer.view(2, -1, self.num_kv_heads, self.head_dim)  # (2, num_slots, Hkv, D)
         flat[0].index_copy_(0, meta.slot_mapping, k.to(layer.dtype))
         flat[1].index_copy_(0, meta.slot_mapping, v.to(layer.dtype))
+
+    def rotary_store(self, layer: torch.Tensor, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     meta: AttentionMetadata) -> torch.Tensor:
+        # one launch rotates q and k and writes k and v to their slots (two index_copy_ fewer a layer)
+        flat = layer.view(2, -1, self.num_kv_heads, self.head_dim)
+        return rotary_store_(qkv, cos, sin, flat[0], flat[1], meta.slot_mapping, self.num_heads)
 
     def attend(self, q: torch.Tensor, layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # q: (num_tokens, num_heads, D) -> (num_tokens, num_heads, D)

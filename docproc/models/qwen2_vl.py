@@ -12,7 +12,7 @@ from torch import nn
 
 from docproc.layers.attention import AttentionMetadata
 from docproc.models.rope import MRotaryEmbedding, apply_rotary
-from kernels.fused import add_rms_norm, add_rms_norm_ref, rotary_, silu_mul
+from kernels.fused import add_rms_norm, add_rms_norm_ref, silu_mul
 
 
 @dataclass
@@ -77,10 +77,10 @@ class Attention(nn.Module):
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_weight is not None:
             qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(n, h + 2 * hkv, d)
-            if x.is_cuda:  # q and k rotated together, in place, by one kernel
-                qk = rotary_(qkv[:, : h + hkv], cos, sin)
-            else:
-                qk = apply_rotary(qkv[:, : h + hkv], cos, sin)
+            if x.is_cuda:  # q and k rotated in place and k, v stored: one kernel for a dense cache
+                q = backend.rotary_store(kv_cache, qkv, cos, sin, meta)
+                return self.o_proj(backend.attend(q, kv_cache, meta).reshape(n, -1))
+            qk = apply_rotary(qkv[:, : h + hkv], cos, sin)
             q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + hkv:]
         else:
             q = self.q_proj(x).view(n, h, d)  # (N, H, D)
