@@ -41,3 +41,4 @@ def test_bench_engine_small_on_cpu(tmp_path):
     assert d["fp32_q1"]["capacity_bound"] and d["fp32_q1"]["preemptions"] >= 0
     assert d["fp4_q1"]["max_running"] > d["fp32_q1"]["max_running"]
     assert d["fp32_q4"]["max_running"] > d["fp32_q1"]["max_running"]
+    assert d["fp4_q1"]["tokens_per_s"] > 0 and d["fp4_vs_fp32_q1_tokens_per_s"] > 0
