@@ -126,13 +126,16 @@ class GraphRunner:
             "tile_seq": d32[:t], "tile_tok": d32[t: 2 * t], "tile_nq": d32[2 * t: 3 * t],
             "tile_pos": d32[3 * t: 4 * t], "table": d32[4 * t: 4 * t + b * self.width].view(b, self.width),
         }
-        return views, n, t, tokens, block_m, per_seq
+        # the tiles' sequence and first query row depend on the key only: written from these each step
+        idx = np.arange(t, dtype=np.int32)
+        consts = (np.repeat(np.arange(b, dtype=np.int32), per_seq), idx // per_seq * q + idx % per_seq * tokens)
+        return views, n, t, tokens, block_m, per_seq, consts
 
     def _fill(self, chunks, key) -> tuple[int, int, int, list[int], list[int]] | None:
         """Write the step's inputs into the pinned host buffers; None if a chunk touches an image.
         Returns (int64 count, int32 count, real rows, query_start, context_lens)."""
         b, q, _ = key
-        _, n, t, tokens, _, per_seq = self._layout(key)
+        _, n, t, tokens, _, per_seq, (tile_seqs, tile_toks) = self._layout(key)
         bs = self.block_size
         h64 = self.host64.numpy()
         h32 = self.host32.numpy()
@@ -144,10 +147,10 @@ class GraphRunner:
         ids[:] = 0
         pos[:] = 0
         slots[:] = self.scratch_slot
-        tseq[:] = np.repeat(np.arange(b, dtype=np.int32), per_seq)
+        tseq[:] = tile_seqs
         tnq[:] = 0
         tpos[:] = 0
-        ttok[:] = np.arange(t, dtype=np.int32) // per_seq * q + np.arange(t, dtype=np.int32) % per_seq * tokens
+        ttok[:] = tile_toks
         clamp = self.runner.max_input_id
         query_start, context_lens = [0], []
         r = 0
@@ -158,6 +161,20 @@ class GraphRunner:
             if delta is None:
                 return None
             base = i * q
+            if num == 1 and per_seq == 1:  # a decode row: scalar writes (a third of the numpy calls)
+                tok = seq.token_ids[start]
+                ids[base] = tok if clamp is None or tok <= clamp else clamp
+                pos[:, base] = start + delta
+                bt = seq.block_table
+                slots[base] = bt[start // bs] * bs + start % bs
+                table[i, : len(bt)] = bt
+                rows[r] = base
+                r += 1
+                tnq[i] = 1
+                tpos[i] = start
+                query_start.append(r)
+                context_lens.append(end)
+                continue
             tok = seq.token_ids[start:end]
             ids[base: base + num] = tok if clamp is None else [min(x, clamp) for x in tok]
             pos[:, base: base + num] = np.arange(start + delta, end + delta)
@@ -175,7 +192,7 @@ class GraphRunner:
         return 6 * n, 4 * t + b * self.width, r, query_start, context_lens
 
     def _forward_static(self, key) -> torch.Tensor:
-        views, n, t, tokens, block_m, _ = self._layout(key)
+        views, n, t, tokens, block_m, _, _ = self._layout(key)
         splits = key[2]
         plan = TilePlan(views["tile_seq"], views["tile_tok"], views["tile_nq"], views["tile_pos"], views["table"],
                         tokens, block_m, splits, 0)

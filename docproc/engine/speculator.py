@@ -10,7 +10,7 @@ import torch
 
 from docproc.engine.block_manager import BlockManager
 from docproc.engine.draft import DraftView, draft_prompt, tokenizer_hash
-from docproc.engine.model_runner import ModelRunner
+from docproc.engine.model_runner import ModelRunner, inference
 from docproc.engine.sampler import probabilities
 from docproc.engine.sequence import Sequence
 from docproc.engine.speculative import AdaptiveK, SpecStats
@@ -142,7 +142,7 @@ class Speculator:
         bm.commit(v, v.num_committed)
         return True
 
-    @torch.inference_mode()
+    @inference
     def propose(self, work: list[tuple[Sequence, int]]) -> dict[int, Proposal]:
         """Up to k proposals for each (sequence, k); sequences whose draft cache has no room get none."""
         t0 = time.perf_counter()
