@@ -1,6 +1,7 @@
-"""Where a draft engine's extra host time goes when the adaptive policy bypasses the draft.
+"""Host time per engine step: where a draft engine's extra host time goes when the adaptive
+policy bypasses the draft, and what the CUDA-graph step path costs the host.
 
-Two modes:
+Three modes:
 - default (the device): the bundled pair on the `evaluate_pair.py --speed` workload (the default
   queries on the first page of --docs documents, prefix cache warm), three engines alternated
   pass by pass: plain, the adaptive draft, and the adaptive draft with probes switched off. For
@@ -9,9 +10,13 @@ Two modes:
 - --stub (any machine): the target's forward replaced by a constant-time stub, so that a step is
   only the engine's host work; prints microseconds per step, plain vs the adaptive draft with its
   cost lines set so that it bypasses (probes off).
+- --stub-graph (any machine): the CUDA-graph step path (its padded static buffers, run eagerly as
+  on a CPU) with the model's layers stubbed: scheduler, input fill, copies, logits and sampling
+  per decode step (on a CPU the LM head's matmul is in it too).
 
-    python scripts/spec_host_overhead.py --docs-dir DIR [--device cuda] [--batches 1,16] [--repeats 6]
-    python scripts/spec_host_overhead.py --stub
+    python scripts/host_overhead.py --docs-dir DIR [--device cuda] [--batches 1,16] [--repeats 6]
+    python scripts/host_overhead.py --stub
+    python scripts/host_overhead.py --stub-graph [--batches 1,16]
 """
 from __future__ import annotations
 
@@ -64,6 +69,37 @@ def stub(batches: list[int]) -> None:
                 best[name] = min(best.get(name, 1e9), time.perf_counter() - t0)
         steps = len(reqs) * sp.max_tokens / b
         print(json.dumps({"batch": b, **{f"{k}_us_per_step": round(v / steps * 1e6, 2) for k, v in best.items()}}))
+
+
+def stub_graph(batches: list[int]) -> None:
+    from docproc.engine import model_runner
+
+    real = model_runner.resolve_step_graphs
+    model_runner.resolve_step_graphs = lambda config, device: "static"
+    try:
+        for b in batches:
+            llm = LLM(T, device="cpu", max_num_seqs=b)
+            g = llm.runner.graphs
+            hidden = llm.runner.text_config.hidden_size
+
+            def no_layers(key, _g=g):  # the static path's model call, stubbed: zeros of the right shape
+                views, n = _g._layout(key)[:2]
+                return torch.zeros(n, hidden).index_select(0, views["rows"])
+
+            g._forward_static = no_layers
+            reqs = [f"hello world {i}" for i in range(32)]
+            sp = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+            llm.generate(reqs, sp)
+            best = 1e9
+            for _ in range(3):
+                t0 = time.perf_counter()
+                llm.generate(reqs, sp)
+                best = min(best, time.perf_counter() - t0)
+            steps = len(reqs) * sp.max_tokens / b
+            print(json.dumps({"batch": b, "graph_path_us_per_step": round(best / steps * 1e6, 1),
+                              "graph_steps": g.num_replays}))
+    finally:
+        model_runner.resolve_step_graphs = real
 
 
 def device_run(args) -> None:
@@ -121,6 +157,7 @@ def device_run(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stub", action="store_true")
+    ap.add_argument("--stub-graph", action="store_true")
     ap.add_argument("--docs-dir", default=".work/speed_docs")
     ap.add_argument("--docs", type=int, default=6)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -130,6 +167,8 @@ def main() -> None:
     args.batches = [int(x) for x in args.batches.split(",")]
     if args.stub:
         stub(args.batches)
+    elif args.stub_graph:
+        stub_graph(args.batches)
     else:
         device_run(args)
 
