@@ -378,16 +378,19 @@ def tile_shape(max_q: int, group: int) -> tuple[int, int]:
     return tokens, block_m
 
 
-def default_num_splits(num_tiles: int, max_context: int, num_sms: int) -> int:
-    """Key splits: enough programs to fill the chip, but at least ~256 keys per split, at most 32,
-    a power of two (few kernel variants to compile)."""
-    want = max(1, -(-2 * num_sms // max(1, num_tiles)))
+def default_num_splits(num_tiles: int, max_context: int, num_sms: int, num_kv_heads: int = 4) -> int:
+    """Key splits: enough programs to fill the chip (about 8 per SM over tiles x KV heads x splits),
+    but at least ~256 keys per split, at most 32, a power of two (few kernel variants to compile).
+    (Until the seventh session the target was 2 x SMs over tiles alone, which is the same at 4 KV
+    heads, the 7B geometry it was tuned at, and half the programs at 2B's 2 KV heads, whose rows
+    then ran 9-15% behind SDPA.)"""
+    want = max(1, -(-8 * num_sms // max(1, num_tiles * num_kv_heads)))
     n = max(1, min(want, max_context // 256, 32))
     return 1 << (n.bit_length() - 1)
 
 
 def plan_tiles(query_start: list[int], context_lens: list[int], block_tables: list[list[int]], group: int,
-               device, num_splits: int | None = None, num_sms: int = 132) -> TilePlan:
+               device, num_splits: int | None = None, num_sms: int = 132, num_kv_heads: int = 4) -> TilePlan:
     max_q = max(query_start[i + 1] - query_start[i] for i in range(len(context_lens)))
     tokens, block_m = tile_shape(max_q, group)
     seqs, toks, nqs, poss = [], [], [], []
@@ -401,7 +404,7 @@ def plan_tiles(query_start: list[int], context_lens: list[int], block_tables: li
             poss.append(ctx - num_q + j)
     max_ctx = max(context_lens)
     if num_splits is None:
-        num_splits = default_num_splits(len(seqs), max_ctx, num_sms)
+        num_splits = default_num_splits(len(seqs), max_ctx, num_sms, num_kv_heads)
     width = max(len(t) for t in block_tables)
     table = torch.zeros(len(block_tables), width, dtype=torch.int32)
     for b, t in enumerate(block_tables):

@@ -52,7 +52,7 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float) -> list[
     perm = torch.randperm(nb).view(batch, n_blocks_seq)  # scattered pages, as after churn
     tables = [perm[b].tolist() for b in range(batch)]
     q = torch.randn(batch, hq, d, dtype=torch.bfloat16, device="cuda")
-    plan = plan_tiles(list(range(batch + 1)), [ctx] * batch, tables, hq // hkv, "cuda")
+    plan = plan_tiles(list(range(batch + 1)), [ctx] * batch, tables, hq // hkv, "cuda", num_kv_heads=hkv)
     rows = []
     io_bytes = 2 * q.numel() * q.element_size()  # q in, out
 
@@ -104,7 +104,7 @@ def tune(geo: str = "7b", batch: int = 32, ctx: int = 16384) -> tuple[dict, list
     nb = batch * ctx // BLOCK_SIZE
     tables = torch.randperm(nb).view(batch, -1).tolist()
     q = torch.randn(batch, hq, d, dtype=torch.bfloat16, device="cuda")
-    plan = plan_tiles(list(range(batch + 1)), [ctx] * batch, tables, hq // hkv, "cuda")
+    plan = plan_tiles(list(range(batch + 1)), [ctx] * batch, tables, hq // hkv, "cuda", num_kv_heads=hkv)
     k = torch.randn(nb, BLOCK_SIZE, hkv, d, dtype=torch.bfloat16, device="cuda")
     v = torch.randn_like(k)
     layer = FP4PagedLayer(nb, BLOCK_SIZE, hkv, d, "cuda")

@@ -66,6 +66,7 @@ class GraphRunner:
         self.device = runner.device
         backend = runner.backend
         self.group = backend.num_heads // backend.num_kv_heads
+        self.num_kv_heads = backend.num_kv_heads
         self.num_sms = backend.num_sms
         self.block_size = runner.block_size
         self.batches = tuple(b for b in BATCH_BUCKETS if b <= max(max_batch, 1))
@@ -104,7 +105,7 @@ class GraphRunner:
             if len(c.seq.block_table) > self.width:
                 return None
         tokens, _ = tile_shape(qb, self.group)
-        splits = default_num_splits(b * -(-qb // tokens), max(c.end for c in chunks), self.num_sms)
+        splits = default_num_splits(b * -(-qb // tokens), max(c.end for c in chunks), self.num_sms, self.num_kv_heads)
         return b, qb, splits
 
     # ---- per step ----------------------------------------------------------------------------

@@ -61,7 +61,8 @@ class _Backend:
         """Per-step work shared by all layers."""
         if self.use_triton:
             meta.plan = plan_tiles(meta.query_start, meta.context_lens, meta.block_tables,
-                                   self.num_heads // self.num_kv_heads, self.device, num_sms=self.num_sms)
+                                   self.num_heads // self.num_kv_heads, self.device, num_sms=self.num_sms,
+                                   num_kv_heads=self.num_kv_heads)
 
     def rotary_store(self, layer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      meta: AttentionMetadata) -> torch.Tensor:
