@@ -52,7 +52,8 @@ def test_micro_training_pipeline(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate_pair.py"), "--target", str(dest / "target"),
                     "--draft", str(dest / "draft"), "--count", "2", "--seed", "3", "--work", str(tmp_path / "ep"),
                     "--json", str(report_file), "--device", "cpu", "--kv", "fp32,fp4",
-                    "--card", str(tmp_path / "MODEL_CARD.md"), "--state", str(work / "state.json"), "--anchor-text", "--spec-docs", "1"],
+                    "--card", str(tmp_path / "MODEL_CARD.md"), "--state", str(work / "state.json"), "--anchor-text", "--spec-docs", "1",
+                    "--speed", "--speed-docs", "1", "--speed-repeats", "2"],
                    check=True, capture_output=True, cwd=ROOT, timeout=600)
     report = json.loads(report_file.read_text())
     names = {"vendor", "invoice_number", "date", "due_date", "currency", "total", "all_fields"}
@@ -68,6 +69,14 @@ def test_micro_training_pipeline(tmp_path):
     assert "byte for byte the target's: True" in card and "steps: target 6, draft distillation 2" in card
     assert f"Overall field exact match {report['eval']['fp32']['overall_exact_match']:.3f}" in card
     assert report["eval_anchor_text"]["documents"] == 2 and "With `--anchor-text`" in card
+    # the speed workload: every configuration alternated with plain, a second plain engine as the
+    # noise floor, paired ratios; greedy answers identical in every configuration
+    rows = report["speed"]["configs"]
+    assert {f"{c}_batch{b}" for c in ("plain", "plain_again", "draft_adaptive", "draft_k4", "draft_text_only_adaptive")
+            for b in (1, 16)} == set(rows)
+    assert all(r["answers_identical_to_plain"] for r in rows.values())
+    assert all(r["speedup_paired_range"][0] <= r["speedup_paired_median"] <= r["speedup_paired_range"][1]
+               for name, r in rows.items() if not name.startswith("plain_batch"))
 
     llm = LLM(str(dest / "target"), device="cpu", speculative_model=str(dest / "draft"), num_speculative_tokens=2)
     from PIL import Image
