@@ -103,17 +103,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 
 @triton.jit
-def _rotary_kernel(
-    # pointers
-    x_ptr, cos_ptr, sin_ptr,
-    # sizes
-    num_heads,
-    # strides
-    sx_t, sx_h, sc_t, ss_t,
-    # meta
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    t = tl.program_id(0)
+def _rotate_token_(x_ptr, cos_ptr, sin_ptr, t, num_heads, sx_t, sx_h, sc_t, ss_t,
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Token t's first num_heads heads rotated in place; returns them (model dtype) as the two
+    halves (BLOCK_H, HALF), with the head index and mask."""
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, HALF)
     hmask = (h < num_heads)[:, None]
@@ -126,10 +119,25 @@ def _rotary_kernel(
     x1 = tl.load(base, mask=hmask, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF, mask=hmask, other=0.0).to(tl.float32)
     # the reference rounds x * cos, rotate_half(x) * sin and their sum, each to the model dtype
-    o1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
-    o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
-    tl.store(base, o1.to(dt), mask=hmask)
-    tl.store(base + HALF, o2.to(dt), mask=hmask)
+    o1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
+    o2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+    tl.store(base, o1, mask=hmask)
+    tl.store(base + HALF, o2, mask=hmask)
+    return o1, o2, h, d, hmask
+
+
+@triton.jit
+def _rotary_kernel(
+    # pointers
+    x_ptr, cos_ptr, sin_ptr,
+    # sizes
+    num_heads,
+    # strides
+    sx_t, sx_h, sc_t, ss_t,
+    # meta
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    _rotate_token_(x_ptr, cos_ptr, sin_ptr, tl.program_id(0), num_heads, sx_t, sx_h, sc_t, ss_t, HALF, BLOCK_H)
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -164,22 +172,8 @@ def _rotary_store_kernel(
     its v heads written to its cache slot. Saves the two index_copy_ launches per layer of the
     separate store (each ~2 us inside a CUDA graph: ~0.1 ms of a 7B decode step)."""
     t = tl.program_id(0)
-    h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, HALF)
-    rotated = num_heads + num_kv_heads
-    hmask = (h < rotated)[:, None]
-    dt = x_ptr.dtype.element_ty
-    c1 = tl.load(cos_ptr + t * sc_t + d).to(tl.float32)[None, :]
-    c2 = tl.load(cos_ptr + t * sc_t + HALF + d).to(tl.float32)[None, :]
-    s1 = tl.load(sin_ptr + t * ss_t + d).to(tl.float32)[None, :]
-    s2 = tl.load(sin_ptr + t * ss_t + HALF + d).to(tl.float32)[None, :]
-    base = x_ptr + t * sx_t + h[:, None] * sx_h + d[None, :]
-    x1 = tl.load(base, mask=hmask, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF, mask=hmask, other=0.0).to(tl.float32)
-    o1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
-    o2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
-    tl.store(base, o1, mask=hmask)
-    tl.store(base + HALF, o2, mask=hmask)
+    o1, o2, h, d, hmask = _rotate_token_(x_ptr, cos_ptr, sin_ptr, t, num_heads + num_kv_heads, sx_t, sx_h, sc_t,
+                                         ss_t, HALF, BLOCK_H)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     kmask = hmask & (h >= num_heads)[:, None]
     kbase = kc_ptr + slot * sk_s + (h - num_heads)[:, None] * sk_h + d[None, :]
@@ -188,7 +182,8 @@ def _rotary_store_kernel(
     j = tl.arange(0, BLOCK_KV)
     jmask = (j < num_kv_heads)[:, None]
     dd = tl.arange(0, 2 * HALF)
-    v = tl.load(x_ptr + t * sx_t + (rotated + j)[:, None] * sx_h + dd[None, :], mask=jmask, other=0.0)
+    v = tl.load(x_ptr + t * sx_t + (num_heads + num_kv_heads + j)[:, None] * sx_h + dd[None, :], mask=jmask,
+                other=0.0)
     tl.store(vc_ptr + slot * sv_s + j[:, None] * sv_h + dd[None, :], v.to(vc_ptr.dtype.element_ty), mask=jmask)
 
 
