@@ -80,12 +80,52 @@ def _tile_rows(kvh, nq, GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.c
 
 
 @triton.jit
+def _program_tile(tile_seq_ptr, tile_tok_ptr, tile_nq_ptr, tile_pos_ptr):
+    """This program's (tile, KV head, split) and the tile's sequence, first query row, number of
+    query tokens and first query position."""
+    tile = tl.program_id(0)
+    seq = tl.load(tile_seq_ptr + tile)
+    tok0 = tl.load(tile_tok_ptr + tile)
+    nq = tl.load(tile_nq_ptr + tile)
+    pos0 = tl.load(tile_pos_ptr + tile)
+    return tile, tl.program_id(1), tl.program_id(2), seq, tok0, nq, pos0
+
+
+@triton.jit
 def _key_range(pos0, nq, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
     """This split's keys [start, stop): keys 0..pos0 + nq - 1 are visible to some row of the tile."""
     kend = pos0 + nq
     chunk = tl.cdiv(tl.cdiv(kend, BLOCK_N), NUM_SPLITS) * BLOCK_N
     start = split * chunk
     return start, tl.minimum(start + chunk, kend)
+
+
+@triton.jit
+def _load_q(q_ptr, q_off, row_ok, d, unit, HALF: tl.constexpr):
+    """The tile's query rows as float32 halves (dims 0..D/2 and D/2..D), times `unit`."""
+    q_lo = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * unit
+    q_hi = tl.load(q_ptr + q_off[:, None] + HALF + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * unit
+    return q_lo, q_hi
+
+
+@triton.jit
+def _key_block(table_ptr, seq, s_table, n0, stop, block_size, BLOCK_N: tl.constexpr):
+    """Keys n0..n0+BLOCK_N-1 of the split: their index, mask, cache block (int64) and offset in it."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    nmask = n < stop
+    blk = tl.load(table_ptr + seq * s_table + n // block_size, mask=nmask, other=0).to(tl.int64)
+    return n, nmask, blk, n % block_size
+
+
+@triton.jit
+def _split_state(pos0, nq, split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr,
+                 NUM_SPLITS: tl.constexpr):
+    """This split's key range and the online softmax's empty state: (start, stop, running max,
+    running sum, the two output halves)."""
+    start, stop = _key_range(pos0, nq, split, BLOCK_N, NUM_SPLITS)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    return start, stop, m_i, l_i, tl.zeros([BLOCK_M, HALF], tl.float32), tl.zeros([BLOCK_M, HALF], tl.float32)
 
 
 @triton.jit
@@ -98,6 +138,19 @@ def _softmax_step(s, visible, m_i, l_i):
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _accumulate(acc_lo, acc_hi, alpha, p, v_lo, v_hi, DOT_FP32: tl.constexpr):
+    """The output halves rescaled by alpha plus this key block's weights times its values
+    (bf16 tensor-core dots unless DOT_FP32)."""
+    if DOT_FP32:
+        acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo, input_precision="ieee")
+        acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi, input_precision="ieee")
+    else:
+        acc_lo = acc_lo * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v_lo.to(tl.bfloat16))
+        acc_hi = acc_hi * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v_hi.to(tl.bfloat16))
+    return acc_lo, acc_hi
 
 
 @triton.jit
@@ -136,34 +189,17 @@ def _paged_attn_kernel(
     GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HALF: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    seq = tl.load(tile_seq_ptr + tile)
-    tok0 = tl.load(tile_tok_ptr + tile)
-    nq = tl.load(tile_nq_ptr + tile)
-    pos0 = tl.load(tile_pos_ptr + tile)
+    tile, kvh, split, seq, tok0, nq, pos0 = _program_tile(tile_seq_ptr, tile_tok_ptr, tile_nq_ptr, tile_pos_ptr)
 
     r, t, head, row_ok = _tile_rows(kvh, nq, GROUP, TOKENS, BLOCK_M)
     pos = pos0 + t  # absolute position of each row's query token
     d = tl.arange(0, HALF)
     q_off = (tok0 + t) * sq_t + head * sq_h
-    q_lo = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    q_hi = tl.load(q_ptr + q_off[:, None] + HALF + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    q_lo = q_lo * sm_scale_log2
-    q_hi = q_hi * sm_scale_log2
+    q_lo, q_hi = _load_q(q_ptr, q_off, row_ok, d, sm_scale_log2, HALF)
 
-    start, stop = _key_range(pos0, nq, split, BLOCK_N, NUM_SPLITS)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc_lo = tl.zeros([BLOCK_M, HALF], tl.float32)
-    acc_hi = tl.zeros([BLOCK_M, HALF], tl.float32)
+    start, stop, m_i, l_i, acc_lo, acc_hi = _split_state(pos0, nq, split, BLOCK_M, BLOCK_N, HALF, NUM_SPLITS)
     for n0 in range(start, stop, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        nmask = n < stop
-        blk = tl.load(table_ptr + seq * s_table + n // block_size, mask=nmask, other=0).to(tl.int64)
-        off = n % block_size
+        n, nmask, blk, off = _key_block(table_ptr, seq, s_table, n0, stop, block_size, BLOCK_N)
         row_off = blk * sk_b + off * sk_s + kvh * sk_h
         k_lo = tl.load(k_ptr + row_off[:, None] + d[None, :], mask=nmask[:, None], other=0.0).to(tl.float32)
         k_hi = tl.load(k_ptr + row_off[:, None] + HALF + d[None, :], mask=nmask[:, None], other=0.0).to(tl.float32)
@@ -177,12 +213,7 @@ def _paged_attn_kernel(
         p, alpha, m_new, l_i = _softmax_step(s, visible, m_i, l_i)
         v_lo = tl.load(v_ptr + row_off[:, None] + d[None, :], mask=nmask[:, None], other=0.0).to(tl.float32)
         v_hi = tl.load(v_ptr + row_off[:, None] + HALF + d[None, :], mask=nmask[:, None], other=0.0).to(tl.float32)
-        if DOT_FP32:
-            acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo, input_precision="ieee")
-            acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi, input_precision="ieee")
-        else:
-            acc_lo = acc_lo * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v_lo.to(tl.bfloat16))
-            acc_hi = acc_hi * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v_hi.to(tl.bfloat16))
+        acc_lo, acc_hi = _accumulate(acc_lo, acc_hi, alpha, p, v_lo, v_hi, DOT_FP32)
         m_i = m_new
 
     _store_tile(out_ptr, part_acc_ptr, part_ml_ptr, acc_lo, acc_hi, m_i, l_i, tile, kvh, split, tok0, t, head, r,
@@ -241,13 +272,7 @@ def _paged_attn_fp4_kernel(
     outlier slot then adds q[row, channel] x value for its key (a gather of q, not a select over
     every element). Values: outlier slots replace their (zero-coded) element before the dot; the
     head scale is applied to the output."""
-    tile = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    seq = tl.load(tile_seq_ptr + tile)
-    tok0 = tl.load(tile_tok_ptr + tile)
-    nq = tl.load(tile_nq_ptr + tile)
-    pos0 = tl.load(tile_pos_ptr + tile)
+    tile, kvh, split, seq, tok0, nq, pos0 = _program_tile(tile_seq_ptr, tile_tok_ptr, tile_nq_ptr, tile_pos_ptr)
     GH: tl.constexpr = HALF // 16
 
     r, t, head, row_ok = _tile_rows(kvh, nq, GROUP, TOKENS, BLOCK_M)
@@ -257,25 +282,16 @@ def _paged_attn_fp4_kernel(
     khs = tl.load(khs_ptr + kvh)
     vhs = tl.load(vhs_ptr + kvh)
     q_unit = sm_scale_log2 * khs * 256.0  # the tile's keys hold value / (head scale x 2^8)
-    q_lo = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * q_unit
-    q_hi = tl.load(q_ptr + q_off[:, None] + HALF + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * q_unit
+    q_lo, q_hi = _load_q(q_ptr, q_off, row_ok, d, q_unit, HALF)
     if not DOT_FP32:
         q_lo = q_lo.to(tl.bfloat16)
         q_hi = q_hi.to(tl.bfloat16)
     v_unit = vhs * 256.0
     inv_v_unit = 1.0 / v_unit
 
-    start, stop = _key_range(pos0, nq, split, BLOCK_N, NUM_SPLITS)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc_lo = tl.zeros([BLOCK_M, HALF], tl.float32)
-    acc_hi = tl.zeros([BLOCK_M, HALF], tl.float32)
+    start, stop, m_i, l_i, acc_lo, acc_hi = _split_state(pos0, nq, split, BLOCK_M, BLOCK_N, HALF, NUM_SPLITS)
     for n0 in range(start, stop, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        nmask = n < stop
-        blk = tl.load(table_ptr + seq * s_table + n // block_size, mask=nmask, other=0).to(tl.int64)
-        off = n % block_size
+        n, nmask, blk, off = _key_block(table_ptr, seq, s_table, n0, stop, block_size, BLOCK_N)
         row_c = tl.multiple_of(blk * sk_b + off * sk_s + kvh * sk_h, 16)
         row_s = blk * ss_b + off * ss_s + kvh * ss_h
         row_o = blk * si_b + off * si_s + kvh * si_h
@@ -306,12 +322,7 @@ def _paged_attn_fp4_kernel(
             idx = tl.where(val != 0.0, idx, -1)  # an unused slot (0, 0.0) must not touch channel 0
             v_lo = tl.where(d[None, :] == idx[:, None], (val * inv_v_unit)[:, None], v_lo)
             v_hi = tl.where(d[None, :] + HALF == idx[:, None], (val * inv_v_unit)[:, None], v_hi)
-        if DOT_FP32:
-            acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo, input_precision="ieee")
-            acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi, input_precision="ieee")
-        else:
-            acc_lo = acc_lo * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v_lo.to(tl.bfloat16))
-            acc_hi = acc_hi * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v_hi.to(tl.bfloat16))
+        acc_lo, acc_hi = _accumulate(acc_lo, acc_hi, alpha, p, v_lo, v_hi, DOT_FP32)
         m_i = m_new
     acc_lo = acc_lo * v_unit
     acc_hi = acc_hi * v_unit
