@@ -12,6 +12,7 @@ splits by log-sum-exp.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -221,10 +222,51 @@ def _paged_attn_kernel(
 
 
 @triton.jit
-def _fp4_tile(codes_ptr, scales_ptr, row_c, row_s, nmask, GH: tl.constexpr, BLOCK_N: tl.constexpr):
-    """BLOCK_N cached FP4 vectors of one KV head as float32 halves (lo: dims 0..D/2, hi: D/2..D),
-    each element code value x group scale x 2^-8 (head scale left out: the caller folds it and the
-    2^8 into q or the output).
+def _fp4_decode_bf16x2(c, s_lo, s_hi):
+    """(lo, hi) bf16 = (low nibble's E2M1 value x s_lo, high nibble's x s_hi) x 2^-126, for uint8
+    codes c and bf16 scales s_lo, s_hi (broadcast to c's shape), in PTX on 32-bit words: per 4 code bytes, two PRMTs
+    spread bytes into 16-bit lanes; per pair of values an AND isolates the nibbles, one IMAD writes
+    the 3 magnitude bits at bf16 bits 6-8 (the exponent's two low bits and the mantissa's top bit)
+    and a copy of the sign bit at bit 15, an AND keeps those, and one bf16x2 multiply applies the
+    scale (a bf16x2 FMA with -0 added: exactly the product). The nibble as bf16 bits is the code's value x 2^-126 exactly (0 and 0.5 are subnormal),
+    and the product (<= 6 significant bits) is exact, so this equals the float32 decode bit for bit.
+    CUDA sm_80+ (fma.rn.bf16x2, -0 addend) only; the interpreter and float32 paths use _fp4_tile's float32
+    decode."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t01, t23, x, z;
+        mov.b32 z, 0x80008000;
+        prmt.b32 t01, $4, 0, 0x4140;
+        prmt.b32 t23, $4, 0, 0x4342;
+        and.b32 x, t01, 0x000F000F;
+        mul.lo.u32 x, x, 0x1040;
+        and.b32 x, x, 0x81C081C0;
+        fma.rn.bf16x2 $0, x, $5, z;
+        and.b32 x, t23, 0x000F000F;
+        mul.lo.u32 x, x, 0x1040;
+        and.b32 x, x, 0x81C081C0;
+        fma.rn.bf16x2 $1, x, $6, z;
+        and.b32 x, t01, 0x00F000F0;
+        mul.lo.u32 x, x, 0x104;
+        and.b32 x, x, 0x81C081C0;
+        fma.rn.bf16x2 $2, x, $7, z;
+        and.b32 x, t23, 0x00F000F0;
+        mul.lo.u32 x, x, 0x104;
+        and.b32 x, x, 0x81C081C0;
+        fma.rn.bf16x2 $3, x, $8, z;
+        }
+        """,
+        constraints="=r,=r,=r,=r,r,r,r,r,r",
+        args=[c, s_lo, s_hi], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+
+
+@triton.jit
+def _fp4_tile(codes_ptr, scales_ptr, row_c, row_s, nmask, GH: tl.constexpr, BLOCK_N: tl.constexpr,
+              PTX: tl.constexpr = False):
+    """BLOCK_N cached FP4 vectors of one KV head as halves (lo: dims 0..D/2, hi: D/2..D), each
+    element code value x group scale x 2^-8 (head scale left out: the caller folds it and the
+    2^8 into q or the output): float32, or bf16 decoded in PTX if PTX (the same values).
 
     Codes are loaded once as (BLOCK_N, GH, 16) bytes (GH = D/32 groups per half), so each E4M3
     group scale is decoded once and broadcast along the group's 16 dims. An E2M1 code becomes float32
@@ -234,17 +276,24 @@ def _fp4_tile(codes_ptr, scales_ptr, row_c, row_s, nmask, GH: tl.constexpr, BLOC
     g = tl.arange(0, GH)
     j = tl.arange(0, 16)
     c = tl.load(codes_ptr + row_c[:, None, None] + (g[None, :, None] * 16 + j[None, None, :]),
-                mask=nmask[:, None, None], other=0).to(tl.int32)
+                mask=nmask[:, None, None], other=0)
     # E4M3 bits << 20 are float32 bits of the scale x 2^-120 (subnormal scales included); two
     # exact multiplies by 2^119 make it scale x 2^118
     s_lo = tl.load(scales_ptr + row_s[:, None] + g[None, :], mask=nmask[:, None], other=0).to(tl.int32)
     s_hi = tl.load(scales_ptr + row_s[:, None] + GH + g[None, :], mask=nmask[:, None], other=0).to(tl.int32)
     s_lo = (s_lo << 20).to(tl.float32, bitcast=True) * TWO_119 * TWO_119
     s_hi = (s_hi << 20).to(tl.float32, bitcast=True) * TWO_119 * TWO_119
-    r_lo = (((c & 7) << 22) | ((c & 8) << 28)).to(tl.float32, bitcast=True)
-    r_hi = (((c & 0x70) << 18) | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
-    lo = tl.reshape(r_lo * s_lo[:, :, None], [BLOCK_N, GH * 16])
-    hi = tl.reshape(r_hi * s_hi[:, :, None], [BLOCK_N, GH * 16])
+    if PTX:
+        # scale x 2^118 has E4M3's 3 mantissa bits and lies in bf16's normal range: exact in bf16
+        r_lo, r_hi = _fp4_decode_bf16x2(c, s_lo.to(tl.bfloat16)[:, :, None], s_hi.to(tl.bfloat16)[:, :, None])
+        lo = tl.reshape(r_lo, [BLOCK_N, GH * 16])
+        hi = tl.reshape(r_hi, [BLOCK_N, GH * 16])
+    else:
+        c = c.to(tl.int32)
+        r_lo = (((c & 7) << 22) | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+        r_hi = (((c & 0x70) << 18) | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
+        lo = tl.reshape(r_lo * s_lo[:, :, None], [BLOCK_N, GH * 16])
+        hi = tl.reshape(r_hi * s_hi[:, :, None], [BLOCK_N, GH * 16])
     return lo, hi
 
 
@@ -265,7 +314,7 @@ def _paged_attn_fp4_kernel(
     # meta
     GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HALF: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_OUTLIERS: tl.constexpr, DOT_FP32: tl.constexpr,
-    KEYS_AS_ROWS: tl.constexpr,
+    KEYS_AS_ROWS: tl.constexpr, PTX_DECODE: tl.constexpr,
 ):
     """The FP4 member of the family (same tiles, splits and partials as _paged_attn_kernel).
     Keys: the group-scaled codes go through the tensor cores with q carrying the head scale; each
@@ -296,7 +345,7 @@ def _paged_attn_fp4_kernel(
         row_s = blk * ss_b + off * ss_s + kvh * ss_h
         row_o = blk * si_b + off * si_s + kvh * si_h
         row_v = blk * sv_b + off * sv_s + kvh * sv_h
-        k_lo, k_hi = _fp4_tile(kc_ptr, ks_ptr, row_c, row_s, nmask, GH, BLOCK_N)
+        k_lo, k_hi = _fp4_tile(kc_ptr, ks_ptr, row_c, row_s, nmask, GH, BLOCK_N, PTX_DECODE)
         if DOT_FP32:
             s = tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee")
             s += tl.dot(q_hi, tl.trans(k_hi), input_precision="ieee")
@@ -315,13 +364,14 @@ def _paged_attn_fp4_kernel(
             s += qg * (val * sm_scale_log2)[None, :]
         visible = (n[None, :] <= pos[:, None]) & nmask[None, :] & row_ok[:, None]
         p, alpha, m_new, l_i = _softmax_step(s, visible, m_i, l_i)
-        v_lo, v_hi = _fp4_tile(vc_ptr, vs_ptr, row_c, row_s, nmask, GH, BLOCK_N)
+        v_lo, v_hi = _fp4_tile(vc_ptr, vs_ptr, row_c, row_s, nmask, GH, BLOCK_N, PTX_DECODE)
         for o in tl.static_range(NUM_OUTLIERS):  # the outlier's own code is 0: replace it
             idx = tl.load(vi_ptr + row_o + o, mask=nmask, other=0).to(tl.int32)
             val = tl.load(vv_ptr + row_v + o, mask=nmask, other=0.0).to(tl.float32)
             idx = tl.where(val != 0.0, idx, -1)  # an unused slot (0, 0.0) must not touch channel 0
-            v_lo = tl.where(d[None, :] == idx[:, None], (val * inv_v_unit)[:, None], v_lo)
-            v_hi = tl.where(d[None, :] + HALF == idx[:, None], (val * inv_v_unit)[:, None], v_hi)
+            w = (val * inv_v_unit).to(v_lo.dtype)
+            v_lo = tl.where(d[None, :] == idx[:, None], w[:, None], v_lo)
+            v_hi = tl.where(d[None, :] + HALF == idx[:, None], w[:, None], v_hi)
         acc_lo, acc_hi = _accumulate(acc_lo, acc_hi, alpha, p, v_lo, v_hi, DOT_FP32)
         m_i = m_new
     acc_lo = acc_lo * v_unit
@@ -428,6 +478,15 @@ def plan_tiles(query_start: list[int], context_lens: list[int], block_tables: li
                     block_m, num_splits, max_ctx)
 
 
+def ptx_decode_available(device) -> bool:
+    """Whether the FP4 kernel can decode in inline PTX here: a CUDA device of compute capability
+    8.0 or newer (bf16x2 FMA), not Triton's interpreter."""
+    device = torch.device(device)
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 8
+
+
 def paged_attention(
     q: torch.Tensor,  # (num_tokens, num_heads, D)
     plan: TilePlan,
@@ -442,6 +501,7 @@ def paged_attention(
     num_stages: int = 2,
     out: torch.Tensor | None = None,
     fp4_keys_as_rows: bool = False,  # FP4: scores as K q^T (a tuning variant; see bench_kernels)
+    fp4_ptx_decode: bool | None = None,  # FP4: decode in PTX to bf16x2 (default: on CUDA sm_80+ with bf16/fp16 q)
 ) -> torch.Tensor:
     n_tok, n_heads, d = q.shape
     is_fp4 = fp4_k is not None
@@ -478,6 +538,9 @@ def paged_attention(
     else:
         part_acc = part_ml = out
     dot_fp32 = q.dtype == torch.float32
+    if is_fp4 and fp4_ptx_decode is None:
+        fp4_ptx_decode = ptx_decode_available(q.device) and not dot_fp32
+    assert not (fp4_ptx_decode and dot_fp32), "the PTX decode feeds bf16 tensor-core dots; float32 q uses float32"
     if is_fp4:
         _paged_attn_fp4_kernel[(n_tiles, n_kv, splits)](
             q, out, part_acc, part_ml,
@@ -488,6 +551,7 @@ def paged_attention(
             *strides_k, *strides_s, *strides_o, *strides_v,
             GROUP=group, TOKENS=plan.tokens_per_tile, BLOCK_M=plan.block_m, BLOCK_N=block_n, HALF=d // 2,
             NUM_SPLITS=splits, NUM_OUTLIERS=num_outliers, DOT_FP32=dot_fp32, KEYS_AS_ROWS=fp4_keys_as_rows,
+            PTX_DECODE=bool(fp4_ptx_decode),
             num_warps=num_warps, num_stages=num_stages,
         )
     else:

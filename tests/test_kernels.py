@@ -206,6 +206,52 @@ def test_paged_attention_fp4_7b_geometry_on_gpu(block_n, num_warps, keys_as_rows
         assert err < 2e-2, (splits, err)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX: GPU only")
+def test_fp4_ptx_decode_equals_the_float32_decode_bit_for_bit():
+    """Every code byte (both nibbles) under every finite E4M3 scale byte, decoded by the PTX bf16x2
+    path and by the float32 path: the same values (the PTX path is exact, subnormals included)."""
+    import triton
+    import triton.language as tl
+
+    from kernels.paged_attention import _fp4_tile
+
+    @triton.jit
+    def decode(codes_ptr, scales_ptr, out_ptr, PTX: tl.constexpr, BLOCK_N: tl.constexpr):
+        n = tl.arange(0, BLOCK_N)
+        lo, hi = _fp4_tile(codes_ptr, scales_ptr, n * 64, n * 8, n < BLOCK_N, 4, BLOCK_N, PTX)
+        d = tl.arange(0, 64)
+        tl.store(out_ptr + n[:, None] * 128 + d[None, :], lo.to(tl.float32))
+        tl.store(out_ptr + n[:, None] * 128 + 64 + d[None, :], hi.to(tl.float32))
+
+    n = 256
+    codes = torch.arange(n * 64, device="cuda").remainder(256).to(torch.uint8).view(n, 64)
+    codes = codes[:, torch.randperm(64, device="cuda")].contiguous()
+    scales = torch.arange(n * 8, device="cuda").remainder(127).to(torch.uint8).view(n, 8)  # 0x7f is NaN
+    out = {}
+    for ptx in (False, True):
+        out[ptx] = torch.full((n, 128), float("nan"), device="cuda")
+        decode[(1,)](codes, scales, out[ptx], PTX=ptx, BLOCK_N=n)
+    assert torch.isfinite(out[False]).all()
+    assert torch.equal(out[True], out[False])
+    # and they are the format's values: code x scale x 2^-8 (head scale left out)
+    ref = torch.stack([fp4.e2m1_decode(codes & 0xF), fp4.e2m1_decode(codes >> 4)], 1).view(n, 2, 4, 16)
+    ref = (ref * fp4.e4m3_decode(scales).view(n, 2, 4, 1)).reshape(n, 128) / 256
+    assert torch.equal(out[True], ref.float())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX: GPU only")
+def test_fp4_attention_with_ptx_decode_equals_the_float32_decode():
+    heads, kv_heads, d, bs = 28, 4, 128, 16
+    q_lens, ctx_lens = [1] * 3 + [5], [4096, 77, 1000, 300]
+    nb = sum(-(-c // bs) for c in ctx_lens) + 3
+    q, qs, tables = make_batch(q_lens, ctx_lens, heads, kv_heads, d, bs, nb, dtype=torch.bfloat16, seed=7)
+    layer = fp4_layer_with_outliers(nb, bs, kv_heads, d, seed=8)
+    plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=4)
+    outs = [paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
+                            fp4_ptx_decode=ptx) for ptx in (False, True)]
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+
+
 def test_paged_reference_agrees_with_contiguous_attention():
     torch.manual_seed(3)
     heads, kv_heads, d, bs = 4, 2, 32, 4
