@@ -46,6 +46,9 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig | None = None
     enforce_eager: bool = False  # no CUDA graphs for decode/verify steps (debugging, profiling)
+    # threads that preprocess page images ahead of their vision encode (None: up to 8 beside a GPU,
+    # none on a CPU engine; 0: inline)
+    image_prefetch_workers: int | None = None
 
     def __post_init__(self) -> None:
         if self.cache is None:
@@ -61,5 +64,7 @@ class EngineConfig:
             )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.image_prefetch_workers is not None and self.image_prefetch_workers < 0:
+            raise ValueError(f"image_prefetch_workers must be >= 0, got {self.image_prefetch_workers}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

@@ -57,6 +57,8 @@ def compile_sass(kernel: str, block_n: int, num_warps: int, keys_as_rows: bool, 
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=2))
+    md = compiled.metadata
+    print(f"registers per thread {getattr(md, 'n_regs', '?')}, shared memory {md.shared} bytes", flush=True)
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(compiled.asm["cubin"])
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")

@@ -257,3 +257,34 @@ def test_a_page_shared_by_queries_is_hashed_once_per_call(llm, monkeypatch):
     fresh = [o.outputs[0].token_ids for o in llm.generate([dict(r, multi_modal_data={"image": [page(31)]})
                                                            if i in (0, 1, 3) else r for i, r in enumerate(reqs)], sp)]
     assert fresh == first  # memoised answers equal those of separately loaded images
+
+
+def test_prefetched_image_preprocessing_gives_the_inline_answers(qwen2_vl_dir):
+    """Pages preprocessed ahead on threads (the default beside a GPU) encode to the same tokens as
+    pages preprocessed inline: several pages, one shared by two queries, a queue longer than the
+    running set, and an unreadable image that fails alone."""
+    prompts = [{"prompt": IMG + f"Field {i}?", "multi_modal_data": {"image": [page(40 + i % 5, 100 + 8 * (i % 5))]}}
+               for i in range(9)]
+    prompts.insert(4, {"prompt": IMG + "broken", "multi_modal_data": {"image": [b"not an image"]}})
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    outs = {}
+    for workers in (0, 2):
+        llm = LLM(str(qwen2_vl_dir), device="cpu", max_num_seqs=2, image_prefetch_workers=workers)
+        outs[workers] = [(o.outputs[0].token_ids if o.outputs else None, o.error) for o in llm.generate(prompts, sp)]
+        pf = llm.runner.prefetcher
+        if workers:
+            assert pf.num_prefetched >= 4 and pf.num_prefetched + pf.num_inline == 5  # five unique pages
+            assert not pf._pending  # nothing left held after the call
+        else:
+            assert pf.num_prefetched == 0 and pf.num_inline == 5
+        pf.close()
+    assert outs[2] == outs[0]
+    assert outs[0][4][1]  # the broken image failed alone, with its reason
+    assert all(toks for i, (toks, _) in enumerate(outs[0]) if i != 4)
+
+
+def test_image_prefetch_workers_is_checked():
+    from docproc.config import EngineConfig
+
+    with pytest.raises(ValueError, match="image_prefetch_workers"):
+        EngineConfig(model="x", image_prefetch_workers=-1)

@@ -1,6 +1,7 @@
 """LLM: the offline engine API (vLLM-shaped). Requests in, RequestOutputs out, in input order."""
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from pathlib import Path
@@ -19,6 +20,8 @@ from docproc.engine.speculator import Chunk, Speculator, check_tokenizers, parse
 from docproc.models.processor import PromptError
 from docproc.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from docproc.sampling_params import SamplingParams
+
+PREFETCH_LOOKAHEAD = 16  # queued sequences whose pages are preprocessed ahead (engine/prefetch.py)
 
 PromptType = str | dict[str, Any]
 
@@ -61,6 +64,7 @@ class LLM:
         num_speculative_tokens: int | str = 4,
         draft_vision: str = "auto",
         enforce_eager: bool = False,
+        image_prefetch_workers: int | None = None,
     ) -> None:
         cache = CacheConfig(kv_cache_dtype=kv_cache_dtype, block_size=block_size,
                             enable_prefix_caching=enable_prefix_caching,
@@ -70,7 +74,7 @@ class LLM:
         self.config = EngineConfig(model=str(model), device=device, dtype=dtype,
                                    max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                    max_model_len=max_model_len, seed=seed, cache=cache,
-                                   enforce_eager=enforce_eager)
+                                   enforce_eager=enforce_eager, image_prefetch_workers=image_prefetch_workers)
         self.speculator = None
         draft_runner = None
         if speculative_model is not None:
@@ -167,6 +171,8 @@ class LLM:
         finally:
             if progress:
                 progress.close()
+            if not self.scheduler.has_unfinished:
+                self.runner.prefetcher.drop()  # pixels of requests that failed before their encode
         return results  # type: ignore[return-value]
 
     def cache_info(self) -> dict:
@@ -246,6 +252,11 @@ class LLM:
         """Run one scheduled step; return the sequences that finished in it."""
         out = self.scheduler.schedule()
         finished: list[Sequence] = []
+        if self.runner.prefetcher.workers and (self.scheduler.waiting or len(out.decoding) < len(out.scheduled)):
+            # preprocess the pages this step encodes in parallel, and the next queued ones meanwhile
+            self.runner.prefetch_images(itertools.chain(
+                (s.seq for s in out.scheduled if s.seq.images and not s.seq.images_prefetched),
+                itertools.islice(self.scheduler.waiting, PREFETCH_LOOKAHEAD)))
         for seq, why in out.failed:
             seq.stop_reason = why
             self.scheduler.finish(seq, "error")

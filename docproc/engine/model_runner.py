@@ -13,6 +13,7 @@ from docproc.config import EngineConfig
 from docproc.engine.encoder_cache import EncoderCache
 from docproc.engine.graph_runner import GraphRunner
 from docproc.engine.kv_cache import KV_DTYPES, KVCache, resolve_kv_dtype
+from docproc.engine.prefetch import ImagePrefetcher, default_workers
 from docproc.engine.sampler import Sampler, SamplingRow
 from docproc.engine.scheduler import SchedulerOutput
 from docproc.engine.sequence import Sequence
@@ -103,6 +104,9 @@ class ModelRunner:
             self.backend = DenseAttention(*heads, dtype=KV_DTYPES[kv_name], compute_dtype=self.dtype)
         self.kv_cache = KVCache(self.backend, tc.num_hidden_layers, self.block_size, kv_name)
         self.encoder_cache = EncoderCache(config.cache.encoder_cache_entries)
+        workers = config.image_prefetch_workers
+        self.prefetcher = ImagePrefetcher(self.processor, default_workers(self.device) if workers is None else workers,
+                                          pin=self.device.type == "cuda")
         self.sampler = Sampler(config.seed, self.device)
         self.logits_hook = None  # tests: called with (list[Sequence], logits) at every sampled row
         # trunk sharing with a draft (speculative decoding): the target keeps its trunk outputs in
@@ -214,13 +218,33 @@ class ModelRunner:
                     del todo[h]
             if not todo:
                 return
-        pixels, grids = self.processor.pixel_values([img.image for _, img in todo.values()])
-        embeds, trunks = self.model.vision.encode(pixels.to(self.device), grids.to(self.device))
+        plist, grids = self.prefetcher.take([(h, img.image) for h, (_, img) in todo.items()])
+        pixels = torch.cat([p.to(self.device, non_blocking=True) for p in plist]) if len(plist) > 1 else \
+            plist[0].to(self.device, non_blocking=True)
+        embeds, trunks = self.model.vision.encode(pixels, grids.to(self.device))
         for i, ((h, (seq, _)), e) in enumerate(zip(todo.items(), embeds)):
             self.encoder_cache.put((fp, h), e)
             if self.trunk_cache is not None and trunks is not None:
                 self.trunk_cache.put((trunk_fp, h), trunks[i])
             seq.num_encoded_images += 1
+
+    def prefetch_images(self, seqs) -> None:
+        """Start preprocessing the images of these sequences (in the order given) that the vision
+        cache lacks, on the prefetcher's threads. A sequence is looked at until all of its images
+        were started or cached."""
+        fp = self.model.vision_fingerprint
+        prefetcher = self.prefetcher
+        for seq in seqs:
+            if seq.images_prefetched:
+                continue
+            done = True
+            for span, img in zip(seq.images, seq.mm_inputs):
+                h = span.content_hash
+                if (fp, h) in self.encoder_cache or prefetcher.pending(h):
+                    continue
+                prefetcher.prefetch([(h, img.image)])
+                done = done and prefetcher.pending(h)
+            seq.images_prefetched = done
 
     def _prepare(self, scheduled):
         bs = self.block_size

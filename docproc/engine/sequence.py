@@ -78,6 +78,7 @@ class Sequence:
         # Opaque payloads owned by the engine layers above: the decoded images (one per span),
         # the request's sampling parameters and its random generator.
         self.mm_inputs: list = []
+        self.images_prefetched = False  # every image's preprocessing started or its encode cached
         self.sampling = None
         self.generator = None
         # text position offset of tokens after the last image (M-RoPE): pos(i) = i + mrope_delta

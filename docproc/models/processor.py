@@ -46,6 +46,10 @@ def load_image(obj, content_hash: str | None = None) -> LoadedImage:
         else:
             raise PromptError(f"unsupported image type {type(obj).__name__}: pass a PIL image, a path or bytes")
         img.load()
+    except Image.UnidentifiedImageError:
+        what = f" {obj}" if isinstance(obj, (str, Path)) else f" ({len(obj)} bytes)" if isinstance(
+            obj, (bytes, bytearray, memoryview)) else ""
+        raise PromptError(f"cannot read image{what}: not an image format Pillow recognises") from None
     except (OSError, Image.DecompressionBombError) as e:
         raise PromptError(f"cannot read image: {e}") from None
     if img.mode != "RGB":
