@@ -298,6 +298,32 @@ def _fp4_tile(codes_ptr, scales_ptr, row_c, row_s, nmask, GH: tl.constexpr, BLOC
 
 
 @triton.jit
+def _fp4_tile_t(codes_ptr, scales_ptr, row_c, row_s, nmask, GH: tl.constexpr, BLOCK_N: tl.constexpr,
+                PTX: tl.constexpr = False):
+    """_fp4_tile transposed: the halves as (D/2, BLOCK_N), dims along rows, so that decoded values
+    can be the row operand of the P V product (out^T = V^T P^T) without a transpose."""
+    g = tl.arange(0, GH)
+    j = tl.arange(0, 16)
+    c = tl.load(codes_ptr + row_c[None, None, :] + (g[:, None, None] * 16 + j[None, :, None]),
+                mask=nmask[None, None, :], other=0)
+    s_lo = tl.load(scales_ptr + row_s[None, :] + g[:, None], mask=nmask[None, :], other=0).to(tl.int32)
+    s_hi = tl.load(scales_ptr + row_s[None, :] + GH + g[:, None], mask=nmask[None, :], other=0).to(tl.int32)
+    s_lo = (s_lo << 20).to(tl.float32, bitcast=True) * TWO_119 * TWO_119
+    s_hi = (s_hi << 20).to(tl.float32, bitcast=True) * TWO_119 * TWO_119
+    if PTX:
+        r_lo, r_hi = _fp4_decode_bf16x2(c, s_lo.to(tl.bfloat16)[:, None, :], s_hi.to(tl.bfloat16)[:, None, :])
+        lo = tl.reshape(r_lo, [GH * 16, BLOCK_N])
+        hi = tl.reshape(r_hi, [GH * 16, BLOCK_N])
+    else:
+        c = c.to(tl.int32)
+        r_lo = (((c & 7) << 22) | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+        r_hi = (((c & 0x70) << 18) | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
+        lo = tl.reshape(r_lo * s_lo[:, None, :], [GH * 16, BLOCK_N])
+        hi = tl.reshape(r_hi * s_hi[:, None, :], [GH * 16, BLOCK_N])
+    return lo, hi
+
+
+@triton.jit
 def _paged_attn_fp4_kernel(
     # pointers
     q_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
@@ -314,7 +340,7 @@ def _paged_attn_fp4_kernel(
     # meta
     GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HALF: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_OUTLIERS: tl.constexpr, DOT_FP32: tl.constexpr,
-    KEYS_AS_ROWS: tl.constexpr, PTX_DECODE: tl.constexpr,
+    KEYS_AS_ROWS: tl.constexpr, PTX_DECODE: tl.constexpr, TRANSPOSED: tl.constexpr = False,
 ):
     """The FP4 member of the family (same tiles, splits and partials as _paged_attn_kernel).
     Keys: the group-scaled codes go through the tensor cores with q carrying the head scale; each
@@ -338,42 +364,90 @@ def _paged_attn_fp4_kernel(
     v_unit = vhs * 256.0
     inv_v_unit = 1.0 / v_unit
 
-    start, stop, m_i, l_i, acc_lo, acc_hi = _split_state(pos0, nq, split, BLOCK_M, BLOCK_N, HALF, NUM_SPLITS)
-    for n0 in range(start, stop, BLOCK_N):
-        n, nmask, blk, off = _key_block(table_ptr, seq, s_table, n0, stop, block_size, BLOCK_N)
-        row_c = tl.multiple_of(blk * sk_b + off * sk_s + kvh * sk_h, 16)
-        row_s = blk * ss_b + off * ss_s + kvh * ss_h
-        row_o = blk * si_b + off * si_s + kvh * si_h
-        row_v = blk * sv_b + off * sv_s + kvh * sv_h
-        k_lo, k_hi = _fp4_tile(kc_ptr, ks_ptr, row_c, row_s, nmask, GH, BLOCK_N, PTX_DECODE)
-        if DOT_FP32:
-            s = tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee")
-            s += tl.dot(q_hi, tl.trans(k_hi), input_precision="ieee")
-        else:
-            if KEYS_AS_ROWS:  # scores^T = K q^T: the decoded keys are the MMA's row operand as loaded
-                s = tl.trans(tl.dot(k_lo.to(tl.bfloat16), tl.trans(q_lo))
-                             + tl.dot(k_hi.to(tl.bfloat16), tl.trans(q_hi)))
+    if TRANSPOSED:
+        # scores^T = K q^T and out^T = V^T P^T (HALF, M): both decoded tiles are the row operands
+        # of their products (registers on Hopper), and only the small P^T goes through shared memory
+        start, stop = _key_range(pos0, nq, split, BLOCK_N, NUM_SPLITS)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc_lo_t = tl.zeros([HALF, BLOCK_M], tl.float32)
+        acc_hi_t = tl.zeros([HALF, BLOCK_M], tl.float32)
+        for n0 in range(start, stop, BLOCK_N):
+            n, nmask, blk, off = _key_block(table_ptr, seq, s_table, n0, stop, block_size, BLOCK_N)
+            row_c = tl.multiple_of(blk * sk_b + off * sk_s + kvh * sk_h, 16)
+            row_s = blk * ss_b + off * ss_s + kvh * ss_h
+            row_o = blk * si_b + off * si_s + kvh * si_h
+            row_v = blk * sv_b + off * sv_s + kvh * sv_h
+            k_lo, k_hi = _fp4_tile(kc_ptr, ks_ptr, row_c, row_s, nmask, GH, BLOCK_N, PTX_DECODE)
+            if DOT_FP32:
+                sc = tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee")
+                sc += tl.dot(q_hi, tl.trans(k_hi), input_precision="ieee")
             else:
-                s = tl.dot(q_lo, tl.trans(k_lo.to(tl.bfloat16)))
-                s += tl.dot(q_hi, tl.trans(k_hi.to(tl.bfloat16)))
-        for o in tl.static_range(NUM_OUTLIERS):  # unused slots hold (0, 0.0): they add nothing
-            idx = tl.load(ki_ptr + row_o + o, mask=nmask, other=0).to(tl.int32)
-            val = tl.load(kv_ptr + row_v + o, mask=nmask, other=0.0).to(tl.float32)
-            qg = tl.load(q_ptr + q_off[:, None] + idx[None, :], mask=row_ok[:, None] & nmask[None, :],
-                         other=0.0).to(tl.float32)
-            s += qg * (val * sm_scale_log2)[None, :]
-        visible = (n[None, :] <= pos[:, None]) & nmask[None, :] & row_ok[:, None]
-        p, alpha, m_new, l_i = _softmax_step(s, visible, m_i, l_i)
-        v_lo, v_hi = _fp4_tile(vc_ptr, vs_ptr, row_c, row_s, nmask, GH, BLOCK_N, PTX_DECODE)
-        for o in tl.static_range(NUM_OUTLIERS):  # the outlier's own code is 0: replace it
-            idx = tl.load(vi_ptr + row_o + o, mask=nmask, other=0).to(tl.int32)
-            val = tl.load(vv_ptr + row_v + o, mask=nmask, other=0.0).to(tl.float32)
-            idx = tl.where(val != 0.0, idx, -1)  # an unused slot (0, 0.0) must not touch channel 0
-            w = (val * inv_v_unit).to(v_lo.dtype)
-            v_lo = tl.where(d[None, :] == idx[:, None], w[:, None], v_lo)
-            v_hi = tl.where(d[None, :] + HALF == idx[:, None], w[:, None], v_hi)
-        acc_lo, acc_hi = _accumulate(acc_lo, acc_hi, alpha, p, v_lo, v_hi, DOT_FP32)
-        m_i = m_new
+                sc = tl.trans(tl.dot(k_lo.to(tl.bfloat16), tl.trans(q_lo)) + tl.dot(k_hi.to(tl.bfloat16), tl.trans(q_hi)))
+            for o in tl.static_range(NUM_OUTLIERS):
+                idx = tl.load(ki_ptr + row_o + o, mask=nmask, other=0).to(tl.int32)
+                val = tl.load(kv_ptr + row_v + o, mask=nmask, other=0.0).to(tl.float32)
+                qg = tl.load(q_ptr + q_off[:, None] + idx[None, :], mask=row_ok[:, None] & nmask[None, :],
+                             other=0.0).to(tl.float32)
+                sc += qg * (val * sm_scale_log2)[None, :]
+            visible = (n[None, :] <= pos[:, None]) & nmask[None, :] & row_ok[:, None]
+            p, alpha, m_new, l_i = _softmax_step(sc, visible, m_i, l_i)
+            pt = tl.trans(p)
+            v_lo, v_hi = _fp4_tile_t(vc_ptr, vs_ptr, row_c, row_s, nmask, GH, BLOCK_N, PTX_DECODE)
+            for o in tl.static_range(NUM_OUTLIERS):
+                idx = tl.load(vi_ptr + row_o + o, mask=nmask, other=0).to(tl.int32)
+                val = tl.load(vv_ptr + row_v + o, mask=nmask, other=0.0).to(tl.float32)
+                idx = tl.where(val != 0.0, idx, -1)
+                w = (val * inv_v_unit).to(v_lo.dtype)
+                v_lo = tl.where(d[:, None] == idx[None, :], w[None, :], v_lo)
+                v_hi = tl.where(d[:, None] + HALF == idx[None, :], w[None, :], v_hi)
+            if DOT_FP32:
+                acc_lo_t = acc_lo_t * alpha[None, :] + tl.dot(v_lo, pt, input_precision="ieee")
+                acc_hi_t = acc_hi_t * alpha[None, :] + tl.dot(v_hi, pt, input_precision="ieee")
+            else:
+                pt16 = pt.to(tl.bfloat16)
+                acc_lo_t = acc_lo_t * alpha[None, :] + tl.dot(v_lo.to(tl.bfloat16), pt16)
+                acc_hi_t = acc_hi_t * alpha[None, :] + tl.dot(v_hi.to(tl.bfloat16), pt16)
+            m_i = m_new
+        acc_lo = tl.trans(acc_lo_t)
+        acc_hi = tl.trans(acc_hi_t)
+    else:
+        start, stop, m_i, l_i, acc_lo, acc_hi = _split_state(pos0, nq, split, BLOCK_M, BLOCK_N, HALF, NUM_SPLITS)
+        for n0 in range(start, stop, BLOCK_N):
+            n, nmask, blk, off = _key_block(table_ptr, seq, s_table, n0, stop, block_size, BLOCK_N)
+            row_c = tl.multiple_of(blk * sk_b + off * sk_s + kvh * sk_h, 16)
+            row_s = blk * ss_b + off * ss_s + kvh * ss_h
+            row_o = blk * si_b + off * si_s + kvh * si_h
+            row_v = blk * sv_b + off * sv_s + kvh * sv_h
+            k_lo, k_hi = _fp4_tile(kc_ptr, ks_ptr, row_c, row_s, nmask, GH, BLOCK_N, PTX_DECODE)
+            if DOT_FP32:
+                s = tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee")
+                s += tl.dot(q_hi, tl.trans(k_hi), input_precision="ieee")
+            else:
+                if KEYS_AS_ROWS:  # scores^T = K q^T: the decoded keys are the MMA's row operand as loaded
+                    s = tl.trans(tl.dot(k_lo.to(tl.bfloat16), tl.trans(q_lo))
+                                 + tl.dot(k_hi.to(tl.bfloat16), tl.trans(q_hi)))
+                else:
+                    s = tl.dot(q_lo, tl.trans(k_lo.to(tl.bfloat16)))
+                    s += tl.dot(q_hi, tl.trans(k_hi.to(tl.bfloat16)))
+            for o in tl.static_range(NUM_OUTLIERS):  # unused slots hold (0, 0.0): they add nothing
+                idx = tl.load(ki_ptr + row_o + o, mask=nmask, other=0).to(tl.int32)
+                val = tl.load(kv_ptr + row_v + o, mask=nmask, other=0.0).to(tl.float32)
+                qg = tl.load(q_ptr + q_off[:, None] + idx[None, :], mask=row_ok[:, None] & nmask[None, :],
+                             other=0.0).to(tl.float32)
+                s += qg * (val * sm_scale_log2)[None, :]
+            visible = (n[None, :] <= pos[:, None]) & nmask[None, :] & row_ok[:, None]
+            p, alpha, m_new, l_i = _softmax_step(s, visible, m_i, l_i)
+            v_lo, v_hi = _fp4_tile(vc_ptr, vs_ptr, row_c, row_s, nmask, GH, BLOCK_N, PTX_DECODE)
+            for o in tl.static_range(NUM_OUTLIERS):  # the outlier's own code is 0: replace it
+                idx = tl.load(vi_ptr + row_o + o, mask=nmask, other=0).to(tl.int32)
+                val = tl.load(vv_ptr + row_v + o, mask=nmask, other=0.0).to(tl.float32)
+                idx = tl.where(val != 0.0, idx, -1)  # an unused slot (0, 0.0) must not touch channel 0
+                w = (val * inv_v_unit).to(v_lo.dtype)
+                v_lo = tl.where(d[None, :] == idx[:, None], w[:, None], v_lo)
+                v_hi = tl.where(d[None, :] + HALF == idx[:, None], w[:, None], v_hi)
+            acc_lo, acc_hi = _accumulate(acc_lo, acc_hi, alpha, p, v_lo, v_hi, DOT_FP32)
+            m_i = m_new
     acc_lo = acc_lo * v_unit
     acc_hi = acc_hi * v_unit
 
@@ -496,17 +570,25 @@ def paged_attention(
     v_cache: torch.Tensor | None = None,
     fp4_k: tuple | None = None,  # (codes, scales, outlier_idx, outlier_val, head_scale) views
     fp4_v: tuple | None = None,
-    block_n: int | None = None,  # keys per inner step: 128 for FP4, 64 for dense (tuned on the H200)
+    block_n: int | None = None,  # keys per inner step (default: as tuned on the H200, see below)
     num_warps: int = 4,
     num_stages: int = 2,
     out: torch.Tensor | None = None,
-    fp4_keys_as_rows: bool = False,  # FP4: scores as K q^T (a tuning variant; see bench_kernels)
+    fp4_keys_as_rows: bool | None = None,  # FP4: scores as K q^T (default: as tuned, see below)
     fp4_ptx_decode: bool | None = None,  # FP4: decode in PTX to bf16x2 (default: on CUDA sm_80+ with bf16/fp16 q)
+    fp4_transposed: bool = False,  # FP4: the tile transposed, decoded K and V both row operands (a tuning variant)
 ) -> torch.Tensor:
     n_tok, n_heads, d = q.shape
     is_fp4 = fp4_k is not None
+    # Defaults from bench_kernels' tuning on the H200 (three runs, 7B and 2B geometry, batch 32, 16k
+    # keys, one query token): dense 32 keys per step (3.5-4% faster than 64), FP4 128 keys with
+    # scores as K q^T (~5% faster). Tiles of more than 16 rows (prefill chunks, long windows) were
+    # not tuned and keep the earlier choice (dense 64 keys, FP4 q K^T).
+    small_tile = plan.block_m <= 16
     if block_n is None:
-        block_n = 128 if is_fp4 else 64
+        block_n = 128 if is_fp4 else (32 if small_tile else 64)
+    if fp4_keys_as_rows is None:
+        fp4_keys_as_rows = small_tile
     assert d % 32 == 0 and (d & (d - 1)) == 0, f"head_dim must be a power of two >= 32, got {d}"
     assert q.stride(2) == 1, "q must be contiguous in head_dim"
     if is_fp4:
@@ -550,8 +632,8 @@ def paged_attention(
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), plan.block_table.stride(0),
             *strides_k, *strides_s, *strides_o, *strides_v,
             GROUP=group, TOKENS=plan.tokens_per_tile, BLOCK_M=plan.block_m, BLOCK_N=block_n, HALF=d // 2,
-            NUM_SPLITS=splits, NUM_OUTLIERS=num_outliers, DOT_FP32=dot_fp32, KEYS_AS_ROWS=fp4_keys_as_rows,
-            PTX_DECODE=bool(fp4_ptx_decode),
+            NUM_SPLITS=splits, NUM_OUTLIERS=num_outliers, DOT_FP32=dot_fp32, KEYS_AS_ROWS=bool(fp4_keys_as_rows),
+            PTX_DECODE=bool(fp4_ptx_decode), TRANSPOSED=fp4_transposed,
             num_warps=num_warps, num_stages=num_stages,
         )
     else:

@@ -47,7 +47,7 @@ def matmul_rate() -> float:
     return 2 * 8192 ** 3 / (ms * 1e-3)
 
 
-def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float) -> list[dict]:
+def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_splits: bool = False) -> list[dict]:
     hq, hkv, d = GEOMETRIES[geo]
     n_blocks_seq = ctx // BLOCK_SIZE
     nb = batch * n_blocks_seq
@@ -58,7 +58,7 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float) -> list[
     rows = []
     io_bytes = 2 * q.numel() * q.element_size()  # q in, out
 
-    def record(name, fn, kv_bytes, extra=None):
+    def record(name, fn, kv_bytes, extra=None, splits=None):
         fn()
         torch.cuda.synchronize()
         ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
@@ -68,7 +68,7 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float) -> list[
         total = kv_bytes + io_bytes
         row = {"geometry": geo, "batch": batch, "context": ctx, "impl": name, "us": round(ms * 1e3, 2),
                "bytes": total, "GBps": round(total / (ms * 1e-3) / 1e9, 1),
-               "frac_copy_bw": round(total / (ms * 1e-3) / bw, 3), "num_splits": plan.num_splits,
+               "frac_copy_bw": round(total / (ms * 1e-3) / bw, 3), "num_splits": splits or plan.num_splits,
                "us_graph": round(ms_graph * 1e3, 2), "frac_copy_bw_graph": round(total / (ms_graph * 1e-3) / bw, 3)}
         if extra:
             row.update(extra)
@@ -80,6 +80,17 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float) -> list[
     cfg = configs["bf16"]
     record("ours_bf16_paged", lambda: paged_attention(q, plan, d ** -0.5, k_cache=k, v_cache=v, **cfg),
            2 * batch * ctx * hkv * d * 2, {"config": cfg})
+    if sweep_splits and batch <= 8:
+        # more key splits than the default heuristic allows (at most 32, >= 256 keys each): the small
+        # batches leave SMs idle with it
+        for mult in (2, 4):
+            n_sp = plan.num_splits * mult
+            if n_sp > 128 or ctx // n_sp < cfg.get("block_n", 32):
+                continue
+            plan_x = plan_tiles(list(range(batch + 1)), [ctx] * batch, tables, hq // hkv, "cuda", num_splits=n_sp)
+            record(f"ours_bf16_paged_splits{n_sp}", lambda: paged_attention(
+                q, plan_x, d ** -0.5, k_cache=k, v_cache=v, **cfg), 2 * batch * ctx * hkv * d * 2, {"config": cfg},
+                splits=n_sp)
     del k, v
     # ours, FP4 paged
     layer = FP4PagedLayer(nb, BLOCK_SIZE, hkv, d, "cuda")
@@ -122,13 +133,16 @@ def tune(geo: str = "7b", batch: int = 32, ctx: int = 16384) -> tuple[dict, list
     grid = [dict(block_n=n, num_warps=w, num_stages=s) for n in (32, 64, 128, 256) for w in (4, 8) for s in (2, 3)]
     best, log, first = {}, [], {}
     for fmt in ("bf16", "fp4"):
-        # FP4 also tries scores computed as K q^T (decoded keys as the MMA's row operand)
+        # FP4 also tries scores computed as K q^T (decoded keys as the MMA's row operand), and the
+        # transposed tile (scores as K q^T, the output as V^T P^T: decoded values as row operand too)
         variants = grid if fmt == "bf16" else grid + [dict(c, fp4_keys_as_rows=True) for c in grid
-                                                      if c["block_n"] >= 64 and c["num_warps"] == 4]
+                                                      if c["block_n"] >= 64 and c["num_warps"] == 4] \
+            + [dict(c, fp4_transposed=True) for c in grid if c["block_n"] in (64, 128) and c["num_warps"] == 4]
         for cfg in variants:
             if fmt == "bf16":
                 fn = lambda: paged_attention(q, plan, d ** -0.5, k_cache=k, v_cache=v, **cfg)  # noqa: E731
             else:
+                cfg = {"fp4_keys_as_rows": False, **cfg}  # the engine's default is the tuned choice
                 fn = lambda: paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"),  # noqa: E731
                                              fp4_v=layer.kernel_views("v"), **cfg)
             try:
@@ -159,6 +173,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument("--contexts", default="1024,4096,16384,32768")
     ap.add_argument("--geometries", default="7b,2b")
+    ap.add_argument("--sweep-splits", action="store_true",
+                    help="batch <= 8: also time our bf16 kernel at 2x and 4x the default key splits")
     a = ap.parse_args()
     t0 = time.time()
     bw = copy_bandwidth()
@@ -174,7 +190,7 @@ def main() -> None:
     for geo in a.geometries.split(","):
         for batch in map(int, a.batches.split(",")):
             for ctx in map(int, a.contexts.split(",")):
-                r = bench_one(geo, batch, ctx, configs[geo], bw)
+                r = bench_one(geo, batch, ctx, configs[geo], bw, a.sweep_splits)
                 rows += r
                 by = {x["impl"]: x for x in r}
                 print(f"{geo} B={batch:<4d} ctx={ctx:<6d} " + "  ".join(

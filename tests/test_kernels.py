@@ -158,20 +158,22 @@ def fp4_layer_with_outliers(nb, bs, kv_heads, d, seed=0, head_scale=fp4.DEFAULT_
     return layer
 
 
+@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("q_lens,ctx_lens", CASES)
-def test_paged_attention_fp4_matches_reference(q_lens, ctx_lens):
+def test_paged_attention_fp4_matches_reference(q_lens, ctx_lens, transposed):
     heads, kv_heads, d, bs, nb = 4, 2, 64, 4, 40
     q, qs, tables = make_batch(q_lens, ctx_lens, heads, kv_heads, d, bs, nb, seed=1)
     layer = fp4_layer_with_outliers(nb, bs, kv_heads, d)
     assert (layer.v["oval"] != 0).any() and (layer.k["oval"] != 0).any() and (layer.v["oval"] == 0).any()
     plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=2)
     out = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
-                          block_n=16)
+                          block_n=16, fp4_transposed=transposed)
     ref = paged_attention_ref(q, layer.gather, qs, ctx_lens, tables, bs, d ** -0.5)
     assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4), (out - ref).abs().max()
 
 
-def test_paged_attention_fp4_head_dim_128_non_power_of_two_head_scale():
+@pytest.mark.parametrize("transposed", [False, True])
+def test_paged_attention_fp4_head_dim_128_non_power_of_two_head_scale(transposed):
     """The real models' head_dim (128: four 16-dim groups per half), a head scale that is not a
     power of two, one split; bf16 queries on a GPU (the interpreter's bf16 dot is not usable on
     CPU), float32 under the interpreter."""
@@ -182,16 +184,17 @@ def test_paged_attention_fp4_head_dim_128_non_power_of_two_head_scale():
     layer = fp4_layer_with_outliers(nb, bs, kv_heads, d, seed=4, head_scale=0.07)
     plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=1)
     out = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
-                          block_n=16)
+                          block_n=16, fp4_transposed=transposed)
     ref = paged_attention_ref(q.float(), layer.gather, qs, ctx_lens, tables, bs, d ** -0.5)
     err = (out.float() - ref).abs().max() / ref.abs().max()
     assert err < (2e-2 if dtype == torch.bfloat16 else 1e-5), err
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernel at the 7B geometry: GPU only")
-@pytest.mark.parametrize("block_n,num_warps,keys_as_rows", [(64, 4, False), (128, 4, False), (128, 8, False),
-                                                             (256, 4, False), (128, 4, True)])
-def test_paged_attention_fp4_7b_geometry_on_gpu(block_n, num_warps, keys_as_rows):
+@pytest.mark.parametrize("block_n,num_warps,keys_as_rows,transposed", [
+    (64, 4, False, False), (128, 4, False, False), (128, 8, False, False), (256, 4, False, False),
+    (128, 4, True, False), (64, 4, False, True), (128, 4, False, True)])
+def test_paged_attention_fp4_7b_geometry_on_gpu(block_n, num_warps, keys_as_rows, transposed):
     heads, kv_heads, d, bs = 28, 4, 128, 16
     q_lens, ctx_lens = [1] * 5 + [5, 16], [4096, 1, 77, 1000, 2049, 300, 1500]
     nb = sum(-(-c // bs) for c in ctx_lens) + 3
@@ -201,7 +204,8 @@ def test_paged_attention_fp4_7b_geometry_on_gpu(block_n, num_warps, keys_as_rows
     for splits in (1, 8):
         plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=splits)
         out = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
-                              block_n=block_n, num_warps=num_warps, fp4_keys_as_rows=keys_as_rows)
+                              block_n=block_n, num_warps=num_warps, fp4_keys_as_rows=keys_as_rows,
+                              fp4_transposed=transposed)
         err = ((out.float() - ref).abs().amax(-1) / ref.abs().amax(-1)).max()
         assert err < 2e-2, (splits, err)
 
