@@ -456,6 +456,13 @@ def part_d(folder: Path, args, env: dict) -> dict:
                                  "seconds": round(dt, 3), "tokens_per_s": round(len(reqs) * args.mem_new_tokens / dt, 1),
                                  "num_blocks": info["num_blocks"], "bytes_per_token": info["bytes_per_token"],
                                  "preemptions": info["num_preemptions"],
+                                 # steps that only decoded: the memory-bound phase, without the page
+                                 # encodes and prefills that dominate `seconds`
+                                 "decode_steps": llm.num_decode_steps,
+                                 "decode_tokens_per_s": round(llm.num_decode_step_tokens
+                                                              / max(llm.decode_step_seconds, 1e-9), 1),
+                                 "mean_decode_batch": round(llm.num_decode_step_tokens
+                                                            / max(llm.num_decode_steps, 1), 1),
                                  # the figure is the memory's limit only if the pool was the constraint
                                  "capacity_bound": info["num_preemptions"] > 0
                                  or llm.scheduler.max_running < len(reqs)}
@@ -468,6 +475,8 @@ def part_d(folder: Path, args, env: dict) -> dict:
         a, b = args.kv[0], args.kv[1]
         res[f"{b}_vs_{a}_q1"] = round(res[f"{b}_q1"]["max_running"] / max(1, res[f"{a}_q1"]["max_running"]), 2)
         res[f"{b}_vs_{a}_q1_tokens_per_s"] = round(res[f"{b}_q1"]["tokens_per_s"] / res[f"{a}_q1"]["tokens_per_s"], 3)
+        res[f"{b}_vs_{a}_q1_decode_tokens_per_s"] = round(
+            res[f"{b}_q1"]["decode_tokens_per_s"] / res[f"{a}_q1"]["decode_tokens_per_s"], 3)
     return res
 
 

@@ -42,3 +42,7 @@ def test_bench_engine_small_on_cpu(tmp_path):
     assert d["fp4_q1"]["max_running"] > d["fp32_q1"]["max_running"]
     assert d["fp32_q4"]["max_running"] > d["fp32_q1"]["max_running"]
     assert d["fp4_q1"]["tokens_per_s"] > 0 and d["fp4_vs_fp32_q1_tokens_per_s"] > 0
+    # the decode-only rate counts pure decode steps: at least one such step, batches of >= 1
+    assert all(d[f"{kv}_q{q}"]["decode_steps"] > 0 and d[f"{kv}_q{q}"]["mean_decode_batch"] >= 1
+               and d[f"{kv}_q{q}"]["decode_tokens_per_s"] > 0 for kv in ("fp32", "fp4") for q in (1, 4))
+    assert d["fp4_vs_fp32_q1_decode_tokens_per_s"] > 0

@@ -126,6 +126,9 @@ class LLM:
         self.num_steps = 0
         self.num_step_tokens = 0
         self.step_seconds = 0.0
+        self.num_decode_steps = 0  # plain steps that only decoded (the memory-bound part of a run)
+        self.num_decode_step_tokens = 0
+        self.decode_step_seconds = 0.0
 
     # ---- public ----------------------------------------------------------------------------
     def generate(
@@ -303,6 +306,10 @@ class LLM:
         self.num_steps += 1
         self.num_step_tokens += result.num_tokens
         self.step_seconds += result.seconds
+        if len(out.decoding) == len(out.scheduled):  # a pure decode step (no prefill chunk in it)
+            self.num_decode_steps += 1
+            self.num_decode_step_tokens += result.num_tokens
+            self.decode_step_seconds += result.seconds
         now = time.perf_counter()
         for seq, end in ends:
             seq.num_computed_tokens = end
