@@ -9,8 +9,8 @@ JSON file; a part that fails records its error and the others still run.
     python scripts/bench_engine.py --geometry tiny --draft-geometry tiny-draft --device cpu --small \
         --kv fp32,fp4 --json /tmp/b.json   # CPU check (tests/test_bench_engine.py)
 
-On the device so far (2026-11-30): part a twice (BENCHMARKS.md, with a profile); part c once with
-an earlier acceptance control that failed (rewritten since, not re-run); parts b and d never.
+On the device so far (2026-11-30): every part, several times (BENCHMARKS.md); part d only at 4 GiB,
+256 requests x 64 tokens, before its decode-only figure existed.
 
 (a) batch-1 decode: tokens/s of ours and of transformers' `generate` on the same weights and
     prompt (one page + a question), and the bandwidth roofline: (LM weight bytes + KV bytes of
@@ -25,7 +25,9 @@ an earlier acceptance control that failed (rewritten since, not re-run); parts b
     forward time / target step time measured by the engine in the run (and with r, the target's
     extra cost per verified position).
 (d) memory: at one fixed KV budget, the most sequences running at once (measured in the
-    scheduler) for bf16 and FP4 KV, with 1 query per page and with 4 queries per page.
+    scheduler) for bf16 and FP4 KV, with 1 query per page and with 4 queries per page, and the
+    tokens/s of the steps that only decoded (the memory-bound phase; the whole run's tokens/s is
+    dominated by the page encodes and prefills).
 """
 from __future__ import annotations
 
@@ -507,9 +509,12 @@ def main() -> None:
                     help="part c: alternated plain/speculative pass pairs per figure")
     ap.add_argument("--spec-kv-bytes", type=int, default=8 << 30,
                     help="part c: KV cache bytes of each engine (the plain and the speculative one are loaded together)")
-    ap.add_argument("--kv-budget", type=int, default=4 << 30)
-    ap.add_argument("--mem-requests", type=int, default=512)
-    ap.add_argument("--mem-new-tokens", type=int, default=256)
+    # part d: a 1 GiB pool holds ~27 one-query bf16 sequences of a 1,300-token page at 2B geometry, so
+    # every configuration but FP4 with 4 queries a page is capacity-bound with 256 requests (at
+    # 4 GiB and 256 requests only bf16 with one query was; 512 x 256 tokens did not finish in 160 s)
+    ap.add_argument("--kv-budget", type=int, default=1 << 30)
+    ap.add_argument("--mem-requests", type=int, default=256)
+    ap.add_argument("--mem-new-tokens", type=int, default=64)
     ap.add_argument("--prefetch-workers", type=int, default=None,
                     help="image preprocessing threads (default: the engine's: up to 8 beside a GPU; 0: inline)")
     ap.add_argument("--profile-steps", type=int, default=0, help="part a: also profile this many decode steps")
