@@ -221,42 +221,38 @@ def _paged_attn_kernel(
                 row_ok, d, so_t, so_h, BLOCK_M, HALF, NUM_SPLITS)
 
 
+def _fp4_decode_ptx() -> str:
+    """The PTX of _fp4_decode_bf16x2, one instance per 4 code bytes ($4) and their scales ($5-$8, bf16
+    pairs): outputs $0, $1 (low nibbles' values of bytes 0-1, 2-3) and $2, $3 (high nibbles')."""
+    lines = ["{", ".reg .b32 t01, t23, x, z;", "mov.b32 z, 0x80008000;",
+             "prmt.b32 t01, $4, 0, 0x4140;",  # bytes 0, 1 -> the low byte of each 16-bit lane
+             "prmt.b32 t23, $4, 0, 0x4342;"]  # bytes 2, 3
+    # (output, lanes, nibble mask, multiplier placing magnitude at bits 6-8 and sign at 15, scale)
+    for out, src, mask, mul, scale in (("$0", "t01", "0x000F000F", "0x1040", "$5"),
+                                       ("$1", "t23", "0x000F000F", "0x1040", "$6"),
+                                       ("$2", "t01", "0x00F000F0", "0x104", "$7"),
+                                       ("$3", "t23", "0x00F000F0", "0x104", "$8")):
+        lines += [f"and.b32 x, {src}, {mask};", f"mul.lo.u32 x, x, {mul};", "and.b32 x, x, 0x81C081C0;",
+                  f"fma.rn.bf16x2 {out}, x, {scale}, z;"]
+    return "\n".join(lines + ["}"])
+
+
+FP4_DECODE_PTX = tl.constexpr(_fp4_decode_ptx())
+
+
 @triton.jit
 def _fp4_decode_bf16x2(c, s_lo, s_hi):
     """(lo, hi) bf16 = (low nibble's E2M1 value x s_lo, high nibble's x s_hi) x 2^-126, for uint8
-    codes c and bf16 scales s_lo, s_hi (broadcast to c's shape), in PTX on 32-bit words: per 4 code bytes, two PRMTs
-    spread bytes into 16-bit lanes; per pair of values an AND isolates the nibbles, one IMAD writes
-    the 3 magnitude bits at bf16 bits 6-8 (the exponent's two low bits and the mantissa's top bit)
-    and a copy of the sign bit at bit 15, an AND keeps those, and one bf16x2 multiply applies the
-    scale (a bf16x2 FMA with -0 added: exactly the product). The nibble as bf16 bits is the code's value x 2^-126 exactly (0 and 0.5 are subnormal),
-    and the product (<= 6 significant bits) is exact, so this equals the float32 decode bit for bit.
-    CUDA sm_80+ (fma.rn.bf16x2, -0 addend) only; the interpreter and float32 paths use _fp4_tile's float32
-    decode."""
+    codes c and bf16 scales s_lo, s_hi (broadcast to c's shape), in PTX on 32-bit words
+    (FP4_DECODE_PTX): per 4 code bytes, two PRMTs spread the bytes into 16-bit lanes; per pair of
+    values an AND isolates the nibbles, one IMAD writes the 3 magnitude bits at bf16 bits 6-8 (the
+    exponent's two low bits and the mantissa's top bit) and a copy of the sign bit at bit 15, an
+    AND keeps those, and a bf16x2 FMA with -0 added multiplies by the scale. The nibble as bf16
+    bits is the code's value x 2^-126 exactly (0 and 0.5 are subnormal), and the product (<= 6
+    significant bits) is exact, so this equals the float32 decode bit for bit. CUDA sm_80+ only;
+    the interpreter and the float32 path use _fp4_tile's float32 decode."""
     return tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 t01, t23, x, z;
-        mov.b32 z, 0x80008000;
-        prmt.b32 t01, $4, 0, 0x4140;
-        prmt.b32 t23, $4, 0, 0x4342;
-        and.b32 x, t01, 0x000F000F;
-        mul.lo.u32 x, x, 0x1040;
-        and.b32 x, x, 0x81C081C0;
-        fma.rn.bf16x2 $0, x, $5, z;
-        and.b32 x, t23, 0x000F000F;
-        mul.lo.u32 x, x, 0x1040;
-        and.b32 x, x, 0x81C081C0;
-        fma.rn.bf16x2 $1, x, $6, z;
-        and.b32 x, t01, 0x00F000F0;
-        mul.lo.u32 x, x, 0x104;
-        and.b32 x, x, 0x81C081C0;
-        fma.rn.bf16x2 $2, x, $7, z;
-        and.b32 x, t23, 0x00F000F0;
-        mul.lo.u32 x, x, 0x104;
-        and.b32 x, x, 0x81C081C0;
-        fma.rn.bf16x2 $3, x, $8, z;
-        }
-        """,
+        asm=FP4_DECODE_PTX,
         constraints="=r,=r,=r,=r,r,r,r,r,r",
         args=[c, s_lo, s_hi], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
@@ -364,90 +360,68 @@ def _paged_attn_fp4_kernel(
     v_unit = vhs * 256.0
     inv_v_unit = 1.0 / v_unit
 
+    start, stop, m_i, l_i, acc_lo, acc_hi = _split_state(pos0, nq, split, BLOCK_M, BLOCK_N, HALF, NUM_SPLITS)
     if TRANSPOSED:
-        # scores^T = K q^T and out^T = V^T P^T (HALF, M): both decoded tiles are the row operands
-        # of their products (registers on Hopper), and only the small P^T goes through shared memory
-        start, stop = _key_range(pos0, nq, split, BLOCK_N, NUM_SPLITS)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc_lo_t = tl.zeros([HALF, BLOCK_M], tl.float32)
-        acc_hi_t = tl.zeros([HALF, BLOCK_M], tl.float32)
-        for n0 in range(start, stop, BLOCK_N):
-            n, nmask, blk, off = _key_block(table_ptr, seq, s_table, n0, stop, block_size, BLOCK_N)
-            row_c = tl.multiple_of(blk * sk_b + off * sk_s + kvh * sk_h, 16)
-            row_s = blk * ss_b + off * ss_s + kvh * ss_h
-            row_o = blk * si_b + off * si_s + kvh * si_h
-            row_v = blk * sv_b + off * sv_s + kvh * sv_h
-            k_lo, k_hi = _fp4_tile(kc_ptr, ks_ptr, row_c, row_s, nmask, GH, BLOCK_N, PTX_DECODE)
-            if DOT_FP32:
-                sc = tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee")
-                sc += tl.dot(q_hi, tl.trans(k_hi), input_precision="ieee")
+        # out^T = V^T P^T (HALF, M): the decoded values are the row operand of their product
+        # (registers on Hopper, like the keys with KEYS_AS_ROWS), only the small P^T goes through
+        # shared memory
+        acc_lo = tl.zeros([HALF, BLOCK_M], tl.float32)
+        acc_hi = tl.zeros([HALF, BLOCK_M], tl.float32)
+    for n0 in range(start, stop, BLOCK_N):
+        n, nmask, blk, off = _key_block(table_ptr, seq, s_table, n0, stop, block_size, BLOCK_N)
+        row_c = tl.multiple_of(blk * sk_b + off * sk_s + kvh * sk_h, 16)
+        row_s = blk * ss_b + off * ss_s + kvh * ss_h
+        row_o = blk * si_b + off * si_s + kvh * si_h
+        row_v = blk * sv_b + off * sv_s + kvh * sv_h
+        k_lo, k_hi = _fp4_tile(kc_ptr, ks_ptr, row_c, row_s, nmask, GH, BLOCK_N, PTX_DECODE)
+        if DOT_FP32:
+            s = tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee")
+            s += tl.dot(q_hi, tl.trans(k_hi), input_precision="ieee")
+        else:
+            if KEYS_AS_ROWS or TRANSPOSED:  # scores^T = K q^T: the decoded keys are the MMA's row operand
+                s = tl.trans(tl.dot(k_lo.to(tl.bfloat16), tl.trans(q_lo))
+                             + tl.dot(k_hi.to(tl.bfloat16), tl.trans(q_hi)))
             else:
-                sc = tl.trans(tl.dot(k_lo.to(tl.bfloat16), tl.trans(q_lo)) + tl.dot(k_hi.to(tl.bfloat16), tl.trans(q_hi)))
-            for o in tl.static_range(NUM_OUTLIERS):
-                idx = tl.load(ki_ptr + row_o + o, mask=nmask, other=0).to(tl.int32)
-                val = tl.load(kv_ptr + row_v + o, mask=nmask, other=0.0).to(tl.float32)
-                qg = tl.load(q_ptr + q_off[:, None] + idx[None, :], mask=row_ok[:, None] & nmask[None, :],
-                             other=0.0).to(tl.float32)
-                sc += qg * (val * sm_scale_log2)[None, :]
-            visible = (n[None, :] <= pos[:, None]) & nmask[None, :] & row_ok[:, None]
-            p, alpha, m_new, l_i = _softmax_step(sc, visible, m_i, l_i)
-            pt = tl.trans(p)
+                s = tl.dot(q_lo, tl.trans(k_lo.to(tl.bfloat16)))
+                s += tl.dot(q_hi, tl.trans(k_hi.to(tl.bfloat16)))
+        for o in tl.static_range(NUM_OUTLIERS):  # unused slots hold (0, 0.0): they add nothing
+            idx = tl.load(ki_ptr + row_o + o, mask=nmask, other=0).to(tl.int32)
+            val = tl.load(kv_ptr + row_v + o, mask=nmask, other=0.0).to(tl.float32)
+            qg = tl.load(q_ptr + q_off[:, None] + idx[None, :], mask=row_ok[:, None] & nmask[None, :],
+                         other=0.0).to(tl.float32)
+            s += qg * (val * sm_scale_log2)[None, :]
+        visible = (n[None, :] <= pos[:, None]) & nmask[None, :] & row_ok[:, None]
+        p, alpha, m_new, l_i = _softmax_step(s, visible, m_i, l_i)
+        if TRANSPOSED:
             v_lo, v_hi = _fp4_tile_t(vc_ptr, vs_ptr, row_c, row_s, nmask, GH, BLOCK_N, PTX_DECODE)
-            for o in tl.static_range(NUM_OUTLIERS):
-                idx = tl.load(vi_ptr + row_o + o, mask=nmask, other=0).to(tl.int32)
-                val = tl.load(vv_ptr + row_v + o, mask=nmask, other=0.0).to(tl.float32)
-                idx = tl.where(val != 0.0, idx, -1)
-                w = (val * inv_v_unit).to(v_lo.dtype)
+        else:
+            v_lo, v_hi = _fp4_tile(vc_ptr, vs_ptr, row_c, row_s, nmask, GH, BLOCK_N, PTX_DECODE)
+        for o in tl.static_range(NUM_OUTLIERS):  # the outlier's own code is 0: replace it
+            idx = tl.load(vi_ptr + row_o + o, mask=nmask, other=0).to(tl.int32)
+            val = tl.load(vv_ptr + row_v + o, mask=nmask, other=0.0).to(tl.float32)
+            idx = tl.where(val != 0.0, idx, -1)  # an unused slot (0, 0.0) must not touch channel 0
+            w = (val * inv_v_unit).to(v_lo.dtype)
+            if TRANSPOSED:
                 v_lo = tl.where(d[:, None] == idx[None, :], w[None, :], v_lo)
                 v_hi = tl.where(d[:, None] + HALF == idx[None, :], w[None, :], v_hi)
-            if DOT_FP32:
-                acc_lo_t = acc_lo_t * alpha[None, :] + tl.dot(v_lo, pt, input_precision="ieee")
-                acc_hi_t = acc_hi_t * alpha[None, :] + tl.dot(v_hi, pt, input_precision="ieee")
             else:
-                pt16 = pt.to(tl.bfloat16)
-                acc_lo_t = acc_lo_t * alpha[None, :] + tl.dot(v_lo.to(tl.bfloat16), pt16)
-                acc_hi_t = acc_hi_t * alpha[None, :] + tl.dot(v_hi.to(tl.bfloat16), pt16)
-            m_i = m_new
-        acc_lo = tl.trans(acc_lo_t)
-        acc_hi = tl.trans(acc_hi_t)
-    else:
-        start, stop, m_i, l_i, acc_lo, acc_hi = _split_state(pos0, nq, split, BLOCK_M, BLOCK_N, HALF, NUM_SPLITS)
-        for n0 in range(start, stop, BLOCK_N):
-            n, nmask, blk, off = _key_block(table_ptr, seq, s_table, n0, stop, block_size, BLOCK_N)
-            row_c = tl.multiple_of(blk * sk_b + off * sk_s + kvh * sk_h, 16)
-            row_s = blk * ss_b + off * ss_s + kvh * ss_h
-            row_o = blk * si_b + off * si_s + kvh * si_h
-            row_v = blk * sv_b + off * sv_s + kvh * sv_h
-            k_lo, k_hi = _fp4_tile(kc_ptr, ks_ptr, row_c, row_s, nmask, GH, BLOCK_N, PTX_DECODE)
-            if DOT_FP32:
-                s = tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee")
-                s += tl.dot(q_hi, tl.trans(k_hi), input_precision="ieee")
-            else:
-                if KEYS_AS_ROWS:  # scores^T = K q^T: the decoded keys are the MMA's row operand as loaded
-                    s = tl.trans(tl.dot(k_lo.to(tl.bfloat16), tl.trans(q_lo))
-                                 + tl.dot(k_hi.to(tl.bfloat16), tl.trans(q_hi)))
-                else:
-                    s = tl.dot(q_lo, tl.trans(k_lo.to(tl.bfloat16)))
-                    s += tl.dot(q_hi, tl.trans(k_hi.to(tl.bfloat16)))
-            for o in tl.static_range(NUM_OUTLIERS):  # unused slots hold (0, 0.0): they add nothing
-                idx = tl.load(ki_ptr + row_o + o, mask=nmask, other=0).to(tl.int32)
-                val = tl.load(kv_ptr + row_v + o, mask=nmask, other=0.0).to(tl.float32)
-                qg = tl.load(q_ptr + q_off[:, None] + idx[None, :], mask=row_ok[:, None] & nmask[None, :],
-                             other=0.0).to(tl.float32)
-                s += qg * (val * sm_scale_log2)[None, :]
-            visible = (n[None, :] <= pos[:, None]) & nmask[None, :] & row_ok[:, None]
-            p, alpha, m_new, l_i = _softmax_step(s, visible, m_i, l_i)
-            v_lo, v_hi = _fp4_tile(vc_ptr, vs_ptr, row_c, row_s, nmask, GH, BLOCK_N, PTX_DECODE)
-            for o in tl.static_range(NUM_OUTLIERS):  # the outlier's own code is 0: replace it
-                idx = tl.load(vi_ptr + row_o + o, mask=nmask, other=0).to(tl.int32)
-                val = tl.load(vv_ptr + row_v + o, mask=nmask, other=0.0).to(tl.float32)
-                idx = tl.where(val != 0.0, idx, -1)  # an unused slot (0, 0.0) must not touch channel 0
-                w = (val * inv_v_unit).to(v_lo.dtype)
                 v_lo = tl.where(d[None, :] == idx[:, None], w[:, None], v_lo)
                 v_hi = tl.where(d[None, :] + HALF == idx[:, None], w[:, None], v_hi)
+        if TRANSPOSED:
+            pt = tl.trans(p)
+            if DOT_FP32:
+                acc_lo = acc_lo * alpha[None, :] + tl.dot(v_lo, pt, input_precision="ieee")
+                acc_hi = acc_hi * alpha[None, :] + tl.dot(v_hi, pt, input_precision="ieee")
+            else:
+                pt = pt.to(tl.bfloat16)
+                acc_lo = acc_lo * alpha[None, :] + tl.dot(v_lo.to(tl.bfloat16), pt)
+                acc_hi = acc_hi * alpha[None, :] + tl.dot(v_hi.to(tl.bfloat16), pt)
+        else:
             acc_lo, acc_hi = _accumulate(acc_lo, acc_hi, alpha, p, v_lo, v_hi, DOT_FP32)
-            m_i = m_new
+        m_i = m_new
+    if TRANSPOSED:
+        acc_lo = tl.trans(acc_lo)
+        acc_hi = tl.trans(acc_hi)
     acc_lo = acc_lo * v_unit
     acc_hi = acc_hi * v_unit
 
