@@ -26,8 +26,10 @@ def default_workers(device: torch.device) -> int:
 
 class ImagePrefetcher:
     """Pixel values by image content hash: `prefetch` starts them, `take` returns them (waiting
-    for a started one, computing a missing one inline). At most `max_pending` results are held
-    (an 868 x 1092 page is ~23 MB of float32 patches), oldest first out."""
+    for a started one, computing a missing one inline). At most `max_pending` images are started
+    and not yet taken (an 868 x 1092 page is ~23 MB of float32 patches); beyond that, `prefetch`
+    starts nothing until `take` has collected some. A pinned result's host-to-device copy is
+    non-blocking: PyTorch's pinned-memory allocator keeps the block until the copy is done."""
 
     def __init__(self, processor, workers: int, pin: bool, max_pending: int = 32) -> None:
         self.processor = processor
