@@ -4,9 +4,9 @@ contiguous K/V), for batch in {1, 8, 32, 128} x context in {1k, 4k, 16k, 32k} at
 
 Reports median microseconds (triton.testing.do_bench: host-launched, L2 flushed; and
 do_bench_cudagraph: replayed from a CUDA graph as the engine runs decode, L2 not flushed), bytes
-read (K and V as stored, plus q and out), GB/s, and the fraction of the device-to-device copy bandwidth measured in the same run. Our
-kernels' tile and warp configuration is tuned per geometry first (B = 32, 16k keys; every
-variant's output checked against the first's).
+read (K and V as stored, plus q and out), GB/s, and the fraction of the device-to-device copy
+bandwidth measured in the same run. Our kernels' tile and warp configuration is tuned per
+geometry first (B = 32, 16k keys; every variant's output checked against the first's).
 
     python scripts/bench_kernels.py --json bench/results/kernels.json
 """
