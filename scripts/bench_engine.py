@@ -245,30 +245,38 @@ def part_a(folder: Path, args, env: dict) -> dict:
             **({"profile": profile} if profile else {})}
 
 
-def profile_decode(llm, req, args) -> dict:
-    """Where a batch-1 decode step's time goes: torch.profiler over --profile-steps decode steps
-    (after a prefix-cached prompt), the top operators by device time and by host time, and the
-    device-busy share of the wall time."""
+def profile_summary(fn, device: str) -> dict:
+    """Run fn under torch.profiler: wall seconds, device-busy seconds (the sum of every device
+    op's own time; less than the wall time when the device waited for the host), and the top 20
+    operators by device time and by host time."""
     from torch.profiler import ProfilerActivity, profile
 
-    n = args.profile_steps
-    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    llm.generate([req], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # prompt now cached
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
-    sync(args.device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    sync(device)
     t0 = time.perf_counter()
     with profile(activities=acts) as prof:
-        llm.generate([req], sp)
-        sync(args.device)
+        fn()
+        sync(device)
     wall = time.perf_counter() - t0
     ka = prof.key_averages()
     dev_key = "self_device_time_total" if hasattr(ka[0], "self_device_time_total") else "self_cuda_time_total"
-    busy_us = sum(getattr(e, dev_key, 0) for e in ka) if args.device == "cuda" else 0.0
+    busy_us = sum(getattr(e, dev_key, 0) for e in ka) if device == "cuda" else 0.0
     rows = lambda key: [{"op": e.key, "calls": e.count, "self_us": round(getattr(e, key), 1)}  # noqa: E731
                         for e in sorted(ka, key=lambda e: -getattr(e, key))[:20]]
-    return {"steps": n, "wall_s": round(wall, 4), "wall_ms_per_step": round(1e3 * wall / n, 3),
-            "device_busy_ms_per_step": round(busy_us / 1e3 / n, 3),
-            "top_device": rows(dev_key) if args.device == "cuda" else [], "top_host": rows("self_cpu_time_total")}
+    return {"wall_s": round(wall, 4), "device_busy_s": round(busy_us / 1e6, 4),
+            "top_device": rows(dev_key) if device == "cuda" else [], "top_host": rows("self_cpu_time_total")}
+
+
+def profile_decode(llm, req, args) -> dict:
+    """Where a batch-1 decode step's time goes: profile_summary over --profile-steps decode steps
+    (after a prefix-cached prompt), per step."""
+    n = args.profile_steps
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    llm.generate([req], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # prompt now cached
+    prof = profile_summary(lambda: llm.generate([req], sp), args.device)
+    return {"steps": n, "wall_s": prof["wall_s"], "wall_ms_per_step": round(1e3 * prof["wall_s"] / n, 3),
+            "device_busy_ms_per_step": round(1e3 * prof["device_busy_s"] / n, 3),
+            "top_device": prof["top_device"], "top_host": prof["top_host"]}
 
 
 def part_b(folder: Path, args, env: dict) -> dict:
@@ -301,6 +309,12 @@ def part_b(folder: Path, args, env: dict) -> dict:
                                                 "inline": llm.runner.prefetcher.num_inline}}
         res["flops_per_page"] = f
         res["compute_roofline_pages_per_s"] = round(roofline_pages, 3)
+        if args.profile_docs and kv == args.kv[0]:
+            # where the offline batch's time goes: fresh documents (nothing cached), profiled
+            preqs = [request(5000 + i, QUESTIONS[j % len(QUESTIONS)], args)
+                     for i in range(args.profile_docs) for j in range(q)]
+            res[f"profile_{kv}"] = {"documents": args.profile_docs,
+                                    **profile_summary(lambda: llm.generate(preqs, sp), args.device)}
         if kv == args.kv[0]:
             inputs_all = [hf_batch(llm, reqs[i:i + b], args.device) for b in args.hf_batches for i in [0]]
         del llm
@@ -518,6 +532,8 @@ def main() -> None:
     ap.add_argument("--prefetch-workers", type=int, default=None,
                     help="image preprocessing threads (default: the engine's: up to 8 beside a GPU; 0: inline)")
     ap.add_argument("--profile-steps", type=int, default=0, help="part a: also profile this many decode steps")
+    ap.add_argument("--profile-docs", type=int, default=0,
+                    help="part b: also profile a pass over this many fresh documents (first KV format)")
     ap.add_argument("--small", action="store_true", help="CPU check: tiny sizes everywhere")
     a = ap.parse_args()
     a.kv = a.kv.split(",")

@@ -15,7 +15,8 @@ def test_bench_engine_small_on_cpu(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_engine.py"), "--small", "--device", "cpu",
                            "--geometry", "tiny", "--draft-geometry", "tiny-draft", "--kv", "fp32,fp4",
-                           "--accept", "0.5,1.0", "--work", str(tmp_path / "models"), "--json", str(out)],
+                           "--accept", "0.5,1.0", "--profile-steps", "2", "--profile-docs", "1",
+                           "--work", str(tmp_path / "models"), "--json", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
@@ -25,8 +26,10 @@ def test_bench_engine_small_on_cpu(tmp_path):
     # timings are noise at this size (and timed assertions do not belong in tests): only their presence
     assert all(isinstance(a[k], float) for k in ("ours_tokens_per_s", "transformers_tokens_per_s", "share_of_roofline"))
     assert a["bytes_per_step"] > 0 and a["prompt_tokens"] > 300  # one 448x560 page: 320 image tokens
+    assert a["profile"]["steps"] == 2 and a["profile"]["top_host"]
     b = r["b_offline_batch"]
     assert b["ours_fp32"]["cached_prompt_tokens"] > 0  # the queries of a page share its prefix
+    assert b["profile_fp32"]["documents"] == 1 and b["profile_fp32"]["wall_s"] > 0 and b["profile_fp32"]["top_host"]
     assert b["transformers_best"]["batch"] in (2, 4) and b["flops_per_page"]["total"] > 0
     runs = r["c_speculation"]["runs"]
     assert all(x["acceptance_rate"] == 1.0 for x in runs if x["a"] == 1.0 and x["k"] == 4)
