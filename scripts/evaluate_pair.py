@@ -232,9 +232,11 @@ def model_card(report: dict, args, state: dict | None) -> str:
               f"target's: {same_trunk(args.target, args.draft)}",
               "", "## Training", ""]
     if state:
-        lines.append(f"- steps: target {state.get('step')}, draft distillation {state.get('distill_step')}; device "
-                     f"training time {(state.get('train_seconds', 0) + state.get('distill_seconds', 0)) / 60:.1f} min "
-                     f"on {state.get('device', 'an unrecorded device')}")
+        earlier = (f" (after {state['earlier_distill_steps']} steps of an earlier distillation, from a less "
+                   "trained target)") if state.get("earlier_distill_steps") else ""
+        seconds = state.get("train_seconds", 0) + state.get("distill_seconds", 0) + state.get("earlier_distill_seconds", 0)
+        lines.append(f"- steps: target {state.get('step')}, draft distillation {state.get('distill_step')}{earlier}; "
+                     f"device training time {seconds / 60:.1f} min on {state.get('device', 'an unrecorded device')}")
     pre = json.loads((Path(args.target) / "preprocessor_config.json").read_text())
     lines += ["- recipe (details: the module docstring of `scripts/train_tiny.py`; every run: BENCHMARKS.md): "
               "AdamW (betas 0.9/0.95, weight decay 0.01), cosine LR from 7e-4 over the planned minutes, bf16 "

@@ -32,8 +32,10 @@ Every eval reports, on held-out documents, the target's teacher-forced whole-ans
 query and on bands, the same with each document's features swapped for another document's (it
 must collapse if the image reaches the answer), the draft's top-1 agreement with the target, and the dense heads' glyph accuracy on bands.
 Each stage resumes from WORK (weights, optimizer state, step): on a warm device the optimizer
-state is there; carried back through $OUT only the bf16 weights travel (the optimizer restarts,
-with a short warm-up). `--micro` shrinks everything to run a few steps on a CPU (the tests do).
+state and the float32 weights are there; carried back through $OUT only the bf16 weights travel
+(the optimizer restarts, with a short warm-up). Raising --target-minutes after a finished plan
+trains the target again and then distils the draft again. `--micro` shrinks everything to run a
+few steps on a CPU (the tests do).
 """
 from __future__ import annotations
 
@@ -378,14 +380,15 @@ def build(work: Path, size: str):
 
 
 def save(model, tok, folder: Path) -> None:
+    import copy
     import shutil
 
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.to(torch.bfloat16).save_pretrained(str(tmp), max_shard_size="15MB")  # $OUT takes files up to 16 MiB
-    model.to(torch.float32)
+    # a bf16 copy: converting the live model and back would round its float32 weights at every save
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(str(tmp), max_shard_size="15MB")  # $OUT: files <= 16 MiB
     tok.save_pretrained(str(tmp))
     Qwen2VLImageProcessorPil(**IMAGE).save_pretrained(str(tmp))
     (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": tok.convert_tokens_to_ids("<|im_end|>")}))
@@ -504,9 +507,28 @@ def save_all(work: Path, step_fn, tok, opts: dict, state: dict) -> None:
     save(target, tok, work / "target")
     save(draft, tok, work / "draft")
     torch.save(step_fn.heads.state_dict(), work / "aux_heads.pt")
+    # float32 weights beside the optimizer state: a resume on the same machine continues exactly
+    torch.save({"step": state["step"], "distill_step": state["distill_step"], "target": target.state_dict(),
+                "draft": draft.state_dict()}, work / "fp32.pt.tmp")
+    os.replace(work / "fp32.pt.tmp", work / "fp32.pt")
     torch.save({k: o.state_dict() for k, o in opts.items()}, work / "optim.pt.tmp")
     os.replace(work / "optim.pt.tmp", work / "optim.pt")
     (work / "state.json").write_text(json.dumps(state, indent=1))
+
+
+def load_fp32(work: Path, state: dict, target, draft) -> bool:
+    """Replace the bf16 checkpoint weights by the float32 ones saved with them, when those are
+    from the same step (a resume on the machine that trained; carried through $OUT only the bf16
+    folders travel, and a folder put back by hand is not overridden by an older file)."""
+    f = work / "fp32.pt"
+    if not f.is_file():
+        return False
+    saved = torch.load(f, map_location="cpu")
+    if (saved["step"], saved["distill_step"]) != (state.get("step", 0), state.get("distill_step", 0)):
+        return False
+    target.load_state_dict(saved["target"])
+    draft.load_state_dict(saved["draft"])
+    return True
 
 
 def progress_share(state: dict, args) -> float:
@@ -537,6 +559,7 @@ def train(args) -> None:
         "draft_tokens": torch.nn.Linear(draft.config.text_config.hidden_size, 4 * AUX_CLASSES)}).to(device)
     if (work / "aux_heads.pt").is_file():
         heads.load_state_dict(torch.load(work / "aux_heads.pt", map_location=device))
+    load_fp32(work, state, target, draft)
     opts = {"target": torch.optim.AdamW(list(target.parameters()) + list(heads["trunk"].parameters())
                                         + list(heads["tokens"].parameters()), lr=args.lr,
                                         betas=(0.9, 0.95), weight_decay=0.01),
@@ -576,6 +599,11 @@ def train(args) -> None:
     state["device"] = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     state.setdefault("train_seconds", 0.0)
     state.setdefault("distill_seconds", 0.0)
+    target_resumes = state["step"] < args.max_steps if args.max_steps else state["train_seconds"] < 60 * args.target_minutes
+    if target_resumes and state.get("distill_step", 0):  # a longer plan trains the target again: distil again after it
+        state["earlier_distill_steps"] = state.get("earlier_distill_steps", 0) + state["distill_step"]
+        state["earlier_distill_seconds"] = state.get("earlier_distill_seconds", 0.0) + state["distill_seconds"]
+        state["distill_step"], state["distill_seconds"] = 0, 0.0
 
     def progress() -> tuple[bool, float]:
         """(distilling?, progress of the current phase in [0, 1]): by steps when --max-steps is

@@ -231,3 +231,31 @@ def test_answer_weights_scale_their_rows_tokens():
     assert torch.allclose(even, ce.mean())
     heavy = answer_loss(logits, gold, {"labels": labels, "row_weight": torch.tensor([4.0, 1.0])})
     assert torch.allclose(heavy, (4 * ce[:2].sum() + ce[2:].sum()) / 11)
+
+
+def test_saving_keeps_the_float32_weights_and_a_same_step_resume_restores_them(tmp_path):
+    """Checkpoints are bf16, but saving must not round the live float32 weights, and a resume
+    from the same step (on the machine that trained) continues from the float32 weights."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import train_tiny as T
+
+    run("tokenizer", "--work", tmp_path, "--micro")
+    torch.manual_seed(0)
+    target, tok = T.build(tmp_path, "micro-target")
+    draft, _ = T.build(tmp_path, "micro-draft")
+    with torch.no_grad():
+        for p in list(target.parameters()) + list(draft.parameters()):
+            p.add_(torch.randn_like(p) * 1e-4)  # values bf16 cannot hold
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    step_fn = T.Step(target, draft, tok.convert_tokens_to_ids("<|image_pad|>"))
+    step_fn.heads = torch.nn.ModuleDict({"x": torch.nn.Linear(2, 2)})
+    state = {"step": 7, "distill_step": 0, "log": []}
+    T.save_all(tmp_path, step_fn, tok, {}, state)
+    after = target.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the live weights are untouched
+    loaded, _ = T.load_or_build(tmp_path, "target", "micro-target", torch.device("cpu"))
+    loaded_d, _ = T.load_or_build(tmp_path, "draft", "micro-draft", torch.device("cpu"))
+    assert not all(torch.equal(before[k], v) for k, v in loaded.state_dict().items())  # bf16 on disk
+    assert not T.load_fp32(tmp_path, {"step": 8, "distill_step": 0}, loaded, loaded_d)  # another step
+    assert T.load_fp32(tmp_path, state, loaded, loaded_d)
+    assert all(torch.equal(before[k], v) for k, v in loaded.state_dict().items())
