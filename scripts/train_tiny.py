@@ -380,15 +380,18 @@ def build(work: Path, size: str):
 
 
 def save(model, tok, folder: Path) -> None:
-    import copy
     import shutil
 
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    # a bf16 copy: converting the live model and back would round its float32 weights at every save
-    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(str(tmp), max_shard_size="15MB")  # $OUT: files <= 16 MiB
+    # saved in bf16; the live float32 weights are put back exactly afterwards (converting to bf16
+    # and back alone would round them at every save; a deepcopy fails on the tied, shared trunk)
+    exact = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.to(torch.bfloat16).save_pretrained(str(tmp), max_shard_size="15MB")  # $OUT takes files up to 16 MiB
+    model.to(torch.float32)
+    model.load_state_dict(exact)
     tok.save_pretrained(str(tmp))
     Qwen2VLImageProcessorPil(**IMAGE).save_pretrained(str(tmp))
     (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": tok.convert_tokens_to_ids("<|im_end|>")}))
