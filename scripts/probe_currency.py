@@ -1,6 +1,7 @@
 """Does the target read the currency code, and does its currency answer use what it read?
 
-For every born-digital document in DIR whose first page has a "Currency: XXX" row, the page is
+For every born-digital document in the --docs folder whose first page has a "Currency: XXX" row,
+the page is
 rendered as `docproc run` renders it, scaled as the processor scales it, and the row is cut out
 on the 28-pixel token grid (as the training's reading bands are). On that one crop, two next-token
 distributions of the target (transformers' forward, float32, CPU):
@@ -13,7 +14,7 @@ distributions of the target (transformers' forward, float32, CPU):
     python scripts/probe_currency.py --model docproc/assets/models/target --docs sample_docs
 
 Prints one line per document and, at the end, how often each distribution's top code is the
-truth. Truth comes from DIR/truth.jsonl.
+truth. Truth comes from the folder's truth.jsonl (the generator writes it).
 """
 from __future__ import annotations
 
