@@ -1,9 +1,8 @@
 """Does the target read the currency code, and does its currency answer use what it read?
 
 For every born-digital document in the --docs folder whose first page has a "Currency: XXX" row,
-the page is
-rendered as `docproc run` renders it, scaled as the processor scales it, and the row is cut out
-on the 28-pixel token grid (as the training's reading bands are). On that one crop, two next-token
+the page is rendered as `docproc run` renders it, scaled as the processor scales it, and the row
+is cut out on the 28-pixel token grid (as the training's reading bands are). On that one crop, two next-token
 distributions of the target (transformers' forward, float32, CPU):
 
 - the answer to the currency query ("What is the currency code?"), over the six codes as the
