@@ -222,6 +222,24 @@ def inference_size(h: int, w: int) -> tuple[int, int]:
     return smart_resize(h, w, factor=28, min_pixels=IMAGE["min_pixels"], max_pixels=IMAGE["max_pixels"])
 
 
+def field_rows(spec, rows) -> dict[str, list[int]]:
+    """For each single-value field, the indices of the text rows that show it with its label (a
+    crop of those rows answers the field's query): the vendor's name row, the "Invoice no." /
+    "Receipt no.", "Date", "Due date" and "Currency" rows, the total's row ("Total (CHF) 1,234.56",
+    which shows the currency too)."""
+    p = spec.printed
+    label = "Invoice no." if spec.kind == "invoice" else "Receipt no."
+    total_row = f"{spec.total_label} ({p['currency']})"
+    tests = {"vendor": lambda t: t == p["vendor"] or t.startswith(p["vendor"] + " "),
+             "invoice_number": lambda t: f"{label}: {p['invoice_number']}" in t
+             or (f"{label}:" in t and t.endswith(" " + p["invoice_number"])),
+             "date": lambda t: f"Date: {p['date']}" in t,
+             "due_date": lambda t: bool(p["due_date"]) and f"Due date: {p['due_date']}" in t,
+             "currency": lambda t: f"Currency: {p['currency']}" in t or total_row in t,
+             "total": lambda t: total_row in t and t.endswith(p["total"])}
+    return {name: [i for i, r in enumerate(rows) if test(r[4])] for name, test in tests.items()}
+
+
 class Examples(torch.utils.data.IterableDataset):
     """Endless documents, each {"pixel_values", "image_grid_thw", "rows": [(ids, labels)]}, drawn in
     the worker that asks. kind "bands": one band of text rows per item, one row; kind "pages": a
@@ -229,10 +247,19 @@ class Examples(torch.utils.data.IterableDataset):
 
     def __init__(self, work: Path, kind: str, seed: int, scan_fraction: float = 0.5, max_pages: int = 3,
                  tag: str = "train", band_rows: int = 5, page_aux: bool = True, anchor_share: float = 0.0,
-                 answer_weights: dict[str, float] | None = None) -> None:
+                 answer_weights: dict[str, float] | None = None, field_share: float = 0.0,
+                 spaced: tuple[str, ...] = ()) -> None:
         self.work, self.kind, self.seed, self.scan_fraction, self.max_pages = work, kind, seed, scan_fraction, max_pages
         self.tag, self.band_rows, self.page_aux, self.anchor_share = tag, band_rows, page_aux, anchor_share
         self.answer_weights = answer_weights or {}
+        self.field_share, self.spaced = field_share, tuple(spaced)
+
+    def answer(self, q, printed: dict) -> str:
+        """The trained answer of a single-field query: the printed value, with a leading space for
+        the queries in `spaced` (spelled as it is read after its label, e.g. " CHF" after
+        "Currency:"; the pipeline's parser strips it)."""
+        v = printed.get(q.name)
+        return "none" if not v else (" " + v if q.name in self.spaced else v)
 
     def __iter__(self):
         import numpy as np
@@ -264,9 +291,21 @@ class Examples(torch.utils.data.IterableDataset):
                 sx, sy = w / page.rect.width, h / page.rect.height
                 rows = text_rows(page)
                 chars = page_chars(page)
+                holds = field_rows(spec, rows)
+                fields = [q for q in queries if holds.get(q.name)]
                 for _ in range(4):
-                    a = rng.randrange(len(rows))
-                    sel = rows[a: a + rng.randint(1, self.band_rows)]
+                    asked = []
+                    if fields and rng.random() < self.field_share:
+                        # a field crop: a band around one field's row (currency three times as
+                        # often), asked that field's query and any other field's it shows
+                        q = rng.choices(fields, [3.0 if q.name == "currency" else 1.0 for q in fields])[0]
+                        j = rng.choice(holds[q.name])
+                        n = rng.randint(1, self.band_rows)
+                        a = rng.randint(max(0, j - n + 1), j)
+                        asked = [q for q in fields if any(a <= k < a + n for k in holds[q.name])]
+                    else:
+                        a, n = rng.randrange(len(rows)), rng.randint(1, self.band_rows)
+                    sel = rows[a: a + n]
                     m = rng.uniform(2, 10)
                     box = (max(0, min(r[0] for r in sel) * sx - m), max(0, sel[0][1] * sy - m),
                            min(w, max(r[2] for r in sel) * sx + m), min(h, max(r[3] for r in sel) * sy + m))
@@ -274,7 +313,9 @@ class Examples(torch.utils.data.IterableDataset):
                     crop = on_token_grid(img.crop(ibox))
                     if scan:
                         crop = degrade(crop, rng, nrng, max_angle=0.3)
-                    ex = self._encode(tok, proc, [crop], [(READ_QUESTION, "\n".join(r[4] for r in sel))])
+                    ex = self._encode(tok, proc, [crop], [(READ_QUESTION, "\n".join(r[4] for r in sel))]
+                                      + [(q.question, self.answer(q, spec.printed)) for q in asked])
+                    ex["row_query"] = [-1] + [queries.index(q) for q in asked]
                     to_px = lambda x, y: (x * sx - ibox[0], y * sy - ibox[1])  # noqa: E731
                     ex["aux"] = char_targets(chars, crop.width, crop.height, to_px)
                     ex["aux_tok"] = char_targets(chars, crop.width, crop.height, to_px, merged=True)
@@ -295,12 +336,13 @@ class Examples(torch.utils.data.IterableDataset):
                     if q.type == "json":
                         qa.append((q.question, json.dumps(answers_json(spec.printed))))
                     else:
-                        qa.append((q.question, spec.printed.get(q.name) or "none"))
+                        qa.append((q.question, self.answer(q, spec.printed)))
                 # born-digital PDFs: with --anchor-share, the text layer goes in the prompt as
                 # `docproc run --anchor-text` puts it there (scans never have one)
                 anchor = doc_anchor(doc) if not scan and rng.random() < self.anchor_share else None
                 ex = self._encode(tok, proc, pages, qa, anchor)
                 ex["row_weights"] = [self.answer_weights.get(q.name, 1.0) for q in queries]
+                ex["row_query"] = list(range(len(queries)))
                 if self.page_aux:  # the dense reading targets of every page, rotated like the scan
                     maps = [page_to_pixels(m["dpi"], m["angle"], img.width, img.height) for m, img in zip(made, pages)]
                     chars = [page_chars(page) for page in doc]
@@ -346,6 +388,7 @@ def collate(docs: list[dict], pad_id: int) -> dict:
             "image_grid_thw": torch.cat([d["image_grid_thw"] for d in docs]),
             "row_doc": torch.tensor([d for _, d in rows]), "doc_images": torch.tensor(bounds),
             "row_weight": torch.tensor([w for doc in docs for w in doc.get("row_weights", [1.0] * len(doc["rows"]))]),
+            "row_query": torch.tensor([q for doc in docs for q in doc.get("row_query", [-1] * len(doc["rows"]))]),
             "aux": torch.cat([d["aux"] if "aux" in d else
                               torch.full((d["pixel_values"].shape[0], 2), -100, dtype=torch.long) for d in docs]),
             "aux_tok": torch.cat([d["aux_tok"] if "aux_tok" in d else
@@ -504,6 +547,30 @@ def row_correct(pred: torch.Tensor, gold: torch.Tensor, sel: torch.Tensor) -> to
     return ok.all(-1)
 
 
+@torch.no_grad()
+def repair_tokens(tok, models, tokens: list[str]) -> dict:
+    """Give collapsed tokens back a distinct embedding: each token X's (tied) embedding row becomes
+    a copy of the row of " X" (the same word after a space). A token whose answer the model could
+    not yet predict is pushed towards one shared output vector; with tied embeddings it then reads
+    as the same input too (run 6: the six bare currency codes at cosine 0.62-0.85, a third of the
+    mean norm, so even "Total (SEK)" in the prompt's anchor text could not be copied). Done once
+    per training (the state records it). Returns {token: cosine to the nearest other repaired
+    token before the repair}."""
+    out = {}
+    for model in models:
+        emb = model.get_input_embeddings().weight
+        ids = [tok.convert_tokens_to_ids(t) for t in tokens]
+        spaced = [tok.convert_tokens_to_ids("\u0120" + t) for t in tokens]
+        if any(i is None or i == tok.unk_token_id for i in ids + spaced):
+            raise SystemExit(f"--repair-tokens: every token and its spaced form must be one token: {tokens}")
+        before = torch.nn.functional.normalize(emb[ids].float(), dim=-1)
+        cos = before @ before.T - 2 * torch.eye(len(ids), device=emb.device)
+        if model is models[0]:
+            out = {t: round(c, 3) for t, c in zip(tokens, cos.max(-1).values.tolist())}
+        emb[ids] = emb[spaced]
+    return out
+
+
 def save_all(work: Path, step_fn, tok, opts: dict, state: dict) -> None:
     target, draft = step_fn.target, step_fn.draft
     step_fn.sync_trunk()
@@ -563,6 +630,8 @@ def train(args) -> None:
     if (work / "aux_heads.pt").is_file():
         heads.load_state_dict(torch.load(work / "aux_heads.pt", map_location=device))
     load_fp32(work, state, target, draft)
+    if args.repair_tokens and not state.get("repaired_tokens"):
+        state["repaired_tokens"] = repair_tokens(tok, (target, draft), args.repair_tokens)
     opts = {"target": torch.optim.AdamW(list(target.parameters()) + list(heads["trunk"].parameters())
                                         + list(heads["tokens"].parameters()), lr=args.lr,
                                         betas=(0.9, 0.95), weight_decay=0.01),
@@ -581,7 +650,8 @@ def train(args) -> None:
 
     def loader(kind, batch, workers, band_rows=5):
         ds = Examples(work, kind, args.seed * 1000 + state["step"] + state["distill_step"], band_rows=band_rows,
-                      answer_weights=args.answer_weight,
+                      answer_weights=args.answer_weight, spaced=args.spaced_answers,
+                      field_share=args.field_share if kind == "bands" else 0.0,
                       page_aux=args.page_aux, anchor_share=args.anchor_share if kind == "pages" else 0.0)
         return iter(torch.utils.data.DataLoader(ds, batch_size=batch, num_workers=workers,
                                                 collate_fn=lambda b: collate(b, pad), pin_memory=device.type == "cuda",
@@ -590,11 +660,15 @@ def train(args) -> None:
     short_bands = progress_share(state, args) < args.region_share
     pages = loader("pages", args.batch, n_page)
     bands = loader("bands", args.band_batch, n_band, args.first_band_rows if short_bands else 5)
-    held = {"pages": collate([ex for _, ex in zip(range(args.eval_docs), Examples(work, "pages", args.seed, tag="heldout"))], pad),
+    sp = args.spaced_answers
+    held = {"pages": collate([ex for _, ex in zip(range(args.eval_docs), Examples(work, "pages", args.seed, tag="heldout", spaced=sp))], pad),
             "bands": collate([ex for _, ex in zip(range(4 * args.eval_docs), Examples(work, "bands", args.seed, tag="heldout"))], pad)}
     if args.anchor_share > 0:  # born-digital documents with their anchor text in the prompt
         held["anchored"] = collate([ex for _, ex in zip(range(args.eval_docs), Examples(
-            work, "pages", args.seed, tag="heldout-anchored", scan_fraction=0.0, anchor_share=1.0))], pad)
+            work, "pages", args.seed, tag="heldout-anchored", scan_fraction=0.0, anchor_share=1.0, spaced=sp))], pad)
+    if args.field_share > 0:  # field crops (every held-out band is one)
+        held["fields"] = collate([ex for _, ex in zip(range(2 * args.eval_docs), Examples(
+            work, "bands", args.seed, tag="heldout-fields", field_share=1.0, spaced=sp))], pad)
     names = [q.name for q in load_queries().queries]
     t_end = time.time() + 60 * args.minutes
     t0, last_save = time.time(), time.time()
@@ -732,6 +806,13 @@ def evaluate(step_fn: Step, held: dict, names: list[str], device) -> dict:
             out["bands_acc"] = round(ok.float().mean().item(), 4)
             out["bands_draft_agreement"] = round(agree.mean().item(), 4)
             continue
+        if kind == "fields":  # field crops: each field's query asked of a band that shows it
+            rq = batch["row_query"]
+            for qi, name in enumerate(names):
+                if bool((rq == qi).any()):
+                    out[f"fields_acc_{name}"] = round(ok[rq == qi].float().mean().item(), 4)
+            out["fields_acc"] = round(ok[rq >= 0].float().mean().item(), 4)
+            continue
         q_of_row = torch.arange(sel.shape[0], device=device) % len(names)
         pre = "" if kind == "pages" else f"{kind}_"
         for qi, name in enumerate(names):
@@ -773,6 +854,13 @@ def main() -> None:
                     help="bands have at most this many rows in the bands-only phase (then up to 5)")
     ap.add_argument("--answer-weight", default="", help="weights of some queries' answer tokens in the target's "
                     "and draft's loss, e.g. currency=4 (a single-token answer the model left at its prior)")
+    ap.add_argument("--field-share", type=float, default=0.0,
+                    help="share of the text bands cut around a field's row and asked that field's query too "
+                         "(currency three times as often as each other field)")
+    ap.add_argument("--spaced-answers", default="", help="single-field queries whose answer is trained with a "
+                    "leading space, as the value is read after its label (e.g. currency: ' CHF'); the parser strips it")
+    ap.add_argument("--repair-tokens", default="", help="tokens whose embedding row becomes that of the token "
+                    "with a leading space, once per training, e.g. EUR,USD,GBP,CHF,SEK,CAD")
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--eval-docs", type=int, default=24)
     ap.add_argument("--save-minutes", type=float, default=3.0)
@@ -780,9 +868,12 @@ def main() -> None:
     ap.add_argument("--micro", action="store_true", help="tiny sizes, for a CPU check")
     a = ap.parse_args()
     a.answer_weight = {k: float(v) for k, v in (x.split("=") for x in a.answer_weight.split(",") if x)}
-    unknown = set(a.answer_weight) - {q.name for q in load_queries().queries}
-    if unknown:
-        ap.error(f"--answer-weight: no query named {', '.join(sorted(unknown))}")
+    a.spaced_answers = tuple(x for x in a.spaced_answers.split(",") if x)
+    a.repair_tokens = [x for x in a.repair_tokens.split(",") if x]
+    for flag, names in (("--answer-weight", set(a.answer_weight)), ("--spaced-answers", set(a.spaced_answers))):
+        unknown = names - {q.name for q in load_queries().queries}
+        if unknown:
+            ap.error(f"{flag}: no query named {', '.join(sorted(unknown))}")
     IMAGE["max_pixels"] = a.max_pixels  # read by the data workers (forked after this) and by save()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)

@@ -33,9 +33,11 @@ def test_micro_training_pipeline(tmp_path):
     assert state["step"] == 4 and {e["phase"] for e in state["log"]} == {"bands", "mixed"}
     assert 0 <= state["log"][-1]["acc_total"] <= 1 and 0 <= state["log"][-1]["bands_draft_agreement"] <= 1
     assert 0 <= state["log"][-1]["anchored_acc"] <= 1  # held-out PDFs with their anchor text
-    run("train", *common, "--max-steps", "6", "--answer-weight", "currency=4")  # resumes, then distils the draft
+    run("train", *common, "--max-steps", "6", "--answer-weight", "currency=4",  # resumes, then distils the draft
+        "--field-share", "0.5", "--spaced-answers", "currency")
     state = json.loads((work / "state.json").read_text())
     assert state["step"] == 6 and state["distill_step"] == 2 and state["log"][-1]["phase"] == "distill"
+    assert 0 <= state["log"][-1]["fields_acc"] <= 1 and "fields_acc_currency" in state["log"][-1]
     run("export", "--work", work, "--to", dest)
     from transformers import Qwen2VLForConditionalGeneration
 
@@ -259,3 +261,77 @@ def test_saving_keeps_the_float32_weights_and_a_same_step_resume_restores_them(t
     assert not T.load_fp32(tmp_path, {"step": 8, "distill_step": 0}, loaded, loaded_d)  # another step
     assert T.load_fp32(tmp_path, state, loaded, loaded_d)
     assert all(torch.equal(before[k], v) for k, v in loaded.state_dict().items())
+
+
+def test_field_crops_ask_only_what_they_show_and_spaced_answers_keep_the_value(tmp_path):
+    """A field crop asks a field's query only when the crop's own text (its reading answer) shows
+    the field's value; currency answers can be spelled as read (" CHF"); every field is found."""
+    import random
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import train_tiny as T
+    from make_synthetic_docs import draw_pdf, make_spec
+    from transformers import AutoTokenizer
+
+    from docproc.pipeline.queries import load_queries
+
+    spec = make_spec(random.Random(11), "f11", kind="invoice", max_pages=1)
+    rows = T.text_rows(draw_pdf(spec)[0])
+    holds = T.field_rows(spec, rows)
+    assert all(holds[f] for f in ("vendor", "invoice_number", "date", "currency", "total"))
+    assert all(spec.printed[f] in rows[i][4] for f, idx in holds.items() for i in idx)
+    assert len(holds["currency"]) == 2  # the "Currency:" row and the total's "(CHF)"
+
+    work = tmp_path / "w"
+    (work / "tokenizer").parent.mkdir(parents=True)
+    AutoTokenizer.from_pretrained(str(ROOT / "docproc" / "assets" / "models" / "target")).save_pretrained(str(work / "tokenizer"))
+    tok = AutoTokenizer.from_pretrained(str(work / "tokenizer"))
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    queries = load_queries().queries
+    ds = T.Examples(work, "bands", 3, field_share=1.0, spaced=("currency",), page_aux=False)
+    asked = 0
+    for ex, _ in zip(ds, range(24)):
+        assert len(ex["rows"]) == len(ex["row_query"]) and ex["row_query"][0] == -1
+        answers = [tok.decode([t for t in lab if t != -100 and t != end]) for _, lab in ex["rows"]]
+        for qi, ans in zip(ex["row_query"][1:], answers[1:]):
+            asked += 1
+            assert ans.strip() and ans.strip() in answers[0]  # the crop shows the value it is asked for
+            assert ans.startswith(" ") == (queries[qi].name == "currency")
+    assert asked >= 24  # every crop asks at least one field's query
+
+    pages = T.Examples(work, "pages", 3, spaced=("currency",), page_aux=False, max_pages=1)
+    ex = next(iter(pages))
+    cur = [q.name for q in queries].index("currency")
+    assert tok.decode([t for t in ex["rows"][cur][1] if t != -100 and t != end]) == " " + \
+        tok.decode([t for t in ex["rows"][-1][1] if t != -100]).split('"currency": "')[1][:3]
+
+
+def test_repair_gives_collapsed_tokens_their_spaced_twins_embedding():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import train_tiny as T
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ROOT / "docproc" / "assets" / "models" / "target"))
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e = torch.nn.Embedding(len(tok), 8)
+
+        def get_input_embeddings(self):
+            return self.e
+
+    torch.manual_seed(0)
+    m = M()
+    codes = ["EUR", "CHF"]
+    ids = [tok.convert_tokens_to_ids(c) for c in codes]
+    with torch.no_grad():
+        m.e.weight[ids] = torch.tensor([1.0] * 8)  # collapsed: identical rows
+    other = m.e.weight.clone()
+    cos = T.repair_tokens(tok, (m,), codes)
+    assert cos == {"EUR": 1.0, "CHF": 1.0}
+    for c, i in zip(codes, ids):
+        assert torch.equal(m.e.weight[i], other[tok.convert_tokens_to_ids("\u0120" + c)])
+    keep = torch.ones(len(tok), dtype=torch.bool)
+    keep[ids] = False
+    assert torch.equal(m.e.weight[keep], other[keep])
