@@ -38,6 +38,7 @@ def test_micro_training_pipeline(tmp_path):
     state = json.loads((work / "state.json").read_text())
     assert state["step"] == 6 and state["distill_step"] == 2 and state["log"][-1]["phase"] == "distill"
     assert 0 <= state["log"][-1]["fields_acc"] <= 1 and "fields_acc_currency" in state["log"][-1]
+    assert [c["from_step"] for c in state["calls"]] == [0, 4] and "--field-share" in state["calls"][1]["argv"]
     run("export", "--work", work, "--to", dest)
     from transformers import Qwen2VLForConditionalGeneration
 
