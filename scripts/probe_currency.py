@@ -5,8 +5,9 @@ the page is rendered as `docproc run` renders it, scaled as the processor scales
 is cut out on the 28-pixel token grid (as the training's reading bands are). On that one crop, two next-token
 distributions of the target (transformers' forward, float32, CPU):
 
-- the answer to the currency query ("What is the currency code?"), over the six codes as the
-  answers spell them ("CHF");
+- the answer to the currency query ("What is the currency code?"), over the six codes, each
+  code's probability that of both spellings ("CHF", as runs 1-6 answered, plus " CHF", as the
+  currency answer is trained since run 7, `train_tiny.py --spaced-answers currency`);
 - reading: the band question ("Read the text in the image.") with the answer begun as
   "Currency:", over the codes as the text after that label tokenizes (" CHF", with the space).
 
@@ -85,7 +86,7 @@ def main() -> None:
         qa = next_token_probs(model, tok, proc, crop, "What is the currency code?")
         read = next_token_probs(model, tok, proc, crop, READ_QUESTION, "Currency:")
         row = {"file": name, "truth": t["fields"]["currency"],
-               "answer": {c: round(qa[answer_ids[c][0]].item(), 3) for c in CODES},
+               "answer": {c: round(qa[answer_ids[c][0]].item() + qa[read_ids[c][0]].item(), 3) for c in CODES},
                "reading": {c: round(read[read_ids[c][0]].item(), 3) for c in CODES}}
         rows.append(row)
         print(f"{name}: truth {row['truth']}  answer {row['answer']}  reading after 'Currency:' {row['reading']}")
