@@ -14,7 +14,9 @@ distributions of the target (transformers' forward, float32, CPU):
     python scripts/probe_currency.py --model docproc/assets/models/target --docs sample_docs
 
 Prints one line per document and, at the end, how often each distribution's top code is the
-truth. Truth comes from the folder's truth.jsonl (the generator writes it).
+truth. First it prints the code tokens' rows of the (tied) embedding table: their norms against the
+table's mean row norm and their cosines with each other, for the bare codes and for the spaced
+ones (run 6's bare codes had collapsed: BENCHMARKS.md, run 7). Truth comes from the folder's truth.jsonl (the generator writes it).
 """
 from __future__ import annotations
 
@@ -66,6 +68,15 @@ def main() -> None:
     read_ids = {c: tok.encode(" " + c) for c in CODES}
     if any(len(v) != 1 for v in list(answer_ids.values()) + list(read_ids.values())):
         raise SystemExit("this tokenizer does not spell every code as one token: the probe assumes it does")
+    emb = model.get_input_embeddings().weight.float()
+    mean_norm = emb.norm(dim=-1).mean().item()
+    for label, ids in (("bare", answer_ids), ("spaced", read_ids)):
+        rows = emb[[v[0] for v in ids.values()]]
+        unit = torch.nn.functional.normalize(rows, dim=-1)
+        cos = (unit @ unit.T)[~torch.eye(len(CODES), dtype=torch.bool)]
+        print(f"embedding rows of the {label} codes: norm {rows.norm(dim=-1).min().item():.2f}-"
+              f"{rows.norm(dim=-1).max().item():.2f} (table mean {mean_norm:.2f}); cosine with each other "
+              f"{cos.min().item():.2f}-{cos.max().item():.2f}")
     truth = {json.loads(line)["file"]: json.loads(line) for line in open(Path(a.docs) / "truth.jsonl")}
     rows = []
     for name, t in sorted(truth.items()):

@@ -561,17 +561,17 @@ def repair_tokens(tok, models, tokens: list[str]) -> dict:
     """Give collapsed tokens back a distinct embedding: each token X's (tied) embedding row becomes
     a copy of the row of " X" (the same word after a space). A token whose answer the model could
     not yet predict is pushed towards one shared output vector; with tied embeddings it then reads
-    as the same input too (run 6: the six bare currency codes at cosine 0.62-0.85, a third of the
-    mean norm, so even "Total (SEK)" in the prompt's anchor text could not be copied). Done once
-    per training (the state records it). Returns {token: cosine to the nearest other repaired
+    as the same input too (run 6: the six bare currency codes at cosine 0.62-0.85 and a third of
+    the mean norm, as `probe_currency.py` prints; even "Total (SEK)" in the prompt's anchor text
+    could not be copied). Done once per training (the state records it). Returns {token: cosine to the nearest other repaired
     token before the repair}."""
     out = {}
+    ids = [tok.convert_tokens_to_ids(t) for t in tokens]
+    spaced = [tok.convert_tokens_to_ids("\u0120" + t) for t in tokens]
+    if any(i is None or i == tok.unk_token_id for i in ids + spaced):
+        raise SystemExit(f"--repair-tokens: every token and its spaced form must be one token: {tokens}")
     for model in models:
         emb = model.get_input_embeddings().weight
-        ids = [tok.convert_tokens_to_ids(t) for t in tokens]
-        spaced = [tok.convert_tokens_to_ids("\u0120" + t) for t in tokens]
-        if any(i is None or i == tok.unk_token_id for i in ids + spaced):
-            raise SystemExit(f"--repair-tokens: every token and its spaced form must be one token: {tokens}")
         before = torch.nn.functional.normalize(emb[ids].float(), dim=-1)
         cos = before @ before.T - 2 * torch.eye(len(ids), device=emb.device)
         if model is models[0]:
