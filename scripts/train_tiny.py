@@ -549,6 +549,16 @@ def answer_loss(logits: torch.Tensor, gold: torch.Tensor, batch: dict) -> torch.
     return (ce * w).sum() / w.sum()
 
 
+def distill_loss(d_logits: torch.Tensor, t_logits: torch.Tensor, batch: dict, weights: torch.Tensor) -> torch.Tensor:
+    """KL(target || draft) per answer token, averaged with each token weighted by its row's
+    query weight (--distill-weight; the plain mean over tokens when every weight is 1)."""
+    t_log = torch.log_softmax(t_logits, -1)
+    kl = (t_log.exp() * (t_log - torch.log_softmax(d_logits, -1))).sum(-1)
+    rows = (batch["labels"][:, 1:] != -100).nonzero()[:, 0]
+    w = weights[batch["row_query"].to(weights.device)[rows]]  # index -1 is the last entry: weight 1
+    return (kl * w).sum() / w.sum()
+
+
 def row_correct(pred: torch.Tensor, gold: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
     """Per row: is every answer token right (teacher-forced)?"""
     ok = torch.ones(sel.shape, dtype=torch.bool, device=sel.device)
@@ -679,6 +689,9 @@ def train(args) -> None:
         held["fields"] = collate([ex for _, ex in zip(range(2 * args.eval_docs), Examples(
             work, "bands", args.seed, tag="heldout-fields", field_share=1.0, spaced=sp))], pad)
     names = [q.name for q in load_queries().queries]
+    # per query index, the weight of its answer tokens in the distillation loss (the reading
+    # question, index -1, and unlisted queries weigh 1)
+    distill_weights = torch.tensor([args.distill_weight.get(n, 1.0) for n in names] + [1.0], device=device)
     t_end = time.time() + 60 * args.minutes
     t0, last_save = time.time(), time.time()
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -712,7 +725,10 @@ def train(args) -> None:
         if short_bands and (distill or p >= args.region_share):  # the bands-only phase is over
             short_bands, bands = False, loader("bands", args.band_batch, n_band)
         t_step = time.time()
-        band_step = (not distill) and (p < args.region_share or state["step"] % 4 == 3)
+        if distill:  # with --distill-bands N, every Nth distillation batch is text bands (field crops)
+            band_step = bool(args.distill_bands) and state["distill_step"] % args.distill_bands == args.distill_bands - 1
+        else:
+            band_step = p < args.region_share or state["step"] % 4 == 3
         t_data = time.time()
         cpu_batch = next(bands if band_step else pages)
         state["data_wait_seconds"] = state.get("data_wait_seconds", 0.0) + time.time() - t_data
@@ -730,8 +746,7 @@ def train(args) -> None:
                     t_logits, gold, _ = step_fn.logits(target, batch, t_docs, pos)
                 d_logits, _, _ = step_fn.logits(draft, batch, step_fn.draft_features(batch), pos)
                 loss_t = torch.zeros((), device=device)
-                loss_d = torch.nn.functional.kl_div(torch.log_softmax(d_logits, -1), torch.log_softmax(t_logits, -1),
-                                                    log_target=True, reduction="batchmean")
+                loss_d = distill_loss(d_logits, t_logits, batch, distill_weights)
             else:
                 t_docs, d_docs = step_fn.features(batch)
                 t_logits, gold, _ = step_fn.logits(target, batch, t_docs, pos)
@@ -873,6 +888,10 @@ def main() -> None:
                     "leading space, as the value is read after its label (e.g. currency: ' CHF'); the parser strips it")
     ap.add_argument("--repair-tokens", default="", help="tokens whose embedding row becomes that of the token "
                     "with a leading space, once per training, e.g. EUR,USD,GBP,CHF,SEK,CAD")
+    ap.add_argument("--distill-weight", default="", help="weights of some queries' answer tokens in the draft's "
+                    "distillation loss, e.g. currency=6 (default 1 each)")
+    ap.add_argument("--distill-bands", type=int, default=0, help="every Nth distillation batch is text bands "
+                    "(field crops with --field-share) instead of pages; 0: pages only")
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--eval-docs", type=int, default=24)
     ap.add_argument("--save-minutes", type=float, default=3.0)
@@ -880,9 +899,11 @@ def main() -> None:
     ap.add_argument("--micro", action="store_true", help="tiny sizes, for a CPU check")
     a = ap.parse_args()
     a.answer_weight = {k: float(v) for k, v in (x.split("=") for x in a.answer_weight.split(",") if x)}
+    a.distill_weight = {k: float(v) for k, v in (x.split("=") for x in a.distill_weight.split(",") if x)}
     a.spaced_answers = tuple(x for x in a.spaced_answers.split(",") if x)
     a.repair_tokens = [x for x in a.repair_tokens.split(",") if x]
-    for flag, names in (("--answer-weight", set(a.answer_weight)), ("--spaced-answers", set(a.spaced_answers))):
+    for flag, names in (("--answer-weight", set(a.answer_weight)), ("--spaced-answers", set(a.spaced_answers)),
+                        ("--distill-weight", set(a.distill_weight))):
         unknown = names - {q.name for q in load_queries().queries}
         if unknown:
             ap.error(f"{flag}: no query named {', '.join(sorted(unknown))}")

@@ -34,7 +34,8 @@ def test_micro_training_pipeline(tmp_path):
     assert 0 <= state["log"][-1]["acc_total"] <= 1 and 0 <= state["log"][-1]["bands_draft_agreement"] <= 1
     assert 0 <= state["log"][-1]["anchored_acc"] <= 1  # held-out PDFs with their anchor text
     run("train", *common, "--max-steps", "6", "--answer-weight", "currency=4",  # resumes, then distils the draft
-        "--field-share", "0.5", "--spaced-answers", "currency")
+        "--field-share", "0.5", "--spaced-answers", "currency", "--distill-weight", "currency=6",
+        "--distill-bands", "2")
     state = json.loads((work / "state.json").read_text())
     assert state["step"] == 6 and state["distill_step"] == 2 and state["log"][-1]["phase"] == "distill"
     assert 0 <= state["log"][-1]["fields_acc"] <= 1 and "fields_acc_currency" in state["log"][-1]
@@ -216,6 +217,26 @@ def test_training_anchor_text_is_the_pipelines(tmp_path):
     opened = open_document(next(discover([str(tmp_path)])), with_text=True)
     want = window_anchor([opened.page(i) for i in range(opened.num_pages)])
     assert want and "Page size:" in want and T.doc_anchor(doc) == want
+
+
+def test_distill_weights_scale_their_rows_tokens_and_the_reading_question_weighs_one():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from train_tiny import distill_loss
+
+    torch.manual_seed(0)
+    labels = torch.full((3, 5), -100)
+    labels[0, 1:3] = 1  # the reading question (query -1): 2 tokens
+    labels[1, 2:5] = 2  # query 0: 3 tokens
+    labels[2, 4] = 3  # query 1: 1 token
+    t, d = torch.randn(6, 7), torch.randn(6, 7)
+    kl = torch.nn.functional.kl_div(torch.log_softmax(d, -1), torch.log_softmax(t, -1), log_target=True,
+                                    reduction="none").sum(-1)
+    batch = {"labels": labels, "row_query": torch.tensor([-1, 0, 1])}
+    even = distill_loss(d, t, batch, torch.ones(3))
+    assert torch.allclose(even, torch.nn.functional.kl_div(torch.log_softmax(d, -1), torch.log_softmax(t, -1),
+                                                           log_target=True, reduction="batchmean"))
+    heavy = distill_loss(d, t, batch, torch.tensor([1.0, 6.0, 1.0]))  # query 1 weighs 6
+    assert torch.allclose(heavy, (kl[:5].sum() + 6 * kl[5]) / 11)
 
 
 def test_answer_weights_scale_their_rows_tokens():
