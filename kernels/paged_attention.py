@@ -489,12 +489,16 @@ def tile_shape(max_q: int, group: int) -> tuple[int, int]:
 
 def default_num_splits(num_tiles: int, max_context: int, num_sms: int, num_kv_heads: int = 4) -> int:
     """Key splits: enough programs to fill the chip (about 8 per SM over tiles x KV heads x splits),
-    but at least ~256 keys per split, at most 32, a power of two (few kernel variants to compile).
+    but at least 64 keys per split, a power of two (few kernel variants to compile), at most 32, or
+    64 where even 32 splits leave SMs without a program (a batch of one or two sequences).
     (Until the seventh session the target was 2 x SMs over tiles alone, which is the same at 4 KV
     heads, the 7B geometry it was tuned at, and half the programs at 2B's 2 KV heads, whose rows
-    then ran 9-15% behind SDPA.)"""
+    then ran 9-15% behind SDPA. Until the eleventh session a split had at least 256 keys: at 7B,
+    batch 1, replayed from a CUDA graph on the H200, 1k keys took 12.1 us in 4 splits, 7.3 us in
+    16; 4k keys 13.7 us in 16 splits, 10.2 us in 64; SDPA 6.5 and 7.6 us.)"""
     want = max(1, -(-8 * num_sms // max(1, num_tiles * num_kv_heads)))
-    n = max(1, min(want, max_context // 256, 32))
+    cap = 64 if num_tiles * num_kv_heads * 32 < num_sms else 32
+    n = max(1, min(want, max_context // 64, cap))
     return 1 << (n.bit_length() - 1)
 
 

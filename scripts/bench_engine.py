@@ -258,13 +258,22 @@ def profile_summary(fn, device: str) -> dict:
         fn()
         sync(device)
     wall = time.perf_counter() - t0
+    from torch.autograd import DeviceType
+
     ka = prof.key_averages()
     dev_key = "self_device_time_total" if hasattr(ka[0], "self_device_time_total") else "self_cuda_time_total"
-    busy_us = sum(getattr(e, dev_key, 0) for e in ka) if device == "cuda" else 0.0
-    rows = lambda key: [{"op": e.key, "calls": e.count, "self_us": round(getattr(e, key), 1)}  # noqa: E731
-                        for e in sorted(ka, key=lambda e: -getattr(e, key))[:20]]
+    # device time is listed twice: under the operator that launched a kernel (its self device time)
+    # and as the kernel itself. Busy time and the device table count the kernels (and copies) only;
+    # until the eleventh session both were summed, up to twice the true busy time.
+    on_dev = [e for e in ka if getattr(e, "device_type", None) == DeviceType.CUDA]
+    busy_us = sum(getattr(e, dev_key, 0) for e in on_dev) if device == "cuda" else 0.0
+    rows = lambda evs, key: [{"op": e.key, "calls": e.count, "self_us": round(getattr(e, key), 1)}  # noqa: E731
+                             for e in sorted(evs, key=lambda e: -getattr(e, key))[:20]]
+    ops = [e for e in ka if getattr(e, "device_type", None) != DeviceType.CUDA]
     return {"wall_s": round(wall, 4), "device_busy_s": round(busy_us / 1e6, 4),
-            "top_device": rows(dev_key) if device == "cuda" else [], "top_host": rows("self_cpu_time_total")}
+            "top_device": rows(on_dev, dev_key) if device == "cuda" else [],
+            "top_ops_by_device_time": rows(ops, dev_key) if device == "cuda" else [],
+            "top_host": rows(ops, "self_cpu_time_total")}
 
 
 def profile_decode(llm, req, args) -> dict:

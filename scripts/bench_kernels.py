@@ -47,7 +47,13 @@ def matmul_rate() -> float:
     return 2 * 8192 ** 3 / (ms * 1e-3)
 
 
-def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_splits: bool = False) -> list[dict]:
+# what tune() picked at both geometries in every device run since the sixth session (B = 32, 16k keys)
+TUNED = {"bf16": {"block_n": 32, "num_warps": 4, "num_stages": 2},
+         "fp4": {"fp4_keys_as_rows": True, "block_n": 128, "num_warps": 4, "num_stages": 2}}
+
+
+def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_splits: bool = False,
+              outlier_ablation: bool = False) -> list[dict]:
     hq, hkv, d = GEOMETRIES[geo]
     n_blocks_seq = ctx // BLOCK_SIZE
     nb = batch * n_blocks_seq
@@ -107,6 +113,16 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
     record("ours_fp4_paged_float_decode", lambda: paged_attention(
         q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"), fp4_ptx_decode=False,
         **cfg4), batch * ctx * layer.bytes_per_token, {"config": cfg4})
+    if outlier_ablation:
+        # the same kernel and pool with the outlier slots left out (zero-width views: NUM_OUTLIERS = 0,
+        # no q gather for keys, no select for values; the output then lacks the outliers): what the
+        # outlier paths cost. Bytes: codes and scales only.
+        def no_outliers(which):
+            c, sc, oi, ov, hs = layer.kernel_views(which)
+            return c, sc, oi[..., :0], ov[..., :0], hs
+        record("ours_fp4_paged_no_outliers", lambda: paged_attention(
+            q, plan, d ** -0.5, fp4_k=no_outliers("k"), fp4_v=no_outliers("v"), **cfg4),
+            batch * ctx * hkv * 2 * (d // 2 + d // 16), {"config": cfg4})
     del layer
     # torch SDPA, bf16, contiguous K/V
     qs = q.view(batch, hq, 1, d)
@@ -175,6 +191,11 @@ def main() -> None:
     ap.add_argument("--geometries", default="7b,2b")
     ap.add_argument("--sweep-splits", action="store_true",
                     help="batch <= 8: also time our bf16 kernel at 2x and 4x the default key splits")
+    ap.add_argument("--no-tune", action="store_true",
+                    help="skip the tuner (minutes of a device call) and use TUNED, what it picked in every run "
+                         "since the sixth session")
+    ap.add_argument("--outlier-ablation", action="store_true",
+                    help="also time the FP4 kernel on a pool with no outlier slots (what the outlier paths cost)")
     a = ap.parse_args()
     t0 = time.time()
     bw = copy_bandwidth()
@@ -184,13 +205,26 @@ def main() -> None:
     # per token, need not like the same tile (the 2B rows ran 9-15% behind SDPA on 7B's choice)
     configs, tuning = {}, {}
     for geo in a.geometries.split(","):
-        configs[geo], tuning[geo] = tune(geo)
+        if a.no_tune:
+            configs[geo], tuning[geo] = TUNED, "skipped (--no-tune)"
+        else:
+            configs[geo], tuning[geo] = tune(geo)
         print(f"tuned ({geo}, B=32, ctx=16k): {configs[geo]}", flush=True)
     rows = []
+
+    def save() -> None:  # after every row: a call cut short by its time limit keeps what it measured
+        out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+               "date": time.strftime("%Y-%m-%d"), "copy_bandwidth_Bps": bw, "bf16_matmul_flops": mm,
+               "code": os.environ.get("DOCPROC_CODE", ""), "args": vars(a), "configs": configs, "tuning": tuning,
+               "rows": rows, "seconds": round(time.time() - t0, 1)}
+        if a.json:
+            Path(a.json).write_text(json.dumps(out, indent=1))
+
+    save()
     for geo in a.geometries.split(","):
         for batch in map(int, a.batches.split(",")):
             for ctx in map(int, a.contexts.split(",")):
-                r = bench_one(geo, batch, ctx, configs[geo], bw, a.sweep_splits)
+                r = bench_one(geo, batch, ctx, configs[geo], bw, a.sweep_splits, a.outlier_ablation)
                 rows += r
                 by = {x["impl"]: x for x in r}
                 print(f"{geo} B={batch:<4d} ctx={ctx:<6d} " + "  ".join(
@@ -199,12 +233,7 @@ def main() -> None:
                     + f"  bf16/sdpa {by['ours_bf16_paged']['us'] / by['torch_sdpa_bf16']['us']:.2f}"
                     + f"  (graph: {by['torch_sdpa_bf16']['us_graph'] / by['ours_fp4_paged']['us_graph']:.2f}x,"
                     + f" {by['ours_bf16_paged']['us_graph'] / by['torch_sdpa_bf16']['us_graph']:.2f})", flush=True)
-    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "date": time.strftime("%Y-%m-%d"), "copy_bandwidth_Bps": bw, "bf16_matmul_flops": mm, "code": os.environ.get("DOCPROC_CODE", ""),
-           "configs": configs, "tuning": tuning, "rows": rows,
-           "seconds": round(time.time() - t0, 1)}
-    if a.json:
-        Path(a.json).write_text(json.dumps(out, indent=1))
+                save()
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import torch  # noqa: E402
 from kernels import fp4  # noqa: E402
 from kernels.fp4 import (FP4PagedLayer, FP4Tensor, bytes_per_token_head, dequantize_lut,  # noqa: E402
                          dequantize_ref, e2m1_decode, e2m1_encode, e4m3_decode, e4m3_encode, quantize_ref)
-from kernels.paged_attention import paged_attention, paged_attention_ref, plan_tiles  # noqa: E402
+from kernels.paged_attention import default_num_splits, paged_attention, paged_attention_ref, plan_tiles  # noqa: E402
 
 # compiled kernels on a GPU, the interpreter on CPU
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -254,6 +254,20 @@ def test_fp4_attention_with_ptx_decode_equals_the_float32_decode():
     outs = [paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
                             fp4_ptx_decode=ptx) for ptx in (False, True)]
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+
+
+def test_split_counts_fill_the_chip_only_where_it_is_underfilled():
+    # 7B (4 KV heads) on 132 SMs, batch 1: 1k and 4k keys get the split counts measured best on the
+    # H200 (32k follows the same rule, not measured)
+    assert default_num_splits(1, 1024, 132, 4) == 16
+    assert default_num_splits(1, 4096, 132, 4) == 64
+    assert default_num_splits(1, 32768, 132, 4) == 64
+    # at least 64 keys per split, never fewer than one split
+    assert default_num_splits(1, 200, 132, 4) == 2 and default_num_splits(1, 10, 132, 4) == 1
+    # where 32 splits already give every SM a program the cap stays 32: the memory-bound rows keep
+    # the split counts they were measured with
+    assert default_num_splits(8, 16384, 132, 4) == 32 and default_num_splits(8, 32768, 132, 2) == 32
+    assert default_num_splits(32, 16384, 132, 4) == 8 and default_num_splits(128, 32768, 132, 4) == 2
 
 
 def test_paged_reference_agrees_with_contiguous_attention():

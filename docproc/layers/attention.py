@@ -80,7 +80,7 @@ class _Backend:
             return 0.0
         t0 = time.perf_counter()
         n_blocks = self.num_blocks(layer)
-        for q_len, ctx, splits in [(1, 1, s) for s in (1, 2, 4, 8, 16, 32)] + [(8, 8, 1), (64, 64, 1)]:
+        for q_len, ctx, splits in [(1, 1, s) for s in (1, 2, 4, 8, 16, 32, 64)] + [(8, 8, 1), (64, 64, 1)]:
             ctx = max(ctx, q_len)
             blocks = list(range(min(n_blocks, -(-ctx // block_size))))
             if len(blocks) * block_size < ctx:
