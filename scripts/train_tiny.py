@@ -669,6 +669,7 @@ def train(args) -> None:
 
     def loader(kind, batch, workers, band_rows=5):
         ds = Examples(work, kind, args.seed * 1000 + state["step"] + state["distill_step"], band_rows=band_rows,
+                      scan_fraction=args.scan_share,
                       answer_weights=args.answer_weight, spaced=args.spaced_answers,
                       field_share=args.field_share if kind == "bands" else 0.0,
                       page_aux=args.page_aux, anchor_share=args.anchor_share if kind == "pages" else 0.0)
@@ -892,6 +893,8 @@ def main() -> None:
                     "distillation loss, e.g. currency=6 (default 1 each)")
     ap.add_argument("--distill-bands", type=int, default=0, help="every Nth distillation batch is text bands "
                     "(field crops with --field-share) instead of pages; 0: pages only")
+    ap.add_argument("--scan-share", type=float, default=0.5, help="share of training documents and bands that are "
+                    "scans (held-out sets keep 0.5)")
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--eval-docs", type=int, default=24)
     ap.add_argument("--save-minutes", type=float, default=3.0)

@@ -35,7 +35,7 @@ def test_micro_training_pipeline(tmp_path):
     assert 0 <= state["log"][-1]["anchored_acc"] <= 1  # held-out PDFs with their anchor text
     run("train", *common, "--max-steps", "6", "--answer-weight", "currency=4",  # resumes, then distils the draft
         "--field-share", "0.5", "--spaced-answers", "currency", "--distill-weight", "currency=6",
-        "--distill-bands", "2")
+        "--distill-bands", "2", "--scan-share", "0.7")
     state = json.loads((work / "state.json").read_text())
     assert state["step"] == 6 and state["distill_step"] == 2 and state["log"][-1]["phase"] == "distill"
     assert 0 <= state["log"][-1]["fields_acc"] <= 1 and "fields_acc_currency" in state["log"][-1]
