@@ -337,12 +337,15 @@ def _paged_attn_fp4_kernel(
     GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HALF: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_OUTLIERS: tl.constexpr, DOT_FP32: tl.constexpr,
     KEYS_AS_ROWS: tl.constexpr, PTX_DECODE: tl.constexpr, TRANSPOSED: tl.constexpr = False,
+    K_OUTLIER_SELECT: tl.constexpr = False,
 ):
     """The FP4 member of the family (same tiles, splits and partials as _paged_attn_kernel).
     Keys: the group-scaled codes go through the tensor cores with q carrying the head scale; each
     outlier slot then adds q[row, channel] x value for its key (a gather of q, not a select over
-    every element). Values: outlier slots replace their (zero-coded) element before the dot; the
-    head scale is applied to the output."""
+    every element), or with K_OUTLIER_SELECT replaces its element in the decoded tile before the
+    dot, as values do (a variant timed against the gather by bench_kernels --outlier-ablation).
+    Values: outlier slots replace their (zero-coded) element before the dot; the head scale is
+    applied to the output."""
     tile, kvh, split, seq, tok0, nq, pos0 = _program_tile(tile_seq_ptr, tile_tok_ptr, tile_nq_ptr, tile_pos_ptr)
     GH: tl.constexpr = HALF // 16
 
@@ -359,6 +362,7 @@ def _paged_attn_fp4_kernel(
         q_hi = q_hi.to(tl.bfloat16)
     v_unit = vhs * 256.0
     inv_v_unit = 1.0 / v_unit
+    inv_k_unit = 1.0 / (khs * 256.0)
 
     start, stop, m_i, l_i, acc_lo, acc_hi = _split_state(pos0, nq, split, BLOCK_M, BLOCK_N, HALF, NUM_SPLITS)
     if TRANSPOSED:
@@ -374,6 +378,14 @@ def _paged_attn_fp4_kernel(
         row_o = blk * si_b + off * si_s + kvh * si_h
         row_v = blk * sv_b + off * sv_s + kvh * sv_h
         k_lo, k_hi = _fp4_tile(kc_ptr, ks_ptr, row_c, row_s, nmask, GH, BLOCK_N, PTX_DECODE)
+        if K_OUTLIER_SELECT:
+            for o in tl.static_range(NUM_OUTLIERS):  # as for values below: replace the zero-coded element
+                idx = tl.load(ki_ptr + row_o + o, mask=nmask, other=0).to(tl.int32)
+                val = tl.load(kv_ptr + row_v + o, mask=nmask, other=0.0).to(tl.float32)
+                idx = tl.where(val != 0.0, idx, -1)
+                w = (val * inv_k_unit).to(k_lo.dtype)
+                k_lo = tl.where(d[None, :] == idx[:, None], w[:, None], k_lo)
+                k_hi = tl.where(d[None, :] + HALF == idx[:, None], w[:, None], k_hi)
         if DOT_FP32:
             s = tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee")
             s += tl.dot(q_hi, tl.trans(k_hi), input_precision="ieee")
@@ -384,7 +396,7 @@ def _paged_attn_fp4_kernel(
             else:
                 s = tl.dot(q_lo, tl.trans(k_lo.to(tl.bfloat16)))
                 s += tl.dot(q_hi, tl.trans(k_hi.to(tl.bfloat16)))
-        for o in tl.static_range(NUM_OUTLIERS):  # unused slots hold (0, 0.0): they add nothing
+        for o in tl.static_range(0 if K_OUTLIER_SELECT else NUM_OUTLIERS):  # unused slots (0, 0.0) add nothing
             idx = tl.load(ki_ptr + row_o + o, mask=nmask, other=0).to(tl.int32)
             val = tl.load(kv_ptr + row_v + o, mask=nmask, other=0.0).to(tl.float32)
             qg = tl.load(q_ptr + q_off[:, None] + idx[None, :], mask=row_ok[:, None] & nmask[None, :],
@@ -555,6 +567,7 @@ def paged_attention(
     fp4_keys_as_rows: bool | None = None,  # FP4: scores as K q^T (default: as tuned, see below)
     fp4_ptx_decode: bool | None = None,  # FP4: decode in PTX to bf16x2 (default: on CUDA sm_80+ with bf16/fp16 q)
     fp4_transposed: bool = False,  # FP4: the tile transposed, decoded K and V both row operands (a tuning variant)
+    fp4_k_outlier_select: bool = False,  # FP4: key outliers replace their element before the dot (a variant)
 ) -> torch.Tensor:
     n_tok, n_heads, d = q.shape
     is_fp4 = fp4_k is not None
@@ -611,7 +624,7 @@ def paged_attention(
             *strides_k, *strides_s, *strides_o, *strides_v,
             GROUP=group, TOKENS=plan.tokens_per_tile, BLOCK_M=plan.block_m, BLOCK_N=block_n, HALF=d // 2,
             NUM_SPLITS=splits, NUM_OUTLIERS=num_outliers, DOT_FP32=dot_fp32, KEYS_AS_ROWS=bool(fp4_keys_as_rows),
-            PTX_DECODE=bool(fp4_ptx_decode), TRANSPOSED=fp4_transposed,
+            PTX_DECODE=bool(fp4_ptx_decode), TRANSPOSED=fp4_transposed, K_OUTLIER_SELECT=bool(fp4_k_outlier_select),
             num_warps=num_warps, num_stages=num_stages,
         )
     else:

@@ -123,6 +123,10 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
         record("ours_fp4_paged_no_outliers", lambda: paged_attention(
             q, plan, d ** -0.5, fp4_k=no_outliers("k"), fp4_v=no_outliers("v"), **cfg4),
             batch * ctx * hkv * 2 * (d // 2 + d // 16), {"config": cfg4})
+        # key outliers by a select on the decoded tile (as values) instead of a gather of q
+        record("ours_fp4_paged_k_outlier_select", lambda: paged_attention(
+            q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
+            fp4_k_outlier_select=True, **cfg4), batch * ctx * layer.bytes_per_token, {"config": cfg4})
     del layer
     # torch SDPA, bf16, contiguous K/V
     qs = q.view(batch, hq, 1, d)
@@ -195,7 +199,8 @@ def main() -> None:
                     help="skip the tuner (minutes of a device call) and use TUNED, what it picked in every run "
                          "since the sixth session")
     ap.add_argument("--outlier-ablation", action="store_true",
-                    help="also time the FP4 kernel on a pool with no outlier slots (what the outlier paths cost)")
+                    help="also time the FP4 kernel with its outlier paths left out (what they cost) and with key "
+                         "outliers applied by a select instead of a gather of q")
     a = ap.parse_args()
     t0 = time.time()
     bw = copy_bandwidth()
