@@ -257,11 +257,12 @@ class Examples(torch.utils.data.IterableDataset):
     def __init__(self, work: Path, kind: str, seed: int, scan_fraction: float = 0.5, max_pages: int = 3,
                  tag: str = "train", band_rows: int = 5, page_aux: bool = True, anchor_share: float = 0.0,
                  answer_weights: dict[str, float] | None = None, field_share: float = 0.0,
-                 spaced: tuple[str, ...] = ()) -> None:
+                 spaced: tuple[str, ...] = (), receipt_share: float | None = None) -> None:
         self.work, self.kind, self.seed, self.scan_fraction, self.max_pages = work, kind, seed, scan_fraction, max_pages
         self.tag, self.band_rows, self.page_aux, self.anchor_share = tag, band_rows, page_aux, anchor_share
         self.answer_weights = answer_weights or {}
         self.field_share, self.spaced = field_share, tuple(spaced)
+        self.receipt_share = receipt_share  # None: the generator's own mix (a third receipts)
 
     def answer(self, q, printed: dict) -> str:
         """The trained answer of a single-field query: the printed value, with a leading space for
@@ -289,7 +290,9 @@ class Examples(torch.utils.data.IterableDataset):
             nrng = np.random.default_rng(rng.randrange(2**32))
             i += 1
             scan = rng.random() < self.scan_fraction
-            spec = make_spec(rng, f"w{wid}_{i}", max_pages=self.max_pages if self.kind == "pages" else 1)
+            kind = None if self.receipt_share is None else \
+                ("receipt" if rng.random() < self.receipt_share else "invoice")
+            spec = make_spec(rng, f"w{wid}_{i}", kind=kind, max_pages=self.max_pages if self.kind == "pages" else 1)
             doc = draw_pdf(spec)
             if self.kind == "bands":
                 page = doc[0]
@@ -669,7 +672,7 @@ def train(args) -> None:
 
     def loader(kind, batch, workers, band_rows=5):
         ds = Examples(work, kind, args.seed * 1000 + state["step"] + state["distill_step"], band_rows=band_rows,
-                      scan_fraction=args.scan_share,
+                      scan_fraction=args.scan_share, receipt_share=args.receipt_share,
                       answer_weights=args.answer_weight, spaced=args.spaced_answers,
                       field_share=args.field_share if kind == "bands" else 0.0,
                       page_aux=args.page_aux, anchor_share=args.anchor_share if kind == "pages" else 0.0)
@@ -895,6 +898,8 @@ def main() -> None:
                     "(field crops with --field-share) instead of pages; 0: pages only")
     ap.add_argument("--scan-share", type=float, default=0.5, help="share of training documents and bands that are "
                     "scans (held-out sets keep 0.5)")
+    ap.add_argument("--receipt-share", type=float, default=None, help="share of training documents and bands that "
+                    "are receipts (default: the generator's mix, a third; held-out sets keep it)")
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--eval-docs", type=int, default=24)
     ap.add_argument("--save-minutes", type=float, default=3.0)

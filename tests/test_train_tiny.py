@@ -35,7 +35,7 @@ def test_micro_training_pipeline(tmp_path):
     assert 0 <= state["log"][-1]["anchored_acc"] <= 1  # held-out PDFs with their anchor text
     run("train", *common, "--max-steps", "6", "--answer-weight", "currency=4",  # resumes, then distils the draft
         "--field-share", "0.5", "--spaced-answers", "currency", "--distill-weight", "currency=6",
-        "--distill-bands", "2", "--scan-share", "0.7")
+        "--distill-bands", "2", "--scan-share", "0.7", "--receipt-share", "0.5")
     state = json.loads((work / "state.json").read_text())
     assert state["step"] == 6 and state["distill_step"] == 2 and state["log"][-1]["phase"] == "distill"
     assert 0 <= state["log"][-1]["fields_acc"] <= 1 and "fields_acc_currency" in state["log"][-1]
@@ -326,6 +326,14 @@ def test_field_crops_ask_only_what_they_show_and_spaced_answers_keep_the_value(t
     cur = [q.name for q in queries].index("currency")
     assert tok.decode([t for t in ex["rows"][cur][1] if t != -100 and t != end]) == " " + \
         tok.decode([t for t in ex["rows"][-1][1] if t != -100]).split('"currency": "')[1][:3]
+
+    # --receipt-share picks the document kind: receipts have no due date ("none")
+    due = [q.name for q in queries].index("due_date")
+    for share, receipt in ((1.0, True), (0.0, False)):
+        mixed = T.Examples(work, "pages", 3, page_aux=False, max_pages=1, receipt_share=share)
+        for ex, _ in zip(mixed, range(3)):
+            ans = tok.decode([t for t in ex["rows"][due][1] if t != -100 and t != end])
+            assert (ans == "none") == receipt, (share, ans)
 
 
 def test_repair_gives_collapsed_tokens_their_spaced_twins_embedding():
