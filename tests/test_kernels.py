@@ -271,6 +271,24 @@ def test_split_counts_fill_the_chip_only_where_it_is_underfilled():
     assert default_num_splits(32, 16384, 132, 4) == 8 and default_num_splits(128, 32768, 132, 4) == 2
 
 
+def test_paged_attention_with_64_splits_matches_reference():
+    """The batch-1 split count the default now picks for long contexts: 64 splits of a 1,000-key
+    context, some of them empty, merged."""
+    heads, kv_heads, d, bs, nb = 8, 2, 32, 16, 80
+    q, qs, tables = make_batch([1], [1000], heads, kv_heads, d, bs, nb, seed=7)
+    k_cache = torch.randn(nb, bs, kv_heads, d, device=DEV)
+    v_cache = torch.randn(nb, bs, kv_heads, d, device=DEV)
+    plan = plan_tiles(qs, [1000], tables, heads // kv_heads, DEV, num_splits=64)
+    out = paged_attention(q, plan, d ** -0.5, k_cache=k_cache, v_cache=v_cache, block_n=16)
+
+    def gather(blocks):
+        idx = torch.tensor(blocks, device=DEV)
+        return k_cache[idx].reshape(-1, kv_heads, d), v_cache[idx].reshape(-1, kv_heads, d)
+
+    ref = paged_attention_ref(q, gather, qs, [1000], tables, bs, d ** -0.5)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5), (out - ref).abs().max()
+
+
 def test_paged_reference_agrees_with_contiguous_attention():
     torch.manual_seed(3)
     heads, kv_heads, d, bs = 4, 2, 32, 4
