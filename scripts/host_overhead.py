@@ -87,7 +87,7 @@ def stub_graph(batches: list[int]) -> None:
                 return torch.zeros(n, hidden).index_select(0, views["rows"])
 
             g._forward_static = no_layers
-            reqs = [f"hello world {i}" for i in range(32)]
+            reqs = [f"hello world {i}" for i in range(max(32, b))]  # every step runs b sequences
             sp = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
             llm.generate(reqs, sp)
             best = 1e9
@@ -95,7 +95,7 @@ def stub_graph(batches: list[int]) -> None:
                 t0 = time.perf_counter()
                 llm.generate(reqs, sp)
                 best = min(best, time.perf_counter() - t0)
-            steps = len(reqs) * sp.max_tokens / b
+            steps = -(-len(reqs) // b) * sp.max_tokens  # (until the eleventh session: wrong for b > 32)
             print(json.dumps({"batch": b, "graph_path_us_per_step": round(best / steps * 1e6, 1),
                               "graph_steps": g.num_replays}))
     finally:

@@ -100,3 +100,29 @@ def test_same_step_admissions_share_the_prefix():
     # a computes 13 tokens; b hits a's 3 blocks registered at scheduling time and computes 1
     assert [x.num_new_tokens for x in out.scheduled] == [13, 1]
     assert b.num_cached_tokens == 12
+
+
+def test_a_decode_preempts_a_later_decode_which_is_then_skipped():
+    # 4 blocks: a, b and c fill one block each after prefill and decode; then each needs a second
+    # block and one is free: a takes it, b preempts c (the latest admitted) and takes c's block,
+    # and c, preempted in this step, is not scheduled
+    bm, sch = make(num_blocks=4, budget=100, caching=False)
+    a, b, c = Sequence([1, 2, 3]), Sequence([5, 6, 7]), Sequence([9, 10, 11])
+    for s in (a, b, c):
+        sch.add(s)
+    apply(sch.schedule())  # prefilled and sampled: 4 tokens, 1 block each
+    apply(sch.schedule())  # the 4th token computed: 5 tokens each, the 5th needs a 2nd block
+    out = sch.schedule()
+    assert out.preempted == [c]
+    assert [x.seq for x in out.scheduled] == [a, b] and out.decoding == [a, b]
+    assert sch.running == [a, b] and sch.waiting[0] is c and bm.num_free_blocks == 0
+
+
+def test_a_decode_that_can_only_preempt_itself_is_not_scheduled():
+    bm, sch = make(num_blocks=1, budget=100, caching=False)
+    a = Sequence([1, 2, 3])
+    sch.add(a)
+    apply(sch.schedule())
+    apply(sch.schedule())  # 5 tokens: the next decode needs a 2nd block and there is none
+    out = sch.schedule()
+    assert out.preempted == [a] and out.scheduled == [] and sch.waiting[0] is a

@@ -93,17 +93,19 @@ class Scheduler:
 
         # 1. decode: one token each, preempting from the back of the admission order
         decoding = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        gone: set[int] = set()  # ids of the sequences preempted in this loop (a set: `in running` is O(n))
         for seq in decoding:
             if budget == 0:
                 break
-            if seq not in self.running:  # preempted below for an earlier sequence
+            if id(seq) in gone:  # preempted below for an earlier sequence
                 continue
             while not bm.can_append(seq, len(seq) + self.lookahead):
                 victim = self.running[-1]
                 self._preempt(victim, out)
+                gone.add(id(victim))
                 if victim is seq:
                     break
-            if seq not in self.running:
+            if id(seq) in gone:
                 continue
             bm.append_slots(seq, len(seq) + self.lookahead)
             out.scheduled.append(ScheduledSeq(seq, 1))
