@@ -71,7 +71,12 @@ def stub(batches: list[int]) -> None:
         print(json.dumps({"batch": b, **{f"{k}_us_per_step": round(v / steps * 1e6, 2) for k, v in best.items()}}))
 
 
-def stub_graph(batches: list[int]) -> None:
+def stub_graph(batches: list[int], prompt_tokens: int = 0) -> None:
+    """With prompt_tokens, every request's prompt is about that long (contexts like a page's) and
+    the model's layers are removed outright, so the prefill steps that leave the graph path run
+    (eagerly, as on a GPU) too; the timed part is still the decode steps' host work."""
+    from torch import nn
+
     from docproc.engine import model_runner
 
     real = model_runner.resolve_step_graphs
@@ -86,17 +91,28 @@ def stub_graph(batches: list[int]) -> None:
                 views, n = _g._layout(key)[:2]
                 return torch.zeros(n, hidden).index_select(0, views["rows"])
 
-            g._forward_static = no_layers
-            reqs = [f"hello world {i}" for i in range(max(32, b))]  # every step runs b sequences
+            if prompt_tokens:
+                llm.runner.model.text.layers = nn.ModuleList()
+            else:
+                g._forward_static = no_layers
+            filler = " ".join(["word"] * prompt_tokens)
+            reqs = [f"hello world {i} {filler}" for i in range(max(32, b))]  # every step runs b sequences
             sp = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
             llm.generate(reqs, sp)
-            best = 1e9
+            one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+            best, best_one = 1e9, 1e9
             for _ in range(3):
                 t0 = time.perf_counter()
                 llm.generate(reqs, sp)
                 best = min(best, time.perf_counter() - t0)
-            steps = -(-len(reqs) // b) * sp.max_tokens  # (until the eleventh session: wrong for b > 32)
-            print(json.dumps({"batch": b, "graph_path_us_per_step": round(best / steps * 1e6, 1),
+                t0 = time.perf_counter()
+                llm.generate(reqs, one)  # the same prefills and no decode step
+                best_one = min(best_one, time.perf_counter() - t0)
+            waves = -(-len(reqs) // b)
+            steps = waves * sp.max_tokens  # (until the eleventh session: wrong for b > 32)
+            print(json.dumps({"batch": b, "prompt_tokens": prompt_tokens,
+                              "graph_path_us_per_step": round(best / steps * 1e6, 1),
+                              "decode_us_per_step": round((best - best_one) / (waves * (sp.max_tokens - 1)) * 1e6, 1),
                               "graph_steps": g.num_replays}))
     finally:
         model_runner.resolve_step_graphs = real
@@ -163,12 +179,13 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--repeats", type=int, default=6)
+    ap.add_argument("--prompt-tokens", type=int, default=0, help="--stub-graph: prompts of about this many tokens")
     args = ap.parse_args()
     args.batches = [int(x) for x in args.batches.split(",")]
     if args.stub:
         stub(args.batches)
     elif args.stub_graph:
-        stub_graph(args.batches)
+        stub_graph(args.batches, args.prompt_tokens)
     else:
         device_run(args)
 
