@@ -320,6 +320,26 @@ def _fp4_tile_t(codes_ptr, scales_ptr, row_c, row_s, nmask, GH: tl.constexpr, BL
 
 
 @triton.jit
+def _replace_outliers(lo, hi, idx_ptr, val_ptr, row_o, row_v, nmask, d, inv_unit, HALF: tl.constexpr,
+                      NUM_OUTLIERS: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """A decoded tile's halves (BLOCK_N, HALF), or (HALF, BLOCK_N) if TRANSPOSED, with each outlier
+    slot's value (x inv_unit, the tile's units) put in place of its element, whose own code is 0.
+    An unused slot (0, 0.0) must not touch channel 0."""
+    for o in tl.static_range(NUM_OUTLIERS):
+        idx = tl.load(idx_ptr + row_o + o, mask=nmask, other=0).to(tl.int32)
+        val = tl.load(val_ptr + row_v + o, mask=nmask, other=0.0).to(tl.float32)
+        idx = tl.where(val != 0.0, idx, -1)
+        w = (val * inv_unit).to(lo.dtype)
+        if TRANSPOSED:
+            lo = tl.where(d[:, None] == idx[None, :], w[None, :], lo)
+            hi = tl.where(d[:, None] + HALF == idx[None, :], w[None, :], hi)
+        else:
+            lo = tl.where(d[None, :] == idx[:, None], w[:, None], lo)
+            hi = tl.where(d[None, :] + HALF == idx[:, None], w[:, None], hi)
+    return lo, hi
+
+
+@triton.jit
 def _paged_attn_fp4_kernel(
     # pointers
     q_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
@@ -378,14 +398,9 @@ def _paged_attn_fp4_kernel(
         row_o = blk * si_b + off * si_s + kvh * si_h
         row_v = blk * sv_b + off * sv_s + kvh * sv_h
         k_lo, k_hi = _fp4_tile(kc_ptr, ks_ptr, row_c, row_s, nmask, GH, BLOCK_N, PTX_DECODE)
-        if K_OUTLIER_SELECT:
-            for o in tl.static_range(NUM_OUTLIERS):  # as for values below: replace the zero-coded element
-                idx = tl.load(ki_ptr + row_o + o, mask=nmask, other=0).to(tl.int32)
-                val = tl.load(kv_ptr + row_v + o, mask=nmask, other=0.0).to(tl.float32)
-                idx = tl.where(val != 0.0, idx, -1)
-                w = (val * inv_k_unit).to(k_lo.dtype)
-                k_lo = tl.where(d[None, :] == idx[:, None], w[:, None], k_lo)
-                k_hi = tl.where(d[None, :] + HALF == idx[:, None], w[:, None], k_hi)
+        if K_OUTLIER_SELECT:  # as for values below
+            k_lo, k_hi = _replace_outliers(k_lo, k_hi, ki_ptr, kv_ptr, row_o, row_v, nmask, d, inv_k_unit,
+                                           HALF, NUM_OUTLIERS, False)
         if DOT_FP32:
             s = tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee")
             s += tl.dot(q_hi, tl.trans(k_hi), input_precision="ieee")
@@ -396,29 +411,21 @@ def _paged_attn_fp4_kernel(
             else:
                 s = tl.dot(q_lo, tl.trans(k_lo.to(tl.bfloat16)))
                 s += tl.dot(q_hi, tl.trans(k_hi.to(tl.bfloat16)))
-        for o in tl.static_range(0 if K_OUTLIER_SELECT else NUM_OUTLIERS):  # unused slots (0, 0.0) add nothing
-            idx = tl.load(ki_ptr + row_o + o, mask=nmask, other=0).to(tl.int32)
-            val = tl.load(kv_ptr + row_v + o, mask=nmask, other=0.0).to(tl.float32)
-            qg = tl.load(q_ptr + q_off[:, None] + idx[None, :], mask=row_ok[:, None] & nmask[None, :],
-                         other=0.0).to(tl.float32)
-            s += qg * (val * sm_scale_log2)[None, :]
+        if not K_OUTLIER_SELECT:
+            for o in tl.static_range(NUM_OUTLIERS):  # unused slots hold (0, 0.0): they add nothing
+                idx = tl.load(ki_ptr + row_o + o, mask=nmask, other=0).to(tl.int32)
+                val = tl.load(kv_ptr + row_v + o, mask=nmask, other=0.0).to(tl.float32)
+                qg = tl.load(q_ptr + q_off[:, None] + idx[None, :], mask=row_ok[:, None] & nmask[None, :],
+                             other=0.0).to(tl.float32)
+                s += qg * (val * sm_scale_log2)[None, :]
         visible = (n[None, :] <= pos[:, None]) & nmask[None, :] & row_ok[:, None]
         p, alpha, m_new, l_i = _softmax_step(s, visible, m_i, l_i)
         if TRANSPOSED:
             v_lo, v_hi = _fp4_tile_t(vc_ptr, vs_ptr, row_c, row_s, nmask, GH, BLOCK_N, PTX_DECODE)
         else:
             v_lo, v_hi = _fp4_tile(vc_ptr, vs_ptr, row_c, row_s, nmask, GH, BLOCK_N, PTX_DECODE)
-        for o in tl.static_range(NUM_OUTLIERS):  # the outlier's own code is 0: replace it
-            idx = tl.load(vi_ptr + row_o + o, mask=nmask, other=0).to(tl.int32)
-            val = tl.load(vv_ptr + row_v + o, mask=nmask, other=0.0).to(tl.float32)
-            idx = tl.where(val != 0.0, idx, -1)  # an unused slot (0, 0.0) must not touch channel 0
-            w = (val * inv_v_unit).to(v_lo.dtype)
-            if TRANSPOSED:
-                v_lo = tl.where(d[:, None] == idx[None, :], w[None, :], v_lo)
-                v_hi = tl.where(d[:, None] + HALF == idx[None, :], w[None, :], v_hi)
-            else:
-                v_lo = tl.where(d[None, :] == idx[:, None], w[:, None], v_lo)
-                v_hi = tl.where(d[None, :] + HALF == idx[:, None], w[:, None], v_hi)
+        v_lo, v_hi = _replace_outliers(v_lo, v_hi, vi_ptr, vv_ptr, row_o, row_v, nmask, d, inv_v_unit,
+                                       HALF, NUM_OUTLIERS, TRANSPOSED)
         if TRANSPOSED:
             pt = tl.trans(p)
             if DOT_FP32:

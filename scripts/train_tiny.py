@@ -542,24 +542,28 @@ class Step:
         return pos
 
 
+def row_weighted_mean(per_token: torch.Tensor, batch: dict, row_weights: torch.Tensor) -> torch.Tensor:
+    """Mean of a per-answer-token loss, each token weighted by its row's weight (row_weights: one
+    per row of the batch): the plain mean when every weight is 1."""
+    rows = (batch["labels"][:, 1:] != -100).nonzero()[:, 0]
+    w = row_weights.to(per_token.device, torch.float32)[rows.to(per_token.device)]
+    return (per_token * w).sum() / w.sum()
+
+
 def answer_loss(logits: torch.Tensor, gold: torch.Tensor, batch: dict) -> torch.Tensor:
     """Cross-entropy over the answer tokens, each weighted by its row's --answer-weight (1 unless
     set for its query): the mean when every weight is 1."""
-    w = batch["row_weight"].to(logits.device, torch.float32)
-    rows = (batch["labels"][:, 1:] != -100).nonzero()[:, 0]
-    w = w[rows]
     ce = torch.nn.functional.cross_entropy(logits, gold, reduction="none")
-    return (ce * w).sum() / w.sum()
+    return row_weighted_mean(ce, batch, batch["row_weight"])
 
 
 def distill_loss(d_logits: torch.Tensor, t_logits: torch.Tensor, batch: dict, weights: torch.Tensor) -> torch.Tensor:
     """KL(target || draft) per answer token, averaged with each token weighted by its row's
-    query weight (--distill-weight; the plain mean over tokens when every weight is 1)."""
+    query weight (weights: one per query, then 1 for the reading question, row_query -1;
+    --distill-weight; the plain mean over tokens when every weight is 1)."""
     t_log = torch.log_softmax(t_logits, -1)
     kl = (t_log.exp() * (t_log - torch.log_softmax(d_logits, -1))).sum(-1)
-    rows = (batch["labels"][:, 1:] != -100).nonzero()[:, 0]
-    w = weights[batch["row_query"].to(weights.device)[rows]]  # index -1 is the last entry: weight 1
-    return (kl * w).sum() / w.sum()
+    return row_weighted_mean(kl, batch, weights[batch["row_query"].to(weights.device)])
 
 
 def row_correct(pred: torch.Tensor, gold: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
