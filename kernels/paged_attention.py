@@ -175,7 +175,15 @@ def _store_tile(out_ptr, part_acc_ptr, part_ml_ptr, acc_lo, acc_hi, m_i, l_i, ti
         tl.store(part_ml_ptr + base * 2 * BLOCK_M + BLOCK_M + r, l_i)
 
 
-@triton.jit
+# The block table's row stride is its width, the longest table of the step: it changes from step
+# to step (1, a multiple of 16, or neither), and Triton would compile a kernel variant for each of
+# those three cases (an integer argument equal to 1 is a constant to it, one divisible by 16 gets
+# an alignment hint), so a warm-up at one width would not cover a step at another. It is one load
+# per key block: not specializing on it costs nothing measurable and keeps warm-up exhaustive.
+UNSPECIALIZED = ["s_table"]
+
+
+@triton.jit(do_not_specialize=UNSPECIALIZED)
 def _paged_attn_kernel(
     # pointers
     q_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
@@ -339,7 +347,7 @@ def _replace_outliers(lo, hi, idx_ptr, val_ptr, row_o, row_v, nmask, d, inv_unit
     return lo, hi
 
 
-@triton.jit
+@triton.jit(do_not_specialize=UNSPECIALIZED)
 def _paged_attn_fp4_kernel(
     # pointers
     q_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
@@ -506,6 +514,23 @@ def tile_shape(max_q: int, group: int) -> tuple[int, int]:
     return tokens, block_m
 
 
+MAX_SPLITS = 64
+
+
+def warmup_launches(group: int, max_window: int = 64) -> list[tuple[int, int]]:
+    """(query tokens per sequence, key splits) pairs whose launches compile every variant of the
+    kernels that plan_tiles and default_num_splits can ask for with GQA group `group`: one window
+    length per distinct tile_shape (decode, verify windows, prefill chunks) times every split count
+    (powers of two up to MAX_SPLITS). The other compile-time parameters are fixed per engine (head
+    size, cache format, group, dtype) or follow from the tile shape (the FP4 key layout, the dense
+    kernel's keys per step)."""
+    shapes: dict[tuple[int, int], int] = {}
+    for q_len in range(1, max_window + 1):
+        shapes.setdefault(tile_shape(q_len, group), q_len)
+    splits = [1 << i for i in range(MAX_SPLITS.bit_length())]
+    return [(q_len, s) for q_len in shapes.values() for s in splits]
+
+
 def default_num_splits(num_tiles: int, max_context: int, num_sms: int, num_kv_heads: int = 4) -> int:
     """Key splits: enough programs to fill the chip (about 8 per SM over tiles x KV heads x splits),
     but at least 64 keys per split, a power of two (few kernel variants to compile), at most 32, or
@@ -516,7 +541,7 @@ def default_num_splits(num_tiles: int, max_context: int, num_sms: int, num_kv_he
     batch 1, replayed from a CUDA graph on the H200, 1k keys took 12.1 us in 4 splits, 7.3 us in
     16; 4k keys 13.7 us in 16 splits, 10.2 us in 64; SDPA 6.5 and 7.6 us.)"""
     want = max(1, -(-8 * num_sms // max(1, num_tiles * num_kv_heads)))
-    cap = 64 if num_tiles * num_kv_heads * 32 < num_sms else 32
+    cap = MAX_SPLITS if num_tiles * num_kv_heads * 32 < num_sms else 32
     n = max(1, min(want, max_context // 64, cap))
     return 1 << (n.bit_length() - 1)
 

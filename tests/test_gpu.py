@@ -41,3 +41,19 @@ def test_cuda_fp4_matches_cpu_reference_path(qwen2_vl_dir):
     gpu = gpu_llm.generate(requests(), sp)
     assert [o.outputs[0].token_ids for o in gpu] == [o.outputs[0].token_ids for o in cpu]
     assert gpu_llm.cache_info()["kernel_warmup_seconds"] > 0
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp4"])
+def test_no_kernel_compiles_after_warmup(qwen2_vl_dir, kv):
+    """Warm-up compiles every kernel variant a step can launch: batches of several sizes (CUDA
+    graphs captured on the way), prefill with and without prefix hits, and speculative verify
+    windows compile nothing later."""
+    llm = LLM(str(qwen2_vl_dir), device="cuda", kv_cache_dtype=kv, gpu_memory_utilization=0.2,
+              speculative_model=str(qwen2_vl_dir), num_speculative_tokens=4)
+    reqs = requests()
+    llm.generate(reqs, SamplingParams(max_tokens=20, ignore_eos=True))
+    llm.generate(reqs[:1], SamplingParams(max_tokens=7, ignore_eos=True))
+    llm.generate(reqs * 3, SamplingParams(max_tokens=3, ignore_eos=True))
+    info = llm.cache_info()
+    assert info["num_cuda_graphs"] > 0
+    assert info["kernel_compiles_after_warmup"] == 0, info

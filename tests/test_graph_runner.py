@@ -47,6 +47,12 @@ def test_static_step_path_gives_the_plain_tokens(qwen2_vl_dir, monkeypatch, kv):
     assert llm.cache_info()["num_reserved_blocks"] == 1
     assert llm.block_manager.num_free_blocks <= llm.runner.kv_cache.num_blocks - 1  # scratch never handed out
     assert static == plain
+    # every tile array of every layout starts 16-byte aligned, as an eager step's separate tensors
+    # do: Triton specializes pointers on that, and warm-up compiles with aligned ones
+    for b in g.batches:
+        for q in (1, 2, 3, 5, 16):
+            views = g._layout((b, q, 1))[0]
+            assert all(views[k].data_ptr() % 16 == 0 for k in ("tile_seq", "tile_tok", "tile_nq", "tile_pos", "table"))
 
 
 @cpu_only

@@ -8,7 +8,8 @@ import torch  # noqa: E402
 from kernels import fp4  # noqa: E402
 from kernels.fp4 import (FP4PagedLayer, FP4Tensor, bytes_per_token_head, dequantize_lut,  # noqa: E402
                          dequantize_ref, e2m1_decode, e2m1_encode, e4m3_decode, e4m3_encode, quantize_ref)
-from kernels.paged_attention import default_num_splits, paged_attention, paged_attention_ref, plan_tiles  # noqa: E402
+from kernels.paged_attention import (default_num_splits, paged_attention, paged_attention_ref, plan_tiles,  # noqa: E402
+                                     tile_shape, warmup_launches)
 
 # compiled kernels on a GPU, the interpreter on CPU
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -269,6 +270,45 @@ def test_split_counts_fill_the_chip_only_where_it_is_underfilled():
     # the split counts they were measured with
     assert default_num_splits(8, 16384, 132, 4) == 32 and default_num_splits(8, 32768, 132, 2) == 32
     assert default_num_splits(32, 16384, 132, 4) == 8 and default_num_splits(128, 32768, 132, 4) == 2
+
+
+def test_warmup_launches_cover_every_plan_the_engine_can_make():
+    """Every (tile shape, split count) that a step can ask for -- decode, verify windows, prefill
+    chunks, any batch and context -- is among the launches the engine compiles at start."""
+    import random
+
+    rng = random.Random(0)
+    for group in (1, 2, 6, 7, 8):
+        warm = {(tile_shape(q_len, group), splits) for q_len, splits in warmup_launches(group)}
+        for _ in range(300):
+            n = rng.choice([1, 2, 3, 8, 32, 130])
+            q_max = rng.choice([1, 2, 3, 5, 9, 17, 64, 2048])
+            q_lens = [rng.randint(1, q_max) for _ in range(n)]
+            ctx = [q + rng.choice([0, 5, 900, 4000, 40000]) for q in q_lens]
+            starts = [0]
+            for q in q_lens:
+                starts.append(starts[-1] + q)
+            plan = plan_tiles(starts, ctx, [[0]] * n, group, "cpu", num_sms=rng.choice([1, 78, 132]),
+                              num_kv_heads=rng.choice([1, 2, 4]))
+            assert ((plan.tokens_per_tile, plan.block_m), plan.num_splits) in warm, (group, q_lens, ctx)
+
+
+def test_block_table_width_does_not_make_a_new_kernel_variant():
+    """The block table's row stride (the step's longest table) must not be specialized on, or a
+    step at a width of 1, a multiple of 16 or neither would compile anew after warm-up."""
+    import subprocess
+    import sys
+
+    code = ("import kernels.paged_attention as pa\n"
+            "from triton.runtime.jit import native_specialize_impl\n"
+            "from triton.backends.compiler import BaseBackend\n"
+            "for k in (pa._paged_attn_kernel, pa._paged_attn_fp4_kernel):\n"
+            "    p = [x for x in k.params if x.name == 's_table'][0]\n"
+            "    keys = {native_specialize_impl(BaseBackend, w, False, not p.do_not_specialize, True) for w in (1, 16, 81)}\n"
+            "    print(len(keys))\n")
+    env = {**__import__("os").environ, "TRITON_INTERPRET": "0"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.split() == ["1", "1"], out.stdout + out.stderr
 
 
 def test_paged_attention_with_64_splits_matches_reference():

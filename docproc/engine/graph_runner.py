@@ -36,6 +36,14 @@ Q_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16)
 MAX_GRAPH_TOKENS = 2048
 
 
+def _seg(t: int) -> int:
+    """Int32 elements from one tile-array segment of the static buffer to the next: t rounded up
+    to 16 bytes, so that every segment starts 16-byte aligned like the separate tensors of an eager
+    step. Triton specializes a pointer argument on that alignment: a misaligned segment would be a
+    kernel variant the engine's warm-up did not compile, compiled inside the step that captures."""
+    return -(-t // 4) * 4
+
+
 def bucket(n: int, buckets: tuple[int, ...]) -> int | None:
     for b in buckets:
         if b >= n:
@@ -77,7 +85,7 @@ class GraphRunner:
         max_tokens = MAX_GRAPH_TOKENS
         max_tiles = max_tokens  # at most one tile per query token
         self.host64 = torch.zeros(6 * max_tokens, dtype=torch.long, pin_memory=capture)
-        self.host32 = torch.zeros(4 * max_tiles + self.max_batch * self.width, dtype=torch.int32,
+        self.host32 = torch.zeros(4 * _seg(max_tiles) + self.max_batch * self.width, dtype=torch.int32,
                                   pin_memory=capture)
         self.dev64 = torch.zeros_like(self.host64, device=self.device)
         self.dev32 = torch.zeros_like(self.host32, device=self.device)
@@ -121,11 +129,12 @@ class GraphRunner:
         tokens, block_m = tile_shape(q, self.group)
         per_seq = -(-q // tokens)
         t = b * per_seq
+        a = _seg(t)
         d64, d32 = self.dev64, self.dev32
         views = {
             "ids": d64[:n], "pos": d64[n: 4 * n].view(3, n), "slots": d64[4 * n: 5 * n], "rows": d64[5 * n: 6 * n],
-            "tile_seq": d32[:t], "tile_tok": d32[t: 2 * t], "tile_nq": d32[2 * t: 3 * t],
-            "tile_pos": d32[3 * t: 4 * t], "table": d32[4 * t: 4 * t + b * self.width].view(b, self.width),
+            "tile_seq": d32[:t], "tile_tok": d32[a: a + t], "tile_nq": d32[2 * a: 2 * a + t],
+            "tile_pos": d32[3 * a: 3 * a + t], "table": d32[4 * a: 4 * a + b * self.width].view(b, self.width),
         }
         # the tiles' sequence and first query row depend on the key only: written from these each step
         idx = np.arange(t, dtype=np.int32)
@@ -141,8 +150,9 @@ class GraphRunner:
         h64 = self.host64.numpy()
         h32 = self.host32.numpy()
         ids, pos, slots, rows = h64[:n], h64[n: 4 * n].reshape(3, n), h64[4 * n: 5 * n], h64[5 * n: 6 * n]
-        tseq, ttok, tnq, tpos = h32[:t], h32[t: 2 * t], h32[2 * t: 3 * t], h32[3 * t: 4 * t]
-        table = h32[4 * t: 4 * t + b * self.width].reshape(b, self.width)
+        a = _seg(t)
+        tseq, ttok, tnq, tpos = h32[:t], h32[a: a + t], h32[2 * a: 2 * a + t], h32[3 * a: 3 * a + t]
+        table = h32[4 * a: 4 * a + b * self.width].reshape(b, self.width)
         if self.copied is not None:
             self.copied.synchronize()  # the previous step's copy has left these buffers
         ids[:] = 0
@@ -190,7 +200,7 @@ class GraphRunner:
             query_start.append(r)
             context_lens.append(end)
         rows[r:] = 0
-        return 6 * n, 4 * t + b * self.width, r, query_start, context_lens
+        return 6 * n, 4 * a + b * self.width, r, query_start, context_lens
 
     def _forward_static(self, key) -> torch.Tensor:
         views, n, t, tokens, block_m, _, _ = self._layout(key)

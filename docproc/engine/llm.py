@@ -12,6 +12,7 @@ from docproc.engine.block_manager import BlockManager
 from docproc.engine.model_runner import ModelRunner
 from docproc.engine.scheduler import Scheduler
 from docproc.engine.encoder_cache import EncoderCache
+from docproc.engine.jit_watch import WATCH
 from docproc.engine.sampler import probabilities
 from docproc.engine.sequence import Sequence
 from docproc.engine.speculative import accept_greedy, accept_sampled
@@ -125,6 +126,7 @@ class LLM:
         self.eos_token_ids = eos_token_ids(model, self.runner.hf_config, self.tokenizer)
         self.num_steps = 0
         self.num_step_tokens = 0
+        self._compile_mark = WATCH.mark()  # every runner has warmed up by now
         self.step_seconds = 0.0
         self.num_decode_steps = 0  # plain steps that only decoded (the memory-bound part of a run)
         self.num_decode_step_tokens = 0
@@ -192,6 +194,12 @@ class LLM:
             "bytes_per_token_bf16": 2 * self.runner.text_config.num_hidden_layers * 2
                                     * self.runner.text_config.num_key_value_heads * self.runner.text_config.head_dim,
             "kernel_warmup_seconds": round(self.runner.warmup_seconds, 3),
+            "kernel_warmup_compiles": self.runner.warmup_compiles
+                                      + (self.speculator.runner.warmup_compiles if self.speculator else 0),
+            # Triton kernel variants compiled (or loaded from Triton's disk cache) since the engine
+            # started: each was paid inside some step; 0 where warm-up covered every launch (and on CPU)
+            "kernel_compiles_after_warmup": len(late := WATCH.since(self._compile_mark)),
+            "kernel_compile_seconds_after_warmup": round(sum(r.seconds for r in late), 3),
             "allocated_bytes": kv.allocated_bytes,
             "num_free_blocks": bm.num_free_blocks,
             "prefix_cache_query_tokens": bm.stats.num_query_tokens,

@@ -12,6 +12,7 @@ import torch
 from docproc.config import EngineConfig
 from docproc.engine.encoder_cache import EncoderCache
 from docproc.engine.graph_runner import GraphRunner
+from docproc.engine.jit_watch import WATCH
 from docproc.engine.kv_cache import KV_DTYPES, KVCache, resolve_kv_dtype
 from docproc.engine.prefetch import ImagePrefetcher, default_workers
 from docproc.engine.sampler import Sampler, SamplingRow
@@ -115,6 +116,7 @@ class ModelRunner:
         self.trunk_source: EncoderCache | None = None
         self.num_shared_trunk_images = 0
         self.warmup_seconds = 0.0
+        self.warmup_compiles = 0
         self.step_graphs = resolve_step_graphs(config, self.device)
         if self.step_graphs == "static":
             self.backend.use_triton = True
@@ -132,11 +134,31 @@ class ModelRunner:
         else:  # the scratch block comes out of the budget too
             usable = max(1, int(self._num_blocks() * share) - self.num_reserved_blocks)
         self.kv_cache.allocate(usable + self.num_reserved_blocks)
-        self.warmup_seconds = self.backend.warmup(self.kv_cache.layers[0], self.block_size)
+        WATCH.install()
+        mark = WATCH.mark()
+        self.warmup_seconds = self.backend.warmup(self.kv_cache.layers[0], self.block_size) + self._warm_fused()
+        self.warmup_compiles = WATCH.mark() - mark  # kernel variants compiled (or loaded from disk)
         if self.step_graphs:
             max_len = (self.config.max_model_len or self.text_config.max_position_embeddings) + 16
             self.graphs = GraphRunner(self, self.config.max_num_seqs, max_len,
                                       capture=self.step_graphs == "capture")
+
+    def _warm_fused(self) -> float:
+        """CUDA: compile the model's fused kernels (kernels/fused.py: the norm with and without a
+        residual, SiLU x up) at this model's sizes. Returns seconds."""
+        if self.device.type != "cuda":
+            return 0.0
+        from kernels.fused import add_rms_norm, silu_mul
+
+        t0 = time.perf_counter()
+        tc = self.text_config
+        x = torch.zeros(2, tc.hidden_size, dtype=self.dtype, device=self.device)
+        w = torch.ones(tc.hidden_size, dtype=self.dtype, device=self.device)
+        add_rms_norm(x, None, w, tc.rms_norm_eps)
+        add_rms_norm(x, x, w, tc.rms_norm_eps)
+        silu_mul(torch.zeros(2, 2 * tc.intermediate_size, dtype=self.dtype, device=self.device))
+        torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
 
     @property
     def num_graph_captures(self) -> int:

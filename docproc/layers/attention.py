@@ -18,7 +18,7 @@ import torch
 
 from kernels.fp4 import DEFAULT_NUM_OUTLIERS, DEFAULT_THRESHOLD, FP4PagedLayer
 from kernels.fused import rotary_, rotary_store_
-from kernels.paged_attention import TilePlan, paged_attention, paged_attention_ref, plan_tiles
+from kernels.paged_attention import TilePlan, paged_attention, paged_attention_ref, plan_tiles, warmup_launches
 
 
 @dataclass
@@ -74,14 +74,15 @@ class _Backend:
         return qk[:, :h]
 
     def warmup(self, layer, block_size: int) -> float:
-        """Compile the kernels for the launch shapes the engine uses (decode, verify windows,
-        prefill chunks, each split count), so no request pays Triton's JIT. Returns seconds."""
+        """Compile the kernels for every launch shape the engine can ask for (each tile shape:
+        decode, verify windows, prefill chunks; each split count: kernels/paged_attention.py's
+        warmup_launches), so no request pays Triton's JIT. Returns seconds."""
         if not self.use_triton or self.device.type != "cuda":
             return 0.0
         t0 = time.perf_counter()
         n_blocks = self.num_blocks(layer)
-        for q_len, ctx, splits in [(1, 1, s) for s in (1, 2, 4, 8, 16, 32, 64)] + [(8, 8, 1), (64, 64, 1)]:
-            ctx = max(ctx, q_len)
+        for q_len, splits in warmup_launches(self.num_heads // self.num_kv_heads):
+            ctx = q_len
             blocks = list(range(min(n_blocks, -(-ctx // block_size))))
             if len(blocks) * block_size < ctx:
                 continue

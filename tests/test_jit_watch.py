@@ -1,0 +1,38 @@
+"""CompileWatch: Triton's compile hooks, chained, count compiles and their seconds (the GPU test
+in test_gpu.py checks that the engine's warm-up leaves none for the steps)."""
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from triton import knobs
+
+from docproc.engine.jit_watch import CompileWatch
+
+
+def test_hooks_count_compiles_and_chain_to_earlier_hooks(monkeypatch):
+    calls = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **kw: calls.append("before") or False)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: calls.append("after"))
+    watch = CompileWatch()
+    assert watch.install() and watch.install()  # a second install is a no-op
+    mark = watch.mark()
+    fn = SimpleNamespace(name="_paged_attn_kernel", jit_function=object())
+    for key in ("k1", "k2"):
+        skip = knobs.runtime.jit_cache_hook(key=key, fn=fn, repr="_paged_attn_kernel[...]")
+        assert not skip  # a true answer would make Triton skip the compile
+        time.sleep(0.01)
+        knobs.runtime.jit_post_compile_hook(key=key, fn=fn, repr="_paged_attn_kernel[...]")
+    late = watch.since(mark)
+    assert [r.kernel for r in late] == ["_paged_attn_kernel"] * 2
+    assert all(r.seconds >= 0.009 for r in late)
+    assert calls == ["before", "after"] * 2  # the hooks that were there still run
+    assert watch.since(watch.mark()) == []
+
+
+def test_an_earlier_hook_that_skips_a_compile_still_skips_it(monkeypatch):
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **kw: True)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    watch = CompileWatch()
+    watch.install()
+    assert knobs.runtime.jit_cache_hook(key="k", fn=None, repr="x[...]") is True
