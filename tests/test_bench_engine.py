@@ -31,6 +31,12 @@ def test_bench_engine_small_on_cpu(tmp_path):
     assert b["ours_fp32"]["cached_prompt_tokens"] > 0  # the queries of a page share its prefix
     assert b["profile_fp32"]["documents"] == 1 and b["profile_fp32"]["wall_s"] > 0 and b["profile_fp32"]["top_host"]
     assert b["transformers_best"]["batch"] in (2, 4) and b["flops_per_page"]["total"] > 0
+    # one-off costs inside the timed runs: on CPU no graphs and no Triton compiles
+    for kv in ("fp32", "fp4"):
+        for fu in (b[f"ours_{kv}"]["first_use"], b[f"ours_{kv}"]["second_pass"]["first_use"]):
+            assert fu == {"graph_captures": 0, "graph_capture_seconds": 0.0, "kernel_compiles": 0,
+                          "kernel_compile_seconds": 0.0}
+        assert b[f"ours_{kv}"]["second_pass"]["pages_per_s"] > 0
     runs = r["c_speculation"]["runs"]
     assert all(x["acceptance_rate"] == 1.0 for x in runs if x["a"] == 1.0 and x["k"] == 4)
     assert all(0.2 < x["acceptance_rate"] < 0.8 for x in runs if x["a"] == 0.5 and x["k"] == 4)
