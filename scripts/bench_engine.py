@@ -339,7 +339,9 @@ def part_b(folder: Path, args, env: dict) -> dict:
                              "image_prefetch": {"workers": llm.runner.prefetcher.workers,
                                                 "prefetched": llm.runner.prefetcher.num_prefetched,
                                                 "inline": llm.runner.prefetcher.num_inline},
-                             "first_use": first_use, "second_pass": second}
+                             "first_use": first_use, "second_pass": second,
+                             "kernel_warmup_seconds": before["kernel_warmup_seconds"],
+                             "kernel_warmup_compiles": before["kernel_warmup_compiles"]}
         res["flops_per_page"] = f
         res["compute_roofline_pages_per_s"] = round(roofline_pages, 3)
         if args.profile_docs and kv == args.kv[0]:
