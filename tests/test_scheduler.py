@@ -126,3 +126,32 @@ def test_a_decode_that_can_only_preempt_itself_is_not_scheduled():
     apply(sch.schedule())  # 5 tokens: the next decode needs a 2nd block and there is none
     out = sch.schedule()
     assert out.preempted == [a] and out.scheduled == [] and sch.waiting[0] is a
+
+
+def test_decode_keeps_tables_and_block_hashes_exact_with_and_without_lookahead():
+    """The decode loop's fast path (no block manager call when no block is needed or filled) leaves
+    every sequence with room for its next tokens and the hash of every full block, in order, as
+    calling the block manager every step does; a second sequence with the same tokens then hits
+    those blocks."""
+    from docproc.engine.block_manager import hash_block
+
+    for lookahead in (0, 3):
+        bm = BlockManager(64, BS, True)
+        sch = Scheduler(bm, 8, 64, lookahead=lookahead)
+        seqs = [Sequence(list(range(k, k + n))) for k, n in ((0, 5), (100, 7), (200, 4))]
+        for s in seqs:
+            sch.add(s)
+        for step in range(13):
+            out = sch.schedule()
+            room = {id(s): len(s) + lookahead for s in out.decoding}
+            apply(out, token=step)
+            for s in seqs:
+                if id(s) in room:  # a decode step's table holds its token and the lookahead
+                    assert len(s.block_table) * BS >= room[id(s)]
+                prev, want = None, []
+                for i in range(s.num_computed_tokens // BS):
+                    prev = hash_block(prev, s.block_key(i, BS))
+                    want.append(prev)
+                assert s.block_hashes == want, (lookahead, step)
+        twin = Sequence(list(seqs[1].token_ids))
+        assert len(bm._prefix_hits(twin)[0]) == (len(twin) - 1) // BS
