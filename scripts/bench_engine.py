@@ -276,6 +276,29 @@ def profile_summary(fn, device: str) -> dict:
             "top_host": rows(ops, "self_cpu_time_total")}
 
 
+def host_profile(fn, top: int = 40) -> dict:
+    """Run fn under cProfile: where the host's time goes, by function (the Python side of the
+    engine: scheduler, input preparation, launches, waits on the device). cProfile adds its own
+    cost per Python call, so shares, not absolute seconds, are the figures to read."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    fn()
+    prof.disable()
+    wall = time.perf_counter() - t0
+    st = pstats.Stats(prof)
+
+    def rows(key: int) -> list[dict]:
+        items = sorted(st.stats.items(), key=lambda kv: -kv[1][key])[:top]
+        return [{"fn": f"{Path(f).name}:{line}({name})", "calls": nc, "tottime_s": round(tt, 4),
+                 "cumtime_s": round(ct, 4)} for (f, line, name), (cc, nc, tt, ct, _) in items]
+
+    return {"wall_s": round(wall, 4), "by_tottime": rows(2), "by_cumtime": rows(3)}
+
+
 def profile_decode(llm, req, args) -> dict:
     """Where a batch-1 decode step's time goes: profile_summary over --profile-steps decode steps
     (after a prefix-cached prompt), per step."""
@@ -350,6 +373,11 @@ def part_b(folder: Path, args, env: dict) -> dict:
                      for i in range(args.profile_docs) for j in range(q)]
             res[f"profile_{kv}"] = {"documents": args.profile_docs,
                                     **profile_summary(lambda: llm.generate(preqs, sp), args.device)}
+        if args.host_profile_docs and kv == args.kv[0]:
+            hreqs = [request(7000 + i, QUESTIONS[j % len(QUESTIONS)], args)
+                     for i in range(args.host_profile_docs) for j in range(q)]
+            res[f"host_profile_{kv}"] = {"documents": args.host_profile_docs,
+                                         **host_profile(lambda: (llm.generate(hreqs, sp), sync(args.device)))}
         if kv == args.kv[0]:
             inputs_all = [hf_batch(llm, reqs[i:i + b], args.device) for b in args.hf_batches for i in [0]]
         del llm
@@ -567,6 +595,8 @@ def main() -> None:
     ap.add_argument("--prefetch-workers", type=int, default=None,
                     help="image preprocessing threads (default: the engine's: up to 8 beside a GPU; 0: inline)")
     ap.add_argument("--profile-steps", type=int, default=0, help="part a: also profile this many decode steps")
+    ap.add_argument("--host-profile-docs", type=int, default=0,
+                    help="part b: also run this many fresh documents under cProfile (first KV format)")
     ap.add_argument("--profile-docs", type=int, default=0,
                     help="part b: also profile a pass over this many fresh documents (first KV format)")
     ap.add_argument("--small", action="store_true", help="CPU check: tiny sizes everywhere")
