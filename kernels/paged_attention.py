@@ -93,10 +93,10 @@ def _program_tile(tile_seq_ptr, tile_tok_ptr, tile_nq_ptr, tile_pos_ptr):
 
 
 @triton.jit
-def _key_range(pos0, nq, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+def _key_range(pos0, nq, split, num_splits, BLOCK_N: tl.constexpr):
     """This split's keys [start, stop): keys 0..pos0 + nq - 1 are visible to some row of the tile."""
     kend = pos0 + nq
-    chunk = tl.cdiv(tl.cdiv(kend, BLOCK_N), NUM_SPLITS) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(kend, BLOCK_N), num_splits) * BLOCK_N
     start = split * chunk
     return start, tl.minimum(start + chunk, kend)
 
@@ -119,11 +119,10 @@ def _key_block(table_ptr, seq, s_table, n0, stop, block_size, BLOCK_N: tl.conste
 
 
 @triton.jit
-def _split_state(pos0, nq, split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr,
-                 NUM_SPLITS: tl.constexpr):
+def _split_state(pos0, nq, split, num_splits, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
     """This split's key range and the online softmax's empty state: (start, stop, running max,
     running sum, the two output halves)."""
-    start, stop = _key_range(pos0, nq, split, BLOCK_N, NUM_SPLITS)
+    start, stop = _key_range(pos0, nq, split, num_splits, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     return start, stop, m_i, l_i, tl.zeros([BLOCK_M, HALF], tl.float32), tl.zeros([BLOCK_M, HALF], tl.float32)
@@ -156,10 +155,11 @@ def _accumulate(acc_lo, acc_hi, alpha, p, v_lo, v_hi, DOT_FP32: tl.constexpr):
 
 @triton.jit
 def _store_tile(out_ptr, part_acc_ptr, part_ml_ptr, acc_lo, acc_hi, m_i, l_i, tile, kvh, split, tok0, t, head, r,
-                row_ok, d, so_t, so_h, BLOCK_M: tl.constexpr, HALF: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """The tile's output (one split), or its partials for the merge kernel: acc (tile, kvh, split,
-    BLOCK_M, 2*HALF), m and l (tile, kvh, split, 2, BLOCK_M)."""
-    if NUM_SPLITS == 1:
+                row_ok, d, so_t, so_h, num_splits, BLOCK_M: tl.constexpr, HALF: tl.constexpr,
+                SPLIT: tl.constexpr):
+    """The tile's output (unsplit), or its partials for the merge kernel (SPLIT): acc (tile, kvh,
+    split, BLOCK_M, 2*HALF), m and l (tile, kvh, split, 2, BLOCK_M)."""
+    if not SPLIT:
         inv = tl.where(l_i > 0, 1.0 / tl.maximum(l_i, 1e-30), 0.0)
         o_off = (tok0 + t) * so_t + head * so_h
         tl.store(out_ptr + o_off[:, None] + d[None, :], (acc_lo * inv[:, None]).to(out_ptr.dtype.element_ty),
@@ -167,7 +167,7 @@ def _store_tile(out_ptr, part_acc_ptr, part_ml_ptr, acc_lo, acc_hi, m_i, l_i, ti
         tl.store(out_ptr + o_off[:, None] + HALF + d[None, :], (acc_hi * inv[:, None]).to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None])
     else:
-        base = (tile * tl.num_programs(1) + kvh) * NUM_SPLITS + split
+        base = (tile * tl.num_programs(1) + kvh) * num_splits + split
         a_off = base * BLOCK_M * 2 * HALF + r[:, None] * 2 * HALF + d[None, :]
         tl.store(part_acc_ptr + a_off, acc_lo)
         tl.store(part_acc_ptr + a_off + HALF, acc_hi)
@@ -175,12 +175,16 @@ def _store_tile(out_ptr, part_acc_ptr, part_ml_ptr, acc_lo, acc_hi, m_i, l_i, ti
         tl.store(part_ml_ptr + base * 2 * BLOCK_M + BLOCK_M + r, l_i)
 
 
-# The block table's row stride is its width, the longest table of the step: it changes from step
-# to step (1, a multiple of 16, or neither), and Triton would compile a kernel variant for each of
-# those three cases (an integer argument equal to 1 is a constant to it, one divisible by 16 gets
-# an alignment hint), so a warm-up at one width would not cover a step at another. It is one load
-# per key block: not specializing on it costs nothing measurable and keeps warm-up exhaustive.
-UNSPECIALIZED = ["s_table"]
+# Integer arguments Triton must not specialize on (it compiles a variant for a value of 1 and one
+# for a multiple of 16). The block table's row stride is its width, the longest table of the step:
+# it changes from step to step, so a warm-up at one width would not cover a step at another (one
+# load per key block). The split count is a run-time value too: until the thirteenth session it was
+# a compile-time constant, 7 counts x 4 tile shapes = 28 variants per kernel for warm-up to compile
+# (107 s at engine start on the H200 for the bf16 engine with its draft); now a kernel has one
+# variant per tile shape for unsplit tiles and one for split tiles (SPLIT), 8 in all, and the merge
+# kernel one per tile shape. A split count only enters one division per program and the partials'
+# offsets.
+UNSPECIALIZED = ["s_table", "num_splits"]
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED)
@@ -190,13 +194,13 @@ def _paged_attn_kernel(
     tile_seq_ptr, tile_tok_ptr, tile_nq_ptr, tile_pos_ptr, table_ptr,
     k_ptr, v_ptr,  # bf16/fp16/fp32 caches (num_blocks, block_size, Hkv, D)
     # sizes
-    block_size, sm_scale_log2,
+    block_size, sm_scale_log2, num_splits,
     # strides
     sq_t, sq_h, so_t, so_h, s_table,
     sk_b, sk_s, sk_h,  # the caches
     # meta
     GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HALF: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
+    HALF: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     tile, kvh, split, seq, tok0, nq, pos0 = _program_tile(tile_seq_ptr, tile_tok_ptr, tile_nq_ptr, tile_pos_ptr)
 
@@ -206,7 +210,7 @@ def _paged_attn_kernel(
     q_off = (tok0 + t) * sq_t + head * sq_h
     q_lo, q_hi = _load_q(q_ptr, q_off, row_ok, d, sm_scale_log2, HALF)
 
-    start, stop, m_i, l_i, acc_lo, acc_hi = _split_state(pos0, nq, split, BLOCK_M, BLOCK_N, HALF, NUM_SPLITS)
+    start, stop, m_i, l_i, acc_lo, acc_hi = _split_state(pos0, nq, split, num_splits, BLOCK_M, BLOCK_N, HALF)
     for n0 in range(start, stop, BLOCK_N):
         n, nmask, blk, off = _key_block(table_ptr, seq, s_table, n0, stop, block_size, BLOCK_N)
         row_off = blk * sk_b + off * sk_s + kvh * sk_h
@@ -226,7 +230,7 @@ def _paged_attn_kernel(
         m_i = m_new
 
     _store_tile(out_ptr, part_acc_ptr, part_ml_ptr, acc_lo, acc_hi, m_i, l_i, tile, kvh, split, tok0, t, head, r,
-                row_ok, d, so_t, so_h, BLOCK_M, HALF, NUM_SPLITS)
+                row_ok, d, so_t, so_h, num_splits, BLOCK_M, HALF, SPLIT)
 
 
 def _fp4_decode_ptx() -> str:
@@ -354,7 +358,7 @@ def _paged_attn_fp4_kernel(
     tile_seq_ptr, tile_tok_ptr, tile_nq_ptr, tile_pos_ptr, table_ptr,
     kc_ptr, ks_ptr, ki_ptr, kv_ptr, vc_ptr, vs_ptr, vi_ptr, vv_ptr, khs_ptr, vhs_ptr,
     # sizes
-    block_size, sm_scale_log2,
+    block_size, sm_scale_log2, num_splits,
     # strides
     sq_t, sq_h, so_t, so_h, s_table,
     sk_b, sk_s, sk_h,  # codes view
@@ -363,7 +367,7 @@ def _paged_attn_fp4_kernel(
     sv_b, sv_s, sv_h,  # outlier value view
     # meta
     GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HALF: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_OUTLIERS: tl.constexpr, DOT_FP32: tl.constexpr,
+    HALF: tl.constexpr, SPLIT: tl.constexpr, NUM_OUTLIERS: tl.constexpr, DOT_FP32: tl.constexpr,
     KEYS_AS_ROWS: tl.constexpr, PTX_DECODE: tl.constexpr, TRANSPOSED: tl.constexpr = False,
     K_OUTLIER_SELECT: tl.constexpr = False,
 ):
@@ -392,7 +396,7 @@ def _paged_attn_fp4_kernel(
     inv_v_unit = 1.0 / v_unit
     inv_k_unit = 1.0 / (khs * 256.0)
 
-    start, stop, m_i, l_i, acc_lo, acc_hi = _split_state(pos0, nq, split, BLOCK_M, BLOCK_N, HALF, NUM_SPLITS)
+    start, stop, m_i, l_i, acc_lo, acc_hi = _split_state(pos0, nq, split, num_splits, BLOCK_M, BLOCK_N, HALF)
     if TRANSPOSED:
         # out^T = V^T P^T (HALF, M): the decoded values are the row operand of their product
         # (registers on Hopper, like the keys with KEYS_AS_ROWS), only the small P^T goes through
@@ -453,15 +457,14 @@ def _paged_attn_fp4_kernel(
     acc_hi = acc_hi * v_unit
 
     _store_tile(out_ptr, part_acc_ptr, part_ml_ptr, acc_lo, acc_hi, m_i, l_i, tile, kvh, split, tok0, t, head, r,
-                row_ok, d, so_t, so_h, BLOCK_M, HALF, NUM_SPLITS)
+                row_ok, d, so_t, so_h, num_splits, BLOCK_M, HALF, SPLIT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr, tile_tok_ptr, tile_nq_ptr,
-    so_t, so_h,
+    so_t, so_h, num_splits,
     GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, HALF: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -469,14 +472,14 @@ def _combine_kernel(
     nq = tl.load(tile_nq_ptr + tile)
     r, t, head, row_ok = _tile_rows(kvh, nq, GROUP, TOKENS, BLOCK_M)
     dd = tl.arange(0, 2 * HALF)
-    base0 = (tile * tl.num_programs(1) + kvh) * NUM_SPLITS
+    base0 = (tile * tl.num_programs(1) + kvh) * num_splits
     m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
+    for s in range(num_splits):
         m_max = tl.maximum(m_max, tl.load(part_ml_ptr + (base0 + s) * 2 * BLOCK_M + r))
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     acc = tl.zeros([BLOCK_M, 2 * HALF], tl.float32)
     l_tot = tl.zeros([BLOCK_M], tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
+    for s in range(num_splits):
         m = tl.load(part_ml_ptr + (base0 + s) * 2 * BLOCK_M + r)
         l = tl.load(part_ml_ptr + (base0 + s) * 2 * BLOCK_M + BLOCK_M + r)
         w = tl.exp2(m - m_safe)
@@ -520,20 +523,20 @@ MAX_SPLITS = 64
 def warmup_launches(group: int, max_window: int = 64) -> list[tuple[int, int]]:
     """(query tokens per sequence, key splits) pairs whose launches compile every variant of the
     kernels that plan_tiles and default_num_splits can ask for with GQA group `group`: one window
-    length per distinct tile_shape (decode, verify windows, prefill chunks) times every split count
-    (powers of two up to MAX_SPLITS). The other compile-time parameters are fixed per engine (head
-    size, cache format, group, dtype) or follow from the tile shape (the FP4 key layout, the dense
+    length per distinct tile_shape (decode, verify windows, prefill chunks), unsplit (1) and split
+    (2: the split count is a run-time argument, so 2 stands for every count above 1, and the merge
+    kernel is compiled with it). The other compile-time parameters are fixed per engine (head size,
+    cache format, group, dtype) or follow from the tile shape (the FP4 key layout, the dense
     kernel's keys per step)."""
     shapes: dict[tuple[int, int], int] = {}
     for q_len in range(1, max_window + 1):
         shapes.setdefault(tile_shape(q_len, group), q_len)
-    splits = [1 << i for i in range(MAX_SPLITS.bit_length())]
-    return [(q_len, s) for q_len in shapes.values() for s in splits]
+    return [(q_len, s) for q_len in shapes.values() for s in (1, 2)]
 
 
 def default_num_splits(num_tiles: int, max_context: int, num_sms: int, num_kv_heads: int = 4) -> int:
     """Key splits: enough programs to fill the chip (about 8 per SM over tiles x KV heads x splits),
-    but at least 64 keys per split, a power of two (few kernel variants to compile), at most 32, or
+    but at least 64 keys per split, a power of two (the counts tuned on the H200), at most 32, or
     64 where even 32 splits leave SMs without a program (a batch of one or two sequences).
     (Until the seventh session the target was 2 x SMs over tiles alone, which is the same at 4 KV
     heads, the 7B geometry it was tuned at, and half the programs at 2B's 2 KV heads, whose rows
@@ -651,11 +654,11 @@ def paged_attention(
             q, out, part_acc, part_ml,
             plan.tile_seq, plan.tile_tok, plan.tile_nq, plan.tile_pos, plan.block_table,
             kc, ks, ki, kv, vc, vs, vi, vv, khs, vhs,
-            block_size, scale * LOG2E,
+            block_size, scale * LOG2E, splits,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), plan.block_table.stride(0),
             *strides_k, *strides_s, *strides_o, *strides_v,
             GROUP=group, TOKENS=plan.tokens_per_tile, BLOCK_M=plan.block_m, BLOCK_N=block_n, HALF=d // 2,
-            NUM_SPLITS=splits, NUM_OUTLIERS=num_outliers, DOT_FP32=dot_fp32, KEYS_AS_ROWS=bool(fp4_keys_as_rows),
+            SPLIT=splits > 1, NUM_OUTLIERS=num_outliers, DOT_FP32=dot_fp32, KEYS_AS_ROWS=bool(fp4_keys_as_rows),
             PTX_DECODE=bool(fp4_ptx_decode), TRANSPOSED=fp4_transposed, K_OUTLIER_SELECT=bool(fp4_k_outlier_select),
             num_warps=num_warps, num_stages=num_stages,
         )
@@ -664,16 +667,16 @@ def paged_attention(
             q, out, part_acc, part_ml,
             plan.tile_seq, plan.tile_tok, plan.tile_nq, plan.tile_pos, plan.block_table,
             k_cache, v_cache,
-            block_size, scale * LOG2E,
+            block_size, scale * LOG2E, splits,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), plan.block_table.stride(0),
             *strides_k,
             GROUP=group, TOKENS=plan.tokens_per_tile, BLOCK_M=plan.block_m, BLOCK_N=block_n, HALF=d // 2,
-            NUM_SPLITS=splits, DOT_FP32=dot_fp32,
+            SPLIT=splits > 1, DOT_FP32=dot_fp32,
             num_warps=num_warps, num_stages=num_stages,
         )
     if splits > 1:
         _combine_kernel[(n_tiles, n_kv)](
-            out, part_acc, part_ml, plan.tile_tok, plan.tile_nq, out.stride(0), out.stride(1),
-            GROUP=group, TOKENS=plan.tokens_per_tile, BLOCK_M=plan.block_m, HALF=d // 2, NUM_SPLITS=splits,
+            out, part_acc, part_ml, plan.tile_tok, plan.tile_nq, out.stride(0), out.stride(1), splits,
+            GROUP=group, TOKENS=plan.tokens_per_tile, BLOCK_M=plan.block_m, HALF=d // 2,
         )
     return out

@@ -279,7 +279,8 @@ def test_warmup_launches_cover_every_plan_the_engine_can_make():
 
     rng = random.Random(0)
     for group in (1, 2, 6, 7, 8):
-        warm = {(tile_shape(q_len, group), splits) for q_len, splits in warmup_launches(group)}
+        # a kernel variant is (tile shape, split or not): the split count is a run-time argument
+        warm = {(tile_shape(q_len, group), splits > 1) for q_len, splits in warmup_launches(group)}
         for _ in range(300):
             n = rng.choice([1, 2, 3, 8, 32, 130])
             q_max = rng.choice([1, 2, 3, 5, 9, 17, 64, 2048])
@@ -290,25 +291,28 @@ def test_warmup_launches_cover_every_plan_the_engine_can_make():
                 starts.append(starts[-1] + q)
             plan = plan_tiles(starts, ctx, [[0]] * n, group, "cpu", num_sms=rng.choice([1, 78, 132]),
                               num_kv_heads=rng.choice([1, 2, 4]))
-            assert ((plan.tokens_per_tile, plan.block_m), plan.num_splits) in warm, (group, q_lens, ctx)
+            assert ((plan.tokens_per_tile, plan.block_m), plan.num_splits > 1) in warm, (group, q_lens, ctx)
 
 
-def test_block_table_width_does_not_make_a_new_kernel_variant():
-    """The block table's row stride (the step's longest table) must not be specialized on, or a
-    step at a width of 1, a multiple of 16 or neither would compile anew after warm-up."""
+def test_block_table_width_and_split_count_do_not_make_new_kernel_variants():
+    """The block table's row stride (the step's longest table) and the split count must not be
+    specialized on, or a step at a value of 1, a multiple of 16 or neither would compile anew after
+    warm-up (which launches one split count above 1 per tile shape)."""
     import subprocess
     import sys
 
     code = ("import kernels.paged_attention as pa\n"
             "from triton.runtime.jit import native_specialize_impl\n"
             "from triton.backends.compiler import BaseBackend\n"
-            "for k in (pa._paged_attn_kernel, pa._paged_attn_fp4_kernel):\n"
-            "    p = [x for x in k.params if x.name == 's_table'][0]\n"
+            "for k, name in ((pa._paged_attn_kernel, 's_table'), (pa._paged_attn_fp4_kernel, 's_table'),\n"
+            "                (pa._paged_attn_kernel, 'num_splits'), (pa._paged_attn_fp4_kernel, 'num_splits'),\n"
+            "                (pa._combine_kernel, 'num_splits')):\n"
+            "    p = [x for x in k.params if x.name == name][0]\n"
             "    keys = {native_specialize_impl(BaseBackend, w, False, not p.do_not_specialize, True) for w in (1, 16, 81)}\n"
             "    print(len(keys))\n")
     env = {**__import__("os").environ, "TRITON_INTERPRET": "0"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-    assert out.stdout.split() == ["1", "1"], out.stdout + out.stderr
+    assert out.stdout.split() == ["1"] * 5, out.stdout + out.stderr
 
 
 def test_paged_attention_with_64_splits_matches_reference():
