@@ -243,7 +243,7 @@ class ModelRunner:
         plist, grids = self.prefetcher.take([(h, img.image) for h, (_, img) in todo.items()])
         pixels = torch.cat([p.to(self.device, non_blocking=True) for p in plist]) if len(plist) > 1 else \
             plist[0].to(self.device, non_blocking=True)
-        embeds, trunks = self.model.vision.encode(pixels, grids.to(self.device))
+        embeds, trunks = self.model.vision.encode(pixels, grids)  # the grid stays on the host
         for i, ((h, (seq, _)), e) in enumerate(zip(todo.items(), embeds)):
             self.encoder_cache.put((fp, h), e)
             if self.trunk_cache is not None and trunks is not None:
