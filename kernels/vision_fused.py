@@ -40,7 +40,9 @@ def quick_gelu_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---- Triton -----------------------------------------------------------------------------------------
-@triton.jit
+# token and element counts change with every page: not specialized on (a value of 1 or a multiple
+# of 16 would each be a kernel variant compiled inside some request; the engine warms up one)
+@triton.jit(do_not_specialize=["n_tok"])
 def _vision_rotary_kernel(
     # pointers
     qkv_ptr, cos_ptr, sin_ptr, out_ptr,
@@ -86,7 +88,7 @@ def vision_rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return out[0], out[1]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _quick_gelu_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = i < n

@@ -315,14 +315,16 @@ def test_block_table_width_and_split_count_do_not_make_new_kernel_variants():
     assert out.stdout.split() == ["1"] * 5, out.stdout + out.stderr
 
 
-def test_paged_attention_with_64_splits_matches_reference():
+@pytest.mark.parametrize("splits", [5, 13, 64])
+def test_paged_attention_with_many_splits_matches_reference(splits):
     """The batch-1 split count the default now picks for long contexts: 64 splits of a 1,000-key
-    context, some of them empty, merged."""
+    context, some of them empty, merged; and counts that are not a multiple of the merge kernel's
+    unrolled chunk of 8 (the count is a run-time argument)."""
     heads, kv_heads, d, bs, nb = 8, 2, 32, 16, 80
     q, qs, tables = make_batch([1], [1000], heads, kv_heads, d, bs, nb, seed=7)
     k_cache = torch.randn(nb, bs, kv_heads, d, device=DEV)
     v_cache = torch.randn(nb, bs, kv_heads, d, device=DEV)
-    plan = plan_tiles(qs, [1000], tables, heads // kv_heads, DEV, num_splits=64)
+    plan = plan_tiles(qs, [1000], tables, heads // kv_heads, DEV, num_splits=splits)
     out = paged_attention(q, plan, d ** -0.5, k_cache=k_cache, v_cache=v_cache, block_n=16)
 
     def gather(blocks):

@@ -200,6 +200,7 @@ class LLM:
             # started: each was paid inside some step; 0 where warm-up covered every launch (and on CPU)
             "kernel_compiles_after_warmup": len(late := WATCH.since(self._compile_mark)),
             "kernel_compile_seconds_after_warmup": round(sum(r.seconds for r in late), 3),
+            "kernels_compiled_after_warmup": sorted({r.kernel for r in late}),
             "allocated_bytes": kv.allocated_bytes,
             "num_free_blocks": bm.num_free_blocks,
             "prefix_cache_query_tokens": bm.stats.num_query_tokens,

@@ -145,7 +145,8 @@ class ModelRunner:
 
     def _warm_fused(self) -> float:
         """CUDA: compile the model's fused kernels (kernels/fused.py: the norm with and without a
-        residual, SiLU x up) at this model's sizes. Returns seconds."""
+        residual, SiLU x up; kernels/vision_fused.py: the vision tower's rotation and QuickGELU) at
+        this model's sizes. Returns seconds."""
         if self.device.type != "cuda":
             return 0.0
         from kernels.fused import add_rms_norm, silu_mul
@@ -157,6 +158,15 @@ class ModelRunner:
         add_rms_norm(x, None, w, tc.rms_norm_eps)
         add_rms_norm(x, x, w, tc.rms_norm_eps)
         silu_mul(torch.zeros(2, 2 * tc.intermediate_size, dtype=self.dtype, device=self.device))
+        if getattr(self.model.vision, "fast_attention", False):  # the vision tower's (kernels/vision_fused.py)
+            from kernels.vision_fused import quick_gelu, vision_rotary_qk
+
+            vc = self.model.hf_config.vision_config
+            d = vc.embed_dim // vc.num_heads
+            cs = torch.zeros(2, d, dtype=torch.float32, device=self.device)  # transformers' float32 angles
+            vision_rotary_qk(torch.zeros(2, 3 * vc.embed_dim, dtype=self.dtype, device=self.device), cs, cs,
+                             vc.num_heads)
+            quick_gelu(torch.zeros(2, 16, dtype=self.dtype, device=self.device))
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
