@@ -468,11 +468,12 @@ def _combine_kernel(
     BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Program (tile, KV head, BLOCK_D output columns) merges the tile's num_splits partials by
-    log-sum-exp. num_splits is a run-time value (one variant for every count); the splits are
-    read CHUNK at a time, unrolled, so that CHUNK loads are in flight at once (a plain loop over
-    a run-time count waits out one load's latency per split: at batch 1, 64 splits, that made the
-    merge ~20 us slower than the unrolled compile-time loop it replaced). Splitting the columns
-    over programs gives a batch of one sequence more than one program per KV head."""
+    log-sum-exp, in one pass with a running maximum (as the attention kernel's online softmax).
+    num_splits is a run-time value (one variant for every count), so the splits are read CHUNK at
+    a time as one (CHUNK, BLOCK_M, BLOCK_D) load: a loop over a run-time count with one load per
+    split waits out each load's latency in turn (at batch 1, 64 splits, that made the merge
+    ~20 us slower on the H200 than the unrolled compile-time loop it replaced). Splitting the
+    columns over programs gives a batch of one sequence more than one program per KV head."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     tok0 = tl.load(tile_tok_ptr + tile)
@@ -481,27 +482,25 @@ def _combine_kernel(
     dd = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     base0 = (tile * tl.num_programs(1) + kvh) * num_splits
     c = tl.arange(0, CHUNK)
-    m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s0 in range(0, num_splits, CHUNK):
-        s = s0 + c
-        m = tl.load(part_ml_ptr + (base0 + s)[:, None] * 2 * BLOCK_M + r[None, :], mask=(s < num_splits)[:, None],
-                    other=float("-inf"))
-        m_max = tl.maximum(m_max, tl.max(m, 0))
-    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_run = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    l_tot = tl.zeros([BLOCK_M], tl.float32)
     for s0 in range(0, num_splits, CHUNK):
-        for j in tl.static_range(CHUNK):
-            s = s0 + j
-            ok = (r * 0 + s) < num_splits  # per row (a scalar mask is not accepted everywhere)
-            m = tl.load(part_ml_ptr + (base0 + s) * 2 * BLOCK_M + r, mask=ok, other=float("-inf"))
-            l = tl.load(part_ml_ptr + (base0 + s) * 2 * BLOCK_M + BLOCK_M + r, mask=ok, other=0.0)
-            a = tl.load(part_acc_ptr + (base0 + s) * BLOCK_M * 2 * HALF + r[:, None] * 2 * HALF + dd[None, :],
-                        mask=ok[:, None], other=0.0)
-            w = tl.exp2(m - m_safe)  # 0 for an empty split (m = -inf) and for the masked ones
-            acc += a * w[:, None]
-            l_tot += l * w
-    inv = tl.where(l_tot > 0, 1.0 / tl.maximum(l_tot, 1e-30), 0.0)
+        split = base0 + s0 + c
+        ok = (s0 + c) < num_splits
+        ml = part_ml_ptr + split[:, None] * 2 * BLOCK_M + r[None, :]
+        m = tl.load(ml, mask=ok[:, None], other=float("-inf"))  # (CHUNK, BLOCK_M)
+        l = tl.load(ml + BLOCK_M, mask=ok[:, None], other=0.0)
+        a = tl.load(part_acc_ptr + split[:, None, None] * BLOCK_M * 2 * HALF + r[None, :, None] * 2 * HALF
+                    + dd[None, None, :], mask=ok[:, None, None], other=0.0)  # (CHUNK, BLOCK_M, BLOCK_D)
+        m_new = tl.maximum(m_run, tl.max(m, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_safe)  # 0 while nothing came before
+        w = tl.exp2(m - m_safe[None, :])  # 0 for an empty split (m = -inf) and for the masked ones
+        acc = acc * alpha[:, None] + tl.sum(a * w[:, :, None], 0)
+        l_run = l_run * alpha + tl.sum(l * w, 0)
+        m_run = m_new
+    inv = tl.where(l_run > 0, 1.0 / tl.maximum(l_run, 1e-30), 0.0)
     o_off = (tok0 + t) * so_t + head * so_h
     tl.store(out_ptr + o_off[:, None] + dd[None, :], (acc * inv[:, None]).to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None])
@@ -690,9 +689,12 @@ def paged_attention(
             num_warps=num_warps, num_stages=num_stages,
         )
     if splits > 1:
-        block_d = min(32, d)
+        # 16 columns per program; splits read 32 at a time for 16-row tiles (decode), fewer for
+        # larger tiles: 64 values of a (CHUNK, BLOCK_M, 16) load per thread at 4 warps
+        block_d = 16
         _combine_kernel[(n_tiles, n_kv, d // block_d)](
             out, part_acc, part_ml, plan.tile_tok, plan.tile_nq, out.stride(0), out.stride(1), splits,
-            GROUP=group, TOKENS=plan.tokens_per_tile, BLOCK_M=plan.block_m, HALF=d // 2, BLOCK_D=block_d, CHUNK=8,
+            GROUP=group, TOKENS=plan.tokens_per_tile, BLOCK_M=plan.block_m, HALF=d // 2, BLOCK_D=block_d,
+            CHUNK=max(8, 512 // plan.block_m),
         )
     return out
