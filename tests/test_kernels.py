@@ -9,7 +9,7 @@ from kernels import fp4  # noqa: E402
 from kernels.fp4 import (FP4PagedLayer, FP4Tensor, bytes_per_token_head, dequantize_lut,  # noqa: E402
                          dequantize_ref, e2m1_decode, e2m1_encode, e4m3_decode, e4m3_encode, quantize_ref)
 from kernels.paged_attention import (default_num_splits, paged_attention, paged_attention_ref, plan_tiles,  # noqa: E402
-                                     tile_shape, warmup_launches)
+                                     merge_shape, tile_shape, warmup_launches)
 
 # compiled kernels on a GPU, the interpreter on CPU
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -279,8 +279,12 @@ def test_warmup_launches_cover_every_plan_the_engine_can_make():
 
     rng = random.Random(0)
     for group in (1, 2, 6, 7, 8):
-        # a kernel variant is (tile shape, split or not): the split count is a run-time argument
-        warm = {(tile_shape(q_len, group), splits > 1) for q_len, splits in warmup_launches(group)}
+        # a kernel variant is (tile shape, split or not, the merge kernel's shape): the split count
+        # itself is a run-time argument
+        def variant(shape, splits):
+            return shape, splits > 1, splits > 1 and merge_shape(splits, shape[1], 128)
+
+        warm = {variant(tile_shape(q_len, group), splits) for q_len, splits in warmup_launches(group)}
         for _ in range(300):
             n = rng.choice([1, 2, 3, 8, 32, 130])
             q_max = rng.choice([1, 2, 3, 5, 9, 17, 64, 2048])
@@ -291,7 +295,7 @@ def test_warmup_launches_cover_every_plan_the_engine_can_make():
                 starts.append(starts[-1] + q)
             plan = plan_tiles(starts, ctx, [[0]] * n, group, "cpu", num_sms=rng.choice([1, 78, 132]),
                               num_kv_heads=rng.choice([1, 2, 4]))
-            assert ((plan.tokens_per_tile, plan.block_m), plan.num_splits > 1) in warm, (group, q_lens, ctx)
+            assert variant((plan.tokens_per_tile, plan.block_m), plan.num_splits) in warm, (group, q_lens, ctx)
 
 
 def test_block_table_width_and_split_count_do_not_make_new_kernel_variants():
