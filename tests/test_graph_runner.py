@@ -67,6 +67,33 @@ def test_static_path_under_speculation_with_padded_windows(qwen2_vl_dir, monkeyp
     assert llm.runner.graphs.num_replays > 0 and llm.speculator.runner.graphs.num_replays > 0
     stats = llm.spec_info()
     assert stats["draft_proposed"] > 0 and stats["draft_accepted"] == stats["draft_proposed"]
+    # greedy rounds after the first read their input token on the device (chained)
+    assert stats["draft_chained_rounds"] > 0
+
+
+@cpu_only
+def test_chained_draft_rounds_match_unchained(qwen2_vl_dir, tmp_path, monkeypatch):
+    """A draft that disagrees with the target (another random model): with its greedy rounds
+    chained on the device, the same proposals, acceptances and output as with a sync per round,
+    and both equal plain decoding."""
+    from random_models import make_model
+
+    draft = make_model(tmp_path / "draft", "qwen2_vl", naming="new", seed=11)
+    _, plain = run(qwen2_vl_dir, False, monkeypatch)
+    results = {}
+    for chain in (False, True):
+        with monkeypatch.context() as m:
+            m.setattr(model_runner, "resolve_step_graphs", lambda config, device: "static")
+            llm = LLM(str(qwen2_vl_dir), device="cpu", max_num_seqs=8, speculative_model=str(draft),
+                      num_speculative_tokens=3)
+            llm.speculator.chain_greedy = chain
+            outs = llm.generate(reqs(), SamplingParams(max_tokens=10, ignore_eos=True))
+        info = llm.spec_info()
+        results[chain] = ([o.outputs[0].token_ids for o in outs], info["draft_proposed"], info["draft_accepted"])
+        assert (info["draft_chained_rounds"] > 0) == chain
+    assert results[True] == results[False]
+    assert results[True][0] == plain
+    assert results[True][2] < results[True][1]  # some proposals rejected: the chain fed real tokens
 
 
 @pytest.mark.gpu

@@ -224,11 +224,16 @@ class GraphRunner:
         self.graphs[key] = (graph, out)
         self.capture_seconds += time.perf_counter() - t0
 
-    def run(self, chunks) -> tuple[torch.Tensor, AttentionMetadata] | None:
+    def run(self, chunks, ids_from: torch.Tensor | None = None) -> tuple[torch.Tensor, AttentionMetadata] | None:
         """Hidden states of the chunks' tokens (num_tokens, hidden) and the step's metadata, or
-        None if this step does not fit a graph."""
+        None if this step does not fit a graph. ids_from: a device tensor holding each chunk's one
+        input token (the draft's chained proposals: the previous round's argmax, never read on the
+        host); the host's token ids for those rows are then placeholders, overwritten on the device
+        after the input copy, in stream order. Such a step must be one token per chunk."""
         key = self.key_for(chunks)
         if key is None:
+            return None
+        if ids_from is not None and (key[1] != 1 or ids_from.numel() != len(chunks)):
             return None
         filled = self._fill(chunks, key)
         if filled is None:
@@ -238,6 +243,8 @@ class GraphRunner:
         self.dev32[:n32].copy_(self.host32[:n32], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
+        if ids_from is not None:  # one row per sequence (q = 1): rows 0..len(chunks)-1
+            self._layout(key)[0]["ids"][: len(chunks)].copy_(ids_from)
         if not self.capture:
             out = self._forward_static(key)
         else:

@@ -327,9 +327,13 @@ class ModelRunner:
         return SamplingRow(sp.temperature, sp.top_k, sp.top_p, seq.generator)
 
     @inference
-    def forward(self, scheduled) -> tuple[torch.Tensor, AttentionMetadata]:
+    def forward(self, scheduled, ids_from: torch.Tensor | None = None) -> tuple[torch.Tensor, AttentionMetadata] | None:
         """Run the model over scheduled chunks (objects with .seq, .start, .end): stores their K/V
-        and returns the final hidden states (num_tokens, hidden) and the step's metadata."""
+        and returns the final hidden states (num_tokens, hidden) and the step's metadata. With
+        ids_from (a device tensor of one input token per chunk; the host's ids are placeholders)
+        only the static graph path can run the step: None when it cannot."""
+        if ids_from is not None:
+            return None if self.graphs is None else self.graphs.run(scheduled, ids_from)
         self._image_embeddings([s.seq for s in scheduled if any(
             max(s.start, sp.offset) < min(s.end, sp.end) for sp in s.seq.images)])
         if self.graphs is not None:

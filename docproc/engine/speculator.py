@@ -76,6 +76,9 @@ class Speculator:
         self.block_manager = BlockManager(runner.num_usable_blocks, runner.block_size, enable_prefix_caching)
         self.policy = AdaptiveK(k_max, fixed=not adaptive)
         self.stats = SpecStats()
+        # greedy proposal rounds chained on the device (see propose); off: one sync per round
+        self.chain_greedy = True
+        self.num_chained_rounds = 0  # proposal rounds whose input token stayed on the device
         self.draft_seconds = 0.0
         self._timed_kinds: set[str] = set()  # forward kinds run once already (later ones are timed)
         self.num_catch_up_skips = 0  # sequence-steps not drafted because the catch-up would not pay
@@ -144,25 +147,57 @@ class Speculator:
 
     @inference
     def propose(self, work: list[tuple[Sequence, int]]) -> dict[int, Proposal]:
-        """Up to k proposals for each (sequence, k); sequences whose draft cache has no room get none."""
+        """Up to k proposals for each (sequence, k); sequences whose draft cache has no room get none.
+
+        Greedy rounds are chained on the device where the draft's steps run on its static graph
+        path and every sequence drafts the same k: round r + 1 reads round r's argmax straight
+        from the device (GraphRunner.run's ids_from) and the host, instead of waiting for those
+        tokens, prepares the next round while the device runs this one; all tokens are read in one
+        transfer after the last round. Unchained, each round waited for its tokens (a device sync
+        per proposal)."""
         t0 = time.perf_counter()
         active = [(seq, self.view(seq), k) for seq, k in work if k > 0]
         active = [(seq, v, k) for seq, v, k in active if self._reserve(v, k)]
         out = {seq.seq_id: Proposal([], None) for seq, _, _ in active}
         probs: dict[int, list[torch.Tensor]] = {seq.seq_id: [] for seq, _, _ in active}
         runner = self.runner
-        for r in range(max((k for _, _, k in active), default=0)):
+        greedy = all(runner.sampling_row(v).temperature == 0 for _, v, _ in active)
+        chain = (self.chain_greedy and greedy and runner.graphs is not None
+                 and len({k for _, _, k in active}) == 1)
+        pending: list[tuple[list, torch.Tensor]] = []  # chained rounds: (live, tokens on the device)
+        chain_t0, chain_captures = 0.0, 0
+        rounds = max((k for _, _, k in active), default=0)
+        for r in range(rounds):
             live = [(seq, v) for seq, v, k in active if k > r]
             chunks = [Chunk(v, v.num_computed_tokens, len(v)) for _, v in live]
             t_fwd = time.perf_counter()
             captures = runner.num_graph_captures
-            hidden, meta = runner.forward(chunks)
+            done = None
+            if pending:
+                done = runner.forward(chunks, ids_from=pending[-1][1])
+                if done is None:  # not a graph step after all: read the tokens, then as unchained
+                    self._read_chained(pending, out)
+                    pending = []
+            hidden, meta = done if done is not None else runner.forward(chunks)
             logits = runner.logits(hidden, [meta.query_start[i + 1] - 1 for i in range(len(live))])
             if self.draft_vocab > self.target_vocab:
                 logits = logits[:, : self.target_vocab]
+            if chain and r + 1 < rounds:
+                if not pending:
+                    chain_t0, chain_captures = t_fwd, captures
+                pending.append((live, logits.argmax(-1)))
+                for _, v in live:
+                    v.num_computed_tokens = len(v)
+                    v.proposals.append(0)  # a placeholder until _read_chained: the device has the token
+                continue
             rows = [runner.sampling_row(v) for _, v in live]
             if all(row.temperature == 0 for row in rows):
-                tokens = logits.argmax(-1).tolist()
+                tok_dev = logits.argmax(-1)
+                if pending:  # the chain's rounds and this one in one transfer
+                    *chained, tokens = torch.stack([t for _, t in pending] + [tok_dev]).tolist()
+                    self._read_chained(pending, out, chained)
+                else:
+                    tokens = tok_dev.tolist()
                 p = None
             else:
                 p = probabilities(logits, rows)
@@ -173,11 +208,16 @@ class Speculator:
             # (both branches waited for the device in .tolist(): the time below is the forward's)
             # timed unless it captured a CUDA graph or is the draft's first forward of its kind on
             # this engine (that one may compile kernels: seconds that would price every later
-            # catch-up out)
+            # catch-up out); a chain's rounds share its time equally
             kind = "decode" if max(c.num_new_tokens for c in chunks) <= 2 else "prefill"
+            n_chained = len(out[live[0][0].seq_id].tokens) if live and chain else 0
+            if n_chained:
+                t_fwd, captures = chain_t0, chain_captures
             if runner.num_graph_captures == captures and kind in self._timed_kinds:
                 if kind == "decode":
-                    self.policy.observe_draft_forward(len(chunks), time.perf_counter() - t_fwd)
+                    per = (time.perf_counter() - t_fwd) / (n_chained + 1)
+                    for _ in range(n_chained + 1):
+                        self.policy.observe_draft_forward(len(chunks), per)
                 else:
                     self.policy.observe_draft_prefill(sum(c.num_new_tokens for c in chunks),
                                                       time.perf_counter() - t_fwd)
@@ -193,6 +233,18 @@ class Speculator:
                 out[sid].probs = torch.stack(ps)
         self.draft_seconds += time.perf_counter() - t0
         return out
+
+    def _read_chained(self, pending: list[tuple[list, torch.Tensor]], out: dict[int, Proposal],
+                      rows: list[list[int]] | None = None) -> None:
+        """Chained rounds' tokens (read from the device in one transfer unless given) into the
+        step's proposals and in place of the views' placeholders (round r's token is proposal r)."""
+        if rows is None:
+            rows = torch.stack([t for _, t in pending]).tolist()
+        self.num_chained_rounds += len(pending)
+        for (live, _), toks in zip(pending, rows):
+            for (seq, v), tok in zip(live, toks):
+                v.proposals[len(out[seq.seq_id].tokens)] = tok
+                out[seq.seq_id].tokens.append(tok)
 
     def after_verify(self, seq: Sequence, committed_before: int, k: int, accepted: int) -> None:
         """Roll the draft back to what is still valid: its K/V covers the committed tokens and the
