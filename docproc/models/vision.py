@@ -93,6 +93,17 @@ def _fast_attention(module: nn.Module, call: _EncodeCall) -> None:
             m.forward = types.MethodType(_fast_vision_attention, m)
 
 
+def _has_vision_utils() -> bool:
+    """Whether this transformers computes the tower's position ids and cumulative lengths with the
+    `transformers.vision_utils` helpers, which take precomputed ones from the call's kwargs (5.17
+    and 5.24 do; where they are missing the tower runs transformers' own way throughout)."""
+    try:
+        from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _host_vision_inputs(visual: nn.Module, grid_thw: torch.Tensor, device) -> tuple[dict, list[int]]:
     """transformers' own position ids and cumulative lengths for the tower, computed from a host
     copy of grid_thw and sent to the device without a sync (transformers would compute them on the
@@ -127,7 +138,7 @@ class VisionEncoder(nn.Module):
         self.shares_trunk = hf_config.model_type == "qwen2_vl"
         # Qwen2-VL on CUDA: the fused rotation and host-side spans (_fast_vision_attention)
         self._call = _EncodeCall()
-        self.fast_attention = hf_config.model_type == "qwen2_vl"
+        self.fast_attention = hf_config.model_type == "qwen2_vl" and _has_vision_utils()
         if self.fast_attention:
             _fast_attention(self.visual, self._call)
 
