@@ -165,7 +165,7 @@ class Speculator:
         chain = (self.chain_greedy and greedy and runner.graphs is not None
                  and len({k for _, _, k in active}) == 1)
         pending: list[tuple[list, torch.Tensor]] = []  # chained rounds: (live, tokens on the device)
-        chain_t0, chain_captures = 0.0, 0
+        chain_t0, chain_captures, chain_count = 0.0, 0, 0  # the chain's start and rounds since
         rounds = max((k for _, _, k in active), default=0)
         for r in range(rounds):
             live = [(seq, v) for seq, v, k in active if k > r]
@@ -182,9 +182,12 @@ class Speculator:
             logits = runner.logits(hidden, [meta.query_start[i + 1] - 1 for i in range(len(live))])
             if self.draft_vocab > self.target_vocab:
                 logits = logits[:, : self.target_vocab]
-            if chain and r + 1 < rounds:
+            # a catch-up chunk of more than 2 tokens (priced as a prefill) is not chained: its
+            # time is its own, read after it
+            if chain and r + 1 < rounds and max(c.num_new_tokens for c in chunks) <= 2:
                 if not pending:
-                    chain_t0, chain_captures = t_fwd, captures
+                    chain_t0, chain_captures, chain_count = t_fwd, captures, 0
+                chain_count += 1
                 pending.append((live, logits.argmax(-1)))
                 for _, v in live:
                     v.num_computed_tokens = len(v)
@@ -210,7 +213,7 @@ class Speculator:
             # this engine (that one may compile kernels: seconds that would price every later
             # catch-up out); a chain's rounds share its time equally
             kind = "decode" if max(c.num_new_tokens for c in chunks) <= 2 else "prefill"
-            n_chained = len(out[live[0][0].seq_id].tokens) if live and chain else 0
+            n_chained = chain_count if chain else 0
             if n_chained:
                 t_fwd, captures = chain_t0, chain_captures
             if runner.num_graph_captures == captures and kind in self._timed_kinds:
