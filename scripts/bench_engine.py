@@ -468,7 +468,11 @@ def part_c(folder: Path, draft: Path, args, env: dict) -> dict:
         llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True))
         for b, reqs in batches.items():
             llm.generate(reqs, SamplingParams(max_tokens=2, ignore_eos=True))  # prompts cached, as for plain
-            for a in args.accept:
+            for a, chain in ((a, chain) for a in args.accept for chain in args.spec_chain):
+                # greedy draft rounds chained on the device (Speculator.chain_greedy) or one sync per
+                # round: the same engine, switched, so the two are compared on one machine
+                llm.speculator.chain_greedy = chain == "on"
+                chained_before = llm.spec_info()["draft_chained_rounds"]
                 seed = int(a * 1000) + (k if isinstance(k, int) else 0)
                 ctl = ControlledAcceptance(a, seed=seed)
                 try:
@@ -493,7 +497,8 @@ def part_c(folder: Path, draft: Path, args, env: dict) -> dict:
                 row = {"batch": b, "k": k, "a": a, "seconds": round(min(spec_s), 3),
                        "baseline_seconds": round(min(plain_s), 3), **paired(plain_s, spec_s),
                        "acceptance_rate": round(acc / prop, 4) if prop else None,
-                       "cost_ratio_c": round(c, 4), "verify_cost_r": round(r, 4),
+                       "cost_ratio_c": round(c, 4), "verify_cost_r": round(r, 4), "draft_chain": chain,
+                       "draft_chained_rounds": llm.spec_info()["draft_chained_rounds"] - chained_before,
                        "bypassed_steps": sum(o.metrics.draft_bypassed_steps for o in outs)}
                 if k != "auto":  # the adaptive policy picks K per step: no single analytic figure
                     row["analytic_speedup"] = round(expected_tokens(a, k) / (1 + k * c), 3)
@@ -581,6 +586,9 @@ def main() -> None:
     ap.add_argument("--spec-batches", default="1,8,32")
     ap.add_argument("--spec-k", default="4,auto", help="fixed K values and/or auto (the adaptive policy)")
     ap.add_argument("--accept", default="0.5,0.7,0.9")
+    ap.add_argument("--spec-chain", default="on",
+                    help="part c: greedy draft rounds chained on the device (on), a sync per round (off), "
+                         "or both, alternated on the same engine (on,off)")
     ap.add_argument("--spec-new-tokens", type=int, default=128)
     ap.add_argument("--spec-repeats", type=int, default=5,
                     help="part c: alternated plain/speculative pass pairs per figure")
@@ -606,6 +614,9 @@ def main() -> None:
     a.spec_batches = [int(x) for x in a.spec_batches.split(",")]
     a.spec_k = [x if x == "auto" else int(x) for x in a.spec_k.split(",")]
     a.accept = [float(x) for x in a.accept.split(",")]
+    a.spec_chain = a.spec_chain.split(",")
+    if not set(a.spec_chain) <= {"on", "off"}:
+        ap.error(f"--spec-chain takes on, off or on,off, not {a.spec_chain}")
     if a.small:
         a.dtype, a.page_w, a.page_h, a.new_tokens, a.docs, a.spec_new_tokens = "float32", 448, 560, 6, 3, 8
         a.hf_batches, a.spec_batches, a.kv_budget, a.mem_requests, a.mem_new_tokens = [2, 4], [1, 2], 1 << 20, 24, 16

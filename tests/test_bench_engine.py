@@ -16,6 +16,7 @@ def test_bench_engine_small_on_cpu(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_engine.py"), "--small", "--device", "cpu",
                            "--geometry", "tiny", "--draft-geometry", "tiny-draft", "--kv", "fp32,fp4",
                            "--accept", "0.5,1.0", "--profile-steps", "2", "--profile-docs", "1",
+                           "--host-profile-docs", "1", "--spec-chain", "on,off",
                            "--work", str(tmp_path / "models"), "--json", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -37,7 +38,11 @@ def test_bench_engine_small_on_cpu(tmp_path):
             assert fu == {"graph_captures": 0, "graph_capture_seconds": 0.0, "kernel_compiles": 0,
                           "kernel_compile_seconds": 0.0}
         assert b[f"ours_{kv}"]["second_pass"]["pages_per_s"] > 0
+    hp = b["host_profile_fp32"]
+    assert hp["documents"] == 1 and hp["wall_s"] > 0 and hp["by_tottime"] and hp["by_cumtime"]
     runs = r["c_speculation"]["runs"]
+    # both draft modes, alternated on one engine; on CPU there are no graphs, so nothing is chained
+    assert {x["draft_chain"] for x in runs} == {"on", "off"} and all(x["draft_chained_rounds"] == 0 for x in runs)
     assert all(x["acceptance_rate"] == 1.0 for x in runs if x["a"] == 1.0 and x["k"] == 4)
     assert all(0.2 < x["acceptance_rate"] < 0.8 for x in runs if x["a"] == 0.5 and x["k"] == 4)
     assert {x["k"] for x in runs} == {4, "auto"} and all("analytic_speedup" not in x for x in runs if x["k"] == "auto")
