@@ -311,6 +311,41 @@ def profile_decode(llm, req, args) -> dict:
             "top_device": prof["top_device"], "top_host": prof["top_host"]}
 
 
+def vision_backends(llm: LLM, args, vision_flops: float, pages: int = 4, repeats: int = 3) -> dict:
+    """The vision tower alone on fresh pages with each SDPA backend torch offers for its per-image
+    attention (head dim 80 at Qwen2-VL's geometry; torch's default is cuDNN's flash kernel on the
+    H200): ms per page (best of `repeats`) and TFLOP/s on the tower's FLOPs, or the backend's
+    error where it cannot run these shapes. On CPU the tower runs transformers' own path, so the
+    rows are all the same path."""
+    from torch.nn.attention import SDPBackend
+
+    vision = llm.runner.model.vision
+    pv, grid = llm.processor.pixel_values([page(9000 + i, args.page_w, args.page_h) for i in range(pages)])
+    pv = pv.to(args.device)
+    names = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    res: dict = {"pages": pages, "fast_path": bool(vision.fast_attention and args.device == "cuda")}
+    try:
+        for name in ("default", *names):
+            vision._call.sdpa_backends = None if name == "default" else [names[name]]
+            try:
+                vision.encode(pv, grid)  # warm: this backend's kernels loaded
+                sync(args.device)
+                best = float("inf")
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    vision.encode(pv, grid)
+                    sync(args.device)
+                    best = min(best, time.perf_counter() - t0)
+                res[name] = {"ms_per_page": round(1e3 * best / pages, 3),
+                             "tflops": round(vision_flops * pages / best / 1e12, 1)}
+            except RuntimeError as e:
+                res[name] = f"error: {str(e)[:200]}"
+    finally:
+        vision._call.sdpa_backends = None
+    return res
+
+
 def first_use_costs(before: dict, after: dict) -> dict:
     """One-off costs paid inside a timed run, from two cache_info() readings: CUDA graphs
     captured (each the first step of its batch/window/split shape) and Triton kernel variants
@@ -367,6 +402,9 @@ def part_b(folder: Path, args, env: dict) -> dict:
                              "kernel_warmup_compiles": before["kernel_warmup_compiles"]}
         res["flops_per_page"] = f
         res["compute_roofline_pages_per_s"] = round(roofline_pages, 3)
+        if kv == args.kv[0]:
+            res["vision_tower_sdpa_backends"] = vision_backends(llm, args, f["vision"], pages=1 if args.small else 4,
+                                                                repeats=1 if args.small else 3)
         if args.profile_docs and kv == args.kv[0]:
             # where the offline batch's time goes: fresh documents (nothing cached), profiled
             preqs = [request(5000 + i, QUESTIONS[j % len(QUESTIONS)], args)

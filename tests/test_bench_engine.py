@@ -38,6 +38,8 @@ def test_bench_engine_small_on_cpu(tmp_path):
             assert fu == {"graph_captures": 0, "graph_capture_seconds": 0.0, "kernel_compiles": 0,
                           "kernel_compile_seconds": 0.0}
         assert b[f"ours_{kv}"]["second_pass"]["pages_per_s"] > 0
+    vb = b["vision_tower_sdpa_backends"]
+    assert vb["pages"] == 1 and not vb["fast_path"] and vb["default"]["ms_per_page"] > 0
     hp = b["host_profile_fp32"]
     assert hp["documents"] == 1 and hp["wall_s"] > 0 and hp["by_tottime"] and hp["by_cumtime"]
     runs = r["c_speculation"]["runs"]

@@ -3,11 +3,13 @@ unique image), wrapped so the engine sees one call: pixels of several images in,
 merged embeddings per image out."""
 from __future__ import annotations
 
+import contextlib
 import types
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import sdpa_kernel
 
 from kernels.vision_fused import quick_gelu, vision_rotary_qk
 
@@ -49,6 +51,9 @@ class _EncodeCall:
 
     lengths: list[int] | None = None
     force: bool = False  # tests: take the fast path on CPU tensors too (Triton's interpreter)
+    # the SDPA backends the per-image attention may use (torch.nn.attention.SDPBackend), None:
+    # torch's choice (cuDNN's flash kernel on the H200); bench_engine times each for head dim 80
+    sdpa_backends: list | None = None
 
 
 def _fast_vision_attention(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -71,13 +76,15 @@ def _fast_vision_attention(self, hidden_states: torch.Tensor, cu_seqlens: torch.
     q, k = vision_rotary_qk(qkv, cos, sin, self.num_heads)
     v = qkv.view(n, 3, self.num_heads, -1)[:, 2]
     out = torch.empty(n, self.num_heads, q.shape[-1], dtype=q.dtype, device=q.device)
-    s0 = 0
-    for length in call.lengths:
-        sl = slice(s0, s0 + length)
-        o = F.scaled_dot_product_attention(q[sl].transpose(0, 1).unsqueeze(0), k[sl].transpose(0, 1).unsqueeze(0),
-                                           v[sl].transpose(0, 1).unsqueeze(0), scale=self.scaling)
-        out[sl] = o[0].transpose(0, 1)
-        s0 += length
+    with contextlib.nullcontext() if call.sdpa_backends is None else sdpa_kernel(call.sdpa_backends):
+        s0 = 0
+        for length in call.lengths:
+            sl = slice(s0, s0 + length)
+            o = F.scaled_dot_product_attention(q[sl].transpose(0, 1).unsqueeze(0),
+                                               k[sl].transpose(0, 1).unsqueeze(0),
+                                               v[sl].transpose(0, 1).unsqueeze(0), scale=self.scaling)
+            out[sl] = o[0].transpose(0, 1)
+            s0 += length
     return self.proj(out.view(n, -1))
 
 
