@@ -162,8 +162,12 @@ class BlockManager:
         """Roll a sequence back to its first `num_tokens` tokens (rejected draft tokens): only the
         blocks past the new end are returned; committed blocks stay as they are."""
         keep = self.num_blocks_for(num_tokens)
-        while len(seq.block_table) > keep:
-            self._release(seq.block_table.pop())
+        if len(seq.block_table) > keep:
+            for block_id in seq.block_table[keep:]:
+                self._release(block_id)
+            # a new list, not pops in place: a table list only ever grows in place (append_slots),
+            # so a list object and its length identify its content (GraphRunner caches on that)
+            seq.block_table = seq.block_table[:keep]
         del seq.block_hashes[num_tokens // self.block_size:]
 
     def _release(self, block_id: int) -> None:
