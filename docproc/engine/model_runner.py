@@ -320,11 +320,18 @@ class ModelRunner:
         return ids_t.to(dev), torch.cat(positions, dim=1).to(dev), meta, rows, embeds
 
     def sampling_row(self, seq: Sequence) -> SamplingRow:
+        """The sequence's sampling row, made once (its parameters and seeded generator never
+        change; the generator's state advances inside the object): a decode step asks for every
+        sequence's row."""
+        row = getattr(seq, "_sampling_row", None)
+        if row is not None:
+            return row
         sp = seq.sampling
         if sp.seed is not None and seq.generator is None:
             seq.generator = torch.Generator(device=self.device)
             seq.generator.manual_seed(sp.seed)
-        return SamplingRow(sp.temperature, sp.top_k, sp.top_p, seq.generator)
+        row = seq._sampling_row = SamplingRow(sp.temperature, sp.top_k, sp.top_p, seq.generator)
+        return row
 
     @inference
     def forward(self, scheduled, ids_from: torch.Tensor | None = None) -> tuple[torch.Tensor, AttentionMetadata] | None:
@@ -345,8 +352,10 @@ class ModelRunner:
         return hidden, meta
 
     @inference
-    def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, rows: list[int] | range) -> torch.Tensor:
         n = len(rows)
+        if isinstance(rows, range) and rows.step == 1:  # a decode step's rows: no check needed
+            return self.model.text.compute_logits(hidden[rows.start: rows.start + n])
         if n and rows[-1] - rows[0] == n - 1 and all(b == a + 1 for a, b in zip(rows, rows[1:])):
             # a run of rows (every decode step; a verify step of one sequence): a view, with no
             # index tensor to copy from pageable host memory, which would make the host wait for
@@ -359,10 +368,14 @@ class ModelRunner:
         t0 = time.perf_counter()
         scheduled = out.scheduled
         hidden, meta = self.forward(scheduled)
-        sample = [(i, s.seq) for i, s in enumerate(scheduled) if s.needs_sample]
+        if len(out.decoding) == len(scheduled):  # a decode step: every row samples, rows 0..n-1
+            sample = [(i, s.seq) for i, s in enumerate(scheduled)]
+            logits = self.logits(hidden, range(len(sample))) if sample else None
+        else:
+            sample = [(i, s.seq) for i, s in enumerate(scheduled) if s.needs_sample]
+            logits = self.logits(hidden, [meta.query_start[i + 1] - 1 for i, _ in sample]) if sample else None
         tokens: dict[int, int] = {}
-        if sample:
-            logits = self.logits(hidden, [meta.query_start[i + 1] - 1 for i, _ in sample])  # (n, vocab) fp32
+        if sample:  # logits (n, vocab) fp32
             if self.logits_hook is not None:
                 self.logits_hook([seq for _, seq in sample], logits)
             sampled = self.sampler(logits, [self.sampling_row(seq) for _, seq in sample]).tolist()
