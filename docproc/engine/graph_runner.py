@@ -148,6 +148,14 @@ class GraphRunner:
         consts = (np.repeat(np.arange(b, dtype=np.int32), per_seq), idx // per_seq * q + idx % per_seq * tokens)
         return views, n, t, tokens, block_m, per_seq, consts
 
+    def _table_row(self, table: np.ndarray, i: int, bt: list[int]) -> None:
+        """Row i of the host block-table buffer holds bt, written only if it does not already
+        (see self._rows)."""
+        row = self._rows.get(i)
+        if row is None or row[0] is not bt or row[1] != len(bt):
+            table[i, : len(bt)] = bt
+            self._rows[i] = (bt, len(bt))
+
     def _fill(self, chunks, key) -> tuple[int, int, int, list[int], list[int]] | None:
         """Write the step's inputs into the pinned host buffers; None if a chunk touches an image.
         Returns (int64 count, int32 count, real rows, query_start, context_lens)."""
@@ -173,7 +181,6 @@ class GraphRunner:
         if key != self._rows_key:
             self._rows.clear()
             self._rows_key = key
-        cached = self._rows
         if q == 1:  # one token per sequence (decode; the draft's rounds): rows = sequences, vectorized
             m = len(chunks)
             toks, posv, slotv, ends = [], [], [], []
@@ -187,10 +194,7 @@ class GraphRunner:
                 bt = seq.block_table
                 slotv.append(bt[start // bs] * bs + start % bs)
                 ends.append(c.end)
-                row = cached.get(i)
-                if row is None or row[0] is not bt or row[1] != len(bt):
-                    table[i, : len(bt)] = bt
-                    cached[i] = (bt, len(bt))
+                self._table_row(table, i, bt)
             ids[:m] = toks
             if clamp is not None:
                 np.minimum(ids[:m], clamp, out=ids[:m])
@@ -217,10 +221,7 @@ class GraphRunner:
                 pos[:, base] = start + delta
                 bt = seq.block_table
                 slots[base] = bt[start // bs] * bs + start % bs
-                row = cached.get(i)
-                if row is None or row[0] is not bt or row[1] != len(bt):
-                    table[i, : len(bt)] = bt
-                    cached[i] = (bt, len(bt))
+                self._table_row(table, i, bt)
                 rows[r] = base
                 r += 1
                 tnq[i] = 1
@@ -233,10 +234,7 @@ class GraphRunner:
             pos[:, base: base + num] = np.arange(start + delta, end + delta)
             bt = seq.block_table
             slots[base: base + num] = [bt[x // bs] * bs + x % bs for x in range(start, end)]
-            row = cached.get(i)
-            if row is None or row[0] is not bt or row[1] != len(bt):
-                table[i, : len(bt)] = bt
-                cached[i] = (bt, len(bt))
+            self._table_row(table, i, bt)
             rows[r: r + num] = np.arange(base, base + num)
             r += num
             for j in range(per_seq):
