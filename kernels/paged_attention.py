@@ -369,7 +369,7 @@ def _paged_attn_fp4_kernel(
     GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HALF: tl.constexpr, SPLIT: tl.constexpr, NUM_OUTLIERS: tl.constexpr, DOT_FP32: tl.constexpr,
     KEYS_AS_ROWS: tl.constexpr, PTX_DECODE: tl.constexpr, TRANSPOSED: tl.constexpr = False,
-    K_OUTLIER_SELECT: tl.constexpr = False,
+    K_OUTLIER_SELECT: tl.constexpr = False, V_OUTLIER_DOT: tl.constexpr = False,
 ):
     """The FP4 member of the family (same tiles, splits and partials as _paged_attn_kernel).
     Keys: the group-scaled codes go through the tensor cores with q carrying the head scale; each
@@ -436,17 +436,33 @@ def _paged_attn_fp4_kernel(
             v_lo, v_hi = _fp4_tile_t(vc_ptr, vs_ptr, row_c, row_s, nmask, GH, BLOCK_N, PTX_DECODE)
         else:
             v_lo, v_hi = _fp4_tile(vc_ptr, vs_ptr, row_c, row_s, nmask, GH, BLOCK_N, PTX_DECODE)
-        v_lo, v_hi = _replace_outliers(v_lo, v_hi, vi_ptr, vv_ptr, row_o, row_v, nmask, d, inv_v_unit,
-                                       HALF, NUM_OUTLIERS, TRANSPOSED)
+        if not V_OUTLIER_DOT:
+            v_lo, v_hi = _replace_outliers(v_lo, v_hi, vi_ptr, vv_ptr, row_o, row_v, nmask, d, inv_v_unit,
+                                           HALF, NUM_OUTLIERS, TRANSPOSED)
         if TRANSPOSED:
             pt = tl.trans(p)
+            if V_OUTLIER_DOT:
+                # the value outliers as their own (HALF, BLOCK_N) operand, zero but for each slot's
+                # value, times the same P^T: the decoded values are left as decoded (a select on
+                # them made the compiler keep both decoded halves in shared memory: 57 KB a
+                # program against 32 KB at the 7B geometry, scripts/kernel_sass.py)
+                e_lo = tl.zeros([HALF, BLOCK_N], tl.float32)
+                e_hi = tl.zeros([HALF, BLOCK_N], tl.float32)
+                e_lo, e_hi = _replace_outliers(e_lo, e_hi, vi_ptr, vv_ptr, row_o, row_v, nmask, d, inv_v_unit,
+                                               HALF, NUM_OUTLIERS, True)
             if DOT_FP32:
                 acc_lo = acc_lo * alpha[None, :] + tl.dot(v_lo, pt, input_precision="ieee")
                 acc_hi = acc_hi * alpha[None, :] + tl.dot(v_hi, pt, input_precision="ieee")
+                if V_OUTLIER_DOT:
+                    acc_lo += tl.dot(e_lo, pt, input_precision="ieee")
+                    acc_hi += tl.dot(e_hi, pt, input_precision="ieee")
             else:
                 pt = pt.to(tl.bfloat16)
                 acc_lo = acc_lo * alpha[None, :] + tl.dot(v_lo.to(tl.bfloat16), pt)
                 acc_hi = acc_hi * alpha[None, :] + tl.dot(v_hi.to(tl.bfloat16), pt)
+                if V_OUTLIER_DOT:
+                    acc_lo += tl.dot(e_lo.to(tl.bfloat16), pt)
+                    acc_hi += tl.dot(e_hi.to(tl.bfloat16), pt)
         else:
             acc_lo, acc_hi = _accumulate(acc_lo, acc_hi, alpha, p, v_lo, v_hi, DOT_FP32)
         m_i = m_new
@@ -631,6 +647,7 @@ def paged_attention(
     fp4_ptx_decode: bool | None = None,  # FP4: decode in PTX to bf16x2 (default: on CUDA sm_80+ with bf16/fp16 q)
     fp4_transposed: bool = False,  # FP4: the tile transposed, decoded K and V both row operands (a tuning variant)
     fp4_k_outlier_select: bool = False,  # FP4: key outliers replace their element before the dot (a variant)
+    fp4_v_outlier_dot: bool = False,  # FP4, transposed tile: value outliers through a dot of their own (a variant)
 ) -> torch.Tensor:
     n_tok, n_heads, d = q.shape
     is_fp4 = fp4_k is not None
@@ -645,6 +662,7 @@ def paged_attention(
         fp4_keys_as_rows = small_tile
     assert d % 32 == 0 and (d & (d - 1)) == 0, f"head_dim must be a power of two >= 32, got {d}"
     assert q.stride(2) == 1, "q must be contiguous in head_dim"
+    assert not fp4_v_outlier_dot or fp4_transposed, "fp4_v_outlier_dot is a variant of the transposed tile"
     if is_fp4:
         kc, ks, ki, kv, khs = fp4_k
         vc, vs, vi, vv, vhs = fp4_v
@@ -688,6 +706,7 @@ def paged_attention(
             GROUP=group, TOKENS=plan.tokens_per_tile, BLOCK_M=plan.block_m, BLOCK_N=block_n, HALF=d // 2,
             SPLIT=splits > 1, NUM_OUTLIERS=num_outliers, DOT_FP32=dot_fp32, KEYS_AS_ROWS=bool(fp4_keys_as_rows),
             PTX_DECODE=bool(fp4_ptx_decode), TRANSPOSED=fp4_transposed, K_OUTLIER_SELECT=bool(fp4_k_outlier_select),
+            V_OUTLIER_DOT=bool(fp4_v_outlier_dot),
             num_warps=num_warps, num_stages=num_stages,
         )
     else:

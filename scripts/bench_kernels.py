@@ -127,6 +127,17 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
         record("ours_fp4_paged_k_outlier_select", lambda: paged_attention(
             q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
             fp4_k_outlier_select=True, **cfg4), batch * ctx * layer.bytes_per_token, {"config": cfg4})
+        # the transposed tile (decoded values as the row operand of out^T = V^T P^T), with the value
+        # outliers selected into the decoded tile and through a dot of their own (fp4_v_outlier_dot:
+        # 32 KB of shared memory a program at 128 keys against 57 KB, scripts/kernel_sass.py)
+        for bn in (128, 64):
+            for vdot in (False, True):
+                cfg_t = {**cfg4, "fp4_keys_as_rows": False, "fp4_transposed": True, "fp4_v_outlier_dot": vdot,
+                         "block_n": bn}
+                record(f"ours_fp4_paged_transposed{bn}" + ("_v_outlier_dot" if vdot else ""),
+                       lambda: paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"),
+                                               fp4_v=layer.kernel_views("v"), **cfg_t),
+                       batch * ctx * layer.bytes_per_token, {"config": cfg_t})
     del layer
     # torch SDPA, bf16, contiguous K/V
     qs = q.view(batch, hq, 1, d)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import inspect
 import os
 import re
 import subprocess
@@ -35,17 +36,21 @@ DENSE_INTS = dict(block_size=16, sq_t=3584, sq_h=128, so_t=3584, so_h=128, s_tab
                   sk_s=4 * 128, sk_h=128)
 POINTER_TYPES = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
                  "k_ptr": "*bf16", "v_ptr": "*bf16", "kv_ptr": "*fp16", "vv_ptr": "*fp16", "khs_ptr": "*fp32",
-                 "vhs_ptr": "*fp32", "table_ptr": "*i32"}
+                 "vhs_ptr": "*fp32", "table_ptr": "*i32", "eye_ptr": "*bf16"}
 
 
 def compile_sass(kernel: str, block_n: int, num_warps: int, keys_as_rows: bool, ptx_decode: bool = True,
-                transposed: bool = False, k_outlier_select: bool = False) -> str:
+                transposed: bool = False, k_outlier_select: bool = False, extra: dict | None = None) -> str:
     fn = pa._paged_attn_fp4_kernel if kernel == "fp4" else pa._paged_attn_kernel
     ints = FP4_INTS if kernel == "fp4" else DENSE_INTS
-    meta = dict(GROUP=7, TOKENS=1, BLOCK_M=16, BLOCK_N=block_n, HALF=64, NUM_SPLITS=4, NUM_OUTLIERS=2,
+    meta = dict(GROUP=7, TOKENS=1, BLOCK_M=16, BLOCK_N=block_n, HALF=64, SPLIT=True, NUM_OUTLIERS=2,
                 DOT_FP32=False, KEYS_AS_ROWS=keys_as_rows, PTX_DECODE=ptx_decode,
                 TRANSPOSED=transposed, K_OUTLIER_SELECT=k_outlier_select)
+    meta.update(extra or {})
     sig, consts, attrs = {}, {}, {}
+    for prm in fn.params:  # compile-time parameters left at their defaults
+        if prm.is_constexpr and prm.name not in meta and prm.default is not inspect.Parameter.empty:
+            meta[prm.name] = prm.default
     for i, name in enumerate(fn.arg_names):
         if name in meta:
             sig[name], consts[name] = "constexpr", meta[name]
@@ -58,7 +63,9 @@ def compile_sass(kernel: str, block_n: int, num_warps: int, keys_as_rows: bool, 
         if sig[name].startswith("*") or ints.get(name, 1) % 16 == 0:
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=2))
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=int(os.environ.get("KERNEL_SASS_STAGES", "2"))))
+    if os.environ.get("KERNEL_SASS_IR"):
+        Path(os.environ["KERNEL_SASS_IR"]).write_text(compiled.asm["ttgir"])
     md = compiled.metadata
     print(f"registers per thread {getattr(md, 'n_regs', '?')}, shared memory {md.shared} bytes", flush=True)
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
@@ -104,10 +111,11 @@ def main() -> None:
     ap.add_argument("--k-outlier-select", action="store_true",
                     help="FP4: key outliers by a select on the decoded tile (fp4_k_outlier_select)")
     ap.add_argument("--float-decode", action="store_true", help="FP4: the float32 decode instead of the PTX one")
+    ap.add_argument("--meta", default="", help="extra compile-time arguments, NAME=VALUE,... (ints/bools)")
     ap.add_argument("--sass", default=None, help="also write the whole SASS listing here")
     a = ap.parse_args()
     sass = compile_sass(a.kernel, a.block_n, a.num_warps, a.keys_as_rows, not a.float_decode, a.transposed,
-                        a.k_outlier_select)
+                        a.k_outlier_select, {k: eval(v) for k, v in (kv.split("=") for kv in a.meta.split(",") if kv)})
     if a.sass:
         Path(a.sass).write_text(sass)
     n, mix = loop_mix(sass)

@@ -159,16 +159,18 @@ def fp4_layer_with_outliers(nb, bs, kv_heads, d, seed=0, head_scale=fp4.DEFAULT_
     return layer
 
 
-@pytest.mark.parametrize("transposed,k_select", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("transposed,k_select,v_dot", [(False, False, False), (True, False, False),
+                                                       (False, True, False), (True, False, True)])
 @pytest.mark.parametrize("q_lens,ctx_lens", CASES)
-def test_paged_attention_fp4_matches_reference(q_lens, ctx_lens, transposed, k_select):
+def test_paged_attention_fp4_matches_reference(q_lens, ctx_lens, transposed, k_select, v_dot):
     heads, kv_heads, d, bs, nb = 4, 2, 64, 4, 40
     q, qs, tables = make_batch(q_lens, ctx_lens, heads, kv_heads, d, bs, nb, seed=1)
     layer = fp4_layer_with_outliers(nb, bs, kv_heads, d)
     assert (layer.v["oval"] != 0).any() and (layer.k["oval"] != 0).any() and (layer.v["oval"] == 0).any()
     plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=2)
     out = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
-                          block_n=16, fp4_transposed=transposed, fp4_k_outlier_select=k_select)
+                          block_n=16, fp4_transposed=transposed, fp4_k_outlier_select=k_select,
+                          fp4_v_outlier_dot=v_dot)
     ref = paged_attention_ref(q, layer.gather, qs, ctx_lens, tables, bs, d ** -0.5)
     assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4), (out - ref).abs().max()
 
@@ -192,11 +194,12 @@ def test_paged_attention_fp4_head_dim_128_non_power_of_two_head_scale(transposed
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernel at the 7B geometry: GPU only")
-@pytest.mark.parametrize("block_n,num_warps,keys_as_rows,transposed,k_select", [
-    (64, 4, False, False, False), (128, 4, False, False, False), (128, 8, False, False, False),
-    (256, 4, False, False, False), (128, 4, True, False, False), (64, 4, False, True, False),
-    (128, 4, False, True, False), (128, 4, True, False, True)])
-def test_paged_attention_fp4_7b_geometry_on_gpu(block_n, num_warps, keys_as_rows, transposed, k_select):
+@pytest.mark.parametrize("block_n,num_warps,keys_as_rows,transposed,k_select,v_dot", [
+    (64, 4, False, False, False, False), (128, 4, False, False, False, False), (128, 8, False, False, False, False),
+    (256, 4, False, False, False, False), (128, 4, True, False, False, False), (64, 4, False, True, False, False),
+    (128, 4, False, True, False, False), (128, 4, True, False, True, False), (64, 4, False, True, False, True),
+    (128, 4, False, True, False, True)])
+def test_paged_attention_fp4_7b_geometry_on_gpu(block_n, num_warps, keys_as_rows, transposed, k_select, v_dot):
     heads, kv_heads, d, bs = 28, 4, 128, 16
     q_lens, ctx_lens = [1] * 5 + [5, 16], [4096, 1, 77, 1000, 2049, 300, 1500]
     nb = sum(-(-c // bs) for c in ctx_lens) + 3
@@ -207,7 +210,7 @@ def test_paged_attention_fp4_7b_geometry_on_gpu(block_n, num_warps, keys_as_rows
         plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=splits)
         out = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
                               block_n=block_n, num_warps=num_warps, fp4_keys_as_rows=keys_as_rows,
-                              fp4_transposed=transposed, fp4_k_outlier_select=k_select)
+                              fp4_transposed=transposed, fp4_k_outlier_select=k_select, fp4_v_outlier_dot=v_dot)
         err = ((out.float() - ref).abs().amax(-1) / ref.abs().amax(-1)).max()
         assert err < 2e-2, (splits, err)
 
