@@ -370,6 +370,7 @@ def _paged_attn_fp4_kernel(
     HALF: tl.constexpr, SPLIT: tl.constexpr, NUM_OUTLIERS: tl.constexpr, DOT_FP32: tl.constexpr,
     KEYS_AS_ROWS: tl.constexpr, PTX_DECODE: tl.constexpr, TRANSPOSED: tl.constexpr = False,
     K_OUTLIER_SELECT: tl.constexpr = False, V_OUTLIER_DOT: tl.constexpr = False,
+    NUM_V_OUTLIERS: tl.constexpr = 0,
 ):
     """The FP4 member of the family (same tiles, splits and partials as _paged_attn_kernel).
     Keys: the group-scaled codes go through the tensor cores with q carrying the head scale; each
@@ -377,7 +378,8 @@ def _paged_attn_fp4_kernel(
     every element), or with K_OUTLIER_SELECT replaces its element in the decoded tile before the
     dot, as values do (a variant timed against the gather by bench_kernels --outlier-ablation).
     Values: outlier slots replace their (zero-coded) element before the dot; the head scale is
-    applied to the output."""
+    applied to the output. NUM_OUTLIERS / NUM_V_OUTLIERS: the key / value slots per token-head
+    (zero-width value views: no value slots, their select compiled out)."""
     tile, kvh, split, seq, tok0, nq, pos0 = _program_tile(tile_seq_ptr, tile_tok_ptr, tile_nq_ptr, tile_pos_ptr)
     GH: tl.constexpr = HALF // 16
 
@@ -438,7 +440,7 @@ def _paged_attn_fp4_kernel(
             v_lo, v_hi = _fp4_tile(vc_ptr, vs_ptr, row_c, row_s, nmask, GH, BLOCK_N, PTX_DECODE)
         if not V_OUTLIER_DOT:
             v_lo, v_hi = _replace_outliers(v_lo, v_hi, vi_ptr, vv_ptr, row_o, row_v, nmask, d, inv_v_unit,
-                                           HALF, NUM_OUTLIERS, TRANSPOSED)
+                                           HALF, NUM_V_OUTLIERS, TRANSPOSED)
         if TRANSPOSED:
             pt = tl.trans(p)
             if V_OUTLIER_DOT:
@@ -449,7 +451,7 @@ def _paged_attn_fp4_kernel(
                 e_lo = tl.zeros([HALF, BLOCK_N], tl.float32)
                 e_hi = tl.zeros([HALF, BLOCK_N], tl.float32)
                 e_lo, e_hi = _replace_outliers(e_lo, e_hi, vi_ptr, vv_ptr, row_o, row_v, nmask, d, inv_v_unit,
-                                               HALF, NUM_OUTLIERS, True)
+                                               HALF, NUM_V_OUTLIERS, True)
             if DOT_FP32:
                 acc_lo = acc_lo * alpha[None, :] + tl.dot(v_lo, pt, input_precision="ieee")
                 acc_hi = acc_hi * alpha[None, :] + tl.dot(v_hi, pt, input_precision="ieee")
@@ -669,8 +671,11 @@ def paged_attention(
         n_kv, block_size = kc.shape[2], kc.shape[1]
         assert kc.dtype == torch.uint8 and kc.shape[-1] == d // 2, "FP4 codes view: (blocks, bs, Hkv, D/2) uint8"
         assert ks.shape[-1] == d // 16 and ki.shape == kv.shape and vc.stride() == kc.stride()
-        assert vs.stride() == ks.stride() and vi.stride() == ki.stride() and vv.stride() == kv.stride()
-        num_outliers = ki.shape[-1]
+        num_outliers, num_v_outliers = ki.shape[-1], vi.shape[-1]
+        assert vs.stride() == ks.stride()
+        # the value slots are read at the key slots' offsets: same layout, or none read
+        assert num_v_outliers == 0 or (vi.stride() == ki.stride() and vv.stride() == kv.stride()
+                                       and num_v_outliers == num_outliers), "value slots: the key slots' layout"
         strides_k = kc.stride()[:3]
         strides_s = ks.stride()[:3]
         strides_o = ki.stride()[:3]
@@ -704,7 +709,8 @@ def paged_attention(
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), plan.block_table.stride(0),
             *strides_k, *strides_s, *strides_o, *strides_v,
             GROUP=group, TOKENS=plan.tokens_per_tile, BLOCK_M=plan.block_m, BLOCK_N=block_n, HALF=d // 2,
-            SPLIT=splits > 1, NUM_OUTLIERS=num_outliers, DOT_FP32=dot_fp32, KEYS_AS_ROWS=bool(fp4_keys_as_rows),
+            SPLIT=splits > 1, NUM_OUTLIERS=num_outliers, NUM_V_OUTLIERS=num_v_outliers, DOT_FP32=dot_fp32,
+            KEYS_AS_ROWS=bool(fp4_keys_as_rows),
             PTX_DECODE=bool(fp4_ptx_decode), TRANSPOSED=fp4_transposed, K_OUTLIER_SELECT=bool(fp4_k_outlier_select),
             V_OUTLIER_DOT=bool(fp4_v_outlier_dot),
             num_warps=num_warps, num_stages=num_stages,

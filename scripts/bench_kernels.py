@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from kernels.fp4 import FP4PagedLayer  # noqa: E402
+from kernels.fp4 import FP4PagedLayer, bytes_per_token_head  # noqa: E402
 from kernels.paged_attention import paged_attention, plan_tiles  # noqa: E402
 
 GEOMETRIES = {"7b": (28, 4, 128), "2b": (12, 2, 128)}
@@ -123,6 +123,12 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
         record("ours_fp4_paged_no_outliers", lambda: paged_attention(
             q, plan, d ** -0.5, fp4_k=no_outliers("k"), fp4_v=no_outliers("v"), **cfg4),
             batch * ctx * hkv * 2 * (d // 2 + d // 16), {"config": cfg4})
+        # the key slots kept, the value slots left out (zero-width value views): what the values'
+        # select costs alone (it also made the compiler keep the decoded values in shared memory:
+        # 57 KB a program against 28 KB, scripts/kernel_sass.py)
+        record("ours_fp4_paged_no_value_outliers", lambda: paged_attention(
+            q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=no_outliers("v"), **cfg4),
+            batch * ctx * hkv * (bytes_per_token_head(d, layer.num_outliers) + d // 2 + d // 16), {"config": cfg4})
         # key outliers by a select on the decoded tile (as values) instead of a gather of q
         record("ours_fp4_paged_k_outlier_select", lambda: paged_attention(
             q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),

@@ -176,6 +176,27 @@ def test_paged_attention_fp4_matches_reference(q_lens, ctx_lens, transposed, k_s
 
 
 @pytest.mark.parametrize("transposed", [False, True])
+def test_paged_attention_fp4_without_value_slots_reads_only_the_key_slots(transposed):
+    """Zero-width value slot views (no value outliers: the kernel's value select compiled out)
+    give attention over the pool's values with their outlier slots emptied, the key slots kept."""
+    heads, kv_heads, d, bs, nb = 4, 2, 64, 4, 40
+    q_lens, ctx_lens = [1, 5, 3], [37, 21, 9]
+    q, qs, tables = make_batch(q_lens, ctx_lens, heads, kv_heads, d, bs, nb, seed=3)
+    layer = fp4_layer_with_outliers(nb, bs, kv_heads, d)
+    c, sc, oi, ov, hs = layer.kernel_views("v")
+    plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=2)
+    no_value_slots = (c, sc, oi[..., :0], ov[..., :0], hs)
+    out = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=no_value_slots, block_n=16,
+                          fp4_transposed=transposed)
+    full = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
+                           block_n=16, fp4_transposed=transposed)
+    layer.v["oval"].zero_()  # the reference: the same values with every value slot unused
+    ref = paged_attention_ref(q, layer.gather, qs, ctx_lens, tables, bs, d ** -0.5)
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4), (out - ref).abs().max()
+    assert (full - out).abs().max() > 1e-2  # the pool's value outliers do matter here
+
+
+@pytest.mark.parametrize("transposed", [False, True])
 def test_paged_attention_fp4_head_dim_128_non_power_of_two_head_scale(transposed):
     """The real models' head_dim (128: four 16-dim groups per half), a head scale that is not a
     power of two, one split; bf16 queries on a GPU (the interpreter's bf16 dot is not usable on
