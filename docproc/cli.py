@@ -80,6 +80,8 @@ def run(
     spec_k: str = typer.Option("auto", "--spec-k", help="Draft tokens per step: a number, or auto (adaptive)."),
     draft_vision: str = typer.Option("auto", "--draft-vision", help="auto, own or none (the draft sees text only)."),
     kv_cache: str = typer.Option("auto", "--kv-cache", help="KV cache format: auto, bf16, fp16, fp32 or fp4."),
+    fp4_value_slots: Optional[int] = typer.Option(None, "--fp4-value-slots", help="FP4 KV: outlier slots per value "
+                                                  "vector, 0 or 2 (default 2, as the keys)."),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     dpi: int = typer.Option(120, help="PDF render resolution (lowered per page to fit the pixel cap)."),
     max_pages: Optional[int] = typer.Option(None, "--max-pages", help="Read at most this many pages per document."),
@@ -111,7 +113,8 @@ def run(
                                max_pages=max_pages, formats=parse_formats(format), force=force,
                                max_num_batched_tokens=max_num_batched_tokens,
                                gpu_memory_utilization=gpu_memory_utilization, batch_pages=batch_pages,
-                               anchor_text=anchor_text, enforce_eager=enforce_eager)
+                               anchor_text=anchor_text, enforce_eager=enforce_eager,
+                               fp4_value_slots=fp4_value_slots)
     except (ValueError, typer.BadParameter) as e:
         err_console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(EXIT_USAGE)

@@ -46,12 +46,17 @@ def main() -> None:
     hq, hkv, d = 28, 4, 128
     g = torch.Generator().manual_seed(0)
     rows = []
-    for kind in ("gaussian", "channels_2", "channels_4"):
-        errs = {"bf16": [], "fp4_no_outliers": [], "fp4_outliers_2": [], "fp4_outliers_4": []}
+    # values Gaussian (the table in BENCHMARKS), then values with 2 large fixed channels too (the
+    # case where leaving the value slots out costs most)
+    cases = [(kind, "gaussian") for kind in ("gaussian", "channels_2", "channels_4")]
+    cases += [(kind, "channels_2") for kind in ("gaussian", "channels_2")]
+    for kind, vkind in cases:
+        errs = {"bf16": [], "fp4_no_outliers": [], "fp4_outliers_2": [], "fp4_outliers_4": [],
+                "fp4_outliers_2_values_none": []}
         stats = []
         for _ in range(a.trials):
             k = keys(kind, a.ctx, hkv, d, g)
-            v = torch.randn(a.ctx, hkv, d, generator=g)
+            v = keys(vkind, a.ctx, hkv, d, g)  # Gaussian draws as before for "gaussian"
             q = torch.randn(hq, 1, d, generator=g)
             ref = attn(q, k, v, hq // hkv)
 
@@ -62,8 +67,11 @@ def main() -> None:
             for name, s in (("fp4_no_outliers", 0), ("fp4_outliers_2", 2), ("fp4_outliers_4", 4)):
                 errs[name].append(rel(dequantize_ref(quantize_ref(k, num_outliers=s)),
                                       dequantize_ref(quantize_ref(v, num_outliers=s))))
+            # the keys' 2 slots kept, the values without slots (FP4PagedLayer num_value_outliers=0)
+            errs["fp4_outliers_2_values_none"].append(rel(dequantize_ref(quantize_ref(k, num_outliers=2)),
+                                                          dequantize_ref(quantize_ref(v, num_outliers=0))))
             stats.append(outlier_stats(k))
-        row = {"keys": kind, **{n: sum(e) / len(e) for n, e in errs.items()},
+        row = {"keys": kind, "values": vkind, **{n: sum(e) / len(e) for n, e in errs.items()},
                "key_outlier_value_rate": sum(s["value_rate"] for s in stats) / len(stats),
                "key_outlier_vector_rate": sum(s["vector_rate"] for s in stats) / len(stats),
                "key_overflow_vector_rate": sum(s["overflow_vector_rate"] for s in stats) / len(stats)}

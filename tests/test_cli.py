@@ -118,6 +118,8 @@ def test_usage_errors_exit_2(docs, qwen2_vl_dir, tmp_path):
     bad.write_text("[[query]]\nname = 'x'\n")
     assert run_cli("run", docs, "--out", tmp_path / "o", "--model", qwen2_vl_dir, "--queries", bad).exit_code == 2
     assert run_cli("run", "--out", tmp_path / "o").exit_code == 2  # no inputs
+    assert run_cli("run", docs, "--out", tmp_path / "o", "--model", qwen2_vl_dir, "--kv-cache", "fp4",
+                   "--fp4-value-slots", "1").exit_code == 2
 
 
 def broken_corpus(root: Path, outside: Path) -> int:
@@ -264,3 +266,16 @@ def test_anchor_text_lengthens_pdf_prompts_only_and_is_part_of_the_fingerprint(d
     assert any(k[0].endswith(".pdf") for k in anchored) and any(k[0].endswith(".png") for k in anchored)
     again = run_cli("run", docs, "--out", out, "--model", qwen2_vl_dir, "--device", "cpu", "-q", "--anchor-text")
     assert again.exit_code == 0 and manifest(out)["totals"]["already_done"] == 5
+
+
+def test_fp4_value_slots_are_part_of_the_fingerprint(docs, qwen2_vl_dir, tmp_path):
+    out = tmp_path / "out"
+    base = ("run", docs, "--out", out, "--model", qwen2_vl_dir, "--device", "cpu", "-q", "--kv-cache", "fp4")
+    assert run_cli(*base).exit_code == 0
+    assert run_cli(*base, "--fp4-value-slots", "2").exit_code == 0  # the default, spelled out: nothing redone
+    assert manifest(out)["totals"]["already_done"] == 5
+    res = run_cli(*base, "--fp4-value-slots", "0")
+    assert res.exit_code == 0, res.output
+    m = manifest(out)
+    assert m["totals"]["already_done"] == 0 and m["totals"]["documents"] == 5  # other KV contents: redone
+    assert m["settings"]["fp4_value_slots"] == 0

@@ -83,6 +83,28 @@ def test_fp4_reads_are_the_same_in_chunked_prefill_and_decode(qwen2_vl_dir):
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
 
 
+def test_fp4_without_value_slots_saves_their_bytes_and_reports_it(qwen2_vl_dir):
+    """fp4_value_slots=0: the value vectors keep no outlier slots (3 bytes a slot), the keys keep
+    theirs; the engine sizes its pool from the smaller pages, reports the setting, and decodes
+    the same way in chunked and whole prefills; a count the kernel cannot read is refused."""
+    llm = LLM(str(qwen2_vl_dir), device="cpu", kv_cache_dtype="fp4", fp4_value_slots=0,
+              enable_prefix_caching=False)
+    info = llm.cache_info()
+    cfg = llm.runner.text_config
+    per_head = bytes_per_token_head(cfg.head_dim)
+    assert info["fp4_value_slots"] == 0
+    assert info["bytes_per_token"] == cfg.num_hidden_layers * cfg.num_key_value_heads * (2 * per_head - 6)
+    assert llm.runner.kv_cache.layers[0].v["oval"].shape[-1] == 0
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    chunked = LLM(str(qwen2_vl_dir), device="cpu", kv_cache_dtype="fp4", fp4_value_slots=0,
+                  max_num_batched_tokens=16, enable_prefix_caching=False)
+    assert [o.outputs[0].token_ids for o in llm.generate(reqs(), sp)] == \
+        [o.outputs[0].token_ids for o in chunked.generate(reqs(), sp)]
+    assert LLM(str(qwen2_vl_dir), device="cpu", kv_cache_dtype="fp4").cache_info()["fp4_value_slots"] == 2
+    with pytest.raises(ValueError, match="fp4_value_slots"):
+        LLM(str(qwen2_vl_dir), device="cpu", kv_cache_dtype="fp4", fp4_value_slots=1)
+
+
 def test_fp4_rejects_small_head_dim():
     with pytest.raises(ValueError, match="head_dim"):
         FP4Attention(4, 2, 16, 1.0, torch.device("cpu"), torch.float32)

@@ -86,12 +86,13 @@ def test_bytes_per_token_formula_and_allocation():
     assert layer.pages.numel() == 5 * 16 * layer.bytes_per_token
 
 
-@pytest.mark.parametrize("heads,d,slots", [(3, 64, 2), (1, 32, 1), (2, 128, 4)])
-def test_store_kernel_matches_reference(heads, d, slots):
+@pytest.mark.parametrize("heads,d,slots,value_slots", [(3, 64, 2, None), (1, 32, 1, None), (2, 128, 4, None),
+                                                       (2, 64, 2, 0)])
+def test_store_kernel_matches_reference(heads, d, slots, value_slots):
     torch.manual_seed(heads + d)
     n, bs, nb = 7, 4, 5
-    layer_t = FP4PagedLayer(nb, bs, heads, d, DEV, num_outliers=slots)
-    layer_r = FP4PagedLayer(nb, bs, heads, d, DEV, num_outliers=slots)
+    layer_t = FP4PagedLayer(nb, bs, heads, d, DEV, num_outliers=slots, num_value_outliers=value_slots)
+    layer_r = FP4PagedLayer(nb, bs, heads, d, DEV, num_outliers=slots, num_value_outliers=value_slots)
     k = torch.randn(n, heads, d, device=DEV) * 3
     v = torch.randn(n, heads, d, device=DEV)
     k[:, :, 1] += 50.0

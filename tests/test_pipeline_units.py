@@ -1,6 +1,9 @@
 """Pure helpers of the pipeline and the CLI."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import typer
 
@@ -115,3 +118,32 @@ def test_anchor_text_goes_between_the_images_and_the_question():
     assert p.index("<|vision_end|>Document text:\nPage 1:") > 0
     assert p.index("[36,76]Total 12.00\nWhat is the total?") > p.rindex("<|vision_end|>")
     assert build_prompt(1, "Q?", None) == build_prompt(1, "Q?")
+
+
+def test_compare_runs_scores_the_documents_both_runs_finished(tmp_path):
+    """scripts/compare_runs.py: exact match per run and identical answers, on common documents only."""
+    import subprocess
+    import sys
+
+    def run(name, docs):
+        (tmp_path / name / "json").mkdir(parents=True)
+        for doc, values in docs.items():
+            rec = {"path": doc, "doc_status": "ok",
+                   "queries": [{"query": q, "value": v} for q, v in values.items()]}
+            (tmp_path / name / "json" / f"{doc}.json").write_text(json.dumps(rec))
+
+    run("a", {"d1.pdf": {"total": "1,000.00", "vendor": "Acme"}, "d2.pdf": {"total": "5", "vendor": "X"},
+              "d3.pdf": {"total": "9", "vendor": "Y"}})
+    run("b", {"d1.pdf": {"total": "1000", "vendor": "Acme"}, "d2.pdf": {"total": "6", "vendor": "X"}})
+    truth = tmp_path / "truth.jsonl"
+    truth.write_text("\n".join(json.dumps({"file": f"docs/{d}", "fields": f}) for d, f in
+                               (("d1.pdf", {"total": "1000.00", "vendor": "Acme"}),
+                                ("d2.pdf", {"total": "5", "vendor": "X"}),
+                                ("d3.pdf", {"total": "9", "vendor": "Y"}))))
+    script = Path(__file__).resolve().parent.parent / "scripts" / "compare_runs.py"
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "a"), str(tmp_path / "b"), "--truth",
+                          str(truth)], capture_output=True, text=True, check=True)
+    r = json.loads(out.stdout)
+    assert r["documents"] == 2 and r["fields"] == 4  # d3 is not in b
+    assert r["exact_match"] == {str(tmp_path / "a"): 1.0, str(tmp_path / "b"): 0.75}  # amounts normalised
+    assert r["identical_answers"] == 0.5 and r["difference_points"] == -25.0

@@ -66,12 +66,13 @@ class LLM:
         draft_vision: str = "auto",
         enforce_eager: bool = False,
         image_prefetch_workers: int | None = None,
+        fp4_value_slots: int | None = None,
     ) -> None:
         cache = CacheConfig(kv_cache_dtype=kv_cache_dtype, block_size=block_size,
                             enable_prefix_caching=enable_prefix_caching,
                             gpu_memory_utilization=gpu_memory_utilization,
                             kv_cache_memory_bytes=kv_cache_memory_bytes, num_kv_blocks=num_kv_blocks,
-                            encoder_cache_entries=encoder_cache_entries)
+                            encoder_cache_entries=encoder_cache_entries, fp4_value_slots=fp4_value_slots)
         self.config = EngineConfig(model=str(model), device=device, dtype=dtype,
                                    max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                    max_model_len=max_model_len, seed=seed, cache=cache,
@@ -91,7 +92,8 @@ class LLM:
                                          enable_prefix_caching=enable_prefix_caching,
                                          gpu_memory_utilization=gpu_memory_utilization,
                                          kv_cache_memory_bytes=kv_cache_memory_bytes,
-                                         encoder_cache_entries=encoder_cache_entries))
+                                         encoder_cache_entries=encoder_cache_entries,
+                                         fp4_value_slots=fp4_value_slots))
             draft_runner = ModelRunner(draft_cfg, allocate=False)
         self.runner = ModelRunner(self.config, allocate=draft_runner is None)
         if draft_runner is not None:
@@ -187,6 +189,7 @@ class LLM:
         g = self.runner.graphs
         return {
             "kv_cache_dtype": kv.dtype_name,
+            "fp4_value_slots": getattr(self.runner.backend, "num_value_outliers", None),
             "block_size": kv.block_size,
             "num_blocks": self.runner.num_usable_blocks,
             "num_reserved_blocks": self.runner.num_reserved_blocks,

@@ -100,7 +100,8 @@ class ModelRunner:
         kv_name = resolve_kv_dtype(config.cache.kv_cache_dtype, self.dtype)
         heads = (tc.num_attention_heads, tc.num_key_value_heads, tc.head_dim, tc.head_dim ** -0.5, self.device)
         if kv_name == "fp4":
-            self.backend = FP4Attention(*heads, compute_dtype=self.dtype)
+            self.backend = FP4Attention(*heads, compute_dtype=self.dtype,
+                                        num_value_outliers=config.cache.fp4_value_slots)
         else:
             self.backend = DenseAttention(*heads, dtype=KV_DTYPES[kv_name], compute_dtype=self.dtype)
         self.kv_cache = KVCache(self.backend, tc.num_hidden_layers, self.block_size, kv_name)

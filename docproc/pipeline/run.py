@@ -51,6 +51,7 @@ class RunSettings:
     draft_vision: str = "auto"
     anchor_text: bool = False  # put each PDF page's text layer (with coordinates) in the prompt
     enforce_eager: bool = False  # no CUDA graphs (debugging, profiling)
+    fp4_value_slots: int | None = None  # FP4 KV: outlier slots per value vector (0, or 2 as the keys)
 
     def __post_init__(self) -> None:
         bad = set(self.formats) - {"json", "parquet"}
@@ -66,6 +67,8 @@ class RunSettings:
             raise ValueError(f"--spec-k must be a number from 1 to 15 or auto, got {self.spec_k}")
         if self.kv_cache not in ("auto", "bf16", "fp16", "fp32", "fp4"):
             raise ValueError(f"--kv-cache must be auto, bf16, fp16, fp32 or fp4, got {self.kv_cache}")
+        if self.fp4_value_slots not in (None, 0, 2):
+            raise ValueError(f"--fp4-value-slots must be 0 or 2, got {self.fp4_value_slots}")
 
 
 @dataclass
@@ -142,7 +145,8 @@ class Pipeline:
                            max_num_batched_tokens=self.s.max_num_batched_tokens,
                            gpu_memory_utilization=self.s.gpu_memory_utilization, seed=self.s.seed,
                            speculative_model=self.s.draft, num_speculative_tokens=self.s.spec_k,
-                           draft_vision=self.s.draft_vision, enforce_eager=self.s.enforce_eager)
+                           draft_vision=self.s.draft_vision, enforce_eager=self.s.enforce_eager,
+                           fp4_value_slots=self.s.fp4_value_slots)
             self.stage_seconds["load_model"] += time.perf_counter() - t0
         return self.llm
 
@@ -160,6 +164,8 @@ class Pipeline:
                    "dtype": info["dtype"], "max_image_tokens": self.s.max_image_tokens, "prompt": PROMPT_VERSION}
         if self.s.anchor_text:  # only when on: runs without it keep their fingerprints
             payload["anchor_text"] = True
+        if info["kv_cache_dtype"] == "fp4" and info["fp4_value_slots"] != 2:  # likewise, off the default
+            payload["fp4_value_slots"] = info["fp4_value_slots"]
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
     # ---- the run -----------------------------------------------------------------------------
