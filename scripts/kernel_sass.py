@@ -72,6 +72,10 @@ def compile_sass(kernel: str, block_n: int, num_warps: int, keys_as_rows: bool, 
         f.write(compiled.asm["cubin"])
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     try:
+        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+        m = re.search(r"REG:(\d+).*?SHARED:(\d+)", res)
+        if m:
+            print(f"ptxas: {m.group(1)} registers per thread, {m.group(2)} bytes of static shared memory", flush=True)
         return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(f.name)

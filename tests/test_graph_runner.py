@@ -121,3 +121,91 @@ def test_cuda_graph_speculation_matches_eager_plain_decoding(qwen2_vl_dir):
     assert got == want
     assert llm.runner.graphs.num_replays > 0 and llm.speculator.runner.graphs.num_replays > 0
     assert llm.spec_info()["acceptance_rate"] == 1.0
+
+
+def overlap_run(folder, monkeypatch, overlap, params, eos=None, **kw):
+    with monkeypatch.context() as m:
+        m.setattr(model_runner, "resolve_step_graphs", lambda config, device: "static")
+        llm = LLM(str(folder), device="cpu", max_num_seqs=8, overlap_decode=overlap, **kw)
+        if eos is not None:
+            llm.eos_token_ids = eos
+        outs = llm.generate(reqs(), params)
+    return llm, outs
+
+
+@cpu_only
+def test_overlapped_decode_gives_the_plain_tokens_and_stops(qwen2_vl_dir, monkeypatch):
+    """Decode steps launched before the previous step's tokens are read (input ids from the
+    device): the same tokens, stop reasons and texts as reading every step first, with greedy
+    rows stopping at EOS part-way (their row of the step in flight is dropped) and seeded sampled
+    rows; the prefix cache never keys a placeholder."""
+    base = SamplingParams(max_tokens=24, ignore_eos=True)
+    _, plain = overlap_run(qwen2_vl_dir, monkeypatch, False, base)
+    toks = [o.outputs[0].token_ids for o in plain]
+    # an EOS that the first request emits at its 6th token and the text-only request does not emit
+    eos = {toks[0][5]} if toks[0][5] not in toks[1] else {toks[0][5], -1}
+    params = [SamplingParams(max_tokens=24), SamplingParams(max_tokens=20),
+              SamplingParams(max_tokens=24, temperature=0.9, seed=7)]
+    runs = {}
+    for overlap in (False, True):
+        llm, outs = overlap_run(qwen2_vl_dir, monkeypatch, overlap, params, eos=eos)
+        runs[overlap] = ([(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text) for o in outs],
+                         set(llm.block_manager.hash_to_block), llm)
+    (want, want_hashes, plain_llm), (got, got_hashes, llm) = runs[False], runs[True]
+    assert got == want
+    assert want[0][1] == "stop" and len(want[0][0]) <= 6  # stopped at EOS while others decoded on
+    assert want[1][1] == "length" and len(want[1][0]) == 20
+    assert llm.num_overlapped_steps >= 10 and plain_llm.num_overlapped_steps == 0
+    assert got_hashes <= want_hashes  # every committed block keyed by real tokens only
+    # the same steps and tokens counted (a stopped sequence's row in the step in flight is not)
+    assert (llm.num_steps, llm.num_step_tokens) == (plain_llm.num_steps, plain_llm.num_step_tokens)
+    assert llm._pending is None and llm.block_manager.num_free_blocks == plain_llm.block_manager.num_free_blocks
+    # greedy overlapped = plain greedy (the same run as `plain`, EOS ignored)
+    _, again = overlap_run(qwen2_vl_dir, monkeypatch, True, base)
+    assert [o.outputs[0].token_ids for o in again] == toks
+
+
+@cpu_only
+def test_overlapped_decode_when_the_policy_bypasses_the_draft(qwen2_vl_dir, monkeypatch):
+    """The adaptive policy with a draft priced as costly as the target bypasses it on most steps
+    and probes now and then: the bypassed steps overlap (a probe's choice, made while the step
+    before was in flight, stands), and the output is plain greedy decoding's."""
+    _, plain = run(qwen2_vl_dir, False, monkeypatch)
+    got = {}
+    for overlap in (False, True):
+        with monkeypatch.context() as m:
+            m.setattr(model_runner, "resolve_step_graphs", lambda config, device: "static")
+            llm = LLM(str(qwen2_vl_dir), device="cpu", max_num_seqs=8, speculative_model=str(qwen2_vl_dir),
+                      num_speculative_tokens="auto", overlap_decode=overlap)
+            pol = llm.speculator.policy
+            pol.cost_ratio = 2.0  # c prior: no K pays until the draft is timed
+            pol.probe_every = pol._probe_interval = 3
+            outs = llm.generate(reqs(), SamplingParams(max_tokens=16, ignore_eos=True))
+        info = llm.spec_info()
+        got[overlap] = [o.outputs[0].token_ids for o in outs]
+        assert info["bypassed_steps"] > 0 and info["draft_proposed"] > 0  # bypassed, and probed
+        assert (llm.num_overlapped_steps > 0) == overlap
+    assert got[True] == got[False]
+    assert [t[:10] for t in got[True]] == plain
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["bf16", "fp4"])
+def test_cuda_overlapped_decode_matches_plain_steps(qwen2_vl_dir, kv):
+    """With CUDA graphs the next decode step is queued before the host reads the tokens of the
+    one in flight: the same tokens and stops as reading each step first, EOS part-way included."""
+    runs = {}
+    for overlap in (False, True):
+        llm = LLM(str(qwen2_vl_dir), device="cuda", dtype="float32", kv_cache_dtype=kv, overlap_decode=overlap,
+                  kv_cache_memory_bytes=64 << 20)
+        first = llm.generate(reqs(), SamplingParams(max_tokens=24, ignore_eos=True))
+        eos = first[0].outputs[0].token_ids[7]
+        llm.eos_token_ids = {eos}
+        outs = llm.generate(reqs(), [SamplingParams(max_tokens=24), SamplingParams(max_tokens=20),
+                                     SamplingParams(max_tokens=24, temperature=0.9, seed=3)])
+        runs[overlap] = ([o.outputs[0].token_ids for o in first],
+                         [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs])
+        assert (llm.num_overlapped_steps > 20) == overlap
+        assert llm._pending is None
+    assert runs[True] == runs[False]
+    assert runs[True][1][0][1] == "stop"

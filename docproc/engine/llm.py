@@ -67,6 +67,7 @@ class LLM:
         enforce_eager: bool = False,
         image_prefetch_workers: int | None = None,
         fp4_value_slots: int | None = None,
+        overlap_decode: bool = True,
     ) -> None:
         cache = CacheConfig(kv_cache_dtype=kv_cache_dtype, block_size=block_size,
                             enable_prefix_caching=enable_prefix_caching,
@@ -133,6 +134,15 @@ class LLM:
         self.num_decode_steps = 0  # plain steps that only decoded (the memory-bound part of a run)
         self.num_decode_step_tokens = 0
         self.decode_step_seconds = 0.0
+        # overlapped decode (see _overlap_step): the next decode step is queued on the device before
+        # the host reads the tokens of the one in flight, so the host's per-token work (reading the
+        # tokens, stop checks, scheduling, filling the next step's inputs) runs while the device
+        # computes instead of between steps
+        self.overlap_decode = overlap_decode
+        self._pending = None  # the launched decode step whose tokens the host has not read
+        self._pending_since = 0.0  # when the host last had nothing in flight to wait for
+        self.num_overlapped_steps = 0  # decode steps launched before the previous step's tokens were read
+        self._next_k = None  # the speculation policy's choice for the next step, made by _continue
 
     # ---- public ----------------------------------------------------------------------------
     def generate(
@@ -266,6 +276,8 @@ class LLM:
 
     def step(self) -> list[Sequence]:
         """Run one scheduled step; return the sequences that finished in it."""
+        if self._pending is not None:
+            return self._overlap_step()
         out = self.scheduler.schedule()
         finished: list[Sequence] = []
         if self.runner.prefetcher.workers and (self.scheduler.waiting or len(out.decoding) < len(out.scheduled)):
@@ -289,7 +301,10 @@ class LLM:
             dec_seqs = out.decoding
             decoding = [seq.seq_id for seq in dec_seqs]
             spec.policy.batch = max(1, len(decoding))
-            k_step = spec.policy.choose_step(decoding)  # one K for the step: its draft forwards are shared
+            # one K for the step (its draft forwards are shared); chosen already if an overlapped
+            # step asked the policy before it could know this step would not be bypassed
+            k_step = self._next_k if self._next_k is not None else spec.policy.choose_step(decoding)
+            self._next_k = None
             if k_step > 0:
                 if not spec.policy.probing:
                     return finished + self._spec_step(out, decoding, k_step)
@@ -308,6 +323,11 @@ class LLM:
             for seq in dec_seqs:
                 seq.spec_stats.bypassed_steps += 1
             captures = self.runner.num_graph_captures
+        if self._can_overlap(out):  # a plain decode step (or one the policy bypassed the draft for)
+            self._pending = self.runner.launch(out.scheduled)
+            if self._pending is not None:
+                self._pending_since = self._pending.t0
+                return finished + self._overlap_step()
         ends = [(s.seq, s.end) for s in out.scheduled]
         result = self.runner.execute(out)
         if spec is not None and self.runner.num_graph_captures == captures:
@@ -331,6 +351,98 @@ class LLM:
                 continue
             if self._append(seq, token, now):
                 finished.append(seq)
+        return finished
+
+    # ---- overlapped decode --------------------------------------------------------------------
+    PLACEHOLDER = 0  # a launched step's token in token_ids until the host reads it (never an input: the
+    #                  device feeds the real one)
+
+    def _can_overlap(self, out) -> bool:
+        """Whether a step may be launched without waiting for its tokens: a pure decode step of the
+        whole running set (no prefill under way, no admission waiting for a free place), with
+        static step graphs (the next step's input ids come from the device) and no logits hook, and
+        every row greedy or seeded (an unseeded row would draw from the engine's generator in a
+        batch that can hold a finished row, so its samples would differ from the plain loop's)."""
+        if not self.overlap_decode or self.runner.graphs is None or self.runner.logits_hook is not None:
+            return False
+        sched = self.scheduler
+        if len(out.decoding) != len(out.scheduled) or len(out.scheduled) != len(sched.running) or out.failed \
+                or out.preempted:
+            return False
+        if sched.waiting and len(sched.running) < sched.max_num_seqs:
+            return False
+        return all(s.seq.sampling.temperature == 0 or s.seq.sampling.seed is not None for s in out.scheduled)
+
+    def _continue(self, prev):
+        """Launch the decode step after `prev` (in flight, tokens unread) for the same sequences,
+        its input ids taken from prev's tokens on the device. Each sequence gets a placeholder for
+        prev's token, replaced when it is read. None (nothing changed) when the next step could be
+        different: a sequence that finishes for sure (max_tokens, max_model_len), a sequence that
+        would be admitted or resumed, a pool without the blocks, or a batch without a graph."""
+        sched = self.scheduler
+        seqs = [sc.seq for sc in prev.scheduled]
+        if len(seqs) != len(sched.running) or (sched.waiting and len(sched.running) < sched.max_num_seqs):
+            return None
+        for seq in seqs:
+            if seq.is_finished or seq.num_generated_tokens + 1 >= seq.max_tokens or len(seq) + 1 >= self.max_model_len:
+                return None
+        spec = self.speculator
+        if spec is not None:  # only a step the policy bypasses the draft for overlaps
+            spec.policy.batch = len(seqs)
+            k = spec.policy.choose_step([seq.seq_id for seq in seqs])
+            if k > 0:
+                self._next_k = k  # the choice stands (a probe's countdown restarted with it)
+                return None
+        out = sched.schedule_continuation(seqs, self.PLACEHOLDER)
+        if out is None:
+            return None
+        nxt = self.runner.launch(out.scheduled, ids_from=prev.tokens)
+        if nxt is None:
+            sched.undo_continuation(seqs)
+            return None
+        if spec is not None:
+            spec.stats.bypassed_steps += len(seqs)
+            for seq in seqs:
+                seq.spec_stats.bypassed_steps += 1
+        self.num_overlapped_steps += 1
+        return nxt
+
+    def _overlap_step(self) -> list[Sequence]:
+        """Read the tokens of the launched step, having first launched the one after it where it can
+        (so the device never waits for the host between them), and append them. A row whose
+        sequence stopped at the previous step's token is dropped (its token was computed for
+        nothing: the one step of waste per stop that overlapping costs)."""
+        prev = self._pending
+        self._pending = None
+        nxt = self._continue(prev)
+        tokens = self.runner.collect(prev)
+        now = time.perf_counter()
+        seconds = now - max(prev.t0, self._pending_since)
+        self._pending_since = now
+        finished: list[Sequence] = []
+        rows = 0
+        for (seq, end), token in zip(prev.ends, tokens):
+            if seq.is_finished:
+                continue
+            rows += 1
+            if nxt is not None:  # the sequence already holds a placeholder for this token
+                seq.token_ids.pop()
+            else:
+                seq.num_computed_tokens = end
+            if self._append(seq, token, now):
+                finished.append(seq)
+        self.num_steps += 1
+        self.num_step_tokens += rows
+        self.step_seconds += seconds
+        self.num_decode_steps += 1
+        self.num_decode_step_tokens += rows
+        self.decode_step_seconds += seconds
+        spec = self.speculator
+        if spec is not None and not prev.captured:  # a bypassed step: the target's cost line
+            spec.policy.observe_any_step(len(tokens), seconds)
+            spec.policy.observe_step(len(tokens), seconds)
+        if nxt is not None and not all(sc.seq.is_finished for sc in nxt.scheduled):
+            self._pending = nxt  # read by the next step() (nothing else can run before it)
         return finished
 
     def _append(self, seq: Sequence, token: int, now: float) -> bool:

@@ -78,6 +78,21 @@ class StepResult:
     seconds: float
 
 
+@dataclass
+class PendingStep:
+    """A decode step queued on the device whose sampled tokens the host has not read yet
+    (ModelRunner.launch; read with ModelRunner.collect). `tokens` stays on the device, so the
+    next step can take its input ids from it before the host has seen them."""
+
+    scheduled: list  # ScheduledSeq, one row each, in row order
+    ends: list  # (Sequence, end) as scheduled
+    tokens: torch.Tensor  # (rows,) int64 on the device
+    host: torch.Tensor  # where the tokens are copied (pinned on CUDA)
+    event: "torch.cuda.Event | None"  # recorded after that copy
+    t0: float
+    captured: bool  # a CUDA graph was captured for it (a one-off cost: not a step time to learn from)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, allocate: bool = True) -> None:
         """Loads the weights; with allocate=False the KV pool waits for allocate_kv() (a
@@ -124,6 +139,8 @@ class ModelRunner:
         # with graphs, the pool's last block is the scratch block that padded rows write to
         self.num_reserved_blocks = 1 if self.step_graphs else 0
         self.graphs: GraphRunner | None = None
+        self._token_bufs: list[torch.Tensor] = []  # pinned copies of launched steps' tokens (two in turn)
+        self._token_buf_turn = 0
         if allocate:
             self.allocate_kv()
 
@@ -363,6 +380,43 @@ class ModelRunner:
             # the forward before it can queue the LM head and the sampler
             return self.model.text.compute_logits(hidden[rows[0]: rows[0] + n])
         return self.model.text.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+
+    @inference
+    def launch(self, scheduled, ids_from: torch.Tensor | None = None) -> PendingStep | None:
+        """Queue a decode step (one token per sequence, every row samples) and its sampling, and
+        start copying the sampled tokens to the host, without waiting for any of it. ids_from: the
+        previous launched step's device tokens as this step's input ids (only through the static
+        graph path). None when the step cannot be launched so (the caller runs it otherwise)."""
+        t0 = time.perf_counter()
+        captures = self.num_graph_captures
+        done = self.forward(scheduled, ids_from)
+        if done is None:
+            return None
+        hidden, _ = done
+        n = len(scheduled)
+        logits = self.logits(hidden, range(n))
+        tokens = self.sampler(logits, [self.sampling_row(s.seq) for s in scheduled])
+        event = None
+        if self.device.type == "cuda":
+            if not self._token_bufs:
+                self._token_bufs = [torch.empty(self.config.max_num_seqs, dtype=torch.long, pin_memory=True)
+                                    for _ in range(2)]
+            # two buffers in turn: a step is read while the next one (launched first) copies into the other
+            host = self._token_bufs[self._token_buf_turn][:n]
+            self._token_buf_turn ^= 1
+            host.copy_(tokens, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = tokens
+        return PendingStep(list(scheduled), [(s.seq, s.end) for s in scheduled], tokens, host, event, t0,
+                           self.num_graph_captures != captures)
+
+    def collect(self, step: PendingStep) -> list[int]:
+        """The launched step's sampled tokens: waits for that step only (work queued after it keeps running)."""
+        if step.event is not None:
+            step.event.synchronize()
+        return step.host.tolist()
 
     @inference
     def execute(self, out: SchedulerOutput) -> StepResult:

@@ -158,6 +158,40 @@ class Scheduler:
         self.max_running = max(self.max_running, len(self.running))
         return out
 
+    def schedule_continuation(self, seqs: list[Sequence], placeholder: int) -> SchedulerOutput | None:
+        """The decode step after a launched one whose tokens are not read yet, for the same
+        sequences (the engine's overlapped decode): each sequence counts the launched step's token
+        as computed and gets `placeholder` in its place, to be replaced when it is read. None,
+        changing nothing, if the pool lacks the blocks (that step takes the plain path, which may
+        preempt) or the token budget is too small. A block that the placeholder completes is not
+        committed (its hash would key the placeholder): the next commit covers it."""
+        bm = self.block_manager
+        bs = bm.block_size
+        if len(seqs) > self.max_num_batched_tokens:
+            return None
+        need = sum(max(0, bm.num_blocks_for(len(seq) + 1 + self.lookahead) - len(seq.block_table)) for seq in seqs)
+        if need > bm.num_free_blocks:
+            return None
+        out = SchedulerOutput()
+        for seq in seqs:
+            seq.num_computed_tokens = len(seq)
+            seq.token_ids.append(placeholder)
+            n = len(seq)
+            if n + self.lookahead > len(seq.block_table) * bs:
+                bm.append_slots(seq, n + self.lookahead)
+            if (n - 1) // bs > len(seq.block_hashes):
+                bm.commit(seq, n - 1)
+            out.scheduled.append(ScheduledSeq(seq, 1))
+            out.decoding.append(seq)
+        return out
+
+    def undo_continuation(self, seqs: list[Sequence]) -> None:
+        """Take back schedule_continuation (the step could not be launched); blocks it added stay
+        in the tables, where the next step would put them anyway."""
+        for seq in seqs:
+            seq.token_ids.pop()
+            seq.num_computed_tokens = len(seq) - 1
+
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
