@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+import kernels.gemv as kernels_gemv  # noqa: E402
 from docproc import LLM, SamplingParams  # noqa: E402
 from docproc.engine.speculative import expected_tokens  # noqa: E402
 from docproc.pipeline.queries import build_prompt  # noqa: E402
@@ -221,6 +222,14 @@ def part_a(folder: Path, args, env: dict) -> dict:
     no_overlap_tps = max(decode_tps()[0] for _ in range(3))
     llm.overlap_decode = True
     overlapped = llm.num_overlapped_steps
+    no_gemv_tps = None
+    if graphs is not None and kernels_gemv.ENABLED:  # cuBLAS for the one-row products (graphs captured anew)
+        kernels_gemv.ENABLED = False
+        graphs.graphs.clear()
+        no_gemv_tps = max(decode_tps()[0] for _ in range(3))
+        kernels_gemv.ENABLED = True
+        graphs.graphs.clear()
+        decode_tps()
     eager_tps = None
     if graphs is not None:  # the same engine with its CUDA graphs switched off
         llm.runner.graphs = None
@@ -244,6 +253,7 @@ def part_a(folder: Path, args, env: dict) -> dict:
     return {"new_tokens": n, "prompt_tokens": m.num_prompt_tokens, "ours_tokens_per_s": round(ours_tps, 2),
             "ours_eager_tokens_per_s": eager_tps and round(eager_tps, 2), "step_graphs": info["step_graphs"],
             "ours_no_overlap_tokens_per_s": round(no_overlap_tps, 2), "overlapped_steps": overlapped,
+            "ours_cublas_one_row_tokens_per_s": no_gemv_tps and round(no_gemv_tps, 2),
             "ours_ttft_s": round(runs[0][1].time_to_first_token, 4),  # the first run: prompt not yet cached
             "transformers_tokens_per_s": round(hf_tps, 2),
             "speedup_vs_transformers": round(ours_tps / hf_tps, 2), "bytes_per_step": step_bytes,

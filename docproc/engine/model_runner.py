@@ -163,7 +163,7 @@ class ModelRunner:
 
     def _warm_fused(self) -> float:
         """CUDA: compile the model's fused kernels (kernels/fused.py: the norm with and without a
-        residual, SiLU x up; kernels/vision_fused.py: the vision tower's rotation and QuickGELU) at
+        residual, SiLU x up; kernels/gemv.py: the one-row products; kernels/vision_fused.py: the vision tower's rotation and QuickGELU) at
         this model's sizes. Returns seconds."""
         if self.device.type != "cuda":
             return 0.0
@@ -176,6 +176,20 @@ class ModelRunner:
         add_rms_norm(x, None, w, tc.rms_norm_eps)
         add_rms_norm(x, x, w, tc.rms_norm_eps)
         silu_mul(torch.zeros(2, 2 * tc.intermediate_size, dtype=self.dtype, device=self.device))
+        from kernels.gemv import gemv, use_gemv
+
+        x1 = torch.zeros(1, tc.hidden_size, dtype=self.dtype, device=self.device)
+        if use_gemv(x1):  # the one-row products of batch-1 decode (kernels/gemv.py), each shape's variant
+            text = self.model.text
+            att, mlp = text.layers[0].self_attn, text.layers[0].mlp
+            if att.qkv_weight is not None:
+                gemv(x1, att.qkv_weight, att.qkv_bias)
+            gemv(torch.zeros(1, att.o_proj.in_features, dtype=self.dtype, device=self.device), att.o_proj.weight)
+            if mlp.gate_up_weight is not None:
+                gemv(x1, mlp.gate_up_weight)
+                gemv(torch.zeros(1, 2 * tc.intermediate_size, dtype=self.dtype, device=self.device),
+                     mlp.down_proj.weight, gated=True)
+            gemv(x1, text.lm_head.weight)
         if getattr(self.model.vision, "fast_attention", False):  # the vision tower's (kernels/vision_fused.py)
             from kernels.vision_fused import quick_gelu, vision_rotary_qk
 

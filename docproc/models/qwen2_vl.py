@@ -13,6 +13,7 @@ from torch import nn
 from docproc.layers.attention import AttentionMetadata
 from docproc.models.rope import MRotaryEmbedding, apply_rotary
 from kernels.fused import add_rms_norm, add_rms_norm_ref, silu_mul
+from kernels.gemv import gemv, linear, use_gemv
 
 
 @dataclass
@@ -76,10 +77,10 @@ class Attention(nn.Module):
         n = x.shape[0]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_weight is not None:
-            qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(n, h + 2 * hkv, d)
+            qkv = linear(x, self.qkv_weight, self.qkv_bias).view(n, h + 2 * hkv, d)
             if x.is_cuda:  # q and k rotated in place and k, v stored: one kernel for a dense cache
                 q = backend.rotary_store(kv_cache, qkv, cos, sin, meta)
-                return self.o_proj(backend.attend(q, kv_cache, meta).reshape(n, -1))
+                return linear(backend.attend(q, kv_cache, meta).reshape(n, -1), self.o_proj.weight)
             qk = apply_rotary(qkv[:, : h + hkv], cos, sin)
             q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + hkv:]
         else:
@@ -111,7 +112,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
-            gate_up = F.linear(x, self.gate_up_weight)  # (N, 2 * intermediate)
+            gate_up = linear(x, self.gate_up_weight)  # (N, 2 * intermediate)
+            if use_gemv(gate_up):  # SiLU x up inside the down projection's kernel
+                return gemv(gate_up, self.down_proj.weight, gated=True)
             if x.is_cuda:
                 return self.down_proj(silu_mul(gate_up))
             gate, up = gate_up.chunk(2, dim=-1)
@@ -179,4 +182,4 @@ class Qwen2VLTextModel(nn.Module):
             layer.mlp.fuse()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return linear(hidden, self.lm_head.weight).float()

@@ -1,0 +1,120 @@
+"""One-row matrix-vector products for batch-1 decode: y = x W^T (+ bias), and the MLP's down
+projection with SiLU(gate) x up computed on the fly from the gate/up product (no separate kernel,
+no intermediate tensor).
+
+Why: a batch-1 decode step is the weights read once from memory. cuBLAS's kernels for one row
+read the 7B layers at ~0.87 of the copy bandwidth (H200 profile, BENCHMARKS "Fourteenth
+session") and add a split-K reduction kernel to some of them; each kernel in a CUDA graph also
+costs a few microseconds of its own. Here each program owns BLOCK_N output columns, streams their
+rows of W along K in (BLOCK_N, BLOCK_K) tiles (16-byte loads, many programs per SM to keep enough
+bytes in flight), multiplies in float32 and reduces once at the end: no split-K pass.
+
+Numerics: float32 products and sums (as cuBLAS accumulates), the bias added in float32, one
+rounding to the output dtype; the gated form rounds SiLU(gate) to the model dtype before the
+multiply by up and rounds that product too, as kernels/fused.silu_mul and the torch reference do,
+so the down projection sees the same bf16 input either way.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# the model's one-row products go through gemv() on CUDA (DOCPROC_GEMV=0: cuBLAS for all, to compare)
+ENABLED = os.environ.get("DOCPROC_GEMV", "1") != "0"
+
+
+# ---- torch reference --------------------------------------------------------------------------------
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+             gated: bool = False) -> torch.Tensor:
+    """x: (1, K) (or (1, 2K) gate|up when gated), weight (N, K) -> (1, N) in x's dtype."""
+    if gated:
+        gate, up = x.chunk(2, dim=-1)
+        x = (torch.nn.functional.silu(gate.float()).to(x.dtype).float() * up.float()).to(x.dtype)
+    y = x.float() @ weight.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+# ---- Triton -----------------------------------------------------------------------------------------
+@triton.jit
+def _gemv_kernel(
+    # pointers
+    x_ptr, w_ptr, b_ptr, out_ptr,
+    # sizes
+    N, K,
+    # strides
+    sw,
+    # meta
+    GATED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    k = tl.arange(0, BLOCK_K)
+    dt = out_ptr.dtype.element_ty
+    rows = w_ptr + n[:, None].to(tl.int64) * sw
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + k
+        if EVEN_K:
+            w = tl.load(rows + kk[None, :], mask=nmask[:, None], other=0.0)
+            if GATED:
+                g = tl.load(x_ptr + kk).to(tl.float32)
+                u = tl.load(x_ptr + K + kk).to(tl.float32)
+            else:
+                xv = tl.load(x_ptr + kk).to(tl.float32)
+        else:
+            kmask = kk < K
+            w = tl.load(rows + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            if GATED:
+                g = tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
+                u = tl.load(x_ptr + K + kk, mask=kmask, other=0.0).to(tl.float32)
+            else:
+                xv = tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
+        if GATED:  # silu_mul's roundings (kernels/fused.py)
+            s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+            xv = (s * u).to(dt).to(tl.float32)
+        acc += w.to(tl.float32) * xv[None, :]
+    y = tl.sum(acc, 1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + n, y.to(dt), mask=nmask)
+
+
+def default_config(n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps): 8 rows of 512 per program, so a 3,584-wide output still
+    gives ~3 programs per SM on a 132-SM GPU (bytes in flight), 4 warps of 16-byte loads."""
+    return 8, 512, 4
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
+         config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """As gemv_ref, in one kernel. x: (1, K) contiguous ((1, 2K) when gated); weight (N, K) with
+    unit stride along K."""
+    n, k = weight.shape
+    assert x.dim() == 2 and x.shape[0] == 1 and x.shape[1] == (2 * k if gated else k) and x.stride(-1) == 1
+    assert weight.stride(1) == 1 and x.dtype == weight.dtype
+    block_n, block_k, warps = config or default_config(n, k)
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
+        GATED=gated, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        num_warps=warps)
+    return out
+
+
+def use_gemv(x: torch.Tensor) -> bool:
+    """Whether a product with input x takes the one-row kernel: one row on CUDA."""
+    return ENABLED and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through gemv() for one row on CUDA."""
+    if use_gemv(x):
+        return gemv(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)

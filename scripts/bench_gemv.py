@@ -1,0 +1,145 @@
+"""The weight products of one batch-1 decode step, cuBLAS (F.linear) against kernels/gemv.py, on
+the device. For the Qwen2-VL-2B and -7B geometries: every layer's own weights (no L2 reuse
+between layers, as in the model), the four products per layer (qkv with its bias, o, gate|up, down
+after SiLU x up) and the LM head, each product type replayed from a CUDA graph over all layers.
+Reports microseconds per step for each, the bytes read, and the fraction of the copy bandwidth
+measured in the same run.
+
+    python scripts/bench_gemv.py --json OUT/gemv.json [--geometries 7b,2b] [--configs 8x512x4,4x512x4,...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernels.fused import silu_mul  # noqa: E402
+from kernels.gemv import default_config, gemv  # noqa: E402
+from random_models import GEOMETRIES  # noqa: E402
+
+
+def copy_bandwidth(mib: int = 2048) -> float:
+    a = torch.empty(mib << 20, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t0)
+    return 2 * a.numel() / min(ts)
+
+
+def graph_us(fn, repeats: int = 20) -> float:
+    """Median microseconds of one replay of a graph of fn()."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(repeats):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        g.replay()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e3)
+    return statistics.median(ts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--geometries", default="7b,2b")
+    ap.add_argument("--configs", default="8x512x4,4x512x4,16x256x4,8x1024x8,4x256x2",
+                    help="BLOCK_N x BLOCK_K x warps of the Triton GEMV to time")
+    a = ap.parse_args()
+    dt = torch.bfloat16
+    bw = copy_bandwidth()
+    res = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "copy_bandwidth_GBps": round(bw / 1e9, 1), "geometries": {}}
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    configs = [tuple(int(v) for v in c.split("x")) for c in a.configs.split(",")]
+    for geo in a.geometries.split(","):
+        t = GEOMETRIES[geo]["text"]
+        h, inter, layers = t["hidden_size"], t["intermediate_size"], t["num_hidden_layers"]
+        d = h // t["num_attention_heads"]
+        nqkv = h + 2 * t["num_key_value_heads"] * d
+        g = torch.Generator(device="cuda").manual_seed(0)
+
+        def w(n, k):
+            return (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(dt)
+
+        W = [dict(qkv=w(nqkv, h), qkv_b=w(1, nqkv)[0], o=w(h, h), gu=w(2 * inter, h), down=w(h, inter))
+             for _ in range(layers)]
+        head = w(t["vocab_size"], h)
+        x = torch.randn(1, h, device="cuda", dtype=dt)
+        xgu = torch.randn(1, 2 * inter, device="cuda", dtype=dt)
+        ops = {  # name -> (cuBLAS step, gemv step(config), bytes)
+            "qkv": (lambda: [torch.nn.functional.linear(x, L["qkv"], L["qkv_b"]) for L in W],
+                    lambda c: [gemv(x, L["qkv"], L["qkv_b"], config=c) for L in W], layers * nqkv * h * 2),
+            "o": (lambda: [torch.nn.functional.linear(x, L["o"]) for L in W],
+                  lambda c: [gemv(x, L["o"], config=c) for L in W], layers * h * h * 2),
+            "gate_up": (lambda: [torch.nn.functional.linear(x, L["gu"]) for L in W],
+                        lambda c: [gemv(x, L["gu"], config=c) for L in W], layers * 2 * inter * h * 2),
+            "silu_down": (lambda: [torch.nn.functional.linear(silu_mul(xgu), L["down"]) for L in W],
+                          lambda c: [gemv(xgu, L["down"], gated=True, config=c) for L in W], layers * h * inter * 2),
+            "lm_head": (lambda: torch.nn.functional.linear(x, head),
+                        lambda c: gemv(x, head, config=c), head.numel() * 2),
+        }
+        # the outputs agree (bf16 rounding of float32 sums in another order)
+        for name, (ref, ours, _) in ops.items():
+            r, o = ref(), ours(None)
+            r, o = (r[0], o[0]) if isinstance(r, list) else (r, o)
+            err = ((r.float() - o.float()).abs().max() / r.float().abs().max()).item()
+            assert err < 2e-2, (geo, name, err)
+        out = {}
+        total = {"cublas": 0.0}
+        for name, (ref, ours, nbytes) in ops.items():
+            row = {"bytes": nbytes, "cublas_us": round(graph_us(ref), 2)}
+            row["cublas_bw"] = round(nbytes / (row["cublas_us"] * 1e-6) / bw, 3)
+            total["cublas"] += row["cublas_us"]
+            for c in configs + [None]:
+                key = "gemv_default" if c is None else "gemv_%dx%dx%d" % c
+                try:
+                    us = graph_us(lambda: ours(c))
+                except Exception as e:  # a config that does not compile or launch
+                    row[key] = f"failed: {type(e).__name__}"
+                    continue
+                row[key + "_us"] = round(us, 2)
+                row[key + "_bw"] = round(nbytes / (us * 1e-6) / bw, 3)
+                total[key] = total.get(key, 0.0) + us
+            out[name] = row
+            print(geo, name, json.dumps(row), flush=True)
+        out["step_total_us"] = {k: round(v, 1) for k, v in total.items()}
+        out["default_config"] = {n: default_config(*s) for n, s in
+                                 (("qkv", (nqkv, h)), ("o", (h, h)), ("gate_up", (2 * inter, h)),
+                                  ("down", (h, inter)), ("lm_head", (t["vocab_size"], h)))}
+        print(geo, "step totals", json.dumps(out["step_total_us"]), flush=True)
+        res["geometries"][geo] = out
+        del W, head
+        torch.cuda.empty_cache()
+        Path(a.json).write_text(json.dumps(res, indent=1))
+    Path(a.json).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
