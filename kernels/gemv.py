@@ -86,10 +86,18 @@ def _gemv_kernel(
     tl.store(out_ptr + n, y.to(dt), mask=nmask)
 
 
-def default_config(n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps): 8 rows of 512 per program, so a 3,584-wide output still
-    gives ~3 programs per SM on a 132-SM GPU (bytes in flight), 4 warps of 16-byte loads."""
-    return 8, 512, 4
+def default_config(n: int, k: int, gated: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for an (n, k) weight, from scripts/bench_gemv.py on the H200
+    (BENCHMARKS "Fifteenth session": each product type over all 28 layers, 5 configurations):
+    - wide outputs (gate|up, the LM head: n >= 8k): 8 x 512, 4 warps;
+    - the gated down projection: 4 x 512, 4 warps at 7B (k = 18,944), 8 x 1,024, 8 warps at 2B
+      (k = 8,960): the SiLU recomputed per program weighs more against fewer, shorter rows;
+    - the rest (qkv, o: n ~ k): 4 rows of 512, 4 warps, the most programs per SM."""
+    if gated:
+        return (4, 512, 4) if k >= 16384 else (8, 1024, 8)
+    if n >= 8 * k:
+        return 8, 512, 4
+    return 4, 512, 4
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
@@ -99,7 +107,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     n, k = weight.shape
     assert x.dim() == 2 and x.shape[0] == 1 and x.shape[1] == (2 * k if gated else k) and x.stride(-1) == 1
     assert weight.stride(1) == 1 and x.dtype == weight.dtype
-    block_n, block_k, warps = config or default_config(n, k)
+    block_n, block_k, warps = config or default_config(n, k, gated)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0),

@@ -226,9 +226,11 @@ def part_a(folder: Path, args, env: dict) -> dict:
     if graphs is not None and kernels_gemv.ENABLED:  # cuBLAS for the one-row products (graphs captured anew)
         kernels_gemv.ENABLED = False
         graphs.graphs.clear()
+        graphs.pool = None  # a new memory pool: capturing into one whose graphs are gone fails
         no_gemv_tps = max(decode_tps()[0] for _ in range(3))
         kernels_gemv.ENABLED = True
         graphs.graphs.clear()
+        graphs.pool = None
         decode_tps()
     eager_tps = None
     if graphs is not None:  # the same engine with its CUDA graphs switched off

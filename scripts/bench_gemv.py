@@ -132,7 +132,7 @@ def main() -> None:
         out["step_total_us"] = {k: round(v, 1) for k, v in total.items()}
         out["default_config"] = {n: default_config(*s) for n, s in
                                  (("qkv", (nqkv, h)), ("o", (h, h)), ("gate_up", (2 * inter, h)),
-                                  ("down", (h, inter)), ("lm_head", (t["vocab_size"], h)))}
+                                  ("silu_down", (h, inter, True)), ("lm_head", (t["vocab_size"], h)))}
         print(geo, "step totals", json.dumps(out["step_total_us"]), flush=True)
         res["geometries"][geo] = out
         del W, head
