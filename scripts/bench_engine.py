@@ -564,6 +564,7 @@ def part_c(folder: Path, draft: Path, args, env: dict) -> dict:
                        "baseline_seconds": round(min(plain_s), 3), **paired(plain_s, spec_s),
                        "acceptance_rate": round(acc / prop, 4) if prop else None,
                        "cost_ratio_c": round(c, 4), "verify_cost_r": round(r, 4), "draft_chain": chain,
+                       "overlap_ratio": round(pol.overlap_ratio, 4),
                        "draft_chained_rounds": llm.spec_info()["draft_chained_rounds"] - chained_before,
                        "bypassed_steps": sum(o.metrics.draft_bypassed_steps for o in outs)}
                 if k != "auto":  # the adaptive policy picks K per step: no single analytic figure

@@ -260,3 +260,28 @@ def test_a_compiling_first_catch_up_does_not_price_later_ones_out():
     assert not pol.worth_catching_up(1, 4, 1300, 1, generated=0, left=128, exact=True)
     pol.observe_draft_prefill(1300, 0.02)  # the same page size, warm: 20 ms
     assert pol.worth_catching_up(1, 4, 1300, 1, generated=0, left=128, exact=True)
+
+
+def test_overlapped_plain_steps_raise_the_bar_for_drafting():
+    """Bypassed steps that overlap cost less than the target's line (fitted to steps with the host's
+    work in them): the policy compares drafting with what plain decoding really costs. A draft
+    that pays against the line's plain step (c = 0.3, a = 0.7: E(0.7, 2)/(1 + 2 x 0.3) = 1.37)
+    stops paying when plain steps take half the line's time, and pays again at a = 0.95."""
+    from docproc.engine.speculative import best_step_k
+
+    assert best_step_k([0.7], 0.3, 4) > 0 and best_step_k([0.7], 0.3, 4, plain=0.5) == 0
+    assert best_step_k([0.95], 0.3, 4, plain=0.5) > 0
+    pol = AdaptiveK(k_max=4, fixed=False, prior=0.7)
+    for n in (1, 2, 3, 5):
+        pol.observe_step(n, 0.010)
+        pol.observe_draft_forward(1, 0.003)
+    assert pol.overlap_ratio == 1.0 and pol.choose_step([1]) > 0
+    for _ in range(9):
+        pol.observe_overlapped_step(1, 0.005)
+    assert abs(pol.overlap_ratio - 0.5) < 1e-9
+    assert pol.choose_step([1]) == 0
+    pol.observe_draft_prefill(100, 0.004)
+    assert pol.worth_catching_up(1, 2, tokens=100, share=1, generated=0, left=50) is False
+    for _ in range(10):
+        pol.observe(1, 4, 4)  # this sequence accepts everything
+    assert pol.choose_step([1]) > 0

@@ -238,7 +238,8 @@ class LLM:
             return None
         sp = self.speculator
         return {**sp.stats.as_dict(), "k_max": sp.k_max, "adaptive": not sp.policy.fixed,
-                "cost_ratio": round(sp.policy.cost_ratio, 4), "draft_vision": sp.vision,
+                "cost_ratio": round(sp.policy.cost_ratio, 4), "overlap_ratio": round(sp.policy.overlap_ratio, 4),
+                "draft_vision": sp.vision,
                 "catch_up_skips": sp.num_catch_up_skips,
                 "draft_chained_rounds": sp.num_chained_rounds,
                 "shared_vision_trunk": sp.runner.trunk_source is not None,
@@ -400,6 +401,7 @@ class LLM:
         if nxt is None:
             sched.undo_continuation(seqs)
             return None
+        nxt.overlapped = True
         if spec is not None:
             spec.stats.bypassed_steps += len(seqs)
             for seq in seqs:
@@ -438,9 +440,12 @@ class LLM:
         self.num_decode_step_tokens += rows
         self.decode_step_seconds += seconds
         spec = self.speculator
-        if spec is not None and not prev.captured:  # a bypassed step: the target's cost line
-            spec.policy.observe_any_step(len(tokens), seconds)
-            spec.policy.observe_step(len(tokens), seconds)
+        if spec is not None and not prev.captured:  # a bypassed step
+            if prev.overlapped:  # its host work hidden: how much cheaper plain decoding is
+                spec.policy.observe_overlapped_step(len(tokens), seconds)
+            else:  # a point of the target's cost line
+                spec.policy.observe_any_step(len(tokens), seconds)
+                spec.policy.observe_step(len(tokens), seconds)
         if nxt is not None and not all(sc.seq.is_finished for sc in nxt.scheduled):
             self._pending = nxt  # read by the next step() (nothing else can run before it)
         return finished

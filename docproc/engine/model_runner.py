@@ -91,6 +91,7 @@ class PendingStep:
     event: "torch.cuda.Event | None"  # recorded after that copy
     t0: float
     captured: bool  # a CUDA graph was captured for it (a one-off cost: not a step time to learn from)
+    overlapped: bool = False  # launched while the step before it was still in flight
 
 
 class ModelRunner:

@@ -30,11 +30,12 @@ def expected_tokens(a: float, k: int) -> float:
     return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
-def best_step_k(accs: list[float], per_k: float, k_max: int) -> int:
+def best_step_k(accs: list[float], per_k: float, k_max: int, plain: float = 1.0) -> int:
     """The k in 0..k_max for one step of sequences with acceptance rates `accs` that maximises
     sum_i E(a_i, k) / (1 + k per_k) (per_k = c + r in decode-step units; k = 0 yields one token
-    per sequence); the smallest such k on ties."""
-    best, best_value = 0, float(len(accs))
+    per sequence at a cost of `plain` steps: below 1 where plain steps overlap, see
+    AdaptiveK.overlap_ratio); the smallest such k on ties."""
+    best, best_value = 0, len(accs) / plain
     for k in range(1, k_max + 1):
         value = sum(expected_tokens(a, k) for a in accs) / (1.0 + k * per_k)
         if value > best_value * (1 + 1e-9):
@@ -195,6 +196,11 @@ class AdaptiveK:
         self.probe_budget = 0.01
         self._probe_extra: deque[float] = deque(maxlen=5)  # the last probes' extra seconds
         self._probe_floor = 0.0  # bypassed steps between probes that keep them within budget
+        # bypassed steps that overlap (the engine queues the next one before reading the tokens
+        # of the one in flight: LLM._overlap_step) cost less than the target's line says, which
+        # is fitted to steps with the host's work in them (verifications always are): their time
+        # over the line's, the median of the last 16 (1.0 until one is seen)
+        self._overlap: deque[float] = deque(maxlen=16)
 
     # ---- measurements ----------------------------------------------------------------------------
     def observe_step(self, tokens: int, seconds: float) -> None:
@@ -206,6 +212,20 @@ class AdaptiveK:
             if self._skipped:
                 return
         self._target.add(tokens, seconds)
+
+    def observe_overlapped_step(self, tokens: int, seconds: float) -> None:
+        """A bypassed decode step that overlapped the one before it: not a point of the target's
+        line (its host work is hidden), but how much cheaper than the line plain decoding is."""
+        step = self._target.at(tokens)
+        if step:
+            self._overlap.append(min(1.0, seconds / step))
+
+    @property
+    def overlap_ratio(self) -> float:
+        """An overlapped plain step's time over the target line's at its size (<= 1)."""
+        if not self._overlap:
+            return 1.0
+        return max(0.05, sorted(self._overlap)[len(self._overlap) // 2])
 
     def observe_draft_forward(self, seqs: int, seconds: float) -> None:
         """A draft forward that decoded (at most two tokens per sequence) for `seqs` sequences."""
@@ -264,7 +284,7 @@ class AdaptiveK:
         draft = self._draft.at(self.batch)
         c = draft / step if draft is not None else self._c_prior
         a = self._acc.get(seq_id, self._global)
-        gain = expected_tokens(a, k) / (1.0 + k * (c + r))
+        gain = self.overlap_ratio * expected_tokens(a, k) / (1.0 + k * (c + r))
         if gain <= 1.0:
             return False
         if exact and left is not None:
@@ -286,6 +306,14 @@ class AdaptiveK:
     def forget(self, seq_id: int) -> None:
         if self._acc.pop(seq_id, None) is not None:
             self._a_hi = None
+
+    def _could_pay(self, a: float, per_k: float, rho: float) -> bool:
+        """Whether some K pays for a sequence with acceptance a: rho E(a, K) > 1 + K per_k. With
+        rho = 1 that is a > per_k (k = 1 is where the mean of a, ..., a^k peaks); below 1 a
+        longer K may be the one that pays, so every K is tried."""
+        if rho >= 1.0:
+            return a > per_k
+        return any(rho * expected_tokens(a, k) > 1.0 + k * per_k for k in range(1, self.k_max + 1))
 
     def _bypass_bound(self) -> float:
         """The highest acceptance a sequence is scored with. A step whose cost per draft position
@@ -342,14 +370,15 @@ class AdaptiveK:
                 self._per_k = (draft + self._target.fit[1] * b) / step
             self._per_k_key = key
         per_k = self._per_k
-        if per_k >= self._bypass_bound():  # no sequence's K pays (sum_i E(a_i, k) <= n (1 + k per_k))
+        rho = self.overlap_ratio
+        if not self._could_pay(self._bypass_bound(), per_k, rho):  # no sequence's K pays
             best = 0
         else:
-            best = best_step_k([self._acc.get(s, self._global) for s in seq_ids], per_k, self.k_max)
+            best = best_step_k([self._acc.get(s, self._global) for s in seq_ids], per_k, self.k_max, rho)
         if best > 0:
             self._since_probe, self._probe_interval = 0, self.probe_every
             return best
-        hopeless = per_k >= 1.0 and self._measured  # no K pays at any acceptance
+        hopeless = self._measured and not self._could_pay(1.0, per_k, rho)  # no K pays at any acceptance
         if hopeless:
             self._probe_interval = max(self._probe_interval, 16 * self.probe_every)
         self._since_probe += 1
