@@ -285,3 +285,19 @@ def test_overlapped_plain_steps_raise_the_bar_for_drafting():
     for _ in range(10):
         pol.observe(1, 4, 4)  # this sequence accepts everything
     assert pol.choose_step([1]) > 0
+
+
+def test_acceptance_is_estimated_per_position_as_E_a_K_assumes():
+    """Drafts each accepted with chance 0.9 once those before were, K = 4: the policy's a is 0.9
+    (accepted over tried positions), not the 0.77 share of drafts kept, so E(a, 4) is 4.1."""
+    import random
+
+    rng = random.Random(5)
+    pol = AdaptiveK(k_max=4, fixed=False, prior=0.5)
+    for _ in range(3000):
+        accepted = 0
+        while accepted < 4 and rng.random() < 0.9:
+            accepted += 1
+        pol.observe(1, 4, accepted)
+    assert abs(pol._global - 0.9) < 0.025 and abs(pol._acc[1] - 0.9) < 0.12  # (per sequence: ~5 steps remembered)
+    assert abs(expected_tokens(pol._global, 4) - 4.1) < 0.15
