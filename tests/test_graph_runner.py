@@ -156,6 +156,8 @@ def test_overlapped_decode_gives_the_plain_tokens_and_stops(qwen2_vl_dir, monkey
     assert want[0][1] == "stop" and len(want[0][0]) <= 6  # stopped at EOS while others decoded on
     assert want[1][1] == "length" and len(want[1][0]) == 20
     assert llm.num_overlapped_steps >= 10 and plain_llm.num_overlapped_steps == 0
+    assert llm.cache_info()["num_overlapped_steps"] == llm.num_overlapped_steps
+    assert llm.cache_info()["overlap_decode"] and not plain_llm.cache_info()["overlap_decode"]
     assert got_hashes <= want_hashes  # every committed block keyed by real tokens only
     # the same steps and tokens counted (a stopped sequence's row in the step in flight is not)
     assert (llm.num_steps, llm.num_step_tokens) == (plain_llm.num_steps, plain_llm.num_step_tokens)

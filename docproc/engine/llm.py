@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence as Seq
 
+import kernels.gemv as kernels_gemv
 from docproc.config import CacheConfig, EngineConfig
 from docproc.engine.block_manager import BlockManager
 from docproc.engine.model_runner import ModelRunner
@@ -228,6 +229,10 @@ class LLM:
             "num_cuda_graphs": len(g.graphs) if g else 0,
             "cuda_graph_capture_seconds": round(g.capture_seconds, 3) if g else 0.0,
             "num_graph_steps": g.num_replays if g else 0,
+            # decode steps launched before the tokens of the step in flight were read (overlap_decode)
+            "overlap_decode": self.overlap_decode,
+            "num_overlapped_steps": self.num_overlapped_steps,
+            "one_row_kernels": kernels_gemv.ENABLED and self.runner.device.type == "cuda",  # kernels/gemv.py
             "device": str(self.runner.device),
             "dtype": str(self.runner.dtype).removeprefix("torch."),
         }
