@@ -540,6 +540,11 @@ def part_c(folder: Path, draft: Path, args, env: dict) -> dict:
                 llm.speculator.chain_greedy = chain == "on"
                 chained_before = llm.spec_info()["draft_chained_rounds"]
                 seed = int(a * 1000) + (k if isinstance(k, int) else 0)
+                if args.spec_reset_acceptance:
+                    # what the adaptive policy learned on earlier passes (the warm-ups run the
+                    # random draft uncontrolled: it is never accepted) is forgotten; the untimed
+                    # pass below teaches it this a, as a fresh engine's first requests would
+                    llm.speculator.policy.reset_acceptance()
                 ctl = ControlledAcceptance(a, seed=seed)
                 try:
                     llm.generate(reqs, sp)  # untimed: this (b, a)'s verify graphs captured
@@ -657,6 +662,8 @@ def main() -> None:
                     help="part c: greedy draft rounds chained on the device (on), a sync per round (off), "
                          "or both, alternated on the same engine (on,off)")
     ap.add_argument("--spec-new-tokens", type=int, default=128)
+    ap.add_argument("--spec-reset-acceptance", action="store_true",
+                    help="part c: the adaptive policy forgets the acceptance it saw before each (batch, a)")
     ap.add_argument("--spec-repeats", type=int, default=5,
                     help="part c: alternated plain/speculative pass pairs per figure")
     ap.add_argument("--spec-kv-bytes", type=int, default=8 << 30,

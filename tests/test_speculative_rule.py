@@ -301,3 +301,17 @@ def test_acceptance_is_estimated_per_position_as_E_a_K_assumes():
         pol.observe(1, 4, accepted)
     assert abs(pol._global - 0.9) < 0.025 and abs(pol._acc[1] - 0.9) < 0.12  # (per sequence: ~5 steps remembered)
     assert abs(expected_tokens(pol._global, 4) - 4.1) < 0.15
+
+
+def test_reset_acceptance_keeps_the_costs_and_returns_to_the_prior():
+    pol = AdaptiveK(k_max=4, fixed=False, prior=0.7)
+    for n in (1, 2, 3, 5):
+        pol.observe_step(n, 0.010)
+        pol.observe_draft_forward(1, 0.002)
+    for _ in range(20):
+        pol.observe(1, 4, 0)
+    assert pol.choose_step([1]) == 0 and pol._global < 0.3
+    c = pol.cost_ratio
+    pol.reset_acceptance()
+    assert pol._global == 0.7 and not pol._acc and pol.cost_ratio == c
+    assert pol.choose_step([1]) > 0  # the prior pays at c = 0.2

@@ -317,6 +317,16 @@ class AdaptiveK:
         self._global = self._global_st[0] / self._global_st[1]
         self._a_hi = None
 
+    def reset_acceptance(self) -> None:
+        """Forget every acceptance seen (back to the prior) and restart probing, keeping the
+        measured costs: a benchmark that changes the draft's acceptance between passes (bench_engine
+        part c) starts each from what a fresh engine would believe."""
+        self._acc.clear()
+        self._acc_st.clear()
+        self._global, self._global_st = self.prior, (self.prior, 1.0)
+        self._a_hi = None
+        self._since_probe, self._probe_interval = 0, self.probe_every
+
     def forget(self, seq_id: int) -> None:
         self._acc_st.pop(seq_id, None)
         if self._acc.pop(seq_id, None) is not None:
