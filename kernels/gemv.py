@@ -24,6 +24,10 @@ import triton.language as tl
 
 # the model's one-row products go through gemv() on CUDA (DOCPROC_GEMV=0: cuBLAS for all, to compare)
 ENABLED = os.environ.get("DOCPROC_GEMV", "1") != "0"
+# products of 2..ROWS_MAX rows (a speculative verify step's window, small decode batches) go through
+# gemm_rows(); 1 (the default) leaves them to cuBLAS until the device says which is faster
+# (scripts/bench_gemv.py --rows)
+ROWS_MAX = min(16, max(1, int(os.environ.get("DOCPROC_GEMV_ROWS", "1"))))
 
 
 # ---- torch reference --------------------------------------------------------------------------------
@@ -116,13 +120,93 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return out
 
 
+# ---- a few rows: the tensor cores over the same streamed weight tiles ------------------------------
+@triton.jit
+def _gemm_rows_kernel(
+    # pointers
+    x_ptr, w_ptr, b_ptr, out_ptr,
+    # sizes
+    M, N, K,
+    # strides
+    sx, sw, so,
+    # meta
+    GATED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+):
+    """out^T (BLOCK_N, 16) = W (BLOCK_N, K) x^T (K, 16) for up to 16 rows of x: each program
+    streams BLOCK_N rows of W once for all rows (the weights are the bytes; the tensor cores'
+    padding of the rows to 16 costs nothing that matters)."""
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    m = tl.arange(0, 16)
+    mmask = m < M
+    k = tl.arange(0, BLOCK_K)
+    dt = out_ptr.dtype.element_ty
+    rows = w_ptr + n[:, None].to(tl.int64) * sw
+    acc = tl.zeros([BLOCK_N, 16], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + k
+        if EVEN_K:
+            wmask = nmask[:, None]
+            xmask = mmask[None, :]
+        else:
+            wmask = nmask[:, None] & (kk < K)[None, :]
+            xmask = mmask[None, :] & (kk < K)[:, None]
+        w = tl.load(rows + kk[None, :], mask=wmask, other=0.0)
+        xo = x_ptr + m[None, :] * sx + kk[:, None]  # (BLOCK_K, 16)
+        if GATED:
+            g = tl.load(xo, mask=xmask, other=0.0).to(tl.float32)
+            u = tl.load(xo + K, mask=xmask, other=0.0).to(tl.float32)
+            s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+            xt = (s * u).to(dt)
+        else:
+            xt = tl.load(xo, mask=xmask, other=0.0)
+        if IEEE:
+            acc += tl.dot(w, xt, input_precision="ieee")
+        else:
+            acc += tl.dot(w, xt)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + m[None, :] * so + n[:, None], acc.to(dt), mask=nmask[:, None] & mmask[None, :])
+
+
+def rows_config(n: int, k: int, gated: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for gemm_rows: not yet tuned on a device."""
+    return 16, 256, 4, 4
+
+
+def gemm_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
+              config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """As gemv_ref for 1-16 rows of x, (M, K) or (M, 2K) when gated, in one kernel."""
+    n, k = weight.shape
+    mrows = x.shape[0]
+    assert x.dim() == 2 and 1 <= mrows <= 16 and x.shape[1] == (2 * k if gated else k) and x.stride(-1) == 1
+    assert weight.stride(1) == 1 and x.dtype == weight.dtype
+    block_n, block_k, warps, stages = config or rows_config(n, k, gated)
+    out = torch.empty(mrows, n, dtype=x.dtype, device=x.device)
+    _gemm_rows_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else weight, out, mrows, n, k, x.stride(0), weight.stride(0),
+        out.stride(0), GATED=gated, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
+    return out
+
+
 def use_gemv(x: torch.Tensor) -> bool:
-    """Whether a product with input x takes the one-row kernel: one row on CUDA."""
-    return ENABLED and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1
+    """Whether a product with input x takes these kernels: 1 row (or up to ROWS_MAX) on CUDA."""
+    return ENABLED and x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= ROWS_MAX and x.stride(-1) == 1
+
+
+def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+            gated: bool = False) -> torch.Tensor:
+    """gemv() for one row, gemm_rows() for more (callers check use_gemv first)."""
+    if x.shape[0] == 1:
+        return gemv(x, weight, bias, gated=gated)
+    return gemm_rows(x, weight, bias, gated=gated)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through gemv() for one row on CUDA."""
+    """F.linear, through these kernels for 1 (to ROWS_MAX) rows on CUDA."""
     if use_gemv(x):
-        return gemv(x, weight, bias)
+        return product(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels.fused import silu_mul  # noqa: E402
-from kernels.gemv import default_config, gemv  # noqa: E402
+from kernels.gemv import default_config, gemm_rows, gemv, rows_config  # noqa: E402
 from random_models import GEOMETRIES  # noqa: E402
 
 
@@ -71,6 +71,10 @@ def main() -> None:
     ap.add_argument("--geometries", default="7b,2b")
     ap.add_argument("--configs", default="8x512x4,4x512x4,16x256x4,8x1024x8,4x256x2",
                     help="BLOCK_N x BLOCK_K x warps of the Triton GEMV to time")
+    ap.add_argument("--rows", default="1",
+                    help="rows per product: 1 times gemv(); more (up to 16) time gemm_rows() against cuBLAS")
+    ap.add_argument("--rows-configs", default="16x256x4x4,16x128x4x3,32x128x4x4,16x512x4x3,32x256x8x3",
+                    help="BLOCK_N x BLOCK_K x warps x stages of gemm_rows to time")
     a = ap.parse_args()
     dt = torch.bfloat16
     bw = copy_bandwidth()
@@ -78,7 +82,13 @@ def main() -> None:
            "copy_bandwidth_GBps": round(bw / 1e9, 1), "geometries": {}}
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     configs = [tuple(int(v) for v in c.split("x")) for c in a.configs.split(",")]
-    for geo in a.geometries.split(","):
+    rows_configs = [tuple(int(v) for v in c.split("x")) for c in a.rows_configs.split(",")]
+    for geo, rows in ((g, int(r)) for g in a.geometries.split(",") for r in a.rows.split(",")):
+        key = geo if rows == 1 else f"{geo}_rows{rows}"
+        if rows == 1:
+            fn, cfgs, default = gemv, configs, default_config
+        else:
+            fn, cfgs, default = gemm_rows, rows_configs, rows_config
         t = GEOMETRIES[geo]["text"]
         h, inter, layers = t["hidden_size"], t["intermediate_size"], t["num_hidden_layers"]
         d = h // t["num_attention_heads"]
@@ -91,19 +101,19 @@ def main() -> None:
         W = [dict(qkv=w(nqkv, h), qkv_b=w(1, nqkv)[0], o=w(h, h), gu=w(2 * inter, h), down=w(h, inter))
              for _ in range(layers)]
         head = w(t["vocab_size"], h)
-        x = torch.randn(1, h, device="cuda", dtype=dt)
-        xgu = torch.randn(1, 2 * inter, device="cuda", dtype=dt)
+        x = torch.randn(rows, h, device="cuda", dtype=dt)
+        xgu = torch.randn(rows, 2 * inter, device="cuda", dtype=dt)
         ops = {  # name -> (cuBLAS step, gemv step(config), bytes)
             "qkv": (lambda: [torch.nn.functional.linear(x, L["qkv"], L["qkv_b"]) for L in W],
-                    lambda c: [gemv(x, L["qkv"], L["qkv_b"], config=c) for L in W], layers * nqkv * h * 2),
+                    lambda c: [fn(x, L["qkv"], L["qkv_b"], config=c) for L in W], layers * nqkv * h * 2),
             "o": (lambda: [torch.nn.functional.linear(x, L["o"]) for L in W],
-                  lambda c: [gemv(x, L["o"], config=c) for L in W], layers * h * h * 2),
+                  lambda c: [fn(x, L["o"], config=c) for L in W], layers * h * h * 2),
             "gate_up": (lambda: [torch.nn.functional.linear(x, L["gu"]) for L in W],
-                        lambda c: [gemv(x, L["gu"], config=c) for L in W], layers * 2 * inter * h * 2),
+                        lambda c: [fn(x, L["gu"], config=c) for L in W], layers * 2 * inter * h * 2),
             "silu_down": (lambda: [torch.nn.functional.linear(silu_mul(xgu), L["down"]) for L in W],
-                          lambda c: [gemv(xgu, L["down"], gated=True, config=c) for L in W], layers * h * inter * 2),
+                          lambda c: [fn(xgu, L["down"], gated=True, config=c) for L in W], layers * h * inter * 2),
             "lm_head": (lambda: torch.nn.functional.linear(x, head),
-                        lambda c: gemv(x, head, config=c), head.numel() * 2),
+                        lambda c: fn(x, head, config=c), head.numel() * 2),
         }
         # the outputs agree (bf16 rounding of float32 sums in another order)
         for name, (ref, ours, _) in ops.items():
@@ -117,24 +127,25 @@ def main() -> None:
             row = {"bytes": nbytes, "cublas_us": round(graph_us(ref), 2)}
             row["cublas_bw"] = round(nbytes / (row["cublas_us"] * 1e-6) / bw, 3)
             total["cublas"] += row["cublas_us"]
-            for c in configs + [None]:
-                key = "gemv_default" if c is None else "gemv_%dx%dx%d" % c
+            for c in cfgs + [None]:
+                name_c = "gemv_default" if c is None else "gemv_" + "x".join(str(v) for v in c)
                 try:
                     us = graph_us(lambda: ours(c))
                 except Exception as e:  # a config that does not compile or launch
-                    row[key] = f"failed: {type(e).__name__}"
+                    row[name_c] = f"failed: {type(e).__name__}"
                     continue
-                row[key + "_us"] = round(us, 2)
-                row[key + "_bw"] = round(nbytes / (us * 1e-6) / bw, 3)
-                total[key] = total.get(key, 0.0) + us
+                row[name_c + "_us"] = round(us, 2)
+                row[name_c + "_bw"] = round(nbytes / (us * 1e-6) / bw, 3)
+                total[name_c] = total.get(name_c, 0.0) + us
             out[name] = row
-            print(geo, name, json.dumps(row), flush=True)
+            print(key, name, json.dumps(row), flush=True)
         out["step_total_us"] = {k: round(v, 1) for k, v in total.items()}
-        out["default_config"] = {n: default_config(*s) for n, s in
+        out["rows"] = rows
+        out["default_config"] = {n: default(*s) for n, s in
                                  (("qkv", (nqkv, h)), ("o", (h, h)), ("gate_up", (2 * inter, h)),
                                   ("silu_down", (h, inter, True)), ("lm_head", (t["vocab_size"], h)))}
-        print(geo, "step totals", json.dumps(out["step_total_us"]), flush=True)
-        res["geometries"][geo] = out
+        print(key, "step totals", json.dumps(out["step_total_us"]), flush=True)
+        res["geometries"][key] = out
         del W, head
         torch.cuda.empty_cache()
         Path(a.json).write_text(json.dumps(res, indent=1))

@@ -13,7 +13,7 @@ from torch import nn
 from docproc.layers.attention import AttentionMetadata
 from docproc.models.rope import MRotaryEmbedding, apply_rotary
 from kernels.fused import add_rms_norm, add_rms_norm_ref, silu_mul
-from kernels.gemv import gemv, linear, use_gemv
+from kernels.gemv import linear, product, use_gemv
 
 
 @dataclass
@@ -114,7 +114,7 @@ class MLP(nn.Module):
         if self.gate_up_weight is not None:
             gate_up = linear(x, self.gate_up_weight)  # (N, 2 * intermediate)
             if use_gemv(gate_up):  # SiLU x up inside the down projection's kernel
-                return gemv(gate_up, self.down_proj.weight, gated=True)
+                return product(gate_up, self.down_proj.weight, gated=True)
             if x.is_cuda:
                 return self.down_proj(silu_mul(gate_up))
             gate, up = gate_up.chunk(2, dim=-1)
