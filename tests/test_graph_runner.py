@@ -28,6 +28,12 @@ def test_buckets_and_text_positions_match_mrope():
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter path (CPU only)")
 
 
+def static_engine(m, folder, **kw) -> LLM:
+    """An engine on the static graph path (inside the monkeypatch context m)."""
+    m.setattr(model_runner, "resolve_step_graphs", lambda config, device: "static")
+    return LLM(str(folder), device="cpu", max_num_seqs=8, **kw)
+
+
 def run(folder, static, monkeypatch, **kw):
     with monkeypatch.context() as m:
         if static:
@@ -83,9 +89,7 @@ def test_chained_draft_rounds_match_unchained(qwen2_vl_dir, tmp_path, monkeypatc
     results = {}
     for chain in (False, True):
         with monkeypatch.context() as m:
-            m.setattr(model_runner, "resolve_step_graphs", lambda config, device: "static")
-            llm = LLM(str(qwen2_vl_dir), device="cpu", max_num_seqs=8, speculative_model=str(draft),
-                      num_speculative_tokens=3)
+            llm = static_engine(m, qwen2_vl_dir, speculative_model=str(draft), num_speculative_tokens=3)
             llm.speculator.chain_greedy = chain
             outs = llm.generate(reqs(), SamplingParams(max_tokens=10, ignore_eos=True))
         info = llm.spec_info()
@@ -125,8 +129,7 @@ def test_cuda_graph_speculation_matches_eager_plain_decoding(qwen2_vl_dir):
 
 def overlap_run(folder, monkeypatch, overlap, params, eos=None, **kw):
     with monkeypatch.context() as m:
-        m.setattr(model_runner, "resolve_step_graphs", lambda config, device: "static")
-        llm = LLM(str(folder), device="cpu", max_num_seqs=8, overlap_decode=overlap, **kw)
+        llm = static_engine(m, folder, overlap_decode=overlap, **kw)
         if eos is not None:
             llm.eos_token_ids = eos
         outs = llm.generate(reqs(), params)
@@ -176,9 +179,8 @@ def test_overlapped_decode_when_the_policy_bypasses_the_draft(qwen2_vl_dir, monk
     got = {}
     for overlap in (False, True):
         with monkeypatch.context() as m:
-            m.setattr(model_runner, "resolve_step_graphs", lambda config, device: "static")
-            llm = LLM(str(qwen2_vl_dir), device="cpu", max_num_seqs=8, speculative_model=str(qwen2_vl_dir),
-                      num_speculative_tokens="auto", overlap_decode=overlap)
+            llm = static_engine(m, qwen2_vl_dir, speculative_model=str(qwen2_vl_dir), num_speculative_tokens="auto",
+                                overlap_decode=overlap)
             pol = llm.speculator.policy
             pol.cost_ratio = 2.0  # c prior: no K pays until the draft is timed
             pol.probe_every = pol._probe_interval = 3
