@@ -210,6 +210,14 @@ def rotary_store_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
 
 
 @triton.jit
+def silu_times(g, u, dt: tl.constexpr):
+    """SiLU(g) x u from float32 gate and up, rounded as silu_mul_ref does in dtype dt: SiLU rounded
+    to dt, then the product (kernels/gemv.py computes its input with it too)."""
+    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    return (s * u).to(dt)
+
+
+@triton.jit
 def _silu_mul_kernel(
     # pointers
     x_ptr, out_ptr,
@@ -226,8 +234,7 @@ def _silu_mul_kernel(
     dt = x_ptr.dtype.element_ty
     g = tl.load(x_ptr + row * sx + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * sx + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-    tl.store(out_ptr + row * so + cols, (s * u).to(dt), mask=mask)
+    tl.store(out_ptr + row * so + cols, silu_times(g, u, dt), mask=mask)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fused import silu_times
+
 # the model's one-row products go through gemv() on CUDA (DOCPROC_GEMV=0: cuBLAS for all, to compare)
 ENABLED = os.environ.get("DOCPROC_GEMV", "1") != "0"
 # products of 2..ROWS_MAX rows (a speculative verify step's window, small decode batches) go through
@@ -81,8 +83,7 @@ def _gemv_kernel(
             else:
                 xv = tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
         if GATED:  # silu_mul's roundings (kernels/fused.py)
-            s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-            xv = (s * u).to(dt).to(tl.float32)
+            xv = silu_times(g, u, dt).to(tl.float32)
         acc += w.to(tl.float32) * xv[None, :]
     y = tl.sum(acc, 1)
     if HAS_BIAS:
@@ -158,8 +159,7 @@ def _gemm_rows_kernel(
         if GATED:
             g = tl.load(xo, mask=xmask, other=0.0).to(tl.float32)
             u = tl.load(xo + K, mask=xmask, other=0.0).to(tl.float32)
-            s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-            xt = (s * u).to(dt)
+            xt = silu_times(g, u, dt)
         else:
             xt = tl.load(xo, mask=xmask, other=0.0)
         if IEEE:

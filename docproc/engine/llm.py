@@ -342,13 +342,8 @@ class LLM:
             spec.policy.observe_any_step(result.num_tokens, result.seconds)
             if len(decoding) == len(out.scheduled):
                 spec.policy.observe_step(result.num_tokens, result.seconds)
-        self.num_steps += 1
-        self.num_step_tokens += result.num_tokens
-        self.step_seconds += result.seconds
-        if len(out.decoding) == len(out.scheduled):  # a pure decode step (no prefill chunk in it)
-            self.num_decode_steps += 1
-            self.num_decode_step_tokens += result.num_tokens
-            self.decode_step_seconds += result.seconds
+        # (a pure decode step: no prefill chunk in it)
+        self._count_step(result.num_tokens, result.seconds, len(out.decoding) == len(out.scheduled))
         now = time.perf_counter()
         for seq, end in ends:
             seq.num_computed_tokens = end
@@ -438,12 +433,7 @@ class LLM:
                 seq.num_computed_tokens = end
             if self._append(seq, token, now):
                 finished.append(seq)
-        self.num_steps += 1
-        self.num_step_tokens += rows
-        self.step_seconds += seconds
-        self.num_decode_steps += 1
-        self.num_decode_step_tokens += rows
-        self.decode_step_seconds += seconds
+        self._count_step(rows, seconds, True)
         spec = self.speculator
         if spec is not None and not prev.captured:  # a bypassed step
             if prev.overlapped:  # its host work hidden: how much cheaper plain decoding is
@@ -454,6 +444,15 @@ class LLM:
         if nxt is not None and not all(sc.seq.is_finished for sc in nxt.scheduled):
             self._pending = nxt  # read by the next step() (nothing else can run before it)
         return finished
+
+    def _count_step(self, tokens: int, seconds: float, decode: bool) -> None:
+        self.num_steps += 1
+        self.num_step_tokens += tokens
+        self.step_seconds += seconds
+        if decode:
+            self.num_decode_steps += 1
+            self.num_decode_step_tokens += tokens
+            self.decode_step_seconds += seconds
 
     def _append(self, seq: Sequence, token: int, now: float) -> bool:
         """Append a generated token; finish the sequence if it stops there. True if it finished."""
@@ -600,9 +599,7 @@ class LLM:
             spec.policy.observe_any_step(meta.num_tokens, t_target)
             if len(decoding) == len(out.scheduled):
                 spec.policy.observe_step(meta.num_tokens, t_target)
-        self.num_steps += 1
-        self.num_step_tokens += meta.num_tokens
-        self.step_seconds += t_target + t_draft
+        self._count_step(meta.num_tokens, t_target + t_draft, False)  # a speculative step: not plain decode
         return finished
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
