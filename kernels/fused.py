@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 
 # ---- torch references -----------------------------------------------------------------------------
 def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -61,12 +63,15 @@ def _add_rms_norm_kernel(
     # strides
     sx, sr, so, sro,
     # meta
-    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     dt = x_ptr.dtype.element_ty
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait (kernels/pdl.py)
+    pdl.start(PDL)
+    pdl.wait(PDL)
     x = tl.load(x_ptr + row * sx + cols, mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(res_ptr + row * sr + cols, mask=mask, other=0.0)
@@ -75,7 +80,6 @@ def _add_rms_norm_kernel(
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps)
     h = (xf * rstd).to(dt).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * so + cols, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -97,7 +101,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
             hidden, eps,
             x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
             HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(hidden),
-            num_warps=4 if hidden <= 4096 else 8,
+            num_warps=4 if hidden <= 4096 else 8, **pdl.launch(x),
         )
     return out, res_out
 
@@ -166,12 +170,14 @@ def _rotary_store_kernel(
     # strides
     sx_t, sx_h, sc_t, ss_t, sk_s, sk_h, sv_s, sv_h,
     # meta
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, PDL: tl.constexpr,
 ):
     """One token: its q and k heads rotated in place (as _rotary_kernel), its rotated k heads and
     its v heads written to its cache slot. Saves the two index_copy_ launches per layer of the
     separate store (each ~2 us inside a CUDA graph: ~0.1 ms of a 7B decode step)."""
     t = tl.program_id(0)
+    pdl.start(PDL)
+    pdl.wait(PDL)
     o1, o2, h, d, hmask = _rotate_token_(x_ptr, cos_ptr, sin_ptr, t, num_heads + num_kv_heads, sx_t, sx_h, sc_t,
                                          ss_t, HALF, BLOCK_H)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -205,6 +211,7 @@ def rotary_store_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
             qkv.stride(0), qkv.stride(1), cos.stride(0), sin.stride(0),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             HALF=d // 2, BLOCK_H=triton.next_power_of_2(num_heads + hkv), BLOCK_KV=max(2, triton.next_power_of_2(hkv)),
+            **pdl.launch(qkv),
         )
     return qkv[:, :num_heads]
 

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.fused import silu_times
 
 # the model's one-row products go through gemv() on CUDA (DOCPROC_GEMV=0: cuBLAS for all, to compare)
@@ -47,6 +48,35 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 
 # ---- Triton -----------------------------------------------------------------------------------------
 @triton.jit
+def _x_tile(x_ptr, kk, K, GATED: tl.constexpr, EVEN_K: tl.constexpr, dt: tl.constexpr):
+    """The input's float32 values at columns kk (SiLU(gate) x up when GATED, with silu_mul's
+    roundings, kernels/fused.py)."""
+    if EVEN_K:
+        if GATED:
+            g = tl.load(x_ptr + kk).to(tl.float32)
+            u = tl.load(x_ptr + K + kk).to(tl.float32)
+        else:
+            xv = tl.load(x_ptr + kk).to(tl.float32)
+    else:
+        kmask = kk < K
+        if GATED:
+            g = tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
+            u = tl.load(x_ptr + K + kk, mask=kmask, other=0.0).to(tl.float32)
+        else:
+            xv = tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
+    if GATED:
+        xv = silu_times(g, u, dt).to(tl.float32)
+    return xv
+
+
+@triton.jit
+def _w_tile(rows, kk, K, nmask, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(rows + kk[None, :], mask=nmask[:, None], other=0.0)
+    return tl.load(rows + kk[None, :], mask=nmask[:, None] & (kk < K)[None, :], other=0.0)
+
+
+@triton.jit
 def _gemv_kernel(
     # pointers
     x_ptr, w_ptr, b_ptr, out_ptr,
@@ -56,7 +86,7 @@ def _gemv_kernel(
     sw,
     # meta
     GATED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -64,27 +94,16 @@ def _gemv_kernel(
     k = tl.arange(0, BLOCK_K)
     dt = out_ptr.dtype.element_ty
     rows = w_ptr + n[:, None].to(tl.int64) * sw
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # the first tile of weights does not depend on the kernel before: loaded before the wait, so
+    # with programmatic dependent launch (kernels/pdl.py) it streams while that kernel finishes
+    w = _w_tile(rows, k, K, nmask, EVEN_K)
+    pdl.start(PDL)
+    pdl.wait(PDL)
+    acc = w.to(tl.float32) * _x_tile(x_ptr, k, K, GATED, EVEN_K, dt)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + k
-        if EVEN_K:
-            w = tl.load(rows + kk[None, :], mask=nmask[:, None], other=0.0)
-            if GATED:
-                g = tl.load(x_ptr + kk).to(tl.float32)
-                u = tl.load(x_ptr + K + kk).to(tl.float32)
-            else:
-                xv = tl.load(x_ptr + kk).to(tl.float32)
-        else:
-            kmask = kk < K
-            w = tl.load(rows + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-            if GATED:
-                g = tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
-                u = tl.load(x_ptr + K + kk, mask=kmask, other=0.0).to(tl.float32)
-            else:
-                xv = tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
-        if GATED:  # silu_mul's roundings (kernels/fused.py)
-            xv = silu_times(g, u, dt).to(tl.float32)
-        acc += w.to(tl.float32) * xv[None, :]
+        w = _w_tile(rows, kk, K, nmask, EVEN_K)
+        acc += w.to(tl.float32) * _x_tile(x_ptr, kk, K, GATED, EVEN_K, dt)[None, :]
     y = tl.sum(acc, 1)
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)
@@ -117,11 +136,31 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
         GATED=gated, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        num_warps=warps)
+        num_warps=warps, **pdl.launch(x))
     return out
 
 
 # ---- a few rows: the tensor cores over the same streamed weight tiles ------------------------------
+@triton.jit
+def _rows_tile(x_ptr, w, kk, K, m, mmask, sx, GATED: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+               dt: tl.constexpr):
+    """W tile (BLOCK_N, BLOCK_K) x x^T tile (BLOCK_K, 16) on the tensor cores."""
+    if EVEN_K:
+        xmask = mmask[None, :]
+    else:
+        xmask = mmask[None, :] & (kk < K)[:, None]
+    xo = x_ptr + m[None, :] * sx + kk[:, None]  # (BLOCK_K, 16)
+    if GATED:
+        g = tl.load(xo, mask=xmask, other=0.0).to(tl.float32)
+        u = tl.load(xo + K, mask=xmask, other=0.0).to(tl.float32)
+        xt = silu_times(g, u, dt)
+    else:
+        xt = tl.load(xo, mask=xmask, other=0.0)
+    if IEEE:
+        return tl.dot(w, xt, input_precision="ieee")
+    return tl.dot(w, xt)
+
+
 @triton.jit
 def _gemm_rows_kernel(
     # pointers
@@ -132,7 +171,7 @@ def _gemm_rows_kernel(
     sx, sw, so,
     # meta
     GATED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     """out^T (BLOCK_N, 16) = W (BLOCK_N, K) x^T (K, 16) for up to 16 rows of x: each program
     streams BLOCK_N rows of W once for all rows (the weights are the bytes; the tensor cores'
@@ -145,27 +184,14 @@ def _gemm_rows_kernel(
     k = tl.arange(0, BLOCK_K)
     dt = out_ptr.dtype.element_ty
     rows = w_ptr + n[:, None].to(tl.int64) * sw
-    acc = tl.zeros([BLOCK_N, 16], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    w = _w_tile(rows, k, K, nmask, EVEN_K)  # before the wait, as in _gemv_kernel
+    pdl.start(PDL)
+    pdl.wait(PDL)
+    acc = _rows_tile(x_ptr, w, k, K, m, mmask, sx, GATED, EVEN_K, IEEE, dt)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + k
-        if EVEN_K:
-            wmask = nmask[:, None]
-            xmask = mmask[None, :]
-        else:
-            wmask = nmask[:, None] & (kk < K)[None, :]
-            xmask = mmask[None, :] & (kk < K)[:, None]
-        w = tl.load(rows + kk[None, :], mask=wmask, other=0.0)
-        xo = x_ptr + m[None, :] * sx + kk[:, None]  # (BLOCK_K, 16)
-        if GATED:
-            g = tl.load(xo, mask=xmask, other=0.0).to(tl.float32)
-            u = tl.load(xo + K, mask=xmask, other=0.0).to(tl.float32)
-            xt = silu_times(g, u, dt)
-        else:
-            xt = tl.load(xo, mask=xmask, other=0.0)
-        if IEEE:
-            acc += tl.dot(w, xt, input_precision="ieee")
-        else:
-            acc += tl.dot(w, xt)
+        w = _w_tile(rows, kk, K, nmask, EVEN_K)
+        acc += _rows_tile(x_ptr, w, kk, K, m, mmask, sx, GATED, EVEN_K, IEEE, dt)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + m[None, :] * so + n[:, None], acc.to(dt), mask=nmask[:, None] & mmask[None, :])
@@ -188,7 +214,8 @@ def gemm_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     _gemm_rows_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, mrows, n, k, x.stride(0), weight.stride(0),
         out.stride(0), GATED=gated, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
+        EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages,
+        **pdl.launch(x))
     return out
 
 

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 LOG2E = 1.4426950408889634
 TWO_119 = tl.constexpr(2.0 ** 119)
 
@@ -200,8 +202,10 @@ def _paged_attn_kernel(
     sk_b, sk_s, sk_h,  # the caches
     # meta
     GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HALF: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
+    HALF: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.start(PDL)  # kernels/pdl.py: everything below depends on earlier kernels
+    pdl.wait(PDL)
     tile, kvh, split, seq, tok0, nq, pos0 = _program_tile(tile_seq_ptr, tile_tok_ptr, tile_nq_ptr, tile_pos_ptr)
 
     r, t, head, row_ok = _tile_rows(kvh, nq, GROUP, TOKENS, BLOCK_M)
@@ -483,7 +487,7 @@ def _combine_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr, tile_tok_ptr, tile_nq_ptr,
     so_t, so_h, num_splits,
     GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (tile, KV head, BLOCK_D output columns) merges the tile's num_splits partials by
     log-sum-exp, in one pass with a running maximum (as the attention kernel's online softmax).
@@ -492,6 +496,8 @@ def _combine_kernel(
     split waits out each load's latency in turn (at batch 1, 64 splits, that made the merge
     ~20 us slower on the H200 than the unrolled compile-time loop it replaced). Splitting the
     columns over programs gives a batch of one sequence more than one program per KV head."""
+    pdl.start(PDL)
+    pdl.wait(PDL)
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     tok0 = tl.load(tile_tok_ptr + tile)
@@ -725,13 +731,13 @@ def paged_attention(
             *strides_k,
             GROUP=group, TOKENS=plan.tokens_per_tile, BLOCK_M=plan.block_m, BLOCK_N=block_n, HALF=d // 2,
             SPLIT=splits > 1, DOT_FP32=dot_fp32,
-            num_warps=num_warps, num_stages=num_stages,
+            num_warps=num_warps, num_stages=num_stages, **pdl.launch(q),
         )
     if splits > 1:
         chunk, block_d = merge_shape(splits, plan.block_m, d)
         _combine_kernel[(n_tiles, n_kv, d // block_d)](
             out, part_acc, part_ml, plan.tile_tok, plan.tile_nq, out.stride(0), out.stride(1), splits,
             GROUP=group, TOKENS=plan.tokens_per_tile, BLOCK_M=plan.block_m, HALF=d // 2, BLOCK_D=block_d,
-            CHUNK=chunk,
+            CHUNK=chunk, **pdl.launch(q),
         )
     return out

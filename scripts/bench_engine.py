@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import kernels.gemv as kernels_gemv  # noqa: E402
+import kernels.pdl as kernels_pdl  # noqa: E402
 from docproc import LLM, SamplingParams  # noqa: E402
 from docproc.engine.speculative import expected_tokens  # noqa: E402
 from docproc.pipeline.queries import build_prompt  # noqa: E402
@@ -232,6 +233,17 @@ def part_a(folder: Path, args, env: dict) -> dict:
         graphs.graphs.clear()
         graphs.pool = None
         decode_tps()
+    no_pdl_tps = None
+    if graphs is not None and kernels_pdl.enabled(torch.zeros(1, device=args.device)):
+        # every kernel launched in plain stream order (no programmatic dependent launch; graphs anew)
+        kernels_pdl.ENABLED = False
+        graphs.graphs.clear()
+        graphs.pool = None
+        no_pdl_tps = max(decode_tps()[0] for _ in range(3))
+        kernels_pdl.ENABLED = True
+        graphs.graphs.clear()
+        graphs.pool = None
+        decode_tps()
     eager_tps = None
     if graphs is not None:  # the same engine with its CUDA graphs switched off
         llm.runner.graphs = None
@@ -256,6 +268,7 @@ def part_a(folder: Path, args, env: dict) -> dict:
             "ours_eager_tokens_per_s": eager_tps and round(eager_tps, 2), "step_graphs": info["step_graphs"],
             "ours_no_overlap_tokens_per_s": round(no_overlap_tps, 2), "overlapped_steps": overlapped,
             "ours_cublas_one_row_tokens_per_s": no_gemv_tps and round(no_gemv_tps, 2),
+            "ours_no_pdl_tokens_per_s": no_pdl_tps and round(no_pdl_tps, 2),
             "ours_ttft_s": round(runs[0][1].time_to_first_token, 4),  # the first run: prompt not yet cached
             "transformers_tokens_per_s": round(hf_tps, 2),
             "speedup_vs_transformers": round(ours_tps / hf_tps, 2), "bytes_per_step": step_bytes,

@@ -6,6 +6,10 @@ Reports microseconds per step for each, the bytes read, and the fraction of the 
 measured in the same run.
 
     python scripts/bench_gemv.py --json OUT/gemv.json [--geometries 7b,2b] [--configs 8x512x4,4x512x4,...]
+
+--chain times instead one step's dependent chain of the layers' kernels without attention (add +
+RMSNorm, qkv, o, add + RMSNorm, gate|up, SiLU x down; each reads the one before), with
+programmatic dependent launch (kernels/pdl.py) on and off, and with cuBLAS for the products.
 """
 from __future__ import annotations
 
@@ -20,7 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels.fused import silu_mul  # noqa: E402
+import kernels.pdl as kernels_pdl  # noqa: E402
+from kernels.fused import add_rms_norm, silu_mul  # noqa: E402
 from kernels.gemv import default_config, gemm_rows, gemv, rows_config  # noqa: E402
 from random_models import GEOMETRIES  # noqa: E402
 
@@ -75,9 +80,12 @@ def main() -> None:
                     help="rows per product: 1 times gemv(); more (up to 16) time gemm_rows() against cuBLAS")
     ap.add_argument("--rows-configs", default="16x256x4x4,16x128x4x3,32x128x4x4,16x512x4x3,32x256x8x3",
                     help="BLOCK_N x BLOCK_K x warps x stages of gemm_rows to time")
+    ap.add_argument("--chain", action="store_true", help="time the dependent chain, PDL on and off (above)")
     a = ap.parse_args()
     dt = torch.bfloat16
     bw = copy_bandwidth()
+    if a.chain:
+        return chain(a, bw)
     res = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "copy_bandwidth_GBps": round(bw / 1e9, 1), "geometries": {}}
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -150,6 +158,61 @@ def main() -> None:
         torch.cuda.empty_cache()
         Path(a.json).write_text(json.dumps(res, indent=1))
     Path(a.json).write_text(json.dumps(res, indent=1))
+
+
+def chain(a, bw: float) -> None:
+    """One decode step's layers without attention, each kernel reading the one before."""
+    dt = torch.bfloat16
+    res = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "copy_bandwidth_GBps": round(bw / 1e9, 1), "chain": {}}
+    for geo in a.geometries.split(","):
+        t = GEOMETRIES[geo]["text"]
+        h, inter, layers = t["hidden_size"], t["intermediate_size"], t["num_hidden_layers"]
+        d = h // t["num_attention_heads"]
+        nqkv = h + 2 * t["num_key_value_heads"] * d
+        g = torch.Generator(device="cuda").manual_seed(0)
+
+        def w(n, k):
+            return (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(dt)
+
+        W = [dict(qkv=w(nqkv, h), qkv_b=w(1, nqkv)[0], o=w(h, h), gu=w(2 * inter, h), down=w(h, inter),
+                  n1=torch.ones(h, device="cuda", dtype=dt), n2=torch.ones(h, device="cuda", dtype=dt))
+             for _ in range(layers)]
+        x0 = torch.randn(1, h, device="cuda", dtype=dt)
+        nbytes = sum(v.numel() * 2 for L in W for v in L.values())
+
+        def step(blas: bool):
+            lin = torch.nn.functional.linear
+            x, r = x0, x0
+            for L in W:
+                hh, r = add_rms_norm(x, r, L["n1"], 1e-6)
+                qkv = lin(hh, L["qkv"], L["qkv_b"]) if blas else gemv(hh, L["qkv"], L["qkv_b"])
+                q = qkv[:, :h].contiguous() if blas else qkv[:, :h]
+                o = lin(q, L["o"]) if blas else gemv(q, L["o"])
+                hh, r = add_rms_norm(o, r, L["n2"], 1e-6)
+                if blas:
+                    x = lin(silu_mul(lin(hh, L["gu"])), L["down"])
+                else:
+                    x = gemv(gemv(hh, L["gu"]), L["down"], gated=True)
+            return x
+
+        row = {"weight_bytes": nbytes, "kernels_per_layer": 6}
+        ref = step(True)
+        for name, blas, pdl in (("cublas", True, True), ("ours_pdl", False, True), ("ours_no_pdl", False, False)):
+            kernels_pdl.ENABLED = pdl
+            out = step(blas)
+            err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6)).item()
+            us = graph_us(lambda: step(blas))
+            row[name + "_us"] = round(us, 1)
+            row[name + "_bw"] = round(nbytes / (us * 1e-6) / bw, 3)
+            row[name + "_max_rel_err_vs_cublas"] = round(err, 4)
+        kernels_pdl.ENABLED = True
+        row["pdl_speedup"] = round(row["ours_no_pdl_us"] / row["ours_pdl_us"], 3)
+        print(geo, "chain", json.dumps(row), flush=True)
+        res["chain"][geo] = row
+        del W
+        torch.cuda.empty_cache()
+        Path(a.json).write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":
