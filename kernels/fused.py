@@ -79,6 +79,7 @@ def _add_rms_norm_kernel(
         tl.store(res_out_ptr + row * sro + cols, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps)
+    pdl.end(PDL)
     h = (xf * rstd).to(dt).to(tl.float32)
     tl.store(out_ptr + row * so + cols, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -181,6 +182,7 @@ def _rotary_store_kernel(
     o1, o2, h, d, hmask = _rotate_token_(x_ptr, cos_ptr, sin_ptr, t, num_heads + num_kv_heads, sx_t, sx_h, sc_t,
                                          ss_t, HALF, BLOCK_H)
     slot = tl.load(slot_ptr + t).to(tl.int64)
+    pdl.end(PDL)
     kmask = hmask & (h >= num_heads)[:, None]
     kbase = kc_ptr + slot * sk_s + (h - num_heads)[:, None] * sk_h + d[None, :]
     tl.store(kbase, o1.to(kc_ptr.dtype.element_ty), mask=kmask)

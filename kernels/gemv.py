@@ -102,81 +102,11 @@ def _gemv_kernel(
         if k0 == 0:  # weights do not depend on the kernel before: the first tile streams before the
             pdl.wait(PDL)  # wait (kernels/pdl.py), while that kernel finishes
         acc += w.to(tl.float32) * _x_tile(x_ptr, kk, K, GATED, EVEN_K, dt)[None, :]
+    pdl.end(PDL)
     y = tl.sum(acc, 1)
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)
     tl.store(out_ptr + n, y.to(dt), mask=nmask)
-
-
-@triton.jit
-def _gemv_rows_kernel(
-    # pointers
-    x_ptr, w_ptr, b_ptr, out_ptr,
-    # sizes
-    M, N, K,
-    # strides
-    sx, sw, so,
-    # meta
-    GATED: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
-):
-    """_gemv_kernel for up to ROWS (a power of two <= 8) rows of x: each weight tile is read once
-    and multiplied into every row on the FMA units (float32 sums, as for one row), so a verify
-    window of K + 1 rows reads the weights once, like one decode step."""
-    pid = tl.program_id(0)
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
-    m = tl.arange(0, ROWS)
-    mmask = m < M
-    k = tl.arange(0, BLOCK_K)
-    dt = out_ptr.dtype.element_ty
-    rows = w_ptr + n[:, None].to(tl.int64) * sw
-    acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], tl.float32)
-    pdl.start(PDL)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + k
-        w = _w_tile(rows, kk, K, nmask, EVEN_K)
-        if k0 == 0:  # as in _gemv_kernel
-            pdl.wait(PDL)
-        if EVEN_K:
-            xmask = mmask[:, None]
-        else:
-            xmask = mmask[:, None] & (kk < K)[None, :]
-        xo = x_ptr + m[:, None] * sx + kk[None, :]  # (ROWS, BLOCK_K)
-        if GATED:
-            g = tl.load(xo, mask=xmask, other=0.0).to(tl.float32)
-            u = tl.load(xo + K, mask=xmask, other=0.0).to(tl.float32)
-            xv = silu_times(g, u, dt).to(tl.float32)
-        else:
-            xv = tl.load(xo, mask=xmask, other=0.0).to(tl.float32)
-        acc += w.to(tl.float32)[None, :, :] * xv[:, None, :]
-    y = tl.sum(acc, 2)  # (ROWS, BLOCK_N)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + m[:, None] * so + n[None, :], y.to(dt), mask=mmask[:, None] & nmask[None, :])
-
-
-def rows_fma_config(n: int, k: int, gated: bool = False, rows: int = 8) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for gemv_rows: as many weight rows per program as keep the
-    (ROWS, BLOCK_N, BLOCK_K) float32 sums at 64 registers a thread with 4 warps."""
-    r = max(2, triton.next_power_of_2(rows))
-    return (8, 128, 4) if r >= 8 else (8, 256, 4) if r == 4 else (4, 512, 4)
-
-
-def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
-              config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """As gemv_ref for 1-8 rows of x, (M, K) or (M, 2K) when gated, in one kernel (FMA units)."""
-    n, k = weight.shape
-    mrows = x.shape[0]
-    assert x.dim() == 2 and 1 <= mrows <= 8 and x.shape[1] == (2 * k if gated else k) and x.stride(-1) == 1
-    assert weight.stride(1) == 1 and x.dtype == weight.dtype
-    block_n, block_k, warps = config or rows_fma_config(n, k, gated, mrows)
-    out = torch.empty(mrows, n, dtype=x.dtype, device=x.device)
-    _gemv_rows_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, out, mrows, n, k, x.stride(0), weight.stride(0),
-        out.stride(0), GATED=gated, HAS_BIAS=bias is not None, ROWS=max(2, triton.next_power_of_2(mrows)),
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps, **pdl.launch(x))
-    return out
 
 
 def default_config(n: int, k: int, gated: bool = False) -> tuple[int, int, int]:
@@ -261,6 +191,7 @@ def _gemm_rows_kernel(
         if k0 == 0:  # as in _gemv_kernel
             pdl.wait(PDL)
         acc += _rows_tile(x_ptr, w, kk, K, m, mmask, sx, GATED, EVEN_K, IEEE, dt)
+    pdl.end(PDL)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + m[None, :] * so + n[:, None], acc.to(dt), mask=nmask[:, None] & mmask[None, :])
@@ -295,11 +226,9 @@ def use_gemv(x: torch.Tensor) -> bool:
 
 def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
             gated: bool = False) -> torch.Tensor:
-    """gemv() for one row, gemv_rows() for 2-8, gemm_rows() for more (callers check use_gemv first)."""
+    """gemv() for one row, gemm_rows() for more (callers check use_gemv first)."""
     if x.shape[0] == 1:
         return gemv(x, weight, bias, gated=gated)
-    if x.shape[0] <= 8:
-        return gemv_rows(x, weight, bias, gated=gated)
     return gemm_rows(x, weight, bias, gated=gated)
 
 

@@ -232,6 +232,7 @@ def _paged_attn_kernel(
         v_hi = tl.load(v_ptr + row_off[:, None] + HALF + d[None, :], mask=nmask[:, None], other=0.0).to(tl.float32)
         acc_lo, acc_hi = _accumulate(acc_lo, acc_hi, alpha, p, v_lo, v_hi, DOT_FP32)
         m_i = m_new
+    pdl.end(PDL)
 
     _store_tile(out_ptr, part_acc_ptr, part_ml_ptr, acc_lo, acc_hi, m_i, l_i, tile, kvh, split, tok0, t, head, r,
                 row_ok, d, so_t, so_h, num_splits, BLOCK_M, HALF, SPLIT)
@@ -524,6 +525,7 @@ def _combine_kernel(
         acc = acc * alpha[:, None] + tl.sum(a * w[:, :, None], 0)
         l_run = l_run * alpha + tl.sum(l * w, 0)
         m_run = m_new
+    pdl.end(PDL)
     inv = tl.where(l_run > 0, 1.0 / tl.maximum(l_run, 1e-30), 0.0)
     o_off = (tok0 + t) * so_t + head * so_h
     tl.store(out_ptr + o_off[:, None] + dd[None, :], (acc * inv[:, None]).to(out_ptr.dtype.element_ty),

@@ -34,6 +34,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 ENABLED = os.environ.get("DOCPROC_PDL", "1") != "0"
+# where a kernel lets the next one launch: "start" (on entry), "end" (after its main loop, before
+# its stores), or "" for each call site's own choice (launch(early=...)); a knob for measurements
+TRIGGER = os.environ.get("DOCPROC_PDL_TRIGGER", "")
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,17 +51,30 @@ def enabled(t: torch.Tensor) -> bool:
     return _capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
-def launch(t: torch.Tensor) -> dict:
-    """Extra launch arguments for a kernel taking a PDL constexpr: {"PDL": True, "launch_pdl": True}
-    where enabled(t), else {"PDL": False}."""
-    return {"PDL": True, "launch_pdl": True} if enabled(t) else {"PDL": False}
+def launch(t: torch.Tensor, early: bool = True) -> dict:
+    """Extra launch arguments for a kernel taking a PDL constexpr: PDL = 1 (let the next kernel
+    launch on entry: `start`) or 2 (after the main loop: `end`) with launch_pdl where enabled(t);
+    PDL = 0 (plain launch, no wait compiled in) otherwise."""
+    if not enabled(t):
+        return {"PDL": 0}
+    if TRIGGER:
+        early = TRIGGER == "start"
+    return {"PDL": 1 if early else 2, "launch_pdl": True}
 
 
 @triton.jit
 def start(PDL: tl.constexpr):
-    """On entry of a PDL kernel: let the next kernel's programs launch (they wait in `wait` until
-    this kernel completes, so nothing they depend on is read early)."""
-    if PDL:
+    """On entry of a PDL kernel: with PDL = 1, let the next kernel's programs launch (they wait in
+    `wait` until this kernel completes, so nothing they depend on is read early)."""
+    if PDL == 1:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def end(PDL: tl.constexpr):
+    """After a PDL kernel's main loop: with PDL = 2, let the next kernel's programs launch (its
+    launch and first loads then overlap only this kernel's last stores, not its whole run)."""
+    if PDL == 2:
         gdc_launch_dependents()
 
 
@@ -66,5 +82,5 @@ def start(PDL: tl.constexpr):
 def wait(PDL: tl.constexpr):
     """Block until the kernel before this one in the stream has completed and its writes are
     visible (see the module's rules)."""
-    if PDL:
+    if PDL != 0:
         gdc_wait()

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernels.pdl as kernels_pdl  # noqa: E402
 from kernels.fused import add_rms_norm, silu_mul  # noqa: E402
-from kernels.gemv import default_config, gemv, gemv_rows, rows_fma_config  # noqa: E402
+from kernels.gemv import default_config, gemm_rows, gemv, rows_config  # noqa: E402
 from random_models import GEOMETRIES  # noqa: E402
 
 
@@ -77,10 +77,9 @@ def main() -> None:
     ap.add_argument("--configs", default="8x512x4,4x512x4,16x256x4,8x1024x8,4x256x2",
                     help="BLOCK_N x BLOCK_K x warps of the Triton GEMV to time")
     ap.add_argument("--rows", default="1",
-                    help="rows per product: 1 times gemv(); more (up to 8) time gemv_rows() against cuBLAS "
-                         "(gemm_rows, the tensor-core form, was 2.0-2.8x slower than cuBLAS at 5 rows: BENCHMARKS)")
-    ap.add_argument("--rows-configs", default="8x128x4,4x256x4,8x256x4,4x512x4,16x64x4",
-                    help="BLOCK_N x BLOCK_K x warps of gemv_rows to time")
+                    help="rows per product: 1 times gemv(); more (up to 16) time gemm_rows() against cuBLAS")
+    ap.add_argument("--rows-configs", default="16x256x4x4,16x128x4x3,32x128x4x4,16x512x4x3,32x256x8x3",
+                    help="BLOCK_N x BLOCK_K x warps x stages of gemm_rows to time")
     ap.add_argument("--chain", action="store_true", help="time the dependent chain, PDL on and off (above)")
     a = ap.parse_args()
     dt = torch.bfloat16
@@ -97,10 +96,7 @@ def main() -> None:
         if rows == 1:
             fn, cfgs, default = gemv, configs, default_config
         else:
-            fn, cfgs = gemv_rows, rows_configs
-
-            def default(n, k, gated=False, _rows=rows):
-                return rows_fma_config(n, k, gated, _rows)
+            fn, cfgs, default = gemm_rows, rows_configs, rows_config
         t = GEOMETRIES[geo]["text"]
         h, inter, layers = t["hidden_size"], t["intermediate_size"], t["num_hidden_layers"]
         d = h // t["num_attention_heads"]
@@ -200,7 +196,7 @@ def chain(a, bw: float) -> None:
                     x = gemv(gemv(hh, L["gu"]), L["down"], gated=True)
             return x
 
-        row = {"weight_bytes": nbytes, "kernels_per_layer": 6}
+        row = {"weight_bytes": nbytes, "kernels_per_layer": 6, "pdl_trigger": kernels_pdl.TRIGGER or "per call site"}
         ref = step(True)
         for name, blas, pdl in (("cublas", True, True), ("ours_pdl", False, True), ("ours_no_pdl", False, False)):
             kernels_pdl.ENABLED = pdl

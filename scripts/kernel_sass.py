@@ -45,7 +45,7 @@ def compile_sass(kernel: str, block_n: int, num_warps: int, keys_as_rows: bool, 
     ints = FP4_INTS if kernel == "fp4" else DENSE_INTS
     meta = dict(GROUP=7, TOKENS=1, BLOCK_M=16, BLOCK_N=block_n, HALF=64, SPLIT=True, NUM_OUTLIERS=2, NUM_V_OUTLIERS=2,
                 DOT_FP32=False, KEYS_AS_ROWS=keys_as_rows, PTX_DECODE=ptx_decode,
-                TRANSPOSED=transposed, K_OUTLIER_SELECT=k_outlier_select, PDL=False)
+                TRANSPOSED=transposed, K_OUTLIER_SELECT=k_outlier_select, PDL=0)
     meta.update(extra or {})
     sig, consts, attrs = {}, {}, {}
     for prm in fn.params:  # compile-time parameters left at their defaults

@@ -8,12 +8,24 @@ import torch
 import kernels.pdl as pdl
 
 
-def test_pdl_is_off_on_cpu_and_when_disabled(monkeypatch):
-    assert pdl.launch(torch.zeros(1)) == {"PDL": False}
+def test_pdl_launch_arguments(monkeypatch):
+    """Off on CPU and when turned off; on CUDA sm_90+ the trigger placement per call site, or
+    forced by DOCPROC_PDL_TRIGGER's value (pdl.TRIGGER)."""
+    monkeypatch.setattr(pdl, "TRIGGER", "")
+    if _hopper():
+        x = torch.zeros(1, device="cuda")
+        assert pdl.launch(x) == {"PDL": 1, "launch_pdl": True}
+        assert pdl.launch(x, early=False) == {"PDL": 2, "launch_pdl": True}
+        monkeypatch.setattr(pdl, "TRIGGER", "end")
+        assert pdl.launch(x)["PDL"] == 2
+        monkeypatch.setattr(pdl, "TRIGGER", "start")
+        assert pdl.launch(x, early=False)["PDL"] == 1
+        monkeypatch.undo()
+    assert pdl.launch(torch.zeros(1)) == {"PDL": 0}
     assert not pdl.enabled(torch.zeros(1))
     monkeypatch.setattr(pdl, "ENABLED", False)
     if torch.cuda.is_available():
-        assert pdl.launch(torch.zeros(1, device="cuda")) == {"PDL": False}
+        assert pdl.launch(torch.zeros(1, device="cuda")) == {"PDL": 0}
 
 
 def _hopper() -> bool:
@@ -37,13 +49,15 @@ def _chain(x, r, W, h):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="programmatic dependent launch needs sm_90 or later")
-def test_pdl_chain_in_a_graph_matches_plain_order(monkeypatch):
+@pytest.mark.parametrize("trigger", ["start", "end"])
+def test_pdl_chain_in_a_graph_matches_plain_order(monkeypatch, trigger):
     """Replayed with new inputs each time, the graph of PDL launches gives bit for bit what the same
     kernels give launched in plain order. A kernel reading its input before its wait would read the
     previous replay's (different) values."""
     g = torch.Generator(device="cuda").manual_seed(0)
     h, inter, layers = 512, 1408, 6
     dt = torch.bfloat16
+    monkeypatch.setattr(pdl, "TRIGGER", trigger)
 
     def w(n, k):
         return (torch.randn(n, k, device="cuda", generator=g) * 0.05).to(dt)

@@ -191,21 +191,6 @@ class ModelRunner:
                 gemv(torch.zeros(1, 2 * tc.intermediate_size, dtype=self.dtype, device=self.device),
                      mlp.down_proj.weight, gated=True)
             gemv(x1, text.lm_head.weight)
-            from kernels.gemv import ROWS_MAX, gemv_rows
-
-            rows = 2
-            while rows <= min(8, ROWS_MAX):  # gemv_rows' variants (ROWS a power of two), when turned on
-                xr = torch.zeros(rows, tc.hidden_size, dtype=self.dtype, device=self.device)
-                if att.qkv_weight is not None:
-                    gemv_rows(xr, att.qkv_weight, att.qkv_bias)
-                gemv_rows(torch.zeros(rows, att.o_proj.in_features, dtype=self.dtype, device=self.device),
-                          att.o_proj.weight)
-                if mlp.gate_up_weight is not None:
-                    gemv_rows(xr, mlp.gate_up_weight)
-                    gemv_rows(torch.zeros(rows, 2 * tc.intermediate_size, dtype=self.dtype, device=self.device),
-                              mlp.down_proj.weight, gated=True)
-                gemv_rows(xr, text.lm_head.weight)
-                rows *= 2
         if getattr(self.model.vision, "fast_attention", False):  # the vision tower's (kernels/vision_fused.py)
             from kernels.vision_fused import quick_gelu, vision_rotary_qk
 
