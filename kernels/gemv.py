@@ -95,6 +95,10 @@ def _gemv_kernel(
     dt = out_ptr.dtype.element_ty
     rows = w_ptr + n[:, None].to(tl.int64) * sw
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    # PDL (kernels/pdl.py): no tl.dot here, so Triton does not software-pipeline this loop and the
+    # first tile's weight loads are the only loads ahead of the wait (checked in the PTX:
+    # tests/test_pdl.py). The long-K gated down projection (7B) lets the next kernel launch only
+    # after its loop: on entry it was 11% slower on the H200 (BENCHMARKS "Sixteenth session").
     pdl.start(PDL)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + k
@@ -135,7 +139,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
         GATED=gated, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        num_warps=warps, **pdl.launch(x))
+        num_warps=warps, **pdl.launch(x, early=not (gated and k >= 16384)))
     return out
 
 
@@ -183,13 +187,17 @@ def _gemm_rows_kernel(
     k = tl.arange(0, BLOCK_K)
     dt = out_ptr.dtype.element_ty
     rows = w_ptr + n[:, None].to(tl.int64) * sw
-    acc = tl.zeros([BLOCK_N, 16], tl.float32)
+    # The first weight tile before the wait, the loop after it. Not a wait inside the loop's first
+    # iteration as in _gemv_kernel: Triton software-pipelines a loop that feeds tl.dot, hoisting
+    # its first iterations' loads (x's too) into a prologue ahead of the loop, so x would be read
+    # before the wait (the GPU speculation test in tests/test_gemv.py caught that).
+    w = _w_tile(rows, k, K, nmask, EVEN_K)
     pdl.start(PDL)
-    for k0 in range(0, K, BLOCK_K):
+    pdl.wait(PDL)
+    acc = _rows_tile(x_ptr, w, k, K, m, mmask, sx, GATED, EVEN_K, IEEE, dt)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + k
         w = _w_tile(rows, kk, K, nmask, EVEN_K)
-        if k0 == 0:  # as in _gemv_kernel
-            pdl.wait(PDL)
         acc += _rows_tile(x_ptr, w, kk, K, m, mmask, sx, GATED, EVEN_K, IEEE, dt)
     pdl.end(PDL)
     if HAS_BIAS:
