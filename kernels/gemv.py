@@ -94,17 +94,24 @@ def _gemv_kernel(
     k = tl.arange(0, BLOCK_K)
     dt = out_ptr.dtype.element_ty
     rows = w_ptr + n[:, None].to(tl.int64) * sw
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    # PDL (kernels/pdl.py): no tl.dot here, so Triton does not software-pipeline this loop and the
-    # first tile's weight loads are the only loads ahead of the wait (checked in the PTX:
-    # tests/test_pdl.py). The long-K gated down projection (7B) lets the next kernel launch only
-    # after its loop: on entry it was 11% slower on the H200 (BENCHMARKS "Sixteenth session").
-    pdl.start(PDL)
-    for k0 in range(0, K, BLOCK_K):
+    if PDL != 0:
+        # PDL (kernels/pdl.py): the first weight tile, then the wait, then everything that reads x.
+        # The wait must precede x's loads on every path in the compiled code, so it is not put
+        # inside the loop's first iteration (Triton and LLVM may move loads above a conditional
+        # wait); tests/test_pdl.py checks the PTX. The long-K gated down projection (7B) lets the
+        # next kernel launch only after its loop: on entry it was 11% slower on the H200
+        # (BENCHMARKS "Sixteenth session").
+        w = _w_tile(rows, k, K, nmask, EVEN_K)
+        pdl.start(PDL)
+        pdl.wait(PDL)
+        acc = w.to(tl.float32) * _x_tile(x_ptr, k, K, GATED, EVEN_K, dt)[None, :]
+        k_first = BLOCK_K
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        k_first = 0
+    for k0 in range(k_first, K, BLOCK_K):
         kk = k0 + k
         w = _w_tile(rows, kk, K, nmask, EVEN_K)
-        if k0 == 0:  # weights do not depend on the kernel before: the first tile streams before the
-            pdl.wait(PDL)  # wait (kernels/pdl.py), while that kernel finishes
         acc += w.to(tl.float32) * _x_tile(x_ptr, kk, K, GATED, EVEN_K, dt)[None, :]
     pdl.end(PDL)
     y = tl.sum(acc, 1)
@@ -187,10 +194,9 @@ def _gemm_rows_kernel(
     k = tl.arange(0, BLOCK_K)
     dt = out_ptr.dtype.element_ty
     rows = w_ptr + n[:, None].to(tl.int64) * sw
-    # The first weight tile before the wait, the loop after it. Not a wait inside the loop's first
-    # iteration as in _gemv_kernel: Triton software-pipelines a loop that feeds tl.dot, hoisting
-    # its first iterations' loads (x's too) into a prologue ahead of the loop, so x would be read
-    # before the wait (the GPU speculation test in tests/test_gemv.py caught that).
+    # The first weight tile before the wait, the loop after it (as in _gemv_kernel). With the wait
+    # inside the loop's first iteration the H200 read stale x (the GPU speculation test in
+    # tests/test_gemv.py failed): the compiled code loaded x ahead of the wait.
     w = _w_tile(rows, k, K, nmask, EVEN_K)
     pdl.start(PDL)
     pdl.wait(PDL)

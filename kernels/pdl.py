@@ -23,10 +23,12 @@ completes), so mixing the two is safe.
 `DOCPROC_PDL=1` turns it on; off, every kernel launches as before and `wait` compiles out.
 Interpreter and CPU runs never use it: the flag is a compile-time argument (PDL) of each kernel.
 
-Status (sixteenth session, H200): +8-10% tokens/s at the 2B geometry's batch-1 decode (the draft's
-size), within +-1.5% at 7B. Off by default because the last form of the code (gemm_rows' wait moved
-ahead of its pipelined loop, the 7B down projection's later trigger) and the GPU engine test's last
-form have not yet run on a GPU: tests/test_pdl.py and tests/test_gemv.py's GPU tests, then
+Status (sixteenth session, H200): +8% tokens/s at the 2B geometry's batch-1 decode (the draft's
+size), within +-1.5% at 7B. Off by default: the final code (each kernel's wait ahead of its loop,
+the 7B down projection's later trigger) has not yet run on a GPU. An earlier form that waited
+inside a loop's first iteration read stale inputs on the H200; tests/test_pdl.py now checks on the
+CPU, in the compiled PTX, that the wait precedes every load of an activation on every path. Next:
+the GPU tests (tests/test_pdl.py, tests/test_gemv.py), then
 `DOCPROC_PDL=1 python scripts/bench_engine.py --parts a --geometry 2b` decide the default.
 """
 from __future__ import annotations

@@ -124,3 +124,142 @@ def test_engine_decodes_the_same_with_and_without_pdl(qwen2_vl_dir, monkeypatch)
     spec = LLM(str(qwen2_vl_dir), device="cuda", dtype="float32", kv_cache_memory_bytes=64 << 20,
                speculative_model=str(qwen2_vl_dir), num_speculative_tokens=3)
     assert [o.outputs[0].token_ids for o in spec.generate(reqs, sp)] == plain, "float32 speculation with PDL"
+
+
+# ---- the load order, from the compiled PTX (CPU: compiles for sm_90, no GPU needed) -----------------
+def _ptx(fn, meta: dict, types: dict, **opts) -> str:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    import triton
+
+    sig, consts = {}, {}
+    for name in fn.arg_names:
+        if name in meta:
+            sig[name], consts[name] = "constexpr", meta[name]
+        else:
+            sig[name] = types.get(name, "*bf16" if name.endswith("_ptr") else "i32")
+    return triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4, **opts}).asm["ptx"]
+
+
+def _loads_before_wait(ptx: str, arg_names: list[str]) -> list[set[str]]:
+    """The global loads (and asynchronous copies) of the PTX that some path from the kernel's entry
+    reaches without passing a griddepcontrol.wait, each as the set of kernel arguments its address
+    derives from (registers traced back through the instructions defining them, a loaded value
+    deriving from its address, to the parameters read by ld.param). Paths follow the branches, so
+    a wait that only some paths execute (one inside a loop's first iteration) does not count. The
+    PTX is what runs: LLVM may move a load across the wait's inline assembly."""
+    import re
+
+    reg = re.compile(r"%[a-z]+\d+")
+    label = re.compile(r"^(\$L__\w+):")
+    insts: list[str] = []
+    labels: dict[str, int] = {}
+    for ln in ptx.splitlines():
+        code = ln.split("//")[0].strip()
+        m = label.match(code)
+        if m:
+            labels[m.group(1)] = len(insts)
+            continue
+        if not code or code.startswith((".", "{", "}")):
+            continue
+        insts.append(code.rstrip(";").strip())
+    defs: dict[str, set] = {}
+    for code in insts:
+        body = re.sub(r"^@!?%p\d+\s+", "", code)
+        op = body.split()[0]
+        if op.startswith("ld.param"):
+            m = re.search(r"_param_(\d+)", body)
+            for r in reg.findall(body.split("[")[0]):
+                defs.setdefault(r, set()).add(("param", int(m.group(1))))
+        elif op.startswith(("ld.", "cp.", "atom.")):  # loaded registers derive from the address
+            addr = reg.findall(body[body.index("["):]) if "[" in body else []
+            for r in reg.findall(body.split("[")[0]):
+                defs.setdefault(r, set()).update(addr)
+        elif not op.startswith(("st.", "bra", "ret", "exit", "bar", "griddep", "fence", "membar")):
+            regs = reg.findall(body)
+            if regs:
+                defs.setdefault(regs[0], set()).update(regs[1:])
+
+    def roots(regs) -> set[str]:
+        seen, todo, out = set(), list(regs), set()
+        while todo:
+            x = todo.pop()
+            if isinstance(x, tuple):
+                out.add(arg_names[x[1]])
+            elif x not in seen:
+                seen.add(x)
+                todo.extend(defs.get(x, ()))
+        return out
+
+    assert any("griddepcontrol.wait" in c for c in insts), "no griddepcontrol.wait in the PTX"
+    found, seen, todo = [], set(), [0]
+    while todo:  # instructions reachable from the entry without passing a wait
+        i = todo.pop()
+        if i in seen or i >= len(insts):
+            continue
+        seen.add(i)
+        code = insts[i]
+        body = re.sub(r"^@!?%p\d+\s+", "", code)
+        op = body.split()[0]
+        if "griddepcontrol.wait" in body and not code.startswith("@"):
+            continue
+        if op.startswith(("ld.global", "cp.async")):
+            found.append(roots(reg.findall(body[body.index("["):])))
+        if op.startswith("bra"):
+            todo.append(labels[body.split()[-1]])
+            if not code.startswith("@"):
+                continue
+        if op in ("ret", "exit"):
+            continue
+        todo.append(i + 1)
+    return found
+
+
+@pytest.mark.parametrize("pdl_mode", [1, 2])
+def test_pdl_kernels_wait_before_reading_activations(pdl_mode):
+    """Each PDL kernel as compiled for sm_90: every global load ahead of its wait reads a weight
+    argument (the one-row products' first weight tile, the norm's weight), nothing an earlier kernel
+    writes. Triton's software pipelining can hoist a loop's loads ahead of a wait placed inside it;
+    gemm_rows did that (its x loads), so the check is on the compiled form, not the source. Runs in
+    a subprocess: the suite's Triton interpreter (TRITON_INTERPRET=1) does not compile."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parent.parent
+    code = (f"import runpy, sys; sys.path.insert(0, {str(root)!r}); "
+            f"runpy.run_path({str(Path(__file__).resolve())!r})['_check_load_order']({pdl_mode})")
+    res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "checked 7 kernels" in res.stdout
+
+
+def _check_load_order(pdl_mode: int) -> None:
+    from kernels import fused, gemv, paged_attention as pa
+
+
+    ints = {n: "*i32" for n in ("tile_seq_ptr", "tile_tok_ptr", "tile_nq_ptr", "tile_pos_ptr", "table_ptr")}
+    ints.update(part_acc_ptr="*fp32", part_ml_ptr="*fp32", slot_ptr="*i64", eps="fp32", sm_scale_log2="fp32")
+    cases = [  # kernel, compile-time arguments, the pointers it may read before the wait, stages
+        (gemv._gemv_kernel, dict(GATED=False, HAS_BIAS=True, BLOCK_N=4, BLOCK_K=512, EVEN_K=True), {"w_ptr"}, 3),
+        (gemv._gemv_kernel, dict(GATED=True, HAS_BIAS=False, BLOCK_N=8, BLOCK_K=256, EVEN_K=False), {"w_ptr"}, 3),
+        (gemv._gemm_rows_kernel, dict(GATED=True, HAS_BIAS=True, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, IEEE=False),
+         {"w_ptr"}, 4),
+        (fused._add_rms_norm_kernel, dict(HAS_RES=True, BLOCK=1024), {"w_ptr"}, 3),
+        (fused._rotary_store_kernel, dict(HALF=64, BLOCK_H=32, BLOCK_KV=4), set(), 3),
+        (pa._paged_attn_kernel, dict(GROUP=7, TOKENS=1, BLOCK_M=16, BLOCK_N=32, HALF=64, SPLIT=True, DOT_FP32=False),
+         set(), 2),
+        (pa._combine_kernel, dict(GROUP=7, TOKENS=1, BLOCK_M=16, HALF=64, BLOCK_D=32, CHUNK=8), set(), 3),
+    ]
+    for fn, meta, weights, stages in cases:
+        ptx = _ptx(fn, {**meta, "PDL": pdl_mode}, ints, num_stages=stages)
+        params = [n for n in fn.arg_names if n not in meta and n != "PDL"]
+        early = [{a for a in r if a.endswith("_ptr")} for r in _loads_before_wait(ptx, params)]  # pointers only
+        assert all(r <= weights for r in early), (fn.__name__, meta, early)
+        if weights:  # the weights do stream ahead of the wait
+            assert any(r for r in early), (fn.__name__, "no weight load before the wait")
+    print(f"checked {len(cases)} kernels")
