@@ -558,6 +558,9 @@ def part_c(folder: Path, draft: Path, args, env: dict) -> dict:
                     # random draft uncontrolled: it is never accepted) is forgotten; the untimed
                     # pass below teaches it this a, as a fresh engine's first requests would
                     llm.speculator.policy.reset_acceptance()
+                llm.speculator.policy.batch = b
+                policy_before = llm.speculator.policy.state()  # catch-up priced for 1,024 tokens
+                skips_before = llm.spec_info()["catch_up_skips"]
                 ctl = ControlledAcceptance(a, seed=seed)
                 try:
                     llm.generate(reqs, sp)  # untimed: this (b, a)'s verify graphs captured
@@ -584,7 +587,10 @@ def part_c(folder: Path, draft: Path, args, env: dict) -> dict:
                        "cost_ratio_c": round(c, 4), "verify_cost_r": round(r, 4), "draft_chain": chain,
                        "overlap_ratio": round(pol.overlap_ratio, 4),
                        "draft_chained_rounds": llm.spec_info()["draft_chained_rounds"] - chained_before,
-                       "bypassed_steps": sum(o.metrics.draft_bypassed_steps for o in outs)}
+                       "bypassed_steps": sum(o.metrics.draft_bypassed_steps for o in outs),
+                       # the adaptive policy's beliefs before this (b, a)'s passes and after them
+                       "catch_up_skips": llm.spec_info()["catch_up_skips"] - skips_before,
+                       "policy_before": policy_before, "policy_after": pol.state()}
                 if k != "auto":  # the adaptive policy picks K per step: no single analytic figure
                     row["analytic_speedup"] = round(expected_tokens(a, k) / (1 + k * c), 3)
                     row["analytic_speedup_with_r"] = round(expected_tokens(a, k) / (1 + k * (c + r)), 3)

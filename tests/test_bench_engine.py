@@ -49,6 +49,9 @@ def test_bench_engine_small_on_cpu(tmp_path):
     assert all(0.2 < x["acceptance_rate"] < 0.8 for x in runs if x["a"] == 0.5 and x["k"] == 4)
     assert {x["k"] for x in runs} == {4, "auto"} and all("analytic_speedup" not in x for x in runs if x["k"] == "auto")
     assert all(x["analytic_speedup"] > 0 and x["cost_ratio_c"] > 0 for x in runs if x["k"] == 4)
+    # the adaptive policy's beliefs around each (batch, a): fixed K reports fixed; costs measured after the runs
+    assert all(x["policy_before"]["fixed"] == (x["k"] == 4) and x["catch_up_skips"] >= 0 for x in runs)
+    assert all(x["policy_after"]["target_step_s"] > 0 for x in runs if x["k"] == "auto")
     # plain and speculative passes alternate: per-pair ratios, their median inside their range
     assert all(x["speedup_paired_range"][0] <= x["speedup_paired_median"] <= x["speedup_paired_range"][1]
                and x["baseline_seconds"] > 0 for x in runs)

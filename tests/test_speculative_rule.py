@@ -315,3 +315,31 @@ def test_reset_acceptance_keeps_the_costs_and_returns_to_the_prior():
     pol.reset_acceptance()
     assert pol._global == 0.7 and not pol._acc and pol.cost_ratio == c
     assert pol.choose_step([1]) > 0  # the prior pays at c = 0.2
+
+
+def test_the_policy_state_reports_its_beliefs_and_reset_restores_the_prior():
+    """state() is what spec_info()["policy"] and bench_engine part c report: the measured costs,
+    the acceptance new sequences are scored with, the probe spacing and the catch-up's price."""
+    pol = AdaptiveK(k_max=4, fixed=False, prior=0.7, probe_every=16)
+    st = pol.state()
+    assert st["per_k"] is None and st["target_step_s"] is None and st["catch_up_s"] is None
+    assert st["acceptance_global"] == 0.7 and st["probe_interval"] == 16 and not st["fixed"]
+    pol.batch = 1
+    for n in (1, 2, 3, 4, 5):
+        pol.observe_step(n, 0.004 + 0.0001 * (n - 1))  # 4 ms a step, 0.1 ms per verified position
+        pol.observe_draft_forward(1, 0.0012)
+    for t in (500, 1000, 1500):
+        pol.observe_draft_prefill(t, 0.00001 * t)  # 10 us a token
+    pol.choose_step([1])
+    st = pol.state(catch_up_tokens=1300)
+    assert abs(st["target_step_s"] - 0.004) < 1e-6
+    assert abs(st["per_k"] - (0.0012 + 0.0001) / 0.004) < 1e-3  # c + r = 0.3 + 0.025
+    assert abs(st["catch_up_s"] - 0.013) < 1e-6 and st["catch_up_tokens"] == 1300
+    for _ in range(20):
+        pol.observe(1, 4, 0)  # nothing accepted
+    low = pol.state()
+    assert low["acceptance_global"] < 0.7 and low["acceptance_hi"] < 0.7 and low["sequences_scored"] == 1
+    pol.reset_acceptance()
+    back = pol.state()
+    assert back["acceptance_global"] == 0.7 and back["sequences_scored"] == 0 and back["probe_interval"] == 16
+    assert back["target_step_s"] == st["target_step_s"]  # the costs are kept

@@ -245,7 +245,7 @@ class LLM:
         return {**sp.stats.as_dict(), "k_max": sp.k_max, "adaptive": not sp.policy.fixed,
                 "cost_ratio": round(sp.policy.cost_ratio, 4), "overlap_ratio": round(sp.policy.overlap_ratio, 4),
                 "draft_vision": sp.vision,
-                "catch_up_skips": sp.num_catch_up_skips,
+                "catch_up_skips": sp.num_catch_up_skips, "policy": sp.policy.state(),
                 "draft_chained_rounds": sp.num_chained_rounds,
                 "shared_vision_trunk": sp.runner.trunk_source is not None,
                 "draft_images_from_shared_trunk": sp.runner.num_shared_trunk_images,

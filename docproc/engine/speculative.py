@@ -349,6 +349,23 @@ class AdaptiveK:
             self._a_hi = max(self._global, max(self._acc.values(), default=0.0))
         return self._a_hi
 
+    def state(self, catch_up_tokens: int = 1024) -> dict:
+        """What the policy believes now, for reports (`LLM.spec_info()["policy"]`): why a draft is or
+        is not used. per_k: c + r per draft position (None until choose_step has run); the overlap
+        ratio; the acceptance it scores new sequences with (global) and the highest any sequence
+        has (a_hi); the probe interval and floor (bypassed steps between probes); the target's
+        decode step (seconds) and the draft's catch-up forward for `catch_up_tokens` tokens
+        (seconds, None until measured); the running average of a request's generated tokens."""
+        step = self._target.at(self.batch) if self._target.fit is not None else None
+        cost = self._draft_prefill.at_or_proportional(catch_up_tokens)
+        return {"fixed": self.fixed, "per_k": None if self._per_k_key is None else round(self._per_k, 4),
+                "overlap_ratio": round(self.overlap_ratio, 4), "acceptance_global": round(self._global, 4),
+                "acceptance_hi": round(self._bypass_bound(), 4), "sequences_scored": len(self._acc),
+                "probe_interval": self._probe_interval, "probe_floor": round(self._probe_floor, 1),
+                "target_step_s": None if not step else round(step, 6),
+                "catch_up_tokens": catch_up_tokens, "catch_up_s": None if cost is None else round(cost, 6),
+                "generated_tokens_avg": round(self._generated, 1)}
+
     # ---- costs -----------------------------------------------------------------------------------
     @property
     def cost_ratio(self) -> float:
