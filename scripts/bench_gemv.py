@@ -70,6 +70,22 @@ def graph_us(fn, repeats: int = 20) -> float:
     return statistics.median(ts)
 
 
+def layer_weights(geo: str, dt: torch.dtype):
+    """Random weights of every decoder layer at a geometry (each layer its own: no L2 reuse):
+    (text config, hidden, intermediate, layers, qkv width, [layer dicts], the maker w(n, k))."""
+    t = GEOMETRIES[geo]["text"]
+    h, inter, layers = t["hidden_size"], t["intermediate_size"], t["num_hidden_layers"]
+    nqkv = h + 2 * t["num_key_value_heads"] * (h // t["num_attention_heads"])
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def w(n, k):
+        return (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(dt)
+
+    W = [dict(qkv=w(nqkv, h), qkv_b=w(1, nqkv)[0], o=w(h, h), gu=w(2 * inter, h), down=w(h, inter))
+         for _ in range(layers)]
+    return t, h, inter, layers, nqkv, W, w
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", required=True)
@@ -77,7 +93,8 @@ def main() -> None:
     ap.add_argument("--configs", default="8x512x4,4x512x4,16x256x4,8x1024x8,4x256x2",
                     help="BLOCK_N x BLOCK_K x warps of the Triton GEMV to time")
     ap.add_argument("--rows", default="1",
-                    help="rows per product: 1 times gemv(); more (up to 16) time gemm_rows() against cuBLAS")
+                    help="rows per product: 1 times gemv(); more (up to 16) time gemm_rows() against cuBLAS "
+                         "(2.0-2.8x slower than cuBLAS at 5 rows on the H200: BENCHMARKS, sixteenth session)")
     ap.add_argument("--rows-configs", default="16x256x4x4,16x128x4x3,32x128x4x4,16x512x4x3,32x256x8x3",
                     help="BLOCK_N x BLOCK_K x warps x stages of gemm_rows to time")
     ap.add_argument("--chain", action="store_true", help="time the dependent chain, PDL on and off (above)")
@@ -97,17 +114,7 @@ def main() -> None:
             fn, cfgs, default = gemv, configs, default_config
         else:
             fn, cfgs, default = gemm_rows, rows_configs, rows_config
-        t = GEOMETRIES[geo]["text"]
-        h, inter, layers = t["hidden_size"], t["intermediate_size"], t["num_hidden_layers"]
-        d = h // t["num_attention_heads"]
-        nqkv = h + 2 * t["num_key_value_heads"] * d
-        g = torch.Generator(device="cuda").manual_seed(0)
-
-        def w(n, k):
-            return (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(dt)
-
-        W = [dict(qkv=w(nqkv, h), qkv_b=w(1, nqkv)[0], o=w(h, h), gu=w(2 * inter, h), down=w(h, inter))
-             for _ in range(layers)]
+        t, h, inter, layers, nqkv, W, w = layer_weights(geo, dt)
         head = w(t["vocab_size"], h)
         x = torch.randn(rows, h, device="cuda", dtype=dt)
         xgu = torch.randn(rows, 2 * inter, device="cuda", dtype=dt)
@@ -166,18 +173,9 @@ def chain(a, bw: float) -> None:
     res = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "copy_bandwidth_GBps": round(bw / 1e9, 1), "chain": {}}
     for geo in a.geometries.split(","):
-        t = GEOMETRIES[geo]["text"]
-        h, inter, layers = t["hidden_size"], t["intermediate_size"], t["num_hidden_layers"]
-        d = h // t["num_attention_heads"]
-        nqkv = h + 2 * t["num_key_value_heads"] * d
-        g = torch.Generator(device="cuda").manual_seed(0)
-
-        def w(n, k):
-            return (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(dt)
-
-        W = [dict(qkv=w(nqkv, h), qkv_b=w(1, nqkv)[0], o=w(h, h), gu=w(2 * inter, h), down=w(h, inter),
-                  n1=torch.ones(h, device="cuda", dtype=dt), n2=torch.ones(h, device="cuda", dtype=dt))
-             for _ in range(layers)]
+        t, h, inter, layers, nqkv, W, w = layer_weights(geo, dt)
+        for L in W:
+            L["n1"], L["n2"] = torch.ones(h, device="cuda", dtype=dt), torch.ones(h, device="cuda", dtype=dt)
         x0 = torch.randn(1, h, device="cuda", dtype=dt)
         nbytes = sum(v.numel() * 2 for L in W for v in L.values())
 
