@@ -343,3 +343,29 @@ def test_the_policy_state_reports_its_beliefs_and_reset_restores_the_prior():
     back = pol.state()
     assert back["acceptance_global"] == 0.7 and back["sequences_scored"] == 0 and back["probe_interval"] == 16
     assert back["target_step_s"] == st["target_step_s"]  # the costs are kept
+
+
+def test_a_request_explores_a_catch_up_that_only_the_unobserved_prior_rules_out():
+    """Before any verification the acceptance scored is only the prior. Where the prior's expected
+    saving misses the catch-up's price but the best case (every draft accepted) repays it, the
+    answer is None (the engine lets one page go, as while costs are unmeasured), so a prior that
+    barely fails cannot keep a good draft out for good. Once verifications are seen, the priced
+    answer stands; reset_acceptance() makes the prior a guess again."""
+    pol = AdaptiveK(k_max=4, fixed=False, prior=0.7)
+    for n in (1, 2, 3, 4, 5):
+        pol.observe_step(n, 0.0043)  # a 4.3 ms step, flat in tokens (r = 0)
+        pol.observe_draft_forward(1, 0.38 * 0.0043)  # c = 0.38 (bench_engine part c, 7B / 2B)
+    for _ in range(4):
+        pol.observe_overlapped_step(1, 0.88 * 0.0043)  # overlap ratio 0.88
+    for n in (400, 800, 1200, 1600):
+        pol.observe_draft_prefill(n, 0.08 * n / 1300)  # a 1,300-token page: 80 ms
+    ask = dict(k=2, tokens=1300, share=1, generated=0, left=128, exact=True)
+    # the prior: gain 0.88 E(0.7, 2) / 1.76 = 1.10, 128 x 4.3 ms x 0.09 = 48 ms < 80 ms; all
+    # accepted: gain 1.5, 183 ms >= 80 ms
+    assert pol.worth_catching_up(1, **ask) is None
+    assert pol.worth_catching_up(1, **{**ask, "tokens": 8000}) is False  # not even the best case repays
+    pol.observe(1, 2, 2)  # the explored sequence's first verification: both drafts accepted
+    assert pol.worth_catching_up(1, **ask) is True  # its own estimate (0.8) repays the catch-up
+    assert pol.worth_catching_up(2, **ask) is False  # a new one is priced at the global estimate (0.73)
+    pol.reset_acceptance()
+    assert pol.worth_catching_up(2, **ask) is None

@@ -175,6 +175,7 @@ class AdaptiveK:
         self._acc_st: dict[int, tuple[float, float]] = {}  # (accepted, tried) moving averages (observe)
         self._global = prior  # acceptance over all verifications: the prior of new sequences
         self._global_st = (prior, 1.0)
+        self._observations = 0  # verifications seen since the start or reset_acceptance()
         self._target = _Line()  # target forward seconds vs tokens in it (decode/verify steps)
         self._any_step = _Line()  # the same over every target step, prefill chunks included
         self._draft = _Line()  # draft decode forward seconds vs sequences in it
@@ -267,7 +268,9 @@ class AdaptiveK:
         while the costs are unmeasured (the engine then lets one page per step go, to measure).
         Remaining tokens: `left` (what max_tokens still allows) when the sequence cannot stop
         earlier (`exact`: EOS ignored, no stop strings), else the running average of finished
-        requests' lengths less what it has generated, at most `left`."""
+        requests' lengths less what it has generated, at most `left`. Also None while no
+        verification has been seen and only the best case (every draft accepted) repays: one page
+        then explores (below)."""
         if self.fixed or self.probing or tokens <= 2:
             return True
         if self._target.fit is not None:
@@ -285,17 +288,28 @@ class AdaptiveK:
             return None
         draft = self._draft.at(self.batch)
         c = draft / step if draft is not None else self._c_prior
-        a = self._acc.get(seq_id, self._global)
-        gain = self.overlap_ratio * expected_tokens(a, k) / (1.0 + k * (c + r))
-        if gain <= 1.0:
-            return False
         if exact and left is not None:
             remaining = max(1.0, float(left))
         else:
             remaining = max(1.0, self._generated - generated)
             if left is not None:
                 remaining = min(remaining, max(1.0, float(left)))
-        return remaining * step / self.batch * (1.0 - 1.0 / gain) * max(1, share) >= cost
+
+        def repays(a: float) -> bool:
+            gain = self.overlap_ratio * expected_tokens(a, k) / (1.0 + k * (c + r))
+            return gain > 1.0 and remaining * step / self.batch * (1.0 - 1.0 / gain) * max(1, share) >= cost
+
+        if repays(self._acc.get(seq_id, self._global)):
+            return True
+        if self._observations or seq_id in self._acc:
+            return False
+        # No verification seen yet (a fresh engine, or reset_acceptance): the acceptance scored is
+        # only the prior, so a "no" is a guess. If every draft being accepted would repay the
+        # catch-up, answer None: the engine lets one page go (as while costs are unmeasured), and
+        # its verifications replace the prior. Without this a prior that barely fails keeps the
+        # draft out for good, since probes are spaced by their price (call 3 of BENCHMARKS'
+        # sixteenth session bypassed every step at a = 0.9).
+        return None if repays(1.0) else False
 
     def observe(self, seq_id: int, k: int, accepted: int) -> None:
         """A verification of k drafts that accepted the first `accepted`. The acceptance a that
@@ -306,6 +320,7 @@ class AdaptiveK:
         is 0.77, which made E(a, 4) 3.0 instead of 4.1 and the policy bypass drafts that pay.)"""
         if k == 0:
             return
+        self._observations += 1
         tried = accepted + (1 if accepted < k else 0)
         s0, t0 = self._acc_st.get(seq_id, (self._global, 1.0))
         s1 = self.decay * s0 + (1 - self.decay) * accepted
@@ -324,6 +339,7 @@ class AdaptiveK:
         self._acc.clear()
         self._acc_st.clear()
         self._global, self._global_st = self.prior, (self.prior, 1.0)
+        self._observations = 0
         self._a_hi = None
         self._since_probe, self._probe_interval = 0, self.probe_every
 
