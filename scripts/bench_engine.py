@@ -223,27 +223,24 @@ def part_a(folder: Path, args, env: dict) -> dict:
     no_overlap_tps = max(decode_tps()[0] for _ in range(3))
     llm.overlap_decode = True
     overlapped = llm.num_overlapped_steps
-    no_gemv_tps = None
-    if graphs is not None and kernels_gemv.ENABLED:  # cuBLAS for the one-row products (graphs captured anew)
-        kernels_gemv.ENABLED = False
-        graphs.graphs.clear()
-        graphs.pool = None  # a new memory pool: capturing into one whose graphs are gone fails
-        no_gemv_tps = max(decode_tps()[0] for _ in range(3))
-        kernels_gemv.ENABLED = True
+    def without(module) -> float:
+        """tokens/s with module.ENABLED off, the step graphs captured anew (a new memory pool:
+        capturing into one whose graphs are gone fails); then on again, graphs recaptured."""
+        module.ENABLED = False
         graphs.graphs.clear()
         graphs.pool = None
-        decode_tps()
-    no_pdl_tps = None
-    if graphs is not None and kernels_pdl.enabled(torch.zeros(1, device=args.device)):
-        # every kernel launched in plain stream order (no programmatic dependent launch; graphs anew)
-        kernels_pdl.ENABLED = False
-        graphs.graphs.clear()
-        graphs.pool = None
-        no_pdl_tps = max(decode_tps()[0] for _ in range(3))
-        kernels_pdl.ENABLED = True
-        graphs.graphs.clear()
-        graphs.pool = None
-        decode_tps()
+        try:
+            return max(decode_tps()[0] for _ in range(3))
+        finally:
+            module.ENABLED = True
+            graphs.graphs.clear()
+            graphs.pool = None
+            decode_tps()
+
+    # cuBLAS for the one-row products; every kernel in plain stream order (no programmatic dependent launch)
+    no_gemv_tps = without(kernels_gemv) if graphs is not None and kernels_gemv.ENABLED else None
+    no_pdl_tps = (without(kernels_pdl) if graphs is not None and kernels_pdl.enabled(torch.zeros(1, device=args.device))
+                  else None)
     eager_tps = None
     if graphs is not None:  # the same engine with its CUDA graphs switched off
         llm.runner.graphs = None
