@@ -20,16 +20,17 @@ Rules every kernel launched this way keeps (what makes it safe):
 Kernels launched without the flag keep plain stream order (they start after the previous kernel
 completes), so mixing the two is safe.
 
-`DOCPROC_PDL=1` turns it on; off, every kernel launches as before and `wait` compiles out.
+On by default on sm_90+; `DOCPROC_PDL=0` turns it off: every kernel then launches as before and
+`wait` compiles out.
 Interpreter and CPU runs never use it: the flag is a compile-time argument (PDL) of each kernel.
 
-Status (sixteenth session, H200): +8% tokens/s at the 2B geometry's batch-1 decode (the draft's
-size), within +-1.5% at 7B. Off by default: the final code (each kernel's wait ahead of its loop,
-the 7B down projection's later trigger) has not yet run on a GPU. An earlier form that waited
-inside a loop's first iteration read stale inputs on the H200; tests/test_pdl.py now checks on the
-CPU, in the compiled PTX, that the wait precedes every load of an activation on every path. Next:
-the GPU tests (tests/test_pdl.py, tests/test_gemv.py), then
-`DOCPROC_PDL=1 python scripts/bench_engine.py --parts a --geometry 2b` decide the default.
+Status (H200): +8.0% and +8.8% tokens/s at the 2B geometry's batch-1 decode (the draft's size;
+sixteenth and seventeenth sessions), -0.1%, 0.0% and -2.0% at 7B (three paired runs: noise level).
+The final code (each kernel's wait ahead of its loop, the 7B down projection's later trigger)
+passed the GPU tests (tests/test_pdl.py, tests/test_gemv.py, tests/test_graph_runner.py) on the
+H200 in the seventeenth session, so it is on by default. An earlier form that waited inside a
+loop's first iteration read stale inputs on the H200; tests/test_pdl.py checks on the CPU, in the
+compiled PTX, that the wait precedes every load of an activation on every path.
 """
 from __future__ import annotations
 
@@ -41,8 +42,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-# Off unless DOCPROC_PDL=1: see "Status" in the module docstring.
-ENABLED = os.environ.get("DOCPROC_PDL", "0") == "1"
+# On unless DOCPROC_PDL=0: see "Status" in the module docstring.
+ENABLED = os.environ.get("DOCPROC_PDL", "1") != "0"
 # where a kernel lets the next one launch: "start" (on entry), "end" (after its main loop, before
 # its stores), or "" for each call site's own choice (launch(early=...)); a knob for measurements
 TRIGGER = os.environ.get("DOCPROC_PDL_TRIGGER", "")
