@@ -274,6 +274,54 @@ def _fp4_decode_bf16x2(c, s_lo, s_hi):
         args=[c, s_lo, s_hi], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
 
+def _fp4_word_decode_ptx() -> str:
+    """The PTX of _fp4_tile_words: one 32-bit word of codes ($8: bytes j..j+3 of a token-head's
+    codes, so dims j..j+3 in the low nibbles and D/2 + j.. in the high ones) and the bf16x2 scale
+    pairs of its low ($9) and high ($10) group in; eight bf16 out, dims j..j+3 ($0-$3) and
+    D/2 + j.. ($4-$7). The per-pair steps are _fp4_decode_ptx's."""
+    lines = ["{", ".reg .b32 t01, t23, x, y, z;", "mov.b32 z, 0x80008000;",
+             "prmt.b32 t01, $8, 0, 0x4140;", "prmt.b32 t23, $8, 0, 0x4342;"]
+    for outs, src, mask, mul, scale in ((("$0", "$1"), "t01", "0x000F000F", "0x1040", "$9"),
+                                        (("$2", "$3"), "t23", "0x000F000F", "0x1040", "$9"),
+                                        (("$4", "$5"), "t01", "0x00F000F0", "0x104", "$10"),
+                                        (("$6", "$7"), "t23", "0x00F000F0", "0x104", "$10")):
+        lines += [f"and.b32 x, {src}, {mask};", f"mul.lo.u32 x, x, {mul};", "and.b32 x, x, 0x81C081C0;",
+                  f"fma.rn.bf16x2 y, x, {scale}, z;", f"mov.b32 {{{outs[0]}, {outs[1]}}}, y;"]
+    return "\n".join(lines + ["}"])
+
+
+FP4_WORD_DECODE_PTX = tl.constexpr(_fp4_word_decode_ptx())
+
+
+@triton.jit
+def _scale_pair(e):
+    """E4M3 scale bytes (int32) -> int32 holding (scale x 2^118, same) as bf16x2 (exact: 3 mantissa bits)."""
+    f = (e << 20).to(tl.float32, bitcast=True) * TWO_119 * TWO_119
+    b = (f.to(tl.int32, bitcast=True) >> 16) & 0xFFFF
+    return b | (b << 16)
+
+
+@triton.jit
+def _fp4_tile_words(codes_ptr, scales_ptr, row_c, row_s, nmask, GH: tl.constexpr, BLOCK_N: tl.constexpr):
+    """_fp4_tile's PTX decode from 32-bit words: each thread loads whole words of codes (no byte
+    repacking) and their decoded bf16 pairs stay in registers in dim order, so that the tile's
+    layout change for the tensor cores moves 8-byte vectors."""
+    W: tl.constexpr = GH * 4  # words per half token-head: 4 per group of 16 dims
+    g = tl.arange(0, GH)
+    i = tl.arange(0, 4)
+    wp = (codes_ptr + row_c).to(tl.pointer_type(tl.int32))
+    w = tl.load(wp[:, None, None] + (g[None, :, None] * 4 + i[None, None, :]), mask=nmask[:, None, None], other=0)
+    e_lo = tl.load(scales_ptr + row_s[:, None] + g[None, :], mask=nmask[:, None], other=0).to(tl.int32)
+    e_hi = tl.load(scales_ptr + row_s[:, None] + GH + g[None, :], mask=nmask[:, None], other=0).to(tl.int32)
+    o = tl.inline_asm_elementwise(
+        asm=FP4_WORD_DECODE_PTX, constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
+        args=[w, _scale_pair(e_lo)[:, :, None], _scale_pair(e_hi)[:, :, None]],
+        dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+    lo = tl.reshape(tl.join(tl.join(o[0], o[1]), tl.join(o[2], o[3])), [BLOCK_N, W * 4])
+    hi = tl.reshape(tl.join(tl.join(o[4], o[5]), tl.join(o[6], o[7])), [BLOCK_N, W * 4])
+    return lo, hi
+
+
 @triton.jit
 def _fp4_tile(codes_ptr, scales_ptr, row_c, row_s, nmask, GH: tl.constexpr, BLOCK_N: tl.constexpr,
               PTX: tl.constexpr = False):
@@ -286,6 +334,17 @@ def _fp4_tile(codes_ptr, scales_ptr, row_c, row_s, nmask, GH: tl.constexpr, BLOC
     bits in two shifts and masks: its 3 magnitude bits land on the exponent's two low bits and the
     mantissa's top bit, its sign on the sign bit; that float is the code's value x 2^-126 (exact,
     codes 0 and +-0.5 are subnormal), and 2^118 rides on the scale."""
+    if PTX == 2:
+        lo, hi = _fp4_tile_words(codes_ptr, scales_ptr, row_c, row_s, nmask, GH, BLOCK_N)
+    else:
+        lo, hi = _fp4_tile_bytes(codes_ptr, scales_ptr, row_c, row_s, nmask, GH, BLOCK_N, PTX)
+    return lo, hi
+
+
+@triton.jit
+def _fp4_tile_bytes(codes_ptr, scales_ptr, row_c, row_s, nmask, GH: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PTX: tl.constexpr):
+    """_fp4_tile from the codes as (BLOCK_N, GH, 16) bytes: the float32 decode, or PTX == 1's."""
     g = tl.arange(0, GH)
     j = tl.arange(0, 16)
     c = tl.load(codes_ptr + row_c[:, None, None] + (g[None, :, None] * 16 + j[None, None, :]),
@@ -296,7 +355,7 @@ def _fp4_tile(codes_ptr, scales_ptr, row_c, row_s, nmask, GH: tl.constexpr, BLOC
     s_hi = tl.load(scales_ptr + row_s[:, None] + GH + g[None, :], mask=nmask[:, None], other=0).to(tl.int32)
     s_lo = (s_lo << 20).to(tl.float32, bitcast=True) * TWO_119 * TWO_119
     s_hi = (s_hi << 20).to(tl.float32, bitcast=True) * TWO_119 * TWO_119
-    if PTX:
+    if PTX == 1:
         # scale x 2^118 has E4M3's 3 mantissa bits and lies in bf16's normal range: exact in bf16
         r_lo, r_hi = _fp4_decode_bf16x2(c, s_lo.to(tl.bfloat16)[:, :, None], s_hi.to(tl.bfloat16)[:, :, None])
         lo = tl.reshape(r_lo, [BLOCK_N, GH * 16])
@@ -654,7 +713,8 @@ def paged_attention(
     num_stages: int = 2,
     out: torch.Tensor | None = None,
     fp4_keys_as_rows: bool | None = None,  # FP4: scores as K q^T (default: as tuned, see below)
-    fp4_ptx_decode: bool | None = None,  # FP4: decode in PTX to bf16x2 (default: on CUDA sm_80+ with bf16/fp16 q)
+    fp4_ptx_decode: bool | str | None = None,  # FP4: decode in PTX to bf16x2 (default: on CUDA sm_80+ with
+    # bf16/fp16 q); "words": the PTX decode from 32-bit words of codes (_fp4_tile_words, a variant)
     fp4_transposed: bool = False,  # FP4: the tile transposed, decoded K and V both row operands (a tuning variant)
     fp4_k_outlier_select: bool = False,  # FP4: key outliers replace their element before the dot (a variant)
     fp4_v_outlier_dot: bool = False,  # FP4, transposed tile: value outliers through a dot of their own (a variant)
@@ -719,7 +779,7 @@ def paged_attention(
             GROUP=group, TOKENS=plan.tokens_per_tile, BLOCK_M=plan.block_m, BLOCK_N=block_n, HALF=d // 2,
             SPLIT=splits > 1, NUM_OUTLIERS=num_outliers, NUM_V_OUTLIERS=num_v_outliers, DOT_FP32=dot_fp32,
             KEYS_AS_ROWS=bool(fp4_keys_as_rows),
-            PTX_DECODE=bool(fp4_ptx_decode), TRANSPOSED=fp4_transposed, K_OUTLIER_SELECT=bool(fp4_k_outlier_select),
+            PTX_DECODE=2 if fp4_ptx_decode == "words" else int(bool(fp4_ptx_decode)), TRANSPOSED=fp4_transposed, K_OUTLIER_SELECT=bool(fp4_k_outlier_select),
             V_OUTLIER_DOT=bool(fp4_v_outlier_dot),
             num_warps=num_warps, num_stages=num_stages,
         )

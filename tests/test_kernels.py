@@ -259,15 +259,15 @@ def test_fp4_ptx_decode_equals_the_float32_decode_bit_for_bit():
     codes = codes[:, torch.randperm(64, device="cuda")].contiguous()
     scales = torch.arange(n * 8, device="cuda").remainder(127).to(torch.uint8).view(n, 8)  # 0x7f is NaN
     out = {}
-    for ptx in (False, True):
+    for ptx in (0, 1, 2):  # float32, PTX from bytes, PTX from 32-bit words
         out[ptx] = torch.full((n, 128), float("nan"), device="cuda")
         decode[(1,)](codes, scales, out[ptx], PTX=ptx, BLOCK_N=n)
-    assert torch.isfinite(out[False]).all()
-    assert torch.equal(out[True], out[False])
+    assert torch.isfinite(out[0]).all()
+    assert torch.equal(out[1], out[0]) and torch.equal(out[2], out[0])
     # and they are the format's values: code x scale x 2^-8 (head scale left out)
     ref = torch.stack([fp4.e2m1_decode(codes & 0xF), fp4.e2m1_decode(codes >> 4)], 1).view(n, 2, 4, 16)
     ref = (ref * fp4.e4m3_decode(scales).view(n, 2, 4, 1)).reshape(n, 128) / 256
-    assert torch.equal(out[True], ref.float())
+    assert torch.equal(out[1], ref.float())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX: GPU only")
@@ -279,8 +279,10 @@ def test_fp4_attention_with_ptx_decode_equals_the_float32_decode():
     layer = fp4_layer_with_outliers(nb, bs, kv_heads, d, seed=8)
     plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=4)
     outs = [paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
-                            fp4_ptx_decode=ptx) for ptx in (False, True)]
-    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+                            fp4_ptx_decode=ptx, fp4_keys_as_rows=rows)
+            for ptx, rows in ((False, None), (True, None), ("words", True), ("words", False))]
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0], rtol=0, atol=0)
 
 
 def test_split_counts_fill_the_chip_only_where_it_is_underfilled():
