@@ -317,8 +317,10 @@ def _fp4_tile_words(codes_ptr, scales_ptr, row_c, row_s, nmask, GH: tl.constexpr
         asm=FP4_WORD_DECODE_PTX, constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
         args=[w, _scale_pair(e_lo)[:, :, None], _scale_pair(e_hi)[:, :, None]],
         dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
-    lo = tl.reshape(tl.join(tl.join(o[0], o[1]), tl.join(o[2], o[3])), [BLOCK_N, W * 4])
-    hi = tl.reshape(tl.join(tl.join(o[4], o[5]), tl.join(o[6], o[7])), [BLOCK_N, W * 4])
+    # tl.join adds its new dim last: join(join(a, c), join(b, d)) is [[a, b], [c, d]] in (pair, lane)
+    # order, a, b, c, d once flattened
+    lo = tl.reshape(tl.join(tl.join(o[0], o[2]), tl.join(o[1], o[3])), [BLOCK_N, W * 4])
+    hi = tl.reshape(tl.join(tl.join(o[4], o[6]), tl.join(o[5], o[7])), [BLOCK_N, W * 4])
     return lo, hi
 
 

@@ -131,9 +131,9 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
             batch * ctx * hkv * (bytes_per_token_head(d, layer.num_outliers) + d // 2 + d // 16), {"config": cfg4})
         # the PTX decode from 32-bit words of codes (fp4_ptx_decode="words"), keys as rows or not,
         # with every slot, without the value slots, and without any
-        for rows in (True, False):
-            cfg_w = {**cfg4, "fp4_ptx_decode": "words", "fp4_keys_as_rows": rows}
-            tag = "words" + ("" if rows else "_q_rows")
+        for as_rows in (True, False):
+            cfg_w = {**cfg4, "fp4_ptx_decode": "words", "fp4_keys_as_rows": as_rows}
+            tag = "words" + ("" if as_rows else "_q_rows")
             record(f"ours_fp4_paged_{tag}", lambda: paged_attention(
                 q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"), **cfg_w),
                 batch * ctx * layer.bytes_per_token, {"config": cfg_w})
