@@ -723,15 +723,17 @@ def paged_attention(
 ) -> torch.Tensor:
     n_tok, n_heads, d = q.shape
     is_fp4 = fp4_k is not None
-    # Defaults from bench_kernels' tuning on the H200 (three runs, 7B and 2B geometry, batch 32, 16k
-    # keys, one query token): dense 32 keys per step (3.5-4% faster than 64), FP4 128 keys with
-    # scores as K q^T (~5% faster). Tiles of more than 16 rows (prefill chunks, long windows) were
-    # not tuned and keep the earlier choice (dense 64 keys, FP4 q K^T).
+    # Defaults from bench_kernels on the H200 (7B and 2B geometry, batch 32, 16k keys, one query
+    # token): dense 32 keys per step (3.5-4% faster than 64); FP4 128 keys, scores as q K^T with
+    # the PTX decode from 32-bit words (seventeenth session, 7B: 484 us against 571 for the earlier
+    # default, scores as K q^T from bytes, at batch 32; 135 against 160 at batch 8). Tiles of more
+    # than 16 rows (prefill chunks, long windows) were not tuned and keep the earlier choice (dense
+    # 64 keys, FP4 q K^T from bytes: Triton 3.6 fails to compile the words decode there with q K^T).
     small_tile = plan.block_m <= 16
     if block_n is None:
         block_n = 128 if is_fp4 else (32 if small_tile else 64)
     if fp4_keys_as_rows is None:
-        fp4_keys_as_rows = small_tile
+        fp4_keys_as_rows = False
     assert d % 32 == 0 and (d & (d - 1)) == 0, f"head_dim must be a power of two >= 32, got {d}"
     assert q.stride(2) == 1, "q must be contiguous in head_dim"
     assert not fp4_v_outlier_dot or fp4_transposed, "fp4_v_outlier_dot is a variant of the transposed tile"
@@ -769,6 +771,8 @@ def paged_attention(
     dot_fp32 = q.dtype == torch.float32
     if is_fp4 and fp4_ptx_decode is None:
         fp4_ptx_decode = ptx_decode_available(q.device) and not dot_fp32
+        if fp4_ptx_decode and small_tile and not fp4_transposed:
+            fp4_ptx_decode = "words"
     assert not (fp4_ptx_decode and dot_fp32), "the PTX decode feeds bf16 tensor-core dots; float32 q uses float32"
     if is_fp4:
         _paged_attn_fp4_kernel[(n_tiles, n_kv, splits)](

@@ -47,9 +47,11 @@ def matmul_rate() -> float:
     return 2 * 8192 ** 3 / (ms * 1e-3)
 
 
-# what tune() picked at both geometries in every device run since the sixth session (B = 32, 16k keys)
+# what tune() picked at both geometries in every device run since the sixth session (B = 32, 16k keys);
+# FP4 then takes paged_attention's defaults for the rest (since the seventeenth session: scores as
+# q K^T, PTX decode from 32-bit words)
 TUNED = {"bf16": {"block_n": 32, "num_warps": 4, "num_stages": 2},
-         "fp4": {"fp4_keys_as_rows": True, "block_n": 128, "num_warps": 4, "num_stages": 2}}
+         "fp4": {"block_n": 128, "num_warps": 4, "num_stages": 2}}
 
 
 def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_splits: bool = False,
@@ -129,21 +131,18 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
         record("ours_fp4_paged_no_value_outliers", lambda: paged_attention(
             q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=no_outliers("v"), **cfg4),
             batch * ctx * hkv * (bytes_per_token_head(d, layer.num_outliers) + d // 2 + d // 16), {"config": cfg4})
-        # the PTX decode from 32-bit words of codes (fp4_ptx_decode="words"), keys as rows or not,
-        # with every slot, without the value slots, and without any
-        for as_rows in (True, False):
-            cfg_w = {**cfg4, "fp4_ptx_decode": "words", "fp4_keys_as_rows": as_rows}
-            tag = "words" + ("" if as_rows else "_q_rows")
-            record(f"ours_fp4_paged_{tag}", lambda: paged_attention(
-                q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"), **cfg_w),
-                batch * ctx * layer.bytes_per_token, {"config": cfg_w})
-            record(f"ours_fp4_paged_{tag}_no_value_outliers", lambda: paged_attention(
-                q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=no_outliers("v"), **cfg_w),
-                batch * ctx * hkv * (bytes_per_token_head(d, layer.num_outliers) + d // 2 + d // 16),
-                {"config": cfg_w})
-            record(f"ours_fp4_paged_{tag}_no_outliers", lambda: paged_attention(
-                q, plan, d ** -0.5, fp4_k=no_outliers("k"), fp4_v=no_outliers("v"), **cfg_w),
-                batch * ctx * hkv * 2 * (d // 2 + d // 16), {"config": cfg_w})
+        # the default until the seventeenth session: scores as K q^T, the PTX decode from bytes
+        # (fp4_ptx_decode=True), with every slot, without the value slots, and without any
+        cfg_b = {**cfg4, "fp4_ptx_decode": True, "fp4_keys_as_rows": True}
+        record("ours_fp4_paged_bytes_k_rows", lambda: paged_attention(
+            q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"), **cfg_b),
+            batch * ctx * layer.bytes_per_token, {"config": cfg_b})
+        record("ours_fp4_paged_bytes_k_rows_no_value_outliers", lambda: paged_attention(
+            q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=no_outliers("v"), **cfg_b),
+            batch * ctx * hkv * (bytes_per_token_head(d, layer.num_outliers) + d // 2 + d // 16), {"config": cfg_b})
+        record("ours_fp4_paged_bytes_k_rows_no_outliers", lambda: paged_attention(
+            q, plan, d ** -0.5, fp4_k=no_outliers("k"), fp4_v=no_outliers("v"), **cfg_b),
+            batch * ctx * hkv * 2 * (d // 2 + d // 16), {"config": cfg_b})
         # key outliers by a select on the decoded tile (as values) instead of a gather of q
         record("ours_fp4_paged_k_outlier_select", lambda: paged_attention(
             q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),

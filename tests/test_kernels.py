@@ -272,17 +272,25 @@ def test_fp4_ptx_decode_equals_the_float32_decode_bit_for_bit():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX: GPU only")
 def test_fp4_attention_with_ptx_decode_equals_the_float32_decode():
+    """Both PTX decodes (from bytes, and from 32-bit words: the default for tiles of up to 16 rows)
+    give the float32 decode's output exactly, with the scores as q K^T and as K q^T; tiles of more
+    rows (a 5-token window) take the bytes decode by default."""
     heads, kv_heads, d, bs = 28, 4, 128, 16
-    q_lens, ctx_lens = [1] * 3 + [5], [4096, 77, 1000, 300]
-    nb = sum(-(-c // bs) for c in ctx_lens) + 3
-    q, qs, tables = make_batch(q_lens, ctx_lens, heads, kv_heads, d, bs, nb, dtype=torch.bfloat16, seed=7)
-    layer = fp4_layer_with_outliers(nb, bs, kv_heads, d, seed=8)
-    plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=4)
-    outs = [paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
-                            fp4_ptx_decode=ptx, fp4_keys_as_rows=rows)
-            for ptx, rows in ((False, None), (True, None), ("words", True), ("words", False))]
-    for o in outs[1:]:
-        torch.testing.assert_close(o, outs[0], rtol=0, atol=0)
+    for q_lens, ctx_lens, variants in (
+            ([1] * 4, [4096, 77, 1000, 300], ((True, None), (True, True), ("words", True), ("words", False),
+                                              (None, None))),
+            ([1] * 3 + [5], [4096, 77, 1000, 300], ((True, None), ("words", True), (None, None)))):
+        nb = sum(-(-c // bs) for c in ctx_lens) + 3
+        q, qs, tables = make_batch(q_lens, ctx_lens, heads, kv_heads, d, bs, nb, dtype=torch.bfloat16, seed=7)
+        layer = fp4_layer_with_outliers(nb, bs, kv_heads, d, seed=8)
+        plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=4)
+        for ptx, rows in variants:
+            # against the float32 decode with the same orientation of the scores' product
+            ref = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
+                                  fp4_ptx_decode=False, fp4_keys_as_rows=rows)
+            out = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
+                                  fp4_ptx_decode=ptx, fp4_keys_as_rows=rows)
+            torch.testing.assert_close(out, ref, rtol=0, atol=0, msg=lambda m: f"{q_lens} {ptx} {rows}: {m}")
 
 
 def test_split_counts_fill_the_chip_only_where_it_is_underfilled():
