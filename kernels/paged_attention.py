@@ -302,20 +302,32 @@ def _scale_pair(e):
 
 
 @triton.jit
-def _fp4_tile_words(codes_ptr, scales_ptr, row_c, row_s, nmask, GH: tl.constexpr, BLOCK_N: tl.constexpr):
+def _fp4_tile_words(codes_ptr, scales_ptr, row_c, row_s, nmask, GH: tl.constexpr, BLOCK_N: tl.constexpr,
+                    ROW: tl.constexpr = False):
     """_fp4_tile's PTX decode from 32-bit words: each thread loads whole words of codes (no byte
-    repacking) and their decoded bf16 pairs stay in registers in dim order, so that the tile's
-    layout change for the tensor cores moves 8-byte vectors."""
+    repacking), and their eight decoded values stay in registers in dim order. ROW: the words as
+    one (BLOCK_N, D/8) row per key, the group scales broadcast to them by a reshape; Triton then
+    spreads a key's words over 4 lanes and stores the decoded tile to shared memory in 16-byte
+    vectors (else (BLOCK_N, groups, 4): a whole key per thread, 2-byte stores)."""
     W: tl.constexpr = GH * 4  # words per half token-head: 4 per group of 16 dims
     g = tl.arange(0, GH)
-    i = tl.arange(0, 4)
     wp = (codes_ptr + row_c).to(tl.pointer_type(tl.int32))
-    w = tl.load(wp[:, None, None] + (g[None, :, None] * 4 + i[None, None, :]), mask=nmask[:, None, None], other=0)
     e_lo = tl.load(scales_ptr + row_s[:, None] + g[None, :], mask=nmask[:, None], other=0).to(tl.int32)
     e_hi = tl.load(scales_ptr + row_s[:, None] + GH + g[None, :], mask=nmask[:, None], other=0).to(tl.int32)
+    if ROW:
+        j = tl.arange(0, W)
+        w = tl.load(wp[:, None] + j[None, :], mask=nmask[:, None], other=0)
+        s_lo = tl.reshape(tl.broadcast_to(_scale_pair(e_lo)[:, :, None], [BLOCK_N, GH, 4]), [BLOCK_N, W])
+        s_hi = tl.reshape(tl.broadcast_to(_scale_pair(e_hi)[:, :, None], [BLOCK_N, GH, 4]), [BLOCK_N, W])
+    else:
+        i = tl.arange(0, 4)
+        w = tl.load(wp[:, None, None] + (g[None, :, None] * 4 + i[None, None, :]), mask=nmask[:, None, None],
+                    other=0)
+        s_lo = _scale_pair(e_lo)[:, :, None]
+        s_hi = _scale_pair(e_hi)[:, :, None]
     o = tl.inline_asm_elementwise(
         asm=FP4_WORD_DECODE_PTX, constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
-        args=[w, _scale_pair(e_lo)[:, :, None], _scale_pair(e_hi)[:, :, None]],
+        args=[w, s_lo, s_hi],
         dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
     # tl.join adds its new dim last: join(join(a, c), join(b, d)) is [[a, b], [c, d]] in (pair, lane)
     # order, a, b, c, d once flattened
@@ -336,8 +348,8 @@ def _fp4_tile(codes_ptr, scales_ptr, row_c, row_s, nmask, GH: tl.constexpr, BLOC
     bits in two shifts and masks: its 3 magnitude bits land on the exponent's two low bits and the
     mantissa's top bit, its sign on the sign bit; that float is the code's value x 2^-126 (exact,
     codes 0 and +-0.5 are subnormal), and 2^118 rides on the scale."""
-    if PTX == 2:
-        lo, hi = _fp4_tile_words(codes_ptr, scales_ptr, row_c, row_s, nmask, GH, BLOCK_N)
+    if PTX >= 2:
+        lo, hi = _fp4_tile_words(codes_ptr, scales_ptr, row_c, row_s, nmask, GH, BLOCK_N, PTX == 3)
     else:
         lo, hi = _fp4_tile_bytes(codes_ptr, scales_ptr, row_c, row_s, nmask, GH, BLOCK_N, PTX)
     return lo, hi
@@ -716,7 +728,8 @@ def paged_attention(
     out: torch.Tensor | None = None,
     fp4_keys_as_rows: bool | None = None,  # FP4: scores as K q^T (default: as tuned, see below)
     fp4_ptx_decode: bool | str | None = None,  # FP4: decode in PTX to bf16x2 (default: on CUDA sm_80+ with
-    # bf16/fp16 q); "words": the PTX decode from 32-bit words of codes (_fp4_tile_words, a variant)
+    # bf16/fp16 q); "words": the PTX decode from 32-bit words of codes (_fp4_tile_words; the default
+    # for tiles of up to 16 rows), "word_rows": the same with the words as one row per key (a variant)
     fp4_transposed: bool = False,  # FP4: the tile transposed, decoded K and V both row operands (a tuning variant)
     fp4_k_outlier_select: bool = False,  # FP4: key outliers replace their element before the dot (a variant)
     fp4_v_outlier_dot: bool = False,  # FP4, transposed tile: value outliers through a dot of their own (a variant)
@@ -785,7 +798,8 @@ def paged_attention(
             GROUP=group, TOKENS=plan.tokens_per_tile, BLOCK_M=plan.block_m, BLOCK_N=block_n, HALF=d // 2,
             SPLIT=splits > 1, NUM_OUTLIERS=num_outliers, NUM_V_OUTLIERS=num_v_outliers, DOT_FP32=dot_fp32,
             KEYS_AS_ROWS=bool(fp4_keys_as_rows),
-            PTX_DECODE=2 if fp4_ptx_decode == "words" else int(bool(fp4_ptx_decode)), TRANSPOSED=fp4_transposed, K_OUTLIER_SELECT=bool(fp4_k_outlier_select),
+            PTX_DECODE={"words": 2, "word_rows": 3}.get(fp4_ptx_decode, int(bool(fp4_ptx_decode))),
+            TRANSPOSED=fp4_transposed, K_OUTLIER_SELECT=bool(fp4_k_outlier_select),
             V_OUTLIER_DOT=bool(fp4_v_outlier_dot),
             num_warps=num_warps, num_stages=num_stages,
         )

@@ -55,7 +55,7 @@ TUNED = {"bf16": {"block_n": 32, "num_warps": 4, "num_stages": 2},
 
 
 def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_splits: bool = False,
-              outlier_ablation: bool = False) -> list[dict]:
+              outlier_ablation: bool = False, decode_ablation: bool = False) -> list[dict]:
     hq, hkv, d = GEOMETRIES[geo]
     n_blocks_seq = ctx // BLOCK_SIZE
     nb = batch * n_blocks_seq
@@ -115,13 +115,27 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
     record("ours_fp4_paged_float_decode", lambda: paged_attention(
         q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"), fp4_ptx_decode=False,
         **cfg4), batch * ctx * layer.bytes_per_token, {"config": cfg4})
+    def no_outliers(which):  # zero-width outlier views: NUM_OUTLIERS = 0 (the output then lacks them)
+        c, sc, oi, ov, hs = layer.kernel_views(which)
+        return c, sc, oi[..., :0], ov[..., :0], hs
+
+    if decode_ablation:
+        # the word decode's two layouts (fp4_ptx_decode "words", the default, and "word_rows"), each
+        # with every slot, without the value slots, and without any
+        for dec in ("words", "word_rows"):
+            cfg_d = {**cfg4, "fp4_ptx_decode": dec}
+            for tag, kv_, vv_, nbytes in (
+                    ("", "k", "v", batch * ctx * layer.bytes_per_token),
+                    ("_no_value_outliers", "k", None,
+                     batch * ctx * hkv * (bytes_per_token_head(d, layer.num_outliers) + d // 2 + d // 16)),
+                    ("_no_outliers", None, None, batch * ctx * hkv * 2 * (d // 2 + d // 16))):
+                fk = layer.kernel_views("k") if kv_ else no_outliers("k")
+                fv = layer.kernel_views("v") if vv_ else no_outliers("v")
+                record(f"ours_fp4_paged_{dec}{tag}", lambda: paged_attention(
+                    q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv, **cfg_d), nbytes, {"config": cfg_d})
     if outlier_ablation:
-        # the same kernel and pool with the outlier slots left out (zero-width views: NUM_OUTLIERS = 0,
-        # no q gather for keys, no select for values; the output then lacks the outliers): what the
-        # outlier paths cost. Bytes: codes and scales only.
-        def no_outliers(which):
-            c, sc, oi, ov, hs = layer.kernel_views(which)
-            return c, sc, oi[..., :0], ov[..., :0], hs
+        # the same kernel and pool with the outlier slots left out: what the outlier paths cost.
+        # Bytes: codes and scales only.
         record("ours_fp4_paged_no_outliers", lambda: paged_attention(
             q, plan, d ** -0.5, fp4_k=no_outliers("k"), fp4_v=no_outliers("v"), **cfg4),
             batch * ctx * hkv * 2 * (d // 2 + d // 16), {"config": cfg4})
@@ -229,6 +243,8 @@ def main() -> None:
     ap.add_argument("--no-tune", action="store_true",
                     help="skip the tuner (minutes of a device call) and use TUNED, what it picked in every run "
                          "since the sixth session")
+    ap.add_argument("--decode-ablation", action="store_true",
+                    help="FP4: the word decode's two layouts, with and without the outlier slots")
     ap.add_argument("--outlier-ablation", action="store_true",
                     help="also time the FP4 kernel with its outlier paths left out (what they cost) and with key "
                          "outliers applied by a select instead of a gather of q")
@@ -260,7 +276,8 @@ def main() -> None:
     for geo in a.geometries.split(","):
         for batch in map(int, a.batches.split(",")):
             for ctx in map(int, a.contexts.split(",")):
-                r = bench_one(geo, batch, ctx, configs[geo], bw, a.sweep_splits, a.outlier_ablation)
+                r = bench_one(geo, batch, ctx, configs[geo], bw, a.sweep_splits, a.outlier_ablation,
+                              a.decode_ablation)
                 rows += r
                 by = {x["impl"]: x for x in r}
                 print(f"{geo} B={batch:<4d} ctx={ctx:<6d} " + "  ".join(

@@ -259,11 +259,11 @@ def test_fp4_ptx_decode_equals_the_float32_decode_bit_for_bit():
     codes = codes[:, torch.randperm(64, device="cuda")].contiguous()
     scales = torch.arange(n * 8, device="cuda").remainder(127).to(torch.uint8).view(n, 8)  # 0x7f is NaN
     out = {}
-    for ptx in (0, 1, 2):  # float32, PTX from bytes, PTX from 32-bit words
+    for ptx in (0, 1, 2, 3):  # float32, PTX from bytes, PTX from 32-bit words (two layouts)
         out[ptx] = torch.full((n, 128), float("nan"), device="cuda")
         decode[(1,)](codes, scales, out[ptx], PTX=ptx, BLOCK_N=n)
     assert torch.isfinite(out[0]).all()
-    assert torch.equal(out[1], out[0]) and torch.equal(out[2], out[0])
+    assert all(torch.equal(out[p], out[0]) for p in (1, 2, 3))
     # and they are the format's values: code x scale x 2^-8 (head scale left out)
     ref = torch.stack([fp4.e2m1_decode(codes & 0xF), fp4.e2m1_decode(codes >> 4)], 1).view(n, 2, 4, 16)
     ref = (ref * fp4.e4m3_decode(scales).view(n, 2, 4, 1)).reshape(n, 128) / 256
@@ -278,7 +278,7 @@ def test_fp4_attention_with_ptx_decode_equals_the_float32_decode():
     heads, kv_heads, d, bs = 28, 4, 128, 16
     for q_lens, ctx_lens, variants in (
             ([1] * 4, [4096, 77, 1000, 300], ((True, None), (True, True), ("words", True), ("words", False),
-                                              (None, None))),
+                                              ("word_rows", False), (None, None))),
             ([1] * 3 + [5], [4096, 77, 1000, 300], ((True, None), ("words", True), (None, None)))):
         nb = sum(-(-c // bs) for c in ctx_lens) + 3
         q, qs, tables = make_batch(q_lens, ctx_lens, heads, kv_heads, d, bs, nb, dtype=torch.bfloat16, seed=7)
