@@ -272,9 +272,10 @@ def test_fp4_ptx_decode_equals_the_float32_decode_bit_for_bit():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX: GPU only")
 def test_fp4_attention_with_ptx_decode_equals_the_float32_decode():
-    """Both PTX decodes (from bytes, and from 32-bit words: the default for tiles of up to 16 rows)
-    give the float32 decode's output exactly, with the scores as q K^T and as K q^T; tiles of more
-    rows (a 5-token window) take the bytes decode by default."""
+    """Both PTX decodes (from bytes, and from 32-bit words in either layout: the default for tiles
+    of up to 16 rows, "word_rows" without value slots) give the float32 decode's output, with the
+    scores as q K^T and as K q^T, with and without the value slots; tiles of more rows (a 5-token
+    window) take the bytes decode by default."""
     heads, kv_heads, d, bs = 28, 4, 128, 16
     for q_lens, ctx_lens, variants in (
             ([1] * 4, [4096, 77, 1000, 300], ((True, None), (True, True), ("words", True), ("words", False),
@@ -284,20 +285,23 @@ def test_fp4_attention_with_ptx_decode_equals_the_float32_decode():
         q, qs, tables = make_batch(q_lens, ctx_lens, heads, kv_heads, d, bs, nb, dtype=torch.bfloat16, seed=7)
         layer = fp4_layer_with_outliers(nb, bs, kv_heads, d, seed=8)
         plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=4)
+        c, sc, oi, ov, hs = layer.kernel_views("v")
+        no_value_slots = (c, sc, oi[..., :0], ov[..., :0], hs)  # --fp4-value-slots 0's views
         errs = {}
-        for ptx, rows in variants:
-            # against the float32 decode with the same orientation of the scores' product
-            ref = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
-                                  fp4_ptx_decode=False, fp4_keys_as_rows=rows).float()
-            out = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
-                                  fp4_ptx_decode=ptx, fp4_keys_as_rows=rows).float()
-            errs[(ptx, rows)] = float(((out - ref).abs().amax(-1) / ref.abs().amax(-1)).max())
+        for v_views, tag in ((layer.kernel_views("v"), ""), (no_value_slots, "no value slots")):
+            for ptx, rows in variants:
+                # against the float32 decode with the same orientation of the scores' product
+                ref = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=v_views,
+                                      fp4_ptx_decode=False, fp4_keys_as_rows=rows).float()
+                out = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=v_views,
+                                      fp4_ptx_decode=ptx, fp4_keys_as_rows=rows).float()
+                errs[(ptx, rows, tag)] = float(((out - ref).abs().amax(-1) / ref.abs().amax(-1)).max())
         print(q_lens, errs)
         # the decoded values are bit-identical (test above); the products may pair them with the
         # tensor cores' operands in another order (another MMA shape), so the sums can differ in
         # their last bit: at most one bf16 rounding of the output row's scale
         assert all(e <= 2.0 ** -7 for e in errs.values()), errs
-        assert errs.get((True, True), 0.0) == 0.0, errs  # the bytes decode with keys as rows: exact, as before
+        assert errs.get((True, True, ""), 0.0) == 0.0, errs  # the bytes decode with keys as rows: exact, as before
 
 
 def test_split_counts_fill_the_chip_only_where_it_is_underfilled():
