@@ -790,6 +790,9 @@ def paged_attention(
             # 134.6 at batch 8; with them 589.1 vs 494.5 and 165.2 vs 137.9 (seventeenth session)
             fp4_ptx_decode = "word_rows" if num_v_outliers == 0 else "words"
     assert not (fp4_ptx_decode and dot_fp32), "the PTX decode feeds bf16 tensor-core dots; float32 q uses float32"
+    # Triton 3.6 fails to compile the word decode in tiles of more than 16 rows (q K^T, or any
+    # orientation without value slots)
+    assert small_tile or fp4_ptx_decode not in ("words", "word_rows"), "the word decode is for tiles of <= 16 rows"
     if is_fp4:
         _paged_attn_fp4_kernel[(n_tiles, n_kv, splits)](
             q, out, part_acc, part_ml,

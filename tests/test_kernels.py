@@ -280,7 +280,7 @@ def test_fp4_attention_with_ptx_decode_equals_the_float32_decode():
     for q_lens, ctx_lens, variants in (
             ([1] * 4, [4096, 77, 1000, 300], ((True, None), (True, True), ("words", True), ("words", False),
                                               ("word_rows", False), (None, None))),
-            ([1] * 3 + [5], [4096, 77, 1000, 300], ((True, None), ("words", True), (None, None)))):
+            ([1] * 3 + [5], [4096, 77, 1000, 300], ((True, None), (True, True), (None, None)))):
         nb = sum(-(-c // bs) for c in ctx_lens) + 3
         q, qs, tables = make_batch(q_lens, ctx_lens, heads, kv_heads, d, bs, nb, dtype=torch.bfloat16, seed=7)
         layer = fp4_layer_with_outliers(nb, bs, kv_heads, d, seed=8)
