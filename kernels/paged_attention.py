@@ -704,6 +704,19 @@ def plan_tiles(query_start: list[int], context_lens: list[int], block_tables: li
                     block_m, num_splits, max_ctx)
 
 
+def default_fp4_decode(ptx: bool, small_tile: bool, transposed: bool, num_v_outliers: int) -> bool | str:
+    """The FP4 kernel's decode when the caller names none: False (float32) without the PTX decode;
+    for decode tiles (<= 16 rows, not transposed) the word decode, its row layout without value
+    slots (no value select, which costs more in that layout): H200, 7B, 16k keys, 413.7 vs 474.2 us
+    at batch 32 and 117.7 vs 134.6 at batch 8 without value slots, 589.1 vs 494.5 and 165.2 vs
+    137.9 with them (seventeenth session); else the byte decode (True)."""
+    if not ptx:
+        return False
+    if small_tile and not transposed:
+        return "word_rows" if num_v_outliers == 0 else "words"
+    return True
+
+
 def ptx_decode_available(device) -> bool:
     """Whether the FP4 kernel can decode in inline PTX here: a CUDA device of compute capability
     8.0 or newer (bf16x2 FMA), not Triton's interpreter."""
@@ -739,9 +752,10 @@ def paged_attention(
     # Defaults from bench_kernels on the H200 (7B and 2B geometry, batch 32, 16k keys, one query
     # token): dense 32 keys per step (3.5-4% faster than 64); FP4 128 keys, scores as q K^T with
     # the PTX decode from 32-bit words (seventeenth session, 7B: 484 us against 571 for the earlier
-    # default, scores as K q^T from bytes, at batch 32; 135 against 160 at batch 8). Tiles of more
-    # than 16 rows (prefill chunks, long windows) were not tuned and keep the earlier choice (dense
-    # 64 keys, FP4 q K^T from bytes: Triton 3.6 fails to compile the words decode there with q K^T).
+    # default, scores as K q^T from bytes, at batch 32; 135 against 160 at batch 8; without value
+    # slots the words as one row per key, below). Tiles of more than 16 rows (prefill chunks, long
+    # windows) were not tuned and keep the earlier choice (dense 64 keys, FP4 q K^T from bytes:
+    # Triton 3.6 does not compile the word decode there, see the assert below).
     small_tile = plan.block_m <= 16
     if block_n is None:
         block_n = 128 if is_fp4 else (32 if small_tile else 64)
@@ -783,12 +797,8 @@ def paged_attention(
         part_acc = part_ml = out
     dot_fp32 = q.dtype == torch.float32
     if is_fp4 and fp4_ptx_decode is None:
-        fp4_ptx_decode = ptx_decode_available(q.device) and not dot_fp32
-        if fp4_ptx_decode and small_tile and not fp4_transposed:
-            # without value slots the words as one row per key are faster (no value select, which
-            # costs more in that layout): 7B, 16k keys, 413.7 vs 474.2 us at batch 32, 117.7 vs
-            # 134.6 at batch 8; with them 589.1 vs 494.5 and 165.2 vs 137.9 (seventeenth session)
-            fp4_ptx_decode = "word_rows" if num_v_outliers == 0 else "words"
+        fp4_ptx_decode = default_fp4_decode(ptx_decode_available(q.device) and not dot_fp32, small_tile,
+                                            fp4_transposed, num_v_outliers)
     assert not (fp4_ptx_decode and dot_fp32), "the PTX decode feeds bf16 tensor-core dots; float32 q uses float32"
     # Triton 3.6 fails to compile the word decode in tiles of more than 16 rows (q K^T, or any
     # orientation without value slots)

@@ -115,6 +115,7 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
     record("ours_fp4_paged_float_decode", lambda: paged_attention(
         q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"), fp4_ptx_decode=False,
         **cfg4), batch * ctx * layer.bytes_per_token, {"config": cfg4})
+
     def no_outliers(which):  # zero-width outlier views: NUM_OUTLIERS = 0 (the output then lacks them)
         c, sc, oi, ov, hs = layer.kernel_views(which)
         return c, sc, oi[..., :0], ov[..., :0], hs
@@ -124,13 +125,13 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
         # with every slot, without the value slots, and without any
         for dec in ("words", "word_rows"):
             cfg_d = {**cfg4, "fp4_ptx_decode": dec}
-            for tag, kv_, vv_, nbytes in (
-                    ("", "k", "v", batch * ctx * layer.bytes_per_token),
-                    ("_no_value_outliers", "k", None,
+            for tag, k_slots, v_slots, nbytes in (
+                    ("", True, True, batch * ctx * layer.bytes_per_token),
+                    ("_no_value_outliers", True, False,
                      batch * ctx * hkv * (bytes_per_token_head(d, layer.num_outliers) + d // 2 + d // 16)),
-                    ("_no_outliers", None, None, batch * ctx * hkv * 2 * (d // 2 + d // 16))):
-                fk = layer.kernel_views("k") if kv_ else no_outliers("k")
-                fv = layer.kernel_views("v") if vv_ else no_outliers("v")
+                    ("_no_outliers", False, False, batch * ctx * hkv * 2 * (d // 2 + d // 16))):
+                fk = layer.kernel_views("k") if k_slots else no_outliers("k")
+                fv = layer.kernel_views("v") if v_slots else no_outliers("v")
                 record(f"ours_fp4_paged_{dec}{tag}", lambda: paged_attention(
                     q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv, **cfg_d), nbytes, {"config": cfg_d})
     if outlier_ablation:

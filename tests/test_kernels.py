@@ -304,6 +304,18 @@ def test_fp4_attention_with_ptx_decode_equals_the_float32_decode():
         assert errs.get((True, True, ""), 0.0) == 0.0, errs  # the bytes decode with keys as rows: exact, as before
 
 
+def test_fp4_decode_defaults():
+    from kernels.paged_attention import default_fp4_decode
+    # no PTX (CPU, float32 q): the float32 decode whatever the tile
+    assert default_fp4_decode(False, True, False, 2) is False and default_fp4_decode(False, False, False, 0) is False
+    # decode tiles: the word decode, its row layout without value slots (faster there on the H200)
+    assert default_fp4_decode(True, True, False, 2) == "words"
+    assert default_fp4_decode(True, True, False, 0) == "word_rows"
+    # tiles of more than 16 rows and the transposed variant: the byte decode
+    assert default_fp4_decode(True, False, False, 2) is True and default_fp4_decode(True, False, False, 0) is True
+    assert default_fp4_decode(True, True, True, 2) is True
+
+
 def test_split_counts_fill_the_chip_only_where_it_is_underfilled():
     # 7B (4 KV heads) on 132 SMs, batch 1: 1k and 4k keys get the split counts measured best on the
     # H200 (32k follows the same rule, not measured)
