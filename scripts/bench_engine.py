@@ -332,9 +332,25 @@ def profile_decode(llm, req, args) -> dict:
     (after a prefix-cached prompt), per step."""
     n = args.profile_steps
     sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    llm.generate([req], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # prompt now cached
-    prof = profile_summary(lambda: llm.generate([req], sp), args.device)
-    return {"steps": n, "wall_s": prof["wall_s"], "wall_ms_per_step": round(1e3 * prof["wall_s"] / n, 3),
+    # with programmatic dependent launch a kernel's time includes its wait for the one before
+    # (kernels/pdl.py), so the profile runs with it off, the step graphs captured anew
+    graphs = llm.runner.graphs
+    pdl_was = kernels_pdl.ENABLED
+
+    def recapture():
+        if graphs is not None:
+            graphs.graphs.clear()
+            graphs.pool = None
+
+    kernels_pdl.ENABLED = False
+    recapture()
+    try:
+        llm.generate([req], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # prompt now cached
+        prof = profile_summary(lambda: llm.generate([req], sp), args.device)
+    finally:
+        kernels_pdl.ENABLED = pdl_was
+        recapture()
+    return {"steps": n, "pdl": False, "wall_s": prof["wall_s"], "wall_ms_per_step": round(1e3 * prof["wall_s"] / n, 3),
             "device_busy_ms_per_step": round(1e3 * prof["device_busy_s"] / n, 3),
             "top_device": prof["top_device"], "top_host": prof["top_host"]}
 

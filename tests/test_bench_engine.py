@@ -27,7 +27,7 @@ def test_bench_engine_small_on_cpu(tmp_path):
     # timings are noise at this size (and timed assertions do not belong in tests): only their presence
     assert all(isinstance(a[k], float) for k in ("ours_tokens_per_s", "transformers_tokens_per_s", "share_of_roofline"))
     assert a["bytes_per_step"] > 0 and a["prompt_tokens"] > 300  # one 448x560 page: 320 image tokens
-    assert a["profile"]["steps"] == 2 and a["profile"]["top_host"]
+    assert a["profile"]["steps"] == 2 and a["profile"]["top_host"] and a["profile"]["pdl"] is False
     b = r["b_offline_batch"]
     assert b["ours_fp32"]["cached_prompt_tokens"] > 0  # the queries of a page share its prefix
     assert b["profile_fp32"]["documents"] == 1 and b["profile_fp32"]["wall_s"] > 0 and b["profile_fp32"]["top_host"]
