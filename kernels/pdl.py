@@ -56,9 +56,15 @@ def _capable(index: int) -> bool:
 
 def enabled(t: torch.Tensor) -> bool:
     """Whether kernels working on t's device launch with PDL: CUDA, sm_90 or later, not turned off."""
-    if not ENABLED or t.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    return enabled_on(t.device)
+
+
+def enabled_on(device: torch.device) -> bool:
+    """enabled() for a device."""
+    device = torch.device(device)
+    if not ENABLED or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    return _capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def launch(t: torch.Tensor, early: bool = True) -> dict:

@@ -23,10 +23,22 @@ def test_pdl_launch_arguments(monkeypatch):
         assert pdl.launch(x, early=False)["PDL"] == 1
         monkeypatch.undo()
     assert pdl.launch(torch.zeros(1)) == {"PDL": 0}
-    assert not pdl.enabled(torch.zeros(1))
+    assert not pdl.enabled(torch.zeros(1)) and not pdl.enabled_on("cpu")
+    if _hopper():
+        assert pdl.enabled_on("cuda") and pdl.enabled_on(torch.device("cuda", 0))
     monkeypatch.setattr(pdl, "ENABLED", False)
+    assert not pdl.enabled_on("cuda")
     if torch.cuda.is_available():
         assert pdl.launch(torch.zeros(1, device="cuda")) == {"PDL": 0}
+
+
+def test_engine_reports_whether_it_launches_with_pdl(qwen2_vl_dir, monkeypatch):
+    """cache_info()["pdl"] (and so a run's manifest) says whether the decode kernels use PDL: never
+    on CPU, even where it is not turned off."""
+    from docproc.engine.llm import LLM
+
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    assert LLM(str(qwen2_vl_dir), device="cpu").cache_info()["pdl"] is False
 
 
 def _hopper() -> bool:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Sequence as Seq
 
 import kernels.gemv as kernels_gemv
+import kernels.pdl as kernels_pdl
 from docproc.config import CacheConfig, EngineConfig
 from docproc.engine.block_manager import BlockManager
 from docproc.engine.model_runner import ModelRunner
@@ -233,6 +234,7 @@ class LLM:
             "overlap_decode": self.overlap_decode,
             "num_overlapped_steps": self.num_overlapped_steps,
             "one_row_kernels": kernels_gemv.ENABLED and self.runner.device.type == "cuda",  # kernels/gemv.py
+            "pdl": kernels_pdl.enabled_on(self.runner.device),  # programmatic dependent launch, kernels/pdl.py
             "device": str(self.runner.device),
             "dtype": str(self.runner.dtype).removeprefix("torch."),
         }
