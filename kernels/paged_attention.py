@@ -238,20 +238,31 @@ def _paged_attn_kernel(
                 row_ok, d, so_t, so_h, num_splits, BLOCK_M, HALF, SPLIT)
 
 
+def _fp4_pair_steps(word: str, scales: tuple[str, str, str, str], outs: list[str]) -> list[str]:
+    """The decode's PTX for one 32-bit word of codes (`word`): two PRMTs spread bytes 0-1 and 2-3
+    into the low byte of each 16-bit lane; then per pair of values (low nibbles of bytes 0-1, 2-3,
+    high nibbles of 0-1, 2-3) an AND, one IMAD placing the magnitude at bits 6-8 and the sign at
+    15, an AND, and a bf16x2 FMA by that pair's scale register. `outs` names the bf16x2 result per
+    pair (or "{lo, hi}" pairs of 16-bit outputs, written through a scratch register y)."""
+    lines = [f"prmt.b32 t01, {word}, 0, 0x4140;",  # bytes 0, 1 -> the low byte of each 16-bit lane
+             f"prmt.b32 t23, {word}, 0, 0x4342;"]  # bytes 2, 3
+    # (lanes, nibble mask, multiplier placing magnitude at bits 6-8 and sign at 15)
+    for out, (src, mask, mul), scale in zip(outs, (("t01", "0x000F000F", "0x1040"), ("t23", "0x000F000F", "0x1040"),
+                                                   ("t01", "0x00F000F0", "0x104"), ("t23", "0x00F000F0", "0x104")),
+                                            scales):
+        lines += [f"and.b32 x, {src}, {mask};", f"mul.lo.u32 x, x, {mul};", "and.b32 x, x, 0x81C081C0;"]
+        if out.startswith("{"):
+            lines += [f"fma.rn.bf16x2 y, x, {scale}, z;", f"mov.b32 {out}, y;"]
+        else:
+            lines += [f"fma.rn.bf16x2 {out}, x, {scale}, z;"]
+    return lines
+
+
 def _fp4_decode_ptx() -> str:
     """The PTX of _fp4_decode_bf16x2, one instance per 4 code bytes ($4) and their scales ($5-$8, bf16
     pairs): outputs $0, $1 (low nibbles' values of bytes 0-1, 2-3) and $2, $3 (high nibbles')."""
-    lines = ["{", ".reg .b32 t01, t23, x, z;", "mov.b32 z, 0x80008000;",
-             "prmt.b32 t01, $4, 0, 0x4140;",  # bytes 0, 1 -> the low byte of each 16-bit lane
-             "prmt.b32 t23, $4, 0, 0x4342;"]  # bytes 2, 3
-    # (output, lanes, nibble mask, multiplier placing magnitude at bits 6-8 and sign at 15, scale)
-    for out, src, mask, mul, scale in (("$0", "t01", "0x000F000F", "0x1040", "$5"),
-                                       ("$1", "t23", "0x000F000F", "0x1040", "$6"),
-                                       ("$2", "t01", "0x00F000F0", "0x104", "$7"),
-                                       ("$3", "t23", "0x00F000F0", "0x104", "$8")):
-        lines += [f"and.b32 x, {src}, {mask};", f"mul.lo.u32 x, x, {mul};", "and.b32 x, x, 0x81C081C0;",
-                  f"fma.rn.bf16x2 {out}, x, {scale}, z;"]
-    return "\n".join(lines + ["}"])
+    return "\n".join(["{", ".reg .b32 t01, t23, x, z;", "mov.b32 z, 0x80008000;"]
+                     + _fp4_pair_steps("$4", ("$5", "$6", "$7", "$8"), ["$0", "$1", "$2", "$3"]) + ["}"])
 
 
 FP4_DECODE_PTX = tl.constexpr(_fp4_decode_ptx())
@@ -279,15 +290,9 @@ def _fp4_word_decode_ptx() -> str:
     codes, so dims j..j+3 in the low nibbles and D/2 + j.. in the high ones) and the bf16x2 scale
     pairs of its low ($9) and high ($10) group in; eight bf16 out, dims j..j+3 ($0-$3) and
     D/2 + j.. ($4-$7). The per-pair steps are _fp4_decode_ptx's."""
-    lines = ["{", ".reg .b32 t01, t23, x, y, z;", "mov.b32 z, 0x80008000;",
-             "prmt.b32 t01, $8, 0, 0x4140;", "prmt.b32 t23, $8, 0, 0x4342;"]
-    for outs, src, mask, mul, scale in ((("$0", "$1"), "t01", "0x000F000F", "0x1040", "$9"),
-                                        (("$2", "$3"), "t23", "0x000F000F", "0x1040", "$9"),
-                                        (("$4", "$5"), "t01", "0x00F000F0", "0x104", "$10"),
-                                        (("$6", "$7"), "t23", "0x00F000F0", "0x104", "$10")):
-        lines += [f"and.b32 x, {src}, {mask};", f"mul.lo.u32 x, x, {mul};", "and.b32 x, x, 0x81C081C0;",
-                  f"fma.rn.bf16x2 y, x, {scale}, z;", f"mov.b32 {{{outs[0]}, {outs[1]}}}, y;"]
-    return "\n".join(lines + ["}"])
+    return "\n".join(["{", ".reg .b32 t01, t23, x, y, z;", "mov.b32 z, 0x80008000;"]
+                     + _fp4_pair_steps("$8", ("$9", "$9", "$10", "$10"),
+                                       ["{$0, $1}", "{$2, $3}", "{$4, $5}", "{$6, $7}"]) + ["}"])
 
 
 FP4_WORD_DECODE_PTX = tl.constexpr(_fp4_word_decode_ptx())

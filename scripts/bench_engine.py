@@ -32,6 +32,7 @@ On the device so far (2026-11-30): every part, several times (BENCHMARKS.md); pa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import json
@@ -224,18 +225,11 @@ def part_a(folder: Path, args, env: dict) -> dict:
     llm.overlap_decode = True
     overlapped = llm.num_overlapped_steps
     def without(module) -> float:
-        """tokens/s with module.ENABLED off, the step graphs captured anew (a new memory pool:
-        capturing into one whose graphs are gone fails); then on again, graphs recaptured."""
-        module.ENABLED = False
-        graphs.graphs.clear()
-        graphs.pool = None
-        try:
-            return max(decode_tps()[0] for _ in range(3))
-        finally:
-            module.ENABLED = True
-            graphs.graphs.clear()
-            graphs.pool = None
-            decode_tps()
+        """tokens/s with module.ENABLED off; then on again, graphs recaptured by a warm-up pass."""
+        with kernels_off(module, graphs):
+            tps = max(decode_tps()[0] for _ in range(3))
+        decode_tps()
+        return tps
 
     # cuBLAS for the one-row products; every kernel in plain stream order (no programmatic dependent launch)
     no_gemv_tps = without(kernels_gemv) if graphs is not None and kernels_gemv.ENABLED else None
@@ -327,6 +321,26 @@ def host_profile(fn, top: int = 40) -> dict:
     return {"wall_s": round(wall, 4), "by_tottime": rows(2), "by_cumtime": rows(3)}
 
 
+@contextlib.contextmanager
+def kernels_off(module, graphs):
+    """module.ENABLED (a kernel family's switch) off inside, restored after; the step graphs (if
+    any) are dropped on both sides so that they are captured anew with the switch as it is (a new
+    memory pool too: capturing into one whose graphs are gone fails)."""
+    def drop():
+        if graphs is not None:
+            graphs.graphs.clear()
+            graphs.pool = None
+
+    was = module.ENABLED
+    module.ENABLED = False
+    drop()
+    try:
+        yield
+    finally:
+        module.ENABLED = was
+        drop()
+
+
 def profile_decode(llm, req, args) -> dict:
     """Where a batch-1 decode step's time goes: profile_summary over --profile-steps decode steps
     (after a prefix-cached prompt), per step."""
@@ -334,22 +348,9 @@ def profile_decode(llm, req, args) -> dict:
     sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     # with programmatic dependent launch a kernel's time includes its wait for the one before
     # (kernels/pdl.py), so the profile runs with it off, the step graphs captured anew
-    graphs = llm.runner.graphs
-    pdl_was = kernels_pdl.ENABLED
-
-    def recapture():
-        if graphs is not None:
-            graphs.graphs.clear()
-            graphs.pool = None
-
-    kernels_pdl.ENABLED = False
-    recapture()
-    try:
+    with kernels_off(kernels_pdl, llm.runner.graphs):
         llm.generate([req], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # prompt now cached
         prof = profile_summary(lambda: llm.generate([req], sp), args.device)
-    finally:
-        kernels_pdl.ENABLED = pdl_was
-        recapture()
     return {"steps": n, "pdl": False, "wall_s": prof["wall_s"], "wall_ms_per_step": round(1e3 * prof["wall_s"] / n, 3),
             "device_busy_ms_per_step": round(1e3 * prof["device_busy_s"] / n, 3),
             "top_device": prof["top_device"], "top_host": prof["top_host"]}
