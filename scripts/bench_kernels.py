@@ -54,8 +54,20 @@ TUNED = {"bf16": {"block_n": 32, "num_warps": 4, "num_stages": 2},
          "fp4": {"block_n": 128, "num_warps": 4, "num_stages": 2}}
 
 
+def _sweep_grid(default_splits: int, ctx: int, block_ns, stages, warps: dict):
+    """(splits, keys per step, stages, warps) for --config-sweep: splits x1/2, x1, x2 the default
+    (each split keeping at least one step of keys)."""
+    for n_sp in sorted({max(1, default_splits // 2), default_splits, default_splits * 2}):
+        for bn in block_ns:
+            if ctx // n_sp < bn:
+                continue
+            for st in stages:
+                for nw in warps[bn]:
+                    yield n_sp, bn, st, nw
+
+
 def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_splits: bool = False,
-              outlier_ablation: bool = False, decode_ablation: bool = False) -> list[dict]:
+              outlier_ablation: bool = False, decode_ablation: bool = False, config_sweep: bool = False) -> list[dict]:
     hq, hkv, d = GEOMETRIES[geo]
     n_blocks_seq = ctx // BLOCK_SIZE
     nb = batch * n_blocks_seq
@@ -99,6 +111,16 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
             record(f"ours_bf16_paged_splits{n_sp}", lambda: paged_attention(
                 q, plan_x, d ** -0.5, k_cache=k, v_cache=v, **cfg), 2 * batch * ctx * hkv * d * 2, {"config": cfg},
                 splits=n_sp)
+    if config_sweep:
+        # key splits around the default (x1/2, x1, x2) x keys per step x pipeline stages (x warps at
+        # 32 keys): whether the small batches, whose programs run few steps, want another shape
+        for n_sp, bn, st, nw in _sweep_grid(plan.num_splits, ctx, (32, 64), (2, 3, 4), {32: (2, 4), 64: (4,)}):
+            plan_x = plan_tiles(list(range(batch + 1)), [ctx] * batch, tables, hq // hkv, "cuda", num_splits=n_sp,
+                                num_kv_heads=hkv)
+            cfg_x = {"block_n": bn, "num_warps": nw, "num_stages": st}
+            record(f"sweep_bf16_s{n_sp}_n{bn}_st{st}_w{nw}", lambda: paged_attention(
+                q, plan_x, d ** -0.5, k_cache=k, v_cache=v, **cfg_x), 2 * batch * ctx * hkv * d * 2,
+                {"config": cfg_x}, splits=n_sp)
     del k, v
     # ours, FP4 paged
     layer = FP4PagedLayer(nb, BLOCK_SIZE, hkv, d, "cuda")
@@ -111,6 +133,14 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
     record("ours_fp4_paged", lambda: paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"),
                                                      fp4_v=layer.kernel_views("v"), **cfg4),
            batch * ctx * layer.bytes_per_token, {"config": cfg4})
+    if config_sweep:
+        for n_sp, bn, st, nw in _sweep_grid(plan.num_splits, ctx, (64, 128), (2, 3), {64: (4,), 128: (4,)}):
+            plan_x = plan_tiles(list(range(batch + 1)), [ctx] * batch, tables, hq // hkv, "cuda", num_splits=n_sp,
+                                num_kv_heads=hkv)
+            cfg_x = {"block_n": bn, "num_warps": nw, "num_stages": st}
+            record(f"sweep_fp4_s{n_sp}_n{bn}_st{st}_w{nw}", lambda: paged_attention(
+                q, plan_x, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"), **cfg_x),
+                batch * ctx * layer.bytes_per_token, {"config": cfg_x}, splits=n_sp)
     # the same kernel decoding in float32 (the path before the PTX bf16x2 decode)
     record("ours_fp4_paged_float_decode", lambda: paged_attention(
         q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"), fp4_ptx_decode=False,
@@ -241,6 +271,9 @@ def main() -> None:
     ap.add_argument("--geometries", default="7b,2b")
     ap.add_argument("--sweep-splits", action="store_true",
                     help="batch <= 8: also time our bf16 kernel at 2x and 4x the default key splits")
+    ap.add_argument("--config-sweep", action="store_true",
+                    help="also time both kernels over key splits (x1/2, x1, x2 the default), keys per step, "
+                         "pipeline stages and warps at each cell (rows sweep_*)")
     ap.add_argument("--no-tune", action="store_true",
                     help="skip the tuner (minutes of a device call) and use TUNED, what it picked in every run "
                          "since the sixth session")
@@ -278,7 +311,7 @@ def main() -> None:
         for batch in map(int, a.batches.split(",")):
             for ctx in map(int, a.contexts.split(",")):
                 r = bench_one(geo, batch, ctx, configs[geo], bw, a.sweep_splits, a.outlier_ablation,
-                              a.decode_ablation)
+                              a.decode_ablation, a.config_sweep)
                 rows += r
                 by = {x["impl"]: x for x in r}
                 print(f"{geo} B={batch:<4d} ctx={ctx:<6d} " + "  ".join(
