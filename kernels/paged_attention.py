@@ -169,12 +169,14 @@ def _store_tile(out_ptr, part_acc_ptr, part_ml_ptr, acc_lo, acc_hi, m_i, l_i, ti
         tl.store(out_ptr + o_off[:, None] + HALF + d[None, :], (acc_hi * inv[:, None]).to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None])
     else:
+        # only the rows of real (token, head) pairs: a decode tile at GQA 7 has 7 of its 16 (the
+        # merge kernel reads the same rows), so the partials cost 7/16 of the traffic
         base = (tile * tl.num_programs(1) + kvh) * num_splits + split
         a_off = base * BLOCK_M * 2 * HALF + r[:, None] * 2 * HALF + d[None, :]
-        tl.store(part_acc_ptr + a_off, acc_lo)
-        tl.store(part_acc_ptr + a_off + HALF, acc_hi)
-        tl.store(part_ml_ptr + base * 2 * BLOCK_M + r, m_i)
-        tl.store(part_ml_ptr + base * 2 * BLOCK_M + BLOCK_M + r, l_i)
+        tl.store(part_acc_ptr + a_off, acc_lo, mask=row_ok[:, None])
+        tl.store(part_acc_ptr + a_off + HALF, acc_hi, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + base * 2 * BLOCK_M + r, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + base * 2 * BLOCK_M + BLOCK_M + r, l_i, mask=row_ok)
 
 
 # Integer arguments Triton must not specialize on (it compiles a variant for a value of 1 and one
@@ -592,10 +594,11 @@ def _combine_kernel(
         split = base0 + s0 + c
         ok = (s0 + c) < num_splits
         ml = part_ml_ptr + split[:, None] * 2 * BLOCK_M + r[None, :]
-        m = tl.load(ml, mask=ok[:, None], other=float("-inf"))  # (CHUNK, BLOCK_M)
-        l = tl.load(ml + BLOCK_M, mask=ok[:, None], other=0.0)
+        okr = ok[:, None] & row_ok[None, :]  # rows the attention kernel wrote
+        m = tl.load(ml, mask=okr, other=float("-inf"))  # (CHUNK, BLOCK_M)
+        l = tl.load(ml + BLOCK_M, mask=okr, other=0.0)
         a = tl.load(part_acc_ptr + split[:, None, None] * BLOCK_M * 2 * HALF + r[None, :, None] * 2 * HALF
-                    + dd[None, None, :], mask=ok[:, None, None], other=0.0)  # (CHUNK, BLOCK_M, BLOCK_D)
+                    + dd[None, None, :], mask=okr[:, :, None], other=0.0)  # (CHUNK, BLOCK_M, BLOCK_D)
         m_new = tl.maximum(m_run, tl.max(m, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_run - m_safe)  # 0 while nothing came before
@@ -751,6 +754,7 @@ def paged_attention(
     fp4_transposed: bool = False,  # FP4: the tile transposed, decoded K and V both row operands (a tuning variant)
     fp4_k_outlier_select: bool = False,  # FP4: key outliers replace their element before the dot (a variant)
     fp4_v_outlier_dot: bool = False,  # FP4, transposed tile: value outliers through a dot of their own (a variant)
+    maxnreg: int | None = None,  # registers per thread the compiler may use (None: its choice)
 ) -> torch.Tensor:
     n_tok, n_heads, d = q.shape
     is_fp4 = fp4_k is not None
@@ -822,7 +826,7 @@ def paged_attention(
             PTX_DECODE={"words": 2, "word_rows": 3}.get(fp4_ptx_decode, int(bool(fp4_ptx_decode))),
             TRANSPOSED=fp4_transposed, K_OUTLIER_SELECT=bool(fp4_k_outlier_select),
             V_OUTLIER_DOT=bool(fp4_v_outlier_dot),
-            num_warps=num_warps, num_stages=num_stages,
+            num_warps=num_warps, num_stages=num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg}),
         )
     else:
         _paged_attn_kernel[(n_tiles, n_kv, splits)](
@@ -835,6 +839,7 @@ def paged_attention(
             GROUP=group, TOKENS=plan.tokens_per_tile, BLOCK_M=plan.block_m, BLOCK_N=block_n, HALF=d // 2,
             SPLIT=splits > 1, DOT_FP32=dot_fp32,
             num_warps=num_warps, num_stages=num_stages, **pdl.launch(q),
+            **({} if maxnreg is None else {"maxnreg": maxnreg}),
         )
     if splits > 1:
         chunk, block_d = merge_shape(splits, plan.block_m, d)

@@ -67,7 +67,8 @@ def _sweep_grid(default_splits: int, ctx: int, block_ns, stages, warps: dict):
 
 
 def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_splits: bool = False,
-              outlier_ablation: bool = False, decode_ablation: bool = False, config_sweep: bool = False) -> list[dict]:
+              outlier_ablation: bool = False, decode_ablation: bool = False, config_sweep: bool = False,
+              maxnreg_ablation: bool = False) -> list[dict]:
     hq, hkv, d = GEOMETRIES[geo]
     n_blocks_seq = ctx // BLOCK_SIZE
     nb = batch * n_blocks_seq
@@ -130,6 +131,11 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
         kk[:, :, 5] *= 20  # a few large fixed channels, as real keys have
         layer.store(kk, torch.randn_like(kk), torch.arange(start, start + n, device="cuda"), use_triton=True)
     cfg4 = configs["fp4"]
+
+    def no_outliers(which):  # zero-width outlier views: NUM_OUTLIERS = 0 (the output then lacks them)
+        c, sc, oi, ov, hs = layer.kernel_views(which)
+        return c, sc, oi[..., :0], ov[..., :0], hs
+
     record("ours_fp4_paged", lambda: paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"),
                                                      fp4_v=layer.kernel_views("v"), **cfg4),
            batch * ctx * layer.bytes_per_token, {"config": cfg4})
@@ -141,14 +147,25 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
             record(f"sweep_fp4_s{n_sp}_n{bn}_st{st}_w{nw}", lambda: paged_attention(
                 q, plan_x, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"), **cfg_x),
                 batch * ctx * layer.bytes_per_token, {"config": cfg_x}, splits=n_sp)
+    if maxnreg_ablation:
+        # registers capped at 128 a thread (168 uncapped: 3 programs an SM; capped, shared memory
+        # (56 KB a program) allows 4), with every slot and without the value slots
+        for cap in (128,):
+            cfg_r = {**cfg4, "maxnreg": cap}
+            record(f"ours_fp4_paged_maxnreg{cap}", lambda: paged_attention(
+                q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"), **cfg_r),
+                batch * ctx * layer.bytes_per_token, {"config": cfg_r})
+        nv_bytes = batch * ctx * hkv * (bytes_per_token_head(d, layer.num_outliers) + d // 2 + d // 16)
+        fv0 = no_outliers("v")
+        record("ours_fp4_paged_no_value_outliers", lambda: paged_attention(
+            q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, **cfg4), nv_bytes, {"config": cfg4})
+        cfg_r = {**cfg4, "maxnreg": 128}
+        record("ours_fp4_paged_no_value_outliers_maxnreg128", lambda: paged_attention(
+            q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, **cfg_r), nv_bytes, {"config": cfg_r})
     # the same kernel decoding in float32 (the path before the PTX bf16x2 decode)
     record("ours_fp4_paged_float_decode", lambda: paged_attention(
         q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"), fp4_ptx_decode=False,
         **cfg4), batch * ctx * layer.bytes_per_token, {"config": cfg4})
-
-    def no_outliers(which):  # zero-width outlier views: NUM_OUTLIERS = 0 (the output then lacks them)
-        c, sc, oi, ov, hs = layer.kernel_views(which)
-        return c, sc, oi[..., :0], ov[..., :0], hs
 
     if decode_ablation:
         # the word decode's two layouts (fp4_ptx_decode "words", the default, and "word_rows"), each
@@ -274,6 +291,8 @@ def main() -> None:
     ap.add_argument("--config-sweep", action="store_true",
                     help="also time both kernels over key splits (x1/2, x1, x2 the default), keys per step, "
                          "pipeline stages and warps at each cell (rows sweep_*)")
+    ap.add_argument("--maxnreg-ablation", action="store_true",
+                    help="FP4: also time the kernel with its registers capped at 128 a thread")
     ap.add_argument("--no-tune", action="store_true",
                     help="skip the tuner (minutes of a device call) and use TUNED, what it picked in every run "
                          "since the sixth session")
@@ -311,7 +330,7 @@ def main() -> None:
         for batch in map(int, a.batches.split(",")):
             for ctx in map(int, a.contexts.split(",")):
                 r = bench_one(geo, batch, ctx, configs[geo], bw, a.sweep_splits, a.outlier_ablation,
-                              a.decode_ablation, a.config_sweep)
+                              a.decode_ablation, a.config_sweep, a.maxnreg_ablation)
                 rows += r
                 by = {x["impl"]: x for x in r}
                 print(f"{geo} B={batch:<4d} ctx={ctx:<6d} " + "  ".join(

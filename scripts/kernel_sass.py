@@ -63,7 +63,9 @@ def compile_sass(kernel: str, block_n: int, num_warps: int, keys_as_rows: bool, 
         if sig[name].startswith("*") or ints.get(name, 1) % 16 == 0:
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=int(os.environ.get("KERNEL_SASS_STAGES", "2"))))
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=int(os.environ.get("KERNEL_SASS_STAGES", "2")),
+                                    **({"maxnreg": int(os.environ["KERNEL_SASS_MAXNREG"])}
+                                       if os.environ.get("KERNEL_SASS_MAXNREG") else {})))
     if os.environ.get("KERNEL_SASS_IR"):
         Path(os.environ["KERNEL_SASS_IR"]).write_text(compiled.asm["ttgir"])
     md = compiled.metadata
