@@ -54,16 +54,41 @@ TUNED = {"bf16": {"block_n": 32, "num_warps": 4, "num_stages": 2},
          "fp4": {"block_n": 128, "num_warps": 4, "num_stages": 2}}
 
 
-def _sweep_grid(default_splits: int, ctx: int, block_ns, stages, warps: dict):
-    """(splits, keys per step, stages, warps) for --config-sweep: splits x1/2, x1, x2 the default
-    (each split keeping at least one step of keys)."""
-    for n_sp in sorted({max(1, default_splits // 2), default_splits, default_splits * 2}):
+KERNEL_PROFILE = False  # --kernel-profile
+
+
+def kernel_times(fn, calls: int = 20) -> list[dict]:
+    """Each device kernel fn launches, with its mean device time per call (torch.profiler): the
+    attention kernel and the merge of its key splits apart."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = []
+    for e in prof.key_averages():
+        if getattr(e, "device_type", None) != DeviceType.CUDA:
+            continue
+        t = getattr(e, "self_device_time_total", None)
+        if t is None:
+            t = e.self_cuda_time_total
+        out.append({"kernel": e.key[:90], "calls": e.count, "us_per_call": round(t / calls, 2)})
+    return sorted(out, key=lambda r: -r["us_per_call"])
+
+
+def _sweep_grid(default_splits: int, ctx: int, split_mults, block_ns, stages, caps=(None,)):
+    """(splits, keys per step, stages, register cap) for --config-sweep: split counts as multiples
+    of the default (each split keeping at least one step of keys)."""
+    for n_sp in sorted({max(1, int(default_splits * m)) for m in split_mults}):
         for bn in block_ns:
             if ctx // n_sp < bn:
                 continue
             for st in stages:
-                for nw in warps[bn]:
-                    yield n_sp, bn, st, nw
+                for cap in caps:
+                    yield n_sp, bn, st, cap
 
 
 def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_splits: bool = False,
@@ -80,8 +105,15 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
     io_bytes = 2 * q.numel() * q.element_size()  # q in, out
 
     def record(name, fn, kv_bytes, extra=None, splits=None):
-        fn()
-        torch.cuda.synchronize()
+        try:
+            fn()
+            torch.cuda.synchronize()
+        except Exception as e:  # a shape the compiler rejects (a sweep's, e.g. out of shared memory)
+            if not name.startswith("sweep_"):
+                raise
+            rows.append({"geometry": geo, "batch": batch, "context": ctx, "impl": name, "error": str(e)[:200],
+                         **(extra or {})})
+            return
         ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
         # the same call replayed from a CUDA graph, as the engine's decode step runs it: no host launch
         # cost, but no L2 flush between calls either (working sets under ~50 MB stay in L2)
@@ -91,6 +123,17 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
                "bytes": total, "GBps": round(total / (ms * 1e-3) / 1e9, 1),
                "frac_copy_bw": round(total / (ms * 1e-3) / bw, 3), "num_splits": splits or plan.num_splits,
                "us_graph": round(ms_graph * 1e3, 2), "frac_copy_bw_graph": round(total / (ms_graph * 1e-3) / bw, 3)}
+        # host time of one call (launch cost: the call returns before the device is done)
+        host = []
+        for _ in range(20):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            host.append(time.perf_counter() - t)
+        torch.cuda.synchronize()
+        row["host_us"] = round(sorted(host)[len(host) // 2] * 1e6, 1)
+        if KERNEL_PROFILE:
+            row["kernels"] = kernel_times(fn)
         if extra:
             row.update(extra)
         rows.append(row)
@@ -113,13 +156,13 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
                 q, plan_x, d ** -0.5, k_cache=k, v_cache=v, **cfg), 2 * batch * ctx * hkv * d * 2, {"config": cfg},
                 splits=n_sp)
     if config_sweep:
-        # key splits around the default (x1/2, x1, x2) x keys per step x pipeline stages (x warps at
-        # 32 keys): whether the small batches, whose programs run few steps, want another shape
-        for n_sp, bn, st, nw in _sweep_grid(plan.num_splits, ctx, (32, 64), (2, 3, 4), {32: (2, 4), 64: (4,)}):
+        # key splits around the default (x1/4 .. x2) x keys per step x pipeline stages: whether the
+        # small batches, whose programs run few steps, want another shape
+        for n_sp, bn, st, _ in _sweep_grid(plan.num_splits, ctx, (0.25, 0.5, 1, 2), (32, 64, 128), (2, 3, 4)):
             plan_x = plan_tiles(list(range(batch + 1)), [ctx] * batch, tables, hq // hkv, "cuda", num_splits=n_sp,
                                 num_kv_heads=hkv)
-            cfg_x = {"block_n": bn, "num_warps": nw, "num_stages": st}
-            record(f"sweep_bf16_s{n_sp}_n{bn}_st{st}_w{nw}", lambda: paged_attention(
+            cfg_x = {"block_n": bn, "num_warps": 4, "num_stages": st}
+            record(f"sweep_bf16_s{n_sp}_n{bn}_st{st}", lambda: paged_attention(
                 q, plan_x, d ** -0.5, k_cache=k, v_cache=v, **cfg_x), 2 * batch * ctx * hkv * d * 2,
                 {"config": cfg_x}, splits=n_sp)
     del k, v
@@ -140,11 +183,11 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
                                                      fp4_v=layer.kernel_views("v"), **cfg4),
            batch * ctx * layer.bytes_per_token, {"config": cfg4})
     if config_sweep:
-        for n_sp, bn, st, nw in _sweep_grid(plan.num_splits, ctx, (64, 128), (2, 3), {64: (4,), 128: (4,)}):
+        for n_sp, bn, st, cap in _sweep_grid(plan.num_splits, ctx, (0.5, 1, 2), (128,), (2, 3), (None, 128)):
             plan_x = plan_tiles(list(range(batch + 1)), [ctx] * batch, tables, hq // hkv, "cuda", num_splits=n_sp,
                                 num_kv_heads=hkv)
-            cfg_x = {"block_n": bn, "num_warps": nw, "num_stages": st}
-            record(f"sweep_fp4_s{n_sp}_n{bn}_st{st}_w{nw}", lambda: paged_attention(
+            cfg_x = {"block_n": bn, "num_warps": 4, "num_stages": st, "maxnreg": cap}
+            record(f"sweep_fp4_s{n_sp}_n{bn}_st{st}_r{cap}", lambda: paged_attention(
                 q, plan_x, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"), **cfg_x),
                 batch * ctx * layer.bytes_per_token, {"config": cfg_x}, splits=n_sp)
     if maxnreg_ablation:
@@ -301,7 +344,11 @@ def main() -> None:
     ap.add_argument("--outlier-ablation", action="store_true",
                     help="also time the FP4 kernel with its outlier paths left out (what they cost) and with key "
                          "outliers applied by a select instead of a gather of q")
+    ap.add_argument("--kernel-profile", action="store_true",
+                    help="also record each row's device kernels and their time per call (torch.profiler)")
     a = ap.parse_args()
+    global KERNEL_PROFILE
+    KERNEL_PROFILE = a.kernel_profile
     t0 = time.time()
     bw = copy_bandwidth()
     mm = matmul_rate()
@@ -332,7 +379,7 @@ def main() -> None:
                 r = bench_one(geo, batch, ctx, configs[geo], bw, a.sweep_splits, a.outlier_ablation,
                               a.decode_ablation, a.config_sweep, a.maxnreg_ablation)
                 rows += r
-                by = {x["impl"]: x for x in r}
+                by = {x["impl"]: x for x in r if "us" in x and not x["impl"].startswith("sweep_")}
                 print(f"{geo} B={batch:<4d} ctx={ctx:<6d} " + "  ".join(
                     f"{k}={v['us']:.1f}/{v['us_graph']:.1f}us ({v['frac_copy_bw']:.2f} bw)" for k, v in by.items())
                     + f"  fp4/sdpa speedup {by['torch_sdpa_bf16']['us'] / by['ours_fp4_paged']['us']:.2f}x"
