@@ -725,6 +725,21 @@ def default_fp4_decode(ptx: bool, small_tile: bool, transposed: bool, num_v_outl
     return True
 
 
+def default_fp4_maxnreg(small_tile: bool, block_n: int, num_warps: int, num_stages: int, device) -> int | None:
+    """The FP4 kernel's register cap when the caller names none: 128 a thread for decode tiles in
+    the tuned shape (128 keys, 4 warps, 2 stages) on CUDA. Uncapped, the compiler takes 168, so an
+    SM holds 3 programs; at 128 (a few spills) shared memory (56 KB a program) allows 4. H200, from
+    a CUDA graph (eighteenth session): 7B, 16k keys, batch 32 484 vs 497 us, batch 8 134-135 vs
+    136-139; 2B batch 32 249 vs 257, batch 8 72-74 vs 86-88; without value slots 375 vs 450 at 7B
+    batch 32. With 3 stages the cap was slower (spills in the longer pipeline), so only 2."""
+    if not (small_tile and block_n == 128 and num_warps == 4 and num_stages == 2):
+        return None
+    device = torch.device(device)
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return None
+    return 128
+
+
 def ptx_decode_available(device) -> bool:
     """Whether the FP4 kernel can decode in inline PTX here: a CUDA device of compute capability
     8.0 or newer (bf16x2 FMA), not Triton's interpreter."""
@@ -754,7 +769,8 @@ def paged_attention(
     fp4_transposed: bool = False,  # FP4: the tile transposed, decoded K and V both row operands (a tuning variant)
     fp4_k_outlier_select: bool = False,  # FP4: key outliers replace their element before the dot (a variant)
     fp4_v_outlier_dot: bool = False,  # FP4, transposed tile: value outliers through a dot of their own (a variant)
-    maxnreg: int | None = None,  # registers per thread the compiler may use (None: its choice)
+    maxnreg: int | None = None,  # registers per thread the compiler may use (None: FP4 as tuned, see
+    # default_fp4_maxnreg; dense the compiler's choice); 0: no cap
 ) -> torch.Tensor:
     n_tok, n_heads, d = q.shape
     is_fp4 = fp4_k is not None
@@ -812,6 +828,8 @@ def paged_attention(
     # Triton 3.6 fails to compile the word decode in tiles of more than 16 rows (q K^T, or any
     # orientation without value slots)
     assert small_tile or fp4_ptx_decode not in ("words", "word_rows"), "the word decode is for tiles of <= 16 rows"
+    if maxnreg is None and is_fp4:
+        maxnreg = default_fp4_maxnreg(small_tile, block_n, num_warps, num_stages, q.device)
     if is_fp4:
         _paged_attn_fp4_kernel[(n_tiles, n_kv, splits)](
             q, out, part_acc, part_ml,
@@ -826,7 +844,7 @@ def paged_attention(
             PTX_DECODE={"words": 2, "word_rows": 3}.get(fp4_ptx_decode, int(bool(fp4_ptx_decode))),
             TRANSPOSED=fp4_transposed, K_OUTLIER_SELECT=bool(fp4_k_outlier_select),
             V_OUTLIER_DOT=bool(fp4_v_outlier_dot),
-            num_warps=num_warps, num_stages=num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg}),
+            num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
         )
     else:
         _paged_attn_kernel[(n_tiles, n_kv, splits)](
@@ -839,7 +857,7 @@ def paged_attention(
             GROUP=group, TOKENS=plan.tokens_per_tile, BLOCK_M=plan.block_m, BLOCK_N=block_n, HALF=d // 2,
             SPLIT=splits > 1, DOT_FP32=dot_fp32,
             num_warps=num_warps, num_stages=num_stages, **pdl.launch(q),
-            **({} if maxnreg is None else {"maxnreg": maxnreg}),
+            **({"maxnreg": maxnreg} if maxnreg else {}),
         )
     if splits > 1:
         chunk, block_d = merge_shape(splits, plan.block_m, d)

@@ -93,7 +93,7 @@ def _sweep_grid(default_splits: int, ctx: int, split_mults, block_ns, stages, ca
 
 def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_splits: bool = False,
               outlier_ablation: bool = False, decode_ablation: bool = False, config_sweep: bool = False,
-              maxnreg_ablation: bool = False) -> list[dict]:
+              maxnreg_ablation: bool = False, bf16_alt: bool = False) -> list[dict]:
     hq, hkv, d = GEOMETRIES[geo]
     n_blocks_seq = ctx // BLOCK_SIZE
     nb = batch * n_blocks_seq
@@ -155,6 +155,17 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
             record(f"ours_bf16_paged_splits{n_sp}", lambda: paged_attention(
                 q, plan_x, d ** -0.5, k_cache=k, v_cache=v, **cfg), 2 * batch * ctx * hkv * d * 2, {"config": cfg},
                 splits=n_sp)
+    if bf16_alt:
+        # a candidate rule for small batches: 128 keys a step and about 2 programs an SM (splits the
+        # power of two at most 2 x 132 / (tiles x KV heads)); the eighteenth session's sweep at batch 8,
+        # 16k: 2B 42.7-43.1 us against 47.6-53.9 for the default, 7B 73.6 against 73.2-73.6
+        n_sp = 1 << (max(1, min(64, 264 // (batch * hkv), ctx // 128)).bit_length() - 1)
+        plan_x = plan_tiles(list(range(batch + 1)), [ctx] * batch, tables, hq // hkv, "cuda", num_splits=n_sp,
+                            num_kv_heads=hkv)
+        cfg_x = {**cfg, "block_n": 128}
+        record("ours_bf16_paged_n128_2x", lambda: paged_attention(
+            q, plan_x, d ** -0.5, k_cache=k, v_cache=v, **cfg_x), 2 * batch * ctx * hkv * d * 2,
+            {"config": cfg_x}, splits=n_sp)
     if config_sweep:
         # key splits around the default (x1/4 .. x2) x keys per step x pipeline stages: whether the
         # small batches, whose programs run few steps, want another shape
@@ -183,7 +194,7 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
                                                      fp4_v=layer.kernel_views("v"), **cfg4),
            batch * ctx * layer.bytes_per_token, {"config": cfg4})
     if config_sweep:
-        for n_sp, bn, st, cap in _sweep_grid(plan.num_splits, ctx, (0.5, 1, 2), (128,), (2, 3), (None, 128)):
+        for n_sp, bn, st, cap in _sweep_grid(plan.num_splits, ctx, (0.5, 1, 2), (128,), (2, 3), (0, 128)):
             plan_x = plan_tiles(list(range(batch + 1)), [ctx] * batch, tables, hq // hkv, "cuda", num_splits=n_sp,
                                 num_kv_heads=hkv)
             cfg_x = {"block_n": bn, "num_warps": 4, "num_stages": st, "maxnreg": cap}
@@ -191,19 +202,17 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
                 q, plan_x, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"), **cfg_x),
                 batch * ctx * layer.bytes_per_token, {"config": cfg_x}, splits=n_sp)
     if maxnreg_ablation:
-        # registers capped at 128 a thread (168 uncapped: 3 programs an SM; capped, shared memory
-        # (56 KB a program) allows 4), with every slot and without the value slots
-        for cap in (128,):
-            cfg_r = {**cfg4, "maxnreg": cap}
-            record(f"ours_fp4_paged_maxnreg{cap}", lambda: paged_attention(
-                q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"), **cfg_r),
-                batch * ctx * layer.bytes_per_token, {"config": cfg_r})
+        # the register cap (default_fp4_maxnreg: 128 a thread for decode tiles) left off: 168 a
+        # thread, 3 programs an SM against 4; with every slot and without the value slots
+        cfg_r = {**cfg4, "maxnreg": 0}
+        record("ours_fp4_paged_uncapped", lambda: paged_attention(
+            q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"), **cfg_r),
+            batch * ctx * layer.bytes_per_token, {"config": cfg_r})
         nv_bytes = batch * ctx * hkv * (bytes_per_token_head(d, layer.num_outliers) + d // 2 + d // 16)
         fv0 = no_outliers("v")
         record("ours_fp4_paged_no_value_outliers", lambda: paged_attention(
             q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, **cfg4), nv_bytes, {"config": cfg4})
-        cfg_r = {**cfg4, "maxnreg": 128}
-        record("ours_fp4_paged_no_value_outliers_maxnreg128", lambda: paged_attention(
+        record("ours_fp4_paged_no_value_outliers_uncapped", lambda: paged_attention(
             q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, **cfg_r), nv_bytes, {"config": cfg_r})
     # the same kernel decoding in float32 (the path before the PTX bf16x2 decode)
     record("ours_fp4_paged_float_decode", lambda: paged_attention(
@@ -335,7 +344,9 @@ def main() -> None:
                     help="also time both kernels over key splits (x1/2, x1, x2 the default), keys per step, "
                          "pipeline stages and warps at each cell (rows sweep_*)")
     ap.add_argument("--maxnreg-ablation", action="store_true",
-                    help="FP4: also time the kernel with its registers capped at 128 a thread")
+                    help="FP4: also time the kernel without its register cap (default_fp4_maxnreg)")
+    ap.add_argument("--bf16-alt", action="store_true",
+                    help="bf16: also time 128 keys a step with about 2 programs an SM (a candidate rule)")
     ap.add_argument("--no-tune", action="store_true",
                     help="skip the tuner (minutes of a device call) and use TUNED, what it picked in every run "
                          "since the sixth session")
@@ -377,7 +388,8 @@ def main() -> None:
         for batch in map(int, a.batches.split(",")):
             for ctx in map(int, a.contexts.split(",")):
                 r = bench_one(geo, batch, ctx, configs[geo], bw, a.sweep_splits, a.outlier_ablation,
-                              a.decode_ablation, a.config_sweep, a.maxnreg_ablation)
+                              a.decode_ablation, a.config_sweep, a.maxnreg_ablation,
+                              a.bf16_alt)
                 rows += r
                 by = {x["impl"]: x for x in r if "us" in x and not x["impl"].startswith("sweep_")}
                 print(f"{geo} B={batch:<4d} ctx={ctx:<6d} " + "  ".join(

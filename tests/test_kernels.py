@@ -316,6 +316,23 @@ def test_fp4_decode_defaults():
     assert default_fp4_decode(True, True, True, 2) is True
 
 
+def test_fp4_register_cap_defaults(monkeypatch):
+    from kernels import paged_attention as pa
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    # decode tiles in the tuned shape on CUDA: 128 registers a thread (4 programs an SM, not 3)
+    assert pa.default_fp4_maxnreg(True, 128, 4, 2, "cuda") == 128
+    # any other shape (tiles of more rows, other steps, warps or stages), the CPU or the
+    # interpreter: the compiler's choice
+    assert pa.default_fp4_maxnreg(False, 128, 4, 2, "cuda") is None
+    assert pa.default_fp4_maxnreg(True, 64, 4, 2, "cuda") is None
+    assert pa.default_fp4_maxnreg(True, 128, 8, 2, "cuda") is None
+    assert pa.default_fp4_maxnreg(True, 128, 4, 3, "cuda") is None
+    assert pa.default_fp4_maxnreg(True, 128, 4, 2, "cpu") is None
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert pa.default_fp4_maxnreg(True, 128, 4, 2, "cuda") is None
+
+
 def test_split_counts_fill_the_chip_only_where_it_is_underfilled():
     # 7B (4 KV heads) on 132 SMs, batch 1: 1k and 4k keys get the split counts measured best on the
     # H200 (32k follows the same rule, not measured)
