@@ -641,6 +641,7 @@ class TilePlan:
     block_m: int
     num_splits: int
     max_context: int
+    dense_block_n: int | None = None  # the dense kernel's keys per step chosen with the splits (wide decode)
 
 
 def tile_shape(max_q: int, group: int) -> tuple[int, int]:
@@ -655,21 +656,45 @@ def tile_shape(max_q: int, group: int) -> tuple[int, int]:
 MAX_SPLITS = 64
 
 
-def warmup_launches(group: int, max_window: int = 64) -> list[tuple[int, int]]:
+def warmup_launches(group: int, max_window: int = 64, dense: bool = False) -> list[tuple[int, int, int | None]]:
     """(query tokens per sequence, key splits) pairs whose launches compile every variant of the
     kernels that plan_tiles and default_num_splits can ask for with GQA group `group`: one window
     length per distinct tile_shape (decode, verify windows, prefill chunks), unsplit (1) and split
     (the split count is a run-time argument, so 2 stands for every count up to 8 and 16 for every
     count above, the two shapes of the merge kernel, merge_shape). The other compile-time parameters are fixed per engine (head size,
     cache format, group, dtype) or follow from the tile shape (the FP4 key layout, the dense
-    kernel's keys per step)."""
+    kernel's keys per step), but for the dense kernel's wide decode (dense_wide_decode): its 128
+    keys a step, unsplit and split. Triples (q_len, splits, the plan's dense_block_n)."""
     shapes: dict[tuple[int, int], int] = {}
     for q_len in range(1, max_window + 1):
         shapes.setdefault(tile_shape(q_len, group), q_len)
-    return [(q_len, s) for q_len in shapes.values() for s in (1, 2, 16)]
+    out = [(q_len, s, None) for q_len in shapes.values() for s in (1, 2, 16)]
+    if dense:
+        out += [(1, s, WIDE_BLOCK_N) for s in (1, 2)]
+    return out
 
 
-def default_num_splits(num_tiles: int, max_context: int, num_sms: int, num_kv_heads: int = 4) -> int:
+# The dense kernel's decode shape for a few (tile, KV head) pairs over long contexts: 128 keys a
+# step and about two programs an SM. H200, from a CUDA graph (eighteenth session, us, default ->
+# wide): 7B, 16k keys, batch 1 26.0 -> 16.6, batch 2 50.0 -> 26.1, batch 4 52.6 -> 40.9, 4k keys
+# 13.5 -> 8.9, 17.4 -> 10.5, 17.9 -> 13.6; 2B (2 KV heads) batch 8 52.8 -> 41.6 (16k), 96.0 ->
+# 73.2 (32k), 17.8 -> 13.7 (4k), batch 4 50.1 -> 26.4, batch 1 at 4k 9.5 -> 9.6 (the one cell not
+# faster); at 32 pairs (7B batch 8) even (71.4 -> 71.8) and from 128 pairs slower (batch 32:
+# 252.7 -> 267.2 with 2 splits), so up to 16 pairs. Contexts under 4k were not measured: they
+# keep the default.
+WIDE_BLOCK_N = 128
+WIDE_MAX_PAIRS = 16
+WIDE_MIN_CONTEXT = 4096
+
+
+def dense_wide_decode(num_tiles: int, max_q: int, max_context: int, num_kv_heads: int) -> bool:
+    """Whether a dense decode step (one query token per sequence) takes the wide shape:
+    WIDE_BLOCK_N keys a step, splits from default_num_splits(wide=True)."""
+    return max_q == 1 and num_tiles * num_kv_heads <= WIDE_MAX_PAIRS and max_context >= WIDE_MIN_CONTEXT
+
+
+def default_num_splits(num_tiles: int, max_context: int, num_sms: int, num_kv_heads: int = 4,
+                       wide: bool = False) -> int:
     """Key splits: enough programs to fill the chip (about 8 per SM over tiles x KV heads x splits),
     but at least 64 keys per split, a power of two (the counts tuned on the H200), at most 32, or
     64 where even 32 splits leave SMs without a program (a batch of one or two sequences).
@@ -677,7 +702,12 @@ def default_num_splits(num_tiles: int, max_context: int, num_sms: int, num_kv_he
     heads, the 7B geometry it was tuned at, and half the programs at 2B's 2 KV heads, whose rows
     then ran 9-15% behind SDPA. Until the eleventh session a split had at least 256 keys: at 7B,
     batch 1, replayed from a CUDA graph on the H200, 1k keys took 12.1 us in 4 splits, 7.3 us in
-    16; 4k keys 13.7 us in 16 splits, 10.2 us in 64; SDPA 6.5 and 7.6 us.)"""
+    16; 4k keys 13.7 us in 16 splits, 10.2 us in 64; SDPA 6.5 and 7.6 us.)
+    wide (dense_wide_decode): about 2 programs an SM of WIDE_BLOCK_N keys a step, a power of two,
+    at most MAX_SPLITS, each split at least one step."""
+    if wide:
+        n = max(1, min(MAX_SPLITS, 2 * num_sms // max(1, num_tiles * num_kv_heads), max_context // WIDE_BLOCK_N))
+        return 1 << (n.bit_length() - 1)
     want = max(1, -(-8 * num_sms // max(1, num_tiles * num_kv_heads)))
     cap = MAX_SPLITS if num_tiles * num_kv_heads * 32 < num_sms else 32
     n = max(1, min(want, max_context // 64, cap))
@@ -685,7 +715,11 @@ def default_num_splits(num_tiles: int, max_context: int, num_sms: int, num_kv_he
 
 
 def plan_tiles(query_start: list[int], context_lens: list[int], block_tables: list[list[int]], group: int,
-               device, num_splits: int | None = None, num_sms: int = 132, num_kv_heads: int = 4) -> TilePlan:
+               device, num_splits: int | None = None, num_sms: int = 132, num_kv_heads: int = 4,
+               dense: bool = False, dense_block_n: int | None = None) -> TilePlan:
+    """dense: the plan is for the dense kernel, which may take the wide decode shape
+    (dense_wide_decode) when the split count is left to the default; dense_block_n names its
+    keys per step outright (warm-up)."""
     max_q = max(query_start[i + 1] - query_start[i] for i in range(len(context_lens)))
     tokens, block_m = tile_shape(max_q, group)
     seqs, toks, nqs, poss = [], [], [], []
@@ -699,7 +733,10 @@ def plan_tiles(query_start: list[int], context_lens: list[int], block_tables: li
             poss.append(ctx - num_q + j)
     max_ctx = max(context_lens)
     if num_splits is None:
-        num_splits = default_num_splits(len(seqs), max_ctx, num_sms, num_kv_heads)
+        wide = dense and dense_wide_decode(len(seqs), max_q, max_ctx, num_kv_heads)
+        num_splits = default_num_splits(len(seqs), max_ctx, num_sms, num_kv_heads, wide=wide)
+        if wide:
+            dense_block_n = WIDE_BLOCK_N
     width = max(len(t) for t in block_tables)
     table = torch.zeros(len(block_tables), width, dtype=torch.int32)
     for b, t in enumerate(block_tables):
@@ -709,7 +746,7 @@ def plan_tiles(query_start: list[int], context_lens: list[int], block_tables: li
         return torch.tensor(xs, dtype=torch.int32).to(device, non_blocking=True)
 
     return TilePlan(i32(seqs), i32(toks), i32(nqs), i32(poss), table.to(device, non_blocking=True), tokens,
-                    block_m, num_splits, max_ctx)
+                    block_m, num_splits, max_ctx, dense_block_n)
 
 
 def default_fp4_decode(ptx: bool, small_tile: bool, transposed: bool, num_v_outliers: int) -> bool | str:
@@ -783,7 +820,7 @@ def paged_attention(
     # Triton 3.6 does not compile the word decode there, see the assert below).
     small_tile = plan.block_m <= 16
     if block_n is None:
-        block_n = 128 if is_fp4 else (32 if small_tile else 64)
+        block_n = 128 if is_fp4 else (plan.dense_block_n or (32 if small_tile else 64))
     if fp4_keys_as_rows is None:
         fp4_keys_as_rows = False
     assert d % 32 == 0 and (d & (d - 1)) == 0, f"head_dim must be a power of two >= 32, got {d}"

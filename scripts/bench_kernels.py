@@ -25,7 +25,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kernels.fp4 import FP4PagedLayer, bytes_per_token_head  # noqa: E402
-from kernels.paged_attention import paged_attention, plan_tiles  # noqa: E402
+from kernels.paged_attention import default_num_splits, paged_attention, plan_tiles  # noqa: E402
 
 GEOMETRIES = {"7b": (28, 4, 128), "2b": (12, 2, 128)}
 BLOCK_SIZE = 16
@@ -101,6 +101,9 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
     tables = [perm[b].tolist() for b in range(batch)]
     q = torch.randn(batch, hq, d, dtype=torch.bfloat16, device="cuda")
     plan = plan_tiles(list(range(batch + 1)), [ctx] * batch, tables, hq // hkv, "cuda", num_kv_heads=hkv)
+    # the dense kernel's plan as the engine makes it (the wide decode shape where dense_wide_decode holds)
+    plan_d = plan_tiles(list(range(batch + 1)), [ctx] * batch, tables, hq // hkv, "cuda", num_kv_heads=hkv,
+                        dense=True)
     rows = []
     io_bytes = 2 * q.numel() * q.element_size()  # q in, out
 
@@ -142,8 +145,10 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
     k = torch.randn(nb, BLOCK_SIZE, hkv, d, dtype=torch.bfloat16, device="cuda")
     v = torch.randn(nb, BLOCK_SIZE, hkv, d, dtype=torch.bfloat16, device="cuda")
     cfg = configs["bf16"]
-    record("ours_bf16_paged", lambda: paged_attention(q, plan, d ** -0.5, k_cache=k, v_cache=v, **cfg),
-           2 * batch * ctx * hkv * d * 2, {"config": cfg})
+    cfg_d = {kk: vv for kk, vv in cfg.items() if not (kk == "block_n" and plan_d.dense_block_n)}
+    record("ours_bf16_paged", lambda: paged_attention(q, plan_d, d ** -0.5, k_cache=k, v_cache=v, **cfg_d),
+           2 * batch * ctx * hkv * d * 2, {"config": cfg_d, "dense_block_n": plan_d.dense_block_n},
+           splits=plan_d.num_splits)
     if sweep_splits and batch <= 8:
         # more key splits than the default heuristic allows (at most 32, >= 256 keys each): the small
         # batches leave SMs idle with it
@@ -156,16 +161,15 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
                 q, plan_x, d ** -0.5, k_cache=k, v_cache=v, **cfg), 2 * batch * ctx * hkv * d * 2, {"config": cfg},
                 splits=n_sp)
     if bf16_alt:
-        # a candidate rule for small batches: 128 keys a step and about 2 programs an SM (splits the
-        # power of two at most 2 x 132 / (tiles x KV heads)); the eighteenth session's sweep at batch 8,
-        # 16k: 2B 42.7-43.1 us against 47.6-53.9 for the default, 7B 73.6 against 73.2-73.6
-        n_sp = 1 << (max(1, min(64, 264 // (batch * hkv), ctx // 128)).bit_length() - 1)
+        # the wide decode shape (kernels/paged_attention.py, dense_wide_decode: 128 keys a step, about
+        # 2 programs an SM) at every cell, where the engine's rule takes it and where it does not
+        n_sp = default_num_splits(batch, ctx, 132, hkv, wide=True)
         plan_x = plan_tiles(list(range(batch + 1)), [ctx] * batch, tables, hq // hkv, "cuda", num_splits=n_sp,
-                            num_kv_heads=hkv)
-        cfg_x = {**cfg, "block_n": 128}
-        record("ours_bf16_paged_n128_2x", lambda: paged_attention(
+                            num_kv_heads=hkv, dense_block_n=128)
+        cfg_x = {kk: vv for kk, vv in cfg.items() if kk != "block_n"}
+        record("ours_bf16_paged_wide", lambda: paged_attention(
             q, plan_x, d ** -0.5, k_cache=k, v_cache=v, **cfg_x), 2 * batch * ctx * hkv * d * 2,
-            {"config": cfg_x}, splits=n_sp)
+            {"config": cfg_x, "dense_block_n": 128}, splits=n_sp)
     if config_sweep:
         # key splits around the default (x1/4 .. x2) x keys per step x pipeline stages: whether the
         # small batches, whose programs run few steps, want another shape
@@ -346,7 +350,8 @@ def main() -> None:
     ap.add_argument("--maxnreg-ablation", action="store_true",
                     help="FP4: also time the kernel without its register cap (default_fp4_maxnreg)")
     ap.add_argument("--bf16-alt", action="store_true",
-                    help="bf16: also time 128 keys a step with about 2 programs an SM (a candidate rule)")
+                    help="bf16: also time the wide decode shape (128 keys a step, about 2 programs an SM) at "
+                         "every cell")
     ap.add_argument("--no-tune", action="store_true",
                     help="skip the tuner (minutes of a device call) and use TUNED, what it picked in every run "
                          "since the sixth session")

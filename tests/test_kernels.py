@@ -146,6 +146,54 @@ def test_paged_attention_dense_matches_reference(q_lens, ctx_lens, splits):
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4), (out - ref).abs().max()
 
 
+def test_dense_wide_decode_matches_reference():
+    """The dense kernel's wide decode shape (128 keys a step, about 2 programs an SM), as the
+    engine's plan picks it for a few sequences over long contexts, against the reference; some of
+    its 32 splits end part way through a step, one past the shorter sequence's keys."""
+    heads, kv_heads, d, bs = 4, 2, 32, 16
+    q_lens, ctx_lens = [1, 1], [4100, 4500]
+    nb = sum(-(-c // bs) for c in ctx_lens)
+    q, qs, tables = make_batch(q_lens, ctx_lens, heads, kv_heads, d, bs, nb)
+    k_cache = torch.randn(nb, bs, kv_heads, d, device=DEV)
+    v_cache = torch.randn(nb, bs, kv_heads, d, device=DEV)
+    plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_kv_heads=kv_heads, dense=True)
+    assert plan.dense_block_n == 128 and plan.num_splits == 32
+    out = paged_attention(q, plan, d ** -0.5, k_cache=k_cache, v_cache=v_cache)
+
+    def gather(blocks):
+        idx = torch.tensor(blocks, device=DEV)
+        return k_cache[idx].reshape(-1, kv_heads, d), v_cache[idx].reshape(-1, kv_heads, d)
+
+    ref = paged_attention_ref(q, gather, qs, ctx_lens, tables, bs, d ** -0.5)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4), (out - ref).abs().max()
+
+
+def test_wide_decode_rule():
+    from kernels.paged_attention import dense_wide_decode
+    # up to 16 (tile, KV head) pairs of one query token over at least 4k keys: 7B batch 1-4, 2B 1-8
+    assert dense_wide_decode(4, 1, 16384, 4) and dense_wide_decode(8, 1, 4096, 2)
+    assert not dense_wide_decode(8, 1, 16384, 4)  # 32 pairs (7B batch 8): even there, so not taken
+    assert not dense_wide_decode(1, 1, 4095, 4)  # short contexts: not measured, the default
+    assert not dense_wide_decode(1, 2, 16384, 4)  # verify windows and prefill: the default
+    # its splits: about 2 programs an SM (264 on 132 SMs), a power of two, at most 64, >= 128 keys each
+    assert default_num_splits(1, 16384, 132, 4, wide=True) == 64
+    assert default_num_splits(2, 16384, 132, 4, wide=True) == 32
+    assert default_num_splits(4, 16384, 132, 4, wide=True) == 16
+    assert default_num_splits(8, 16384, 132, 2, wide=True) == 16
+    assert default_num_splits(1, 4096, 132, 4, wide=True) == 32
+    # the plan: only for the dense kernel (FP4 plans keep the default), only where the rule holds
+    q1 = [0, 1, 2]
+    wide = plan_tiles(q1, [16384, 9000], [[0], [0]], 7, "cpu", num_kv_heads=4, dense=True)
+    assert wide.dense_block_n == 128 and wide.num_splits == 32
+    fp4_plan = plan_tiles(q1, [16384, 9000], [[0], [0]], 7, "cpu", num_kv_heads=4)
+    assert fp4_plan.dense_block_n is None and fp4_plan.num_splits == default_num_splits(2, 16384, 132, 4)
+    short = plan_tiles(q1, [3000, 900], [[0], [0]], 7, "cpu", num_kv_heads=4, dense=True)
+    assert short.dense_block_n is None
+    # a split count given outright (tests, warm-up) is kept, with the keys per step given with it
+    forced = plan_tiles(q1, [16384, 9000], [[0], [0]], 7, "cpu", num_kv_heads=4, dense=True, num_splits=2)
+    assert forced.num_splits == 2 and forced.dense_block_n is None
+
+
 def fp4_layer_with_outliers(nb, bs, kv_heads, d, seed=0, head_scale=fp4.DEFAULT_HEAD_SCALE):
     """An FP4 pool whose keys carry a large fixed channel (in the low half) and whose values carry
     one in the high half, so both kinds of outlier slot are used (and many slots stay unused)."""
@@ -356,10 +404,14 @@ def test_warmup_launches_cover_every_plan_the_engine_can_make():
     for group in (1, 2, 6, 7, 8):
         # a kernel variant is (tile shape, split or not, the merge kernel's shape): the split count
         # itself is a run-time argument
-        def variant(shape, splits):
-            return shape, splits > 1, splits > 1 and merge_shape(splits, shape[1], 128)
+        # (the attention kernel's keys per step do not reach the merge kernel)
+        def variant(shape, splits, dense_block_n):
+            return (shape, splits > 1, dense_block_n), (shape, splits > 1 and merge_shape(splits, shape[1], 128))
 
-        warm = {variant(tile_shape(q_len, group), splits) for q_len, splits in warmup_launches(group)}
+        dense = group in (6, 7)  # the dense kernel's plans (wide decode shape) at the real models' groups
+        launches = [variant(tile_shape(q_len, group), splits, dbn)
+                    for q_len, splits, dbn in warmup_launches(group, dense=dense)]
+        warm = {a for a, _ in launches}, {m for _, m in launches}
         for _ in range(300):
             n = rng.choice([1, 2, 3, 8, 32, 130])
             q_max = rng.choice([1, 2, 3, 5, 9, 17, 64, 2048])
@@ -369,8 +421,9 @@ def test_warmup_launches_cover_every_plan_the_engine_can_make():
             for q in q_lens:
                 starts.append(starts[-1] + q)
             plan = plan_tiles(starts, ctx, [[0]] * n, group, "cpu", num_sms=rng.choice([1, 78, 132]),
-                              num_kv_heads=rng.choice([1, 2, 4]))
-            assert variant((plan.tokens_per_tile, plan.block_m), plan.num_splits) in warm, (group, q_lens, ctx)
+                              num_kv_heads=rng.choice([1, 2, 4]), dense=dense)
+            attn, merge = variant((plan.tokens_per_tile, plan.block_m), plan.num_splits, plan.dense_block_n)
+            assert attn in warm[0] and merge in warm[1], (group, q_lens, ctx)
 
 
 def test_block_table_width_and_split_count_do_not_make_new_kernel_variants():

@@ -4,9 +4,10 @@ A decode step of a 7B model is ~1,300 kernel launches whose host-side cost (27 m
 measured on an H200, against ~5.5 ms of kernel time) dwarfs the work. A captured graph replays
 them with one launch. Graphs need fixed shapes and fixed addresses, so:
 
-- a graph is captured per key (B, q, S): at most B sequences with at most q new tokens each, S
+- a graph is captured per key (B, q, S, W): at most B sequences with at most q new tokens each, S
   attention key splits (flash-decoding; from the step's longest context, as the eager path picks
-  them, so a run whose contexts stay in one range uses one or two split counts). Every
+  them, so a run whose contexts stay in one range uses one or two split counts), W whether the
+  dense kernel decodes in its wide shape (kernels/paged_attention.py, dense_wide_decode). Every
   sequence gets q query rows; a shorter window is padded, and so are missing sequences. Padded
   rows have token 0, position 0 and write their K/V to a scratch slot (the pool's last block,
   which the block manager never hands out); their attention tiles have zero query tokens, so
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 
 from docproc.layers.attention import AttentionMetadata
-from kernels.paged_attention import TilePlan, default_num_splits, tile_shape
+from kernels.paged_attention import WIDE_BLOCK_N, TilePlan, default_num_splits, dense_wide_decode, tile_shape
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 Q_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -76,6 +77,7 @@ class GraphRunner:
         self.group = backend.num_heads // backend.num_kv_heads
         self.num_kv_heads = backend.num_kv_heads
         self.num_sms = backend.num_sms
+        self.wide_decode = backend.wide_decode
         self.block_size = runner.block_size
         self.batches = tuple(b for b in BATCH_BUCKETS if b <= max(max_batch, 1))
         if self.batches[-1] < max_batch:
@@ -120,8 +122,9 @@ class GraphRunner:
             if len(c.seq.block_table) > self.width:
                 return None
         tokens, _ = tile_shape(qb, self.group)
-        splits = default_num_splits(b * -(-qb // tokens), max(c.end for c in chunks), self.num_sms, self.num_kv_heads)
-        return b, qb, splits
+        tiles, ctx = b * -(-qb // tokens), max(c.end for c in chunks)
+        wide = self.wide_decode and dense_wide_decode(tiles, qb, ctx, self.num_kv_heads)
+        return b, qb, default_num_splits(tiles, ctx, self.num_sms, self.num_kv_heads, wide=wide), wide
 
     # ---- per step ----------------------------------------------------------------------------
     def _layout(self, key):
@@ -131,7 +134,7 @@ class GraphRunner:
         return self._layouts[key]
 
     def _make_layout(self, key):
-        b, q, _ = key
+        b, q = key[:2]
         n = b * q
         tokens, block_m = tile_shape(q, self.group)
         per_seq = -(-q // tokens)
@@ -159,7 +162,7 @@ class GraphRunner:
     def _fill(self, chunks, key) -> tuple[int, int, int, list[int], list[int]] | None:
         """Write the step's inputs into the pinned host buffers; None if a chunk touches an image.
         Returns (int64 count, int32 count, real rows, query_start, context_lens)."""
-        b, q, _ = key
+        b, q = key[:2]
         _, n, t, tokens, _, per_seq, (tile_seqs, tile_toks) = self._layout(key)
         bs = self.block_size
         h64 = self.host64.numpy()
@@ -249,7 +252,7 @@ class GraphRunner:
         views, n, t, tokens, block_m, _, _ = self._layout(key)
         splits = key[2]
         plan = TilePlan(views["tile_seq"], views["tile_tok"], views["tile_nq"], views["tile_pos"], views["table"],
-                        tokens, block_m, splits, 0)
+                        tokens, block_m, splits, 0, WIDE_BLOCK_N if key[3] else None)
         meta = AttentionMetadata(views["slots"], [0, n], [n], [], self.block_size, plan)
         text = self.runner.model.text
         hidden = text(views["ids"], views["pos"], self.runner.kv_cache.layers, meta, self.runner.backend)

@@ -48,6 +48,10 @@ class AttentionMetadata:
 
 
 class _Backend:
+    # whether decode plans may take the dense kernel's wide shape (kernels/paged_attention.py,
+    # dense_wide_decode): the dense cache's kernel only
+    wide_decode = False
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, device: torch.device) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -62,7 +66,7 @@ class _Backend:
         if self.use_triton:
             meta.plan = plan_tiles(meta.query_start, meta.context_lens, meta.block_tables,
                                    self.num_heads // self.num_kv_heads, self.device, num_sms=self.num_sms,
-                                   num_kv_heads=self.num_kv_heads)
+                                   num_kv_heads=self.num_kv_heads, dense=self.wide_decode)
 
     def rotary_store(self, layer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      meta: AttentionMetadata) -> torch.Tensor:
@@ -81,7 +85,8 @@ class _Backend:
             return 0.0
         t0 = time.perf_counter()
         n_blocks = self.num_blocks(layer)
-        for q_len, splits in warmup_launches(self.num_heads // self.num_kv_heads):
+        for q_len, splits, dense_block_n in warmup_launches(self.num_heads // self.num_kv_heads,
+                                                            dense=self.wide_decode):
             ctx = q_len
             blocks = list(range(min(n_blocks, -(-ctx // block_size))))
             if len(blocks) * block_size < ctx:
@@ -89,7 +94,8 @@ class _Backend:
             meta = AttentionMetadata(torch.arange(ctx - q_len, ctx, device=self.device), [0, q_len], [ctx], [blocks],
                                      block_size)
             meta.plan = plan_tiles(meta.query_start, meta.context_lens, meta.block_tables,
-                                   self.num_heads // self.num_kv_heads, self.device, num_splits=splits)
+                                   self.num_heads // self.num_kv_heads, self.device, num_splits=splits,
+                                   dense_block_n=dense_block_n)
             q = torch.zeros(q_len, self.num_heads, self.head_dim, device=self.device, dtype=self.compute_dtype)
             kv = torch.zeros(q_len, self.num_kv_heads, self.head_dim, device=self.device, dtype=self.compute_dtype)
             self.store(layer, kv, kv, meta)
@@ -104,6 +110,8 @@ class _Backend:
 
 class DenseAttention(_Backend):
     """K/V as bf16/fp16/fp32; per layer a (2, num_blocks, block_size, Hkv, D) tensor."""
+
+    wide_decode = True
 
     def __init__(self, num_heads, num_kv_heads, head_dim, scale, device, dtype: torch.dtype,
                  compute_dtype: torch.dtype) -> None:
