@@ -133,17 +133,23 @@ CASES = [  # (query tokens per sequence, context lengths): decode, verify window
 def test_paged_attention_dense_matches_reference(q_lens, ctx_lens, splits):
     heads, kv_heads, d, bs, nb = 6, 2, 32, 4, 40
     q, qs, tables = make_batch(q_lens, ctx_lens, heads, kv_heads, d, bs, nb)
+    plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=splits)
+    out, ref = dense_and_reference(q, qs, ctx_lens, tables, plan, kv_heads, bs, nb, block_n=16)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4), (out - ref).abs().max()
+
+
+def dense_and_reference(q, qs, ctx_lens, tables, plan, kv_heads, bs, nb, **kw):
+    """The dense kernel's output on random caches, and the torch reference's."""
+    d = q.shape[-1]
     k_cache = torch.randn(nb, bs, kv_heads, d, device=DEV)
     v_cache = torch.randn(nb, bs, kv_heads, d, device=DEV)
-    plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=splits)
-    out = paged_attention(q, plan, d ** -0.5, k_cache=k_cache, v_cache=v_cache, block_n=16)
+    out = paged_attention(q, plan, d ** -0.5, k_cache=k_cache, v_cache=v_cache, **kw)
 
     def gather(blocks):
         idx = torch.tensor(blocks, device=DEV)
         return k_cache[idx].reshape(-1, kv_heads, d), v_cache[idx].reshape(-1, kv_heads, d)
 
-    ref = paged_attention_ref(q, gather, qs, ctx_lens, tables, bs, d ** -0.5)
-    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4), (out - ref).abs().max()
+    return out, paged_attention_ref(q, gather, qs, ctx_lens, tables, bs, d ** -0.5)
 
 
 def test_dense_wide_decode_matches_reference():
@@ -154,17 +160,9 @@ def test_dense_wide_decode_matches_reference():
     q_lens, ctx_lens = [1, 1], [4100, 4500]
     nb = sum(-(-c // bs) for c in ctx_lens)
     q, qs, tables = make_batch(q_lens, ctx_lens, heads, kv_heads, d, bs, nb)
-    k_cache = torch.randn(nb, bs, kv_heads, d, device=DEV)
-    v_cache = torch.randn(nb, bs, kv_heads, d, device=DEV)
     plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_kv_heads=kv_heads, dense=True)
     assert plan.dense_block_n == 128 and plan.num_splits == 32
-    out = paged_attention(q, plan, d ** -0.5, k_cache=k_cache, v_cache=v_cache)
-
-    def gather(blocks):
-        idx = torch.tensor(blocks, device=DEV)
-        return k_cache[idx].reshape(-1, kv_heads, d), v_cache[idx].reshape(-1, kv_heads, d)
-
-    ref = paged_attention_ref(q, gather, qs, ctx_lens, tables, bs, d ** -0.5)
+    out, ref = dense_and_reference(q, qs, ctx_lens, tables, plan, kv_heads, bs, nb)
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4), (out - ref).abs().max()
 
 
