@@ -24,6 +24,38 @@ def test_buckets_and_text_positions_match_mrope():
     assert text_position_delta(images, 10, 16) is None  # touches the first image
 
 
+def test_graph_keys_take_the_eager_plans_split_count_and_decode_shape():
+    """A step's graph key (B, q, splits, wide) agrees with the plan the eager path makes for the
+    same step: the dense kernel's wide decode shape (a few sequences over >= 4k keys) and its
+    split count, the default elsewhere and for the FP4 kernel."""
+    from types import SimpleNamespace
+
+    from docproc.engine.graph_runner import GraphRunner
+    from kernels.paged_attention import plan_tiles
+
+    class Runner:  # what GraphRunner reads of a ModelRunner
+        def __init__(self, wide):
+            self.device = torch.device("cpu")
+            self.block_size = 16
+            self.backend = SimpleNamespace(num_heads=28, num_kv_heads=4, num_sms=132, wide_decode=wide)
+
+    def chunks(ends):
+        return [SimpleNamespace(start=e - 1, end=e, seq=SimpleNamespace(block_table=[0] * (-(-e // 16))))
+                for e in ends]
+
+    for wide in (True, False):
+        runner = Runner(wide)
+        g = GraphRunner(runner, max_batch=8, max_len=40000, capture=False)
+        for ends in ([16384], [5000, 9000], [3000], [16384] * 4, [16384] * 5, [4096] * 3):
+            key = g.key_for(chunks(ends))
+            # the eager plan at the graph's (padded) batch, as the dense or the FP4 backend makes it
+            b = key[0]
+            plan = plan_tiles(list(range(b + 1)), (ends + [1] * b)[:b], [[0]] * b, 7, "cpu", num_kv_heads=4,
+                              dense=wide)
+            assert key[2] == plan.num_splits and key[3] == (plan.dense_block_n is not None), (wide, ends, key)
+            assert key[3] == (wide and max(ends) >= 4096 and b <= 4), (wide, ends, key)
+
+
 # the interpreter path on CPU; on a GPU the captured graphs are tested instead (below)
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter path (CPU only)")
 

@@ -93,8 +93,8 @@ class GraphRunner:
         self.dev32 = torch.zeros_like(self.host32, device=self.device)
         self.copied = torch.cuda.Event() if capture else None
         self.pool = None
-        self.graphs: dict[tuple[int, int, int], tuple] = {}
-        self._layouts: dict[tuple[int, int, int], tuple] = {}
+        self.graphs: dict[tuple[int, int, int, bool], tuple] = {}
+        self._layouts: dict[tuple[int, int, int, bool], tuple] = {}
         self.num_replays = 0
         self.capture_seconds = 0.0
         # the block table each host-buffer row holds: (the sequence's table list, its length). A
