@@ -24,6 +24,7 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from kernels import pdl  # noqa: E402
 from kernels.fp4 import FP4PagedLayer, bytes_per_token_head  # noqa: E402
 from kernels.paged_attention import default_num_splits, paged_attention, plan_tiles  # noqa: E402
 
@@ -93,7 +94,7 @@ def _sweep_grid(default_splits: int, ctx: int, split_mults, block_ns, stages, ca
 
 def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_splits: bool = False,
               outlier_ablation: bool = False, decode_ablation: bool = False, config_sweep: bool = False,
-              maxnreg_ablation: bool = False, bf16_alt: bool = False) -> list[dict]:
+              maxnreg_ablation: bool = False, bf16_alt: bool = False, pdl_ablation: bool = False) -> list[dict]:
     hq, hkv, d = GEOMETRIES[geo]
     n_blocks_seq = ctx // BLOCK_SIZE
     nb = batch * n_blocks_seq
@@ -160,6 +161,17 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
             record(f"ours_bf16_paged_splits{n_sp}", lambda: paged_attention(
                 q, plan_x, d ** -0.5, k_cache=k, v_cache=v, **cfg), 2 * batch * ctx * hkv * d * 2, {"config": cfg},
                 splits=n_sp)
+    if pdl_ablation:
+        # the same plan and kernels launched without programmatic dependent launch (kernels/pdl.py;
+        # DOCPROC_PDL=0 for a whole run): the merge kernel then starts after the attention kernel ends
+        saved, pdl.ENABLED = pdl.ENABLED, False
+        try:
+            record("ours_bf16_paged_pdl_off", lambda: paged_attention(q, plan_d, d ** -0.5, k_cache=k, v_cache=v,
+                                                                      **cfg_d),
+                   2 * batch * ctx * hkv * d * 2, {"config": cfg_d, "dense_block_n": plan_d.dense_block_n},
+                   splits=plan_d.num_splits)
+        finally:
+            pdl.ENABLED = saved
     if bf16_alt:
         # the wide decode shape (kernels/paged_attention.py, dense_wide_decode: 128 keys a step, about
         # 2 programs an SM) at every cell, where the engine's rule takes it and where it does not
@@ -352,6 +364,8 @@ def main() -> None:
     ap.add_argument("--bf16-alt", action="store_true",
                     help="bf16: also time the wide decode shape (128 keys a step, about 2 programs an SM) at "
                          "every cell")
+    ap.add_argument("--pdl-ablation", action="store_true",
+                    help="bf16: also time the default plan with programmatic dependent launch off")
     ap.add_argument("--no-tune", action="store_true",
                     help="skip the tuner (minutes of a device call) and use TUNED, what it picked in every run "
                          "since the sixth session")
@@ -394,7 +408,7 @@ def main() -> None:
             for ctx in map(int, a.contexts.split(",")):
                 r = bench_one(geo, batch, ctx, configs[geo], bw, a.sweep_splits, a.outlier_ablation,
                               a.decode_ablation, a.config_sweep, a.maxnreg_ablation,
-                              a.bf16_alt)
+                              a.bf16_alt, a.pdl_ablation)
                 rows += r
                 by = {x["impl"]: x for x in r if "us" in x and not x["impl"].startswith("sweep_")}
                 print(f"{geo} B={batch:<4d} ctx={ctx:<6d} " + "  ".join(
