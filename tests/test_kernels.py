@@ -192,6 +192,21 @@ def test_wide_decode_rule():
     assert forced.num_splits == 2 and forced.dense_block_n is None
 
 
+def test_wide_decode_only_for_two_byte_dense_caches():
+    """The backends that ask for the wide shape: the dense kernel over bf16/fp16 K/V with bf16/fp16
+    compute at head_dim <= 128 (float32 tiles, or head_dim 256, of 128 keys in two stages would not
+    fit in shared memory), never FP4."""
+    from docproc.layers.attention import DenseAttention, FP4Attention
+
+    def dense(dtype, compute, head_dim=128):
+        return DenseAttention(28, 4, head_dim, 0.1, torch.device("cpu"), dtype, compute).wide_decode
+
+    assert dense(torch.bfloat16, torch.bfloat16) and dense(torch.float16, torch.float16)
+    assert not dense(torch.float32, torch.float32) and not dense(torch.bfloat16, torch.float32)
+    assert dense(torch.bfloat16, torch.bfloat16, 64) and not dense(torch.bfloat16, torch.bfloat16, 256)
+    assert FP4Attention.wide_decode is False
+
+
 def fp4_layer_with_outliers(nb, bs, kv_heads, d, seed=0, head_scale=fp4.DEFAULT_HEAD_SCALE):
     """An FP4 pool whose keys carry a large fixed channel (in the low half) and whose values carry
     one in the high half, so both kinds of outlier slot are used (and many slots stay unused)."""

@@ -49,7 +49,7 @@ class AttentionMetadata:
 
 class _Backend:
     # whether decode plans may take the dense kernel's wide shape (kernels/paged_attention.py,
-    # dense_wide_decode): the dense cache's kernel only
+    # dense_wide_decode): the dense kernel over a bf16/fp16 cache only (DenseAttention)
     wide_decode = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, device: torch.device) -> None:
@@ -111,13 +111,16 @@ class _Backend:
 class DenseAttention(_Backend):
     """K/V as bf16/fp16/fp32; per layer a (2, num_blocks, block_size, Hkv, D) tensor."""
 
-    wide_decode = True
-
     def __init__(self, num_heads, num_kv_heads, head_dim, scale, device, dtype: torch.dtype,
                  compute_dtype: torch.dtype) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale, device)
         self.dtype = dtype
         self.compute_dtype = compute_dtype
+        # the wide decode shape for 2-byte caches and compute, head_dim <= 128 only (as measured:
+        # bf16, 128): 128 keys of float32 K and V a step in 2 stages, or of bf16 at head_dim 256,
+        # would need 256 KB of shared memory
+        half = (torch.bfloat16, torch.float16)
+        self.wide_decode = dtype in half and compute_dtype in half and head_dim <= 128
 
     def allocate(self, num_blocks: int, block_size: int) -> torch.Tensor:
         return torch.zeros(2, num_blocks, block_size, self.num_kv_heads, self.head_dim, dtype=self.dtype,
