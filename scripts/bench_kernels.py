@@ -357,8 +357,8 @@ def main() -> None:
     ap.add_argument("--sweep-splits", action="store_true",
                     help="batch <= 8: also time our bf16 kernel at 2x and 4x the default key splits")
     ap.add_argument("--config-sweep", action="store_true",
-                    help="also time both kernels over key splits (x1/2, x1, x2 the default), keys per step, "
-                         "pipeline stages and warps at each cell (rows sweep_*)")
+                    help="also time both kernels over key splits (bf16: x1/4 to x2 the default, FP4: x1/2 to x2), "
+                         "keys per step and pipeline stages (FP4: and the register cap) at each cell (rows sweep_*)")
     ap.add_argument("--maxnreg-ablation", action="store_true",
                     help="FP4: also time the kernel without its register cap (default_fp4_maxnreg)")
     ap.add_argument("--bf16-alt", action="store_true",
@@ -375,7 +375,8 @@ def main() -> None:
                     help="also time the FP4 kernel with its outlier paths left out (what they cost) and with key "
                          "outliers applied by a select instead of a gather of q")
     ap.add_argument("--kernel-profile", action="store_true",
-                    help="also record each row's device kernels and their time per call (torch.profiler)")
+                    help="also record each row's device kernels and their time per call (torch.profiler); "
+                         "run with DOCPROC_PDL=0, else a kernel's time includes its wait for the one before")
     a = ap.parse_args()
     global KERNEL_PROFILE
     KERNEL_PROFILE = a.kernel_profile
