@@ -893,7 +893,7 @@ def paged_attention(
             *strides_k,
             GROUP=group, TOKENS=plan.tokens_per_tile, BLOCK_M=plan.block_m, BLOCK_N=block_n, HALF=d // 2,
             SPLIT=splits > 1, DOT_FP32=dot_fp32,
-            num_warps=num_warps, num_stages=num_stages, **pdl.launch(q),
+            num_warps=num_warps, num_stages=num_stages, **pdl.attention_launch(q),
             **({"maxnreg": maxnreg} if maxnreg else {}),
         )
     if splits > 1:
@@ -901,6 +901,6 @@ def paged_attention(
         _combine_kernel[(n_tiles, n_kv, d // block_d)](
             out, part_acc, part_ml, plan.tile_tok, plan.tile_nq, out.stride(0), out.stride(1), splits,
             GROUP=group, TOKENS=plan.tokens_per_tile, BLOCK_M=plan.block_m, HALF=d // 2, BLOCK_D=block_d,
-            CHUNK=chunk, **pdl.launch(q),
+            CHUNK=chunk, **pdl.attention_launch(q),
         )
     return out

@@ -47,6 +47,10 @@ ENABLED = os.environ.get("DOCPROC_PDL", "1") != "0"
 # where a kernel lets the next one launch: "start" (on entry), "end" (after its main loop, before
 # its stores), or "" for each call site's own choice (launch(early=...)); a knob for measurements
 TRIGGER = os.environ.get("DOCPROC_PDL_TRIGGER", "")
+# the paged attention kernel and its merge (kernels/paged_attention.py): "start" (PDL, the next
+# kernel may launch on entry), "end" (after the main loop) or "off" (plain launches, stream order),
+# whatever the other kernels do; a knob for measurements (bench_engine part a times all three)
+ATTENTION = os.environ.get("DOCPROC_PDL_ATTENTION", "start")
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,6 +80,14 @@ def launch(t: torch.Tensor, early: bool = True) -> dict:
     if TRIGGER:
         early = TRIGGER == "start"
     return {"PDL": 1 if early else 2, "launch_pdl": True}
+
+
+def attention_launch(t: torch.Tensor) -> dict:
+    """launch() for the paged attention kernel and its merge, as ATTENTION says."""
+    assert ATTENTION in ("start", "end", "off"), f"DOCPROC_PDL_ATTENTION={ATTENTION!r}: start, end or off"
+    if ATTENTION == "off":
+        return {"PDL": 0}
+    return launch(t, early=ATTENTION == "start")
 
 
 @triton.jit

@@ -224,9 +224,10 @@ def part_a(folder: Path, args, env: dict) -> dict:
     no_overlap_tps = max(decode_tps()[0] for _ in range(3))
     llm.overlap_decode = True
     overlapped = llm.num_overlapped_steps
-    def without(module) -> float:
-        """tokens/s with module.ENABLED off; then on again, graphs recaptured by a warm-up pass."""
-        with kernels_off(module, graphs):
+    def without(module, attr: str = "ENABLED", value=False) -> float:
+        """tokens/s with module.ENABLED off (or `attr` set to `value`); then as before again, graphs
+        recaptured by a warm-up pass."""
+        with kernels_off(module, graphs, attr, value):
             tps = max(decode_tps()[0] for _ in range(3))
         decode_tps()
         return tps
@@ -235,6 +236,13 @@ def part_a(folder: Path, args, env: dict) -> dict:
     no_gemv_tps = without(kernels_gemv) if graphs is not None and kernels_gemv.ENABLED else None
     no_pdl_tps = (without(kernels_pdl) if graphs is not None and kernels_pdl.enabled(torch.zeros(1, device=args.device))
                   else None)
+    # the attention kernel and its merge launched in plain stream order, or letting the next kernel
+    # launch only after their main loops, the other kernels as they are (kernels/pdl.py, ATTENTION)
+    pdl_attention = {}
+    if no_pdl_tps is not None:
+        for mode in ("off", "end"):
+            if mode != kernels_pdl.ATTENTION:
+                pdl_attention[mode] = round(without(kernels_pdl, "ATTENTION", mode), 2)
     eager_tps = None
     if graphs is not None:  # the same engine with its CUDA graphs switched off
         llm.runner.graphs = None
@@ -245,24 +253,27 @@ def part_a(folder: Path, args, env: dict) -> dict:
     profile = profile_decode(llm, req, args) if args.profile_steps else None
     step_bytes = lm_bytes_per_step(llm) + ctx * info["bytes_per_token"]
     roofline_tps = env["copy_bandwidth"] / step_bytes
-    inputs = hf_batch(llm, [req], args.device)
+    inputs = hf_batch(llm, [req], args.device) if not args.no_transformers else None
     del llm
     free()
-    model = hf_model(folder, args)
-    hf_generate(model, inputs, 4, args.device)  # warm-up
-    t1 = min(hf_generate(model, inputs, 1, args.device) for _ in range(3))  # the best of three: noise only adds
-    tn = min(hf_generate(model, inputs, n, args.device) for _ in range(3))
-    hf_tps = (n - 1) / (tn - t1)
-    del model
-    free()
+    hf_tps = None
+    if inputs is not None:
+        model = hf_model(folder, args)
+        hf_generate(model, inputs, 4, args.device)  # warm-up
+        t1 = min(hf_generate(model, inputs, 1, args.device) for _ in range(3))  # the best of three: noise only adds
+        tn = min(hf_generate(model, inputs, n, args.device) for _ in range(3))
+        hf_tps = (n - 1) / (tn - t1)
+        del model
+        free()
     return {"new_tokens": n, "prompt_tokens": m.num_prompt_tokens, "ours_tokens_per_s": round(ours_tps, 2),
             "ours_eager_tokens_per_s": eager_tps and round(eager_tps, 2), "step_graphs": info["step_graphs"],
             "ours_no_overlap_tokens_per_s": round(no_overlap_tps, 2), "overlapped_steps": overlapped,
             "ours_cublas_one_row_tokens_per_s": no_gemv_tps and round(no_gemv_tps, 2),
             "ours_no_pdl_tokens_per_s": no_pdl_tps and round(no_pdl_tps, 2),
+            "pdl_attention": kernels_pdl.ATTENTION, "ours_pdl_attention_tokens_per_s": pdl_attention or None,
             "ours_ttft_s": round(runs[0][1].time_to_first_token, 4),  # the first run: prompt not yet cached
-            "transformers_tokens_per_s": round(hf_tps, 2),
-            "speedup_vs_transformers": round(ours_tps / hf_tps, 2), "bytes_per_step": step_bytes,
+            "transformers_tokens_per_s": hf_tps and round(hf_tps, 2),
+            "speedup_vs_transformers": hf_tps and round(ours_tps / hf_tps, 2), "bytes_per_step": step_bytes,
             "roofline_tokens_per_s": round(roofline_tps, 2), "share_of_roofline": round(ours_tps / roofline_tps, 3),
             **({"profile": profile} if profile else {})}
 
@@ -322,22 +333,23 @@ def host_profile(fn, top: int = 40) -> dict:
 
 
 @contextlib.contextmanager
-def kernels_off(module, graphs):
-    """module.ENABLED (a kernel family's switch) off inside, restored after; the step graphs (if
-    any) are dropped on both sides so that they are captured anew with the switch as it is (a new
-    memory pool too: capturing into one whose graphs are gone fails)."""
+def kernels_off(module, graphs, attr: str = "ENABLED", value=False):
+    """module.ENABLED (a kernel family's switch; or another setting `attr`) set to `value` inside,
+    restored after; the step graphs (if any) are dropped on both sides so that they are captured
+    anew with the setting as it is (a new memory pool too: capturing into one whose graphs are gone
+    fails)."""
     def drop():
         if graphs is not None:
             graphs.graphs.clear()
             graphs.pool = None
 
-    was = module.ENABLED
-    module.ENABLED = False
+    was = getattr(module, attr)
+    setattr(module, attr, value)
     drop()
     try:
         yield
     finally:
-        module.ENABLED = was
+        setattr(module, attr, was)
         drop()
 
 
@@ -718,6 +730,7 @@ def main() -> None:
                     help="part b: also run this many fresh documents under cProfile (first KV format)")
     ap.add_argument("--profile-docs", type=int, default=0,
                     help="part b: also profile a pass over this many fresh documents (first KV format)")
+    ap.add_argument("--no-transformers", action="store_true", help="part a: ours only (no transformers run)")
     ap.add_argument("--small", action="store_true", help="CPU check: tiny sizes everywhere")
     a = ap.parse_args()
     a.kv = a.kv.split(",")
