@@ -56,6 +56,8 @@ TUNED = {"bf16": {"block_n": 32, "num_warps": 4, "num_stages": 2},
 
 
 KERNEL_PROFILE = False  # --kernel-profile
+BF16_ONLY = False  # --bf16-only
+SWEEP_STAGES = (2, 3, 4)  # --sweep-stages
 
 
 def kernel_times(fn, calls: int = 20) -> list[dict]:
@@ -185,7 +187,7 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
     if config_sweep:
         # key splits around the default (x1/4 .. x2) x keys per step x pipeline stages: whether the
         # small batches, whose programs run few steps, want another shape
-        for n_sp, bn, st, _ in _sweep_grid(plan.num_splits, ctx, (0.25, 0.5, 1, 2), (32, 64, 128), (2, 3, 4)):
+        for n_sp, bn, st, _ in _sweep_grid(plan.num_splits, ctx, (0.25, 0.5, 1, 2), (32, 64, 128), SWEEP_STAGES):
             plan_x = plan_tiles(list(range(batch + 1)), [ctx] * batch, tables, hq // hkv, "cuda", num_splits=n_sp,
                                 num_kv_heads=hkv)
             cfg_x = {"block_n": bn, "num_warps": 4, "num_stages": st}
@@ -193,102 +195,103 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
                 q, plan_x, d ** -0.5, k_cache=k, v_cache=v, **cfg_x), 2 * batch * ctx * hkv * d * 2,
                 {"config": cfg_x}, splits=n_sp)
     del k, v
-    # ours, FP4 paged
-    layer = FP4PagedLayer(nb, BLOCK_SIZE, hkv, d, "cuda")
-    for start in range(0, nb * BLOCK_SIZE, 1 << 20):
-        n = min(1 << 20, nb * BLOCK_SIZE - start)
-        kk = torch.randn(n, hkv, d, dtype=torch.bfloat16, device="cuda")
-        kk[:, :, 5] *= 20  # a few large fixed channels, as real keys have
-        layer.store(kk, torch.randn_like(kk), torch.arange(start, start + n, device="cuda"), use_triton=True)
-    cfg4 = configs["fp4"]
+    if not BF16_ONLY:  # --bf16-only: the dense kernel and SDPA alone
+        # ours, FP4 paged
+        layer = FP4PagedLayer(nb, BLOCK_SIZE, hkv, d, "cuda")
+        for start in range(0, nb * BLOCK_SIZE, 1 << 20):
+            n = min(1 << 20, nb * BLOCK_SIZE - start)
+            kk = torch.randn(n, hkv, d, dtype=torch.bfloat16, device="cuda")
+            kk[:, :, 5] *= 20  # a few large fixed channels, as real keys have
+            layer.store(kk, torch.randn_like(kk), torch.arange(start, start + n, device="cuda"), use_triton=True)
+        cfg4 = configs["fp4"]
 
-    def no_outliers(which):  # zero-width outlier views: NUM_OUTLIERS = 0 (the output then lacks them)
-        c, sc, oi, ov, hs = layer.kernel_views(which)
-        return c, sc, oi[..., :0], ov[..., :0], hs
+        def no_outliers(which):  # zero-width outlier views: NUM_OUTLIERS = 0 (the output then lacks them)
+            c, sc, oi, ov, hs = layer.kernel_views(which)
+            return c, sc, oi[..., :0], ov[..., :0], hs
 
-    record("ours_fp4_paged", lambda: paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"),
-                                                     fp4_v=layer.kernel_views("v"), **cfg4),
-           batch * ctx * layer.bytes_per_token, {"config": cfg4})
-    if config_sweep:
-        for n_sp, bn, st, cap in _sweep_grid(plan.num_splits, ctx, (0.5, 1, 2), (128,), (2, 3), (0, 128)):
-            plan_x = plan_tiles(list(range(batch + 1)), [ctx] * batch, tables, hq // hkv, "cuda", num_splits=n_sp,
-                                num_kv_heads=hkv)
-            cfg_x = {"block_n": bn, "num_warps": 4, "num_stages": st, "maxnreg": cap}
-            record(f"sweep_fp4_s{n_sp}_n{bn}_st{st}_r{cap}", lambda: paged_attention(
-                q, plan_x, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"), **cfg_x),
-                batch * ctx * layer.bytes_per_token, {"config": cfg_x}, splits=n_sp)
-    if maxnreg_ablation:
-        # the register cap (default_fp4_maxnreg: 128 a thread for decode tiles) left off: 168 a
-        # thread, 3 programs an SM against 4; with every slot and without the value slots
-        cfg_r = {**cfg4, "maxnreg": 0}
-        record("ours_fp4_paged_uncapped", lambda: paged_attention(
-            q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"), **cfg_r),
-            batch * ctx * layer.bytes_per_token, {"config": cfg_r})
-        nv_bytes = batch * ctx * hkv * (bytes_per_token_head(d, layer.num_outliers) + d // 2 + d // 16)
-        fv0 = no_outliers("v")
-        record("ours_fp4_paged_no_value_outliers", lambda: paged_attention(
-            q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, **cfg4), nv_bytes, {"config": cfg4})
-        record("ours_fp4_paged_no_value_outliers_uncapped", lambda: paged_attention(
-            q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, **cfg_r), nv_bytes, {"config": cfg_r})
-    # the same kernel decoding in float32 (the path before the PTX bf16x2 decode)
-    record("ours_fp4_paged_float_decode", lambda: paged_attention(
-        q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"), fp4_ptx_decode=False,
-        **cfg4), batch * ctx * layer.bytes_per_token, {"config": cfg4})
+        record("ours_fp4_paged", lambda: paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"),
+                                                         fp4_v=layer.kernel_views("v"), **cfg4),
+               batch * ctx * layer.bytes_per_token, {"config": cfg4})
+        if config_sweep:
+            for n_sp, bn, st, cap in _sweep_grid(plan.num_splits, ctx, (0.5, 1, 2), (128,), (2, 3), (0, 128)):
+                plan_x = plan_tiles(list(range(batch + 1)), [ctx] * batch, tables, hq // hkv, "cuda", num_splits=n_sp,
+                                    num_kv_heads=hkv)
+                cfg_x = {"block_n": bn, "num_warps": 4, "num_stages": st, "maxnreg": cap}
+                record(f"sweep_fp4_s{n_sp}_n{bn}_st{st}_r{cap}", lambda: paged_attention(
+                    q, plan_x, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"), **cfg_x),
+                    batch * ctx * layer.bytes_per_token, {"config": cfg_x}, splits=n_sp)
+        if maxnreg_ablation:
+            # the register cap (default_fp4_maxnreg: 128 a thread for decode tiles) left off: 168 a
+            # thread, 3 programs an SM against 4; with every slot and without the value slots
+            cfg_r = {**cfg4, "maxnreg": 0}
+            record("ours_fp4_paged_uncapped", lambda: paged_attention(
+                q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"), **cfg_r),
+                batch * ctx * layer.bytes_per_token, {"config": cfg_r})
+            nv_bytes = batch * ctx * hkv * (bytes_per_token_head(d, layer.num_outliers) + d // 2 + d // 16)
+            fv0 = no_outliers("v")
+            record("ours_fp4_paged_no_value_outliers", lambda: paged_attention(
+                q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, **cfg4), nv_bytes, {"config": cfg4})
+            record("ours_fp4_paged_no_value_outliers_uncapped", lambda: paged_attention(
+                q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, **cfg_r), nv_bytes, {"config": cfg_r})
+        # the same kernel decoding in float32 (the path before the PTX bf16x2 decode)
+        record("ours_fp4_paged_float_decode", lambda: paged_attention(
+            q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"), fp4_ptx_decode=False,
+            **cfg4), batch * ctx * layer.bytes_per_token, {"config": cfg4})
 
-    if decode_ablation:
-        # the word decode's two layouts (fp4_ptx_decode "words", the default, and "word_rows"), each
-        # with every slot, without the value slots, and without any
-        for dec in ("words", "word_rows"):
-            cfg_d = {**cfg4, "fp4_ptx_decode": dec}
-            for tag, k_slots, v_slots, nbytes in (
-                    ("", True, True, batch * ctx * layer.bytes_per_token),
-                    ("_no_value_outliers", True, False,
-                     batch * ctx * hkv * (bytes_per_token_head(d, layer.num_outliers) + d // 2 + d // 16)),
-                    ("_no_outliers", False, False, batch * ctx * hkv * 2 * (d // 2 + d // 16))):
-                fk = layer.kernel_views("k") if k_slots else no_outliers("k")
-                fv = layer.kernel_views("v") if v_slots else no_outliers("v")
-                record(f"ours_fp4_paged_{dec}{tag}", lambda: paged_attention(
-                    q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv, **cfg_d), nbytes, {"config": cfg_d})
-    if outlier_ablation:
-        # the same kernel and pool with the outlier slots left out: what the outlier paths cost.
-        # Bytes: codes and scales only.
-        record("ours_fp4_paged_no_outliers", lambda: paged_attention(
-            q, plan, d ** -0.5, fp4_k=no_outliers("k"), fp4_v=no_outliers("v"), **cfg4),
-            batch * ctx * hkv * 2 * (d // 2 + d // 16), {"config": cfg4})
-        # the key slots kept, the value slots left out (zero-width value views): what the values'
-        # select costs alone (it also made the compiler keep the decoded values in shared memory:
-        # 57 KB a program against 28 KB, scripts/kernel_sass.py)
-        record("ours_fp4_paged_no_value_outliers", lambda: paged_attention(
-            q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=no_outliers("v"), **cfg4),
-            batch * ctx * hkv * (bytes_per_token_head(d, layer.num_outliers) + d // 2 + d // 16), {"config": cfg4})
-        # the default until the seventeenth session: scores as K q^T, the PTX decode from bytes
-        # (fp4_ptx_decode=True), with every slot, without the value slots, and without any
-        cfg_b = {**cfg4, "fp4_ptx_decode": True, "fp4_keys_as_rows": True}
-        record("ours_fp4_paged_bytes_k_rows", lambda: paged_attention(
-            q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"), **cfg_b),
-            batch * ctx * layer.bytes_per_token, {"config": cfg_b})
-        record("ours_fp4_paged_bytes_k_rows_no_value_outliers", lambda: paged_attention(
-            q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=no_outliers("v"), **cfg_b),
-            batch * ctx * hkv * (bytes_per_token_head(d, layer.num_outliers) + d // 2 + d // 16), {"config": cfg_b})
-        record("ours_fp4_paged_bytes_k_rows_no_outliers", lambda: paged_attention(
-            q, plan, d ** -0.5, fp4_k=no_outliers("k"), fp4_v=no_outliers("v"), **cfg_b),
-            batch * ctx * hkv * 2 * (d // 2 + d // 16), {"config": cfg_b})
-        # key outliers by a select on the decoded tile (as values) instead of a gather of q
-        record("ours_fp4_paged_k_outlier_select", lambda: paged_attention(
-            q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
-            fp4_k_outlier_select=True, **cfg4), batch * ctx * layer.bytes_per_token, {"config": cfg4})
-        # the transposed tile (decoded values as the row operand of out^T = V^T P^T), with the value
-        # outliers selected into the decoded tile and through a dot of their own (fp4_v_outlier_dot:
-        # 32 KB of shared memory a program at 128 keys against 57 KB, scripts/kernel_sass.py)
-        for bn in (128, 64):
-            for vdot in (False, True):
-                cfg_t = {**cfg4, "fp4_keys_as_rows": False, "fp4_transposed": True, "fp4_v_outlier_dot": vdot,
-                         "block_n": bn}
-                record(f"ours_fp4_paged_transposed{bn}" + ("_v_outlier_dot" if vdot else ""),
-                       lambda: paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"),
-                                               fp4_v=layer.kernel_views("v"), **cfg_t),
-                       batch * ctx * layer.bytes_per_token, {"config": cfg_t})
-    del layer
+        if decode_ablation:
+            # the word decode's two layouts (fp4_ptx_decode "words", the default, and "word_rows"), each
+            # with every slot, without the value slots, and without any
+            for dec in ("words", "word_rows"):
+                cfg_d = {**cfg4, "fp4_ptx_decode": dec}
+                for tag, k_slots, v_slots, nbytes in (
+                        ("", True, True, batch * ctx * layer.bytes_per_token),
+                        ("_no_value_outliers", True, False,
+                         batch * ctx * hkv * (bytes_per_token_head(d, layer.num_outliers) + d // 2 + d // 16)),
+                        ("_no_outliers", False, False, batch * ctx * hkv * 2 * (d // 2 + d // 16))):
+                    fk = layer.kernel_views("k") if k_slots else no_outliers("k")
+                    fv = layer.kernel_views("v") if v_slots else no_outliers("v")
+                    record(f"ours_fp4_paged_{dec}{tag}", lambda: paged_attention(
+                        q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv, **cfg_d), nbytes, {"config": cfg_d})
+        if outlier_ablation:
+            # the same kernel and pool with the outlier slots left out: what the outlier paths cost.
+            # Bytes: codes and scales only.
+            record("ours_fp4_paged_no_outliers", lambda: paged_attention(
+                q, plan, d ** -0.5, fp4_k=no_outliers("k"), fp4_v=no_outliers("v"), **cfg4),
+                batch * ctx * hkv * 2 * (d // 2 + d // 16), {"config": cfg4})
+            # the key slots kept, the value slots left out (zero-width value views): what the values'
+            # select costs alone (it also made the compiler keep the decoded values in shared memory:
+            # 57 KB a program against 28 KB, scripts/kernel_sass.py)
+            record("ours_fp4_paged_no_value_outliers", lambda: paged_attention(
+                q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=no_outliers("v"), **cfg4),
+                batch * ctx * hkv * (bytes_per_token_head(d, layer.num_outliers) + d // 2 + d // 16), {"config": cfg4})
+            # the default until the seventeenth session: scores as K q^T, the PTX decode from bytes
+            # (fp4_ptx_decode=True), with every slot, without the value slots, and without any
+            cfg_b = {**cfg4, "fp4_ptx_decode": True, "fp4_keys_as_rows": True}
+            record("ours_fp4_paged_bytes_k_rows", lambda: paged_attention(
+                q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"), **cfg_b),
+                batch * ctx * layer.bytes_per_token, {"config": cfg_b})
+            record("ours_fp4_paged_bytes_k_rows_no_value_outliers", lambda: paged_attention(
+                q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=no_outliers("v"), **cfg_b),
+                batch * ctx * hkv * (bytes_per_token_head(d, layer.num_outliers) + d // 2 + d // 16), {"config": cfg_b})
+            record("ours_fp4_paged_bytes_k_rows_no_outliers", lambda: paged_attention(
+                q, plan, d ** -0.5, fp4_k=no_outliers("k"), fp4_v=no_outliers("v"), **cfg_b),
+                batch * ctx * hkv * 2 * (d // 2 + d // 16), {"config": cfg_b})
+            # key outliers by a select on the decoded tile (as values) instead of a gather of q
+            record("ours_fp4_paged_k_outlier_select", lambda: paged_attention(
+                q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
+                fp4_k_outlier_select=True, **cfg4), batch * ctx * layer.bytes_per_token, {"config": cfg4})
+            # the transposed tile (decoded values as the row operand of out^T = V^T P^T), with the value
+            # outliers selected into the decoded tile and through a dot of their own (fp4_v_outlier_dot:
+            # 32 KB of shared memory a program at 128 keys against 57 KB, scripts/kernel_sass.py)
+            for bn in (128, 64):
+                for vdot in (False, True):
+                    cfg_t = {**cfg4, "fp4_keys_as_rows": False, "fp4_transposed": True, "fp4_v_outlier_dot": vdot,
+                             "block_n": bn}
+                    record(f"ours_fp4_paged_transposed{bn}" + ("_v_outlier_dot" if vdot else ""),
+                           lambda: paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"),
+                                                   fp4_v=layer.kernel_views("v"), **cfg_t),
+                           batch * ctx * layer.bytes_per_token, {"config": cfg_t})
+        del layer
     # torch SDPA, bf16, contiguous K/V
     qs = q.view(batch, hq, 1, d)
     kc = torch.randn(batch, hkv, ctx, d, dtype=torch.bfloat16, device="cuda")
@@ -366,6 +369,8 @@ def main() -> None:
                          "every cell")
     ap.add_argument("--pdl-ablation", action="store_true",
                     help="bf16: also time the default plan with programmatic dependent launch off")
+    ap.add_argument("--bf16-only", action="store_true", help="leave out the FP4 rows (the dense kernel and SDPA)")
+    ap.add_argument("--sweep-stages", default="2,3,4", help="--config-sweep: pipeline stages to try")
     ap.add_argument("--no-tune", action="store_true",
                     help="skip the tuner (minutes of a device call) and use TUNED, what it picked in every run "
                          "since the sixth session")
@@ -378,8 +383,10 @@ def main() -> None:
                     help="also record each row's device kernels and their time per call (torch.profiler); "
                          "run with DOCPROC_PDL=0, else a kernel's time includes its wait for the one before")
     a = ap.parse_args()
-    global KERNEL_PROFILE
+    global KERNEL_PROFILE, BF16_ONLY, SWEEP_STAGES
     KERNEL_PROFILE = a.kernel_profile
+    BF16_ONLY = a.bf16_only
+    SWEEP_STAGES = tuple(map(int, a.sweep_stages.split(",")))
     t0 = time.time()
     bw = copy_bandwidth()
     mm = matmul_rate()
@@ -414,10 +421,12 @@ def main() -> None:
                 by = {x["impl"]: x for x in r if "us" in x and not x["impl"].startswith("sweep_")}
                 print(f"{geo} B={batch:<4d} ctx={ctx:<6d} " + "  ".join(
                     f"{k}={v['us']:.1f}/{v['us_graph']:.1f}us ({v['frac_copy_bw']:.2f} bw)" for k, v in by.items())
-                    + f"  fp4/sdpa speedup {by['torch_sdpa_bf16']['us'] / by['ours_fp4_paged']['us']:.2f}x"
+                    + (f"  fp4/sdpa speedup {by['torch_sdpa_bf16']['us'] / by['ours_fp4_paged']['us']:.2f}x"
+                       f" (graph {by['torch_sdpa_bf16']['us_graph'] / by['ours_fp4_paged']['us_graph']:.2f}x)"
+                       if "ours_fp4_paged" in by else "")
                     + f"  bf16/sdpa {by['ours_bf16_paged']['us'] / by['torch_sdpa_bf16']['us']:.2f}"
-                    + f"  (graph: {by['torch_sdpa_bf16']['us_graph'] / by['ours_fp4_paged']['us_graph']:.2f}x,"
-                    + f" {by['ours_bf16_paged']['us_graph'] / by['torch_sdpa_bf16']['us_graph']:.2f})", flush=True)
+                    + f" (graph {by['ours_bf16_paged']['us_graph'] / by['torch_sdpa_bf16']['us_graph']:.2f})",
+                    flush=True)
                 save()
 
 
