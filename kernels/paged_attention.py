@@ -674,17 +674,23 @@ def warmup_launches(group: int, max_window: int = 64, dense: bool = False) -> li
     return out
 
 
-# The dense kernel's decode shape for a few (tile, KV head) pairs over long contexts: 128 keys a
-# step and about two programs an SM. H200, from a CUDA graph (eighteenth session, us, default ->
-# wide): 7B, 16k keys, batch 1 26.0 -> 16.6, batch 2 50.0 -> 26.1, batch 4 52.6 -> 40.9, 4k keys
-# 13.5 -> 8.9, 17.4 -> 10.5, 17.9 -> 13.6; 2B (2 KV heads) batch 8 52.8 -> 41.6 (16k), 96.0 ->
-# 73.2 (32k), 17.8 -> 13.7 (4k), batch 4 50.1 -> 26.4, batch 1 at 4k 9.5 -> 9.6 (the one cell not
-# faster); at 32 pairs (7B batch 8) even (71.4 -> 71.8) and from 128 pairs slower (batch 32:
-# 252.7 -> 267.2 with 2 splits), so up to 16 pairs. Contexts under 4k were not measured: they
-# keep the default.
+# The dense kernel's decode shape for few (tile, KV head) pairs: 128 keys a step and about two
+# programs an SM. H200, from a CUDA graph, default shape -> wide (us):
+# - eighteenth session (PDL on): 7B, 16k keys, batch 1 26.0 -> 16.6, batch 2 50.0 -> 26.1, batch 4
+#   52.6 -> 40.9; 4k keys 13.5 -> 8.9, 17.4 -> 10.5, 17.9 -> 13.6; 2B (2 KV heads) batch 8 52.8 ->
+#   41.6 (16k), 96.0 -> 73.2 (32k); from 128 pairs slower (7B batch 32, 16k: 252.7 -> 267.2).
+# - nineteenth session (1k-16k keys, 2-64 pairs, the default shape against the wide one at the same
+#   cells, PDL on and off): the wide shape was faster in 40 of the 44 cells compared (below 4k keys,
+#   or above 16 pairs): default / wide up to 1.45 (7B batch 16, 1k keys, PDL off), 1.34 (7B batch 8,
+#   1k, PDL on), 1.00-1.03 at 32 pairs over 16k keys. The four exceptions are 2-4 pairs at 2k keys:
+#   0.97-0.99 with PDL off, and 0.87 at 2B batch 1 with PDL on. At 64 pairs over 16k keys it was
+#   faster with PDL off (132.2 against 136.8) and much slower with PDL on (170.0 against 135.7), so
+#   not above 32 pairs.
+# So: one query token, at least 1k keys, up to 32 pairs (7B batch 8, 2B batch 16). Under 1k keys:
+# not measured, the default.
 WIDE_BLOCK_N = 128
-WIDE_MAX_PAIRS = 16
-WIDE_MIN_CONTEXT = 4096
+WIDE_MAX_PAIRS = 32
+WIDE_MIN_CONTEXT = 1024
 
 
 def dense_wide_decode(num_tiles: int, max_q: int, max_context: int, num_kv_heads: int) -> bool:

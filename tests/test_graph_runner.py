@@ -26,7 +26,7 @@ def test_buckets_and_text_positions_match_mrope():
 
 def test_graph_keys_take_the_eager_plans_split_count_and_decode_shape():
     """A step's graph key (B, q, splits, wide) agrees with the plan the eager path makes for the
-    same step: the dense kernel's wide decode shape (a few sequences over >= 4k keys) and its
+    same step: the dense kernel's wide decode shape (up to 32 (sequence, KV head) pairs over >= 1k keys) and its
     split count, the default elsewhere and for the FP4 kernel."""
     from types import SimpleNamespace
 
@@ -45,15 +45,16 @@ def test_graph_keys_take_the_eager_plans_split_count_and_decode_shape():
 
     for wide in (True, False):
         runner = Runner(wide)
-        g = GraphRunner(runner, max_batch=8, max_len=40000, capture=False)
-        for ends in ([16384], [5000, 9000], [3000], [16384] * 4, [16384] * 5, [4096] * 3):
+        g = GraphRunner(runner, max_batch=16, max_len=40000, capture=False)
+        for ends in ([16384], [5000, 9000], [3000], [1000], [1024] * 2, [16384] * 4, [16384] * 5, [4096] * 3,
+                     [2048] * 9):
             key = g.key_for(chunks(ends))
             # the eager plan at the graph's (padded) batch, as the dense or the FP4 backend makes it
             b = key[0]
             plan = plan_tiles(list(range(b + 1)), (ends + [1] * b)[:b], [[0]] * b, 7, "cpu", num_kv_heads=4,
                               dense=wide)
             assert key[2] == plan.num_splits and key[3] == (plan.dense_block_n is not None), (wide, ends, key)
-            assert key[3] == (wide and max(ends) >= 4096 and b <= 4), (wide, ends, key)
+            assert key[3] == (wide and max(ends) >= 1024 and b <= 8), (wide, ends, key)
 
 
 # the interpreter path on CPU; on a GPU the captured graphs are tested instead (below)

@@ -168,10 +168,11 @@ def test_dense_wide_decode_matches_reference():
 
 def test_wide_decode_rule():
     from kernels.paged_attention import dense_wide_decode
-    # up to 16 (tile, KV head) pairs of one query token over at least 4k keys: 7B batch 1-4, 2B 1-8
+    # up to 32 (tile, KV head) pairs of one query token over at least 1k keys: 7B batch 1-8, 2B 1-16
     assert dense_wide_decode(4, 1, 16384, 4) and dense_wide_decode(8, 1, 4096, 2)
-    assert not dense_wide_decode(8, 1, 16384, 4)  # 32 pairs (7B batch 8): even there, so not taken
-    assert not dense_wide_decode(1, 1, 4095, 4)  # short contexts: not measured, the default
+    assert dense_wide_decode(8, 1, 16384, 4) and dense_wide_decode(16, 1, 1024, 2)  # 32 pairs
+    assert not dense_wide_decode(16, 1, 2048, 4)  # 64 pairs (7B batch 16): much slower with PDL at 16k
+    assert not dense_wide_decode(1, 1, 1023, 4)  # under 1k keys: not measured, the default
     assert not dense_wide_decode(1, 2, 16384, 4)  # verify windows and prefill: the default
     # its splits: about 2 programs an SM (264 on 132 SMs), a power of two, at most 64, >= 128 keys each
     assert default_num_splits(1, 16384, 132, 4, wide=True) == 64
@@ -179,14 +180,18 @@ def test_wide_decode_rule():
     assert default_num_splits(4, 16384, 132, 4, wide=True) == 16
     assert default_num_splits(8, 16384, 132, 2, wide=True) == 16
     assert default_num_splits(1, 4096, 132, 4, wide=True) == 32
+    assert default_num_splits(8, 16384, 132, 4, wide=True) == 8  # 32 pairs: 264 // 32
+    assert default_num_splits(1, 1024, 132, 4, wide=True) == 8  # 1k keys: 8 steps of 128
     # the plan: only for the dense kernel (FP4 plans keep the default), only where the rule holds
     q1 = [0, 1, 2]
     wide = plan_tiles(q1, [16384, 9000], [[0], [0]], 7, "cpu", num_kv_heads=4, dense=True)
     assert wide.dense_block_n == 128 and wide.num_splits == 32
     fp4_plan = plan_tiles(q1, [16384, 9000], [[0], [0]], 7, "cpu", num_kv_heads=4)
     assert fp4_plan.dense_block_n is None and fp4_plan.num_splits == default_num_splits(2, 16384, 132, 4)
-    short = plan_tiles(q1, [3000, 900], [[0], [0]], 7, "cpu", num_kv_heads=4, dense=True)
+    short = plan_tiles(q1, [1000, 900], [[0], [0]], 7, "cpu", num_kv_heads=4, dense=True)
     assert short.dense_block_n is None
+    many = plan_tiles(list(range(17)), [2048] * 16, [[0]] * 16, 7, "cpu", num_kv_heads=4, dense=True)
+    assert many.dense_block_n is None  # 64 pairs
     # a split count given outright (tests, warm-up) is kept, with the keys per step given with it
     forced = plan_tiles(q1, [16384, 9000], [[0], [0]], 7, "cpu", num_kv_heads=4, dense=True, num_splits=2)
     assert forced.num_splits == 2 and forced.dense_block_n is None
