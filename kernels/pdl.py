@@ -26,6 +26,10 @@ Interpreter and CPU runs never use it: the flag is a compile-time argument (PDL)
 
 Status (H200): +8.0% and +8.8% tokens/s at the 2B geometry's batch-1 decode (the draft's size;
 sixteenth and seventeenth sessions), -0.1%, 0.0% and -2.0% at 7B (three paired runs: noise level).
+The attention kernel and its merge (ATTENTION, nineteenth session, part a): at 2B 674.4 tokens/s
+with the default "start", 669.5 "off", 629.0 "end" (616.8 with PDL off everywhere); at 7B 235.6,
+239.1, 234.1 (239.4). A kernel benchmark replaying attention and merge back to back
+(bench_kernels) shows PDL's waits only: there the small-batch cells are up to 4.4 us slower with it.
 The final code (each kernel's wait ahead of its loop, the 7B down projection's later trigger)
 passed the GPU tests (tests/test_pdl.py, tests/test_gemv.py, tests/test_graph_runner.py) on the
 H200 in the seventeenth session, so it is on by default. An earlier form that waited inside a
