@@ -730,6 +730,9 @@ def main() -> None:
                     help="part b: also run this many fresh documents under cProfile (first KV format)")
     ap.add_argument("--profile-docs", type=int, default=0,
                     help="part b: also profile a pass over this many fresh documents (first KV format)")
+    ap.add_argument("--max-pixels", type=int, default=28 * 28 * 1280,
+                    help="the random checkpoints' image pixel cap (1,280 tokens a page by default); with a larger "
+                         "--page-w/--page-h, a long context (part a at 28*28*16384 and a 3584x3584 page: 16k tokens)")
     ap.add_argument("--no-transformers", action="store_true", help="part a: ours only (no transformers run)")
     ap.add_argument("--small", action="store_true", help="CPU check: tiny sizes everywhere")
     a = ap.parse_args()
@@ -751,7 +754,7 @@ def main() -> None:
     a.device = dev
     if a.blas != "default" and dev == "cuda":
         torch.backends.cuda.preferred_blas_library(a.blas)
-    mk = dict(dtype=getattr(torch, a.dtype), device=dev, max_pixels=28 * 28 * 1280,
+    mk = dict(dtype=getattr(torch, a.dtype), device=dev, max_pixels=a.max_pixels,
               init_std=0.08 if a.small else None)
     result = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
               "torch": torch.__version__, "args": {k: v for k, v in vars(a).items()}}
