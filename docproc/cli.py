@@ -6,6 +6,7 @@ the output folder's lock.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -16,8 +17,21 @@ from rich.table import Table
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Extract structured data from folders of PDFs and images with vision-language models.")
-out_console = Console()
-err_console = Console(stderr=True)
+# Output that is not a terminal (a pipe, a log file, cron mail) has no width to measure; rich would
+# squeeze tables into 80 columns and cut their headers ("answered" -> "answer…"). There the consoles
+# are wide enough for every table (COLUMNS, when set, still wins).
+WIDE_OUTPUT = 200
+
+
+def _console(stderr: bool = False) -> Console:
+    console = Console(stderr=stderr)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(stderr=stderr, width=WIDE_OUTPUT)
+    return console
+
+
+out_console = _console()
+err_console = _console(stderr=True)
 
 EXIT_OK, EXIT_FAILURES, EXIT_USAGE, EXIT_LOCKED = 0, 1, 2, 75
 

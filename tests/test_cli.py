@@ -279,3 +279,24 @@ def test_fp4_value_slots_are_part_of_the_fingerprint(docs, qwen2_vl_dir, tmp_pat
     m = manifest(out)
     assert m["totals"]["already_done"] == 0 and m["totals"]["documents"] == 5  # other KV contents: redone
     assert m["settings"]["fp4_value_slots"] == 0
+
+
+def test_consoles_are_wide_when_the_output_is_not_a_terminal(monkeypatch):
+    """Piped or logged output (cron) gets tables at their full width, not squeezed into 80 columns
+    with cut headers; COLUMNS, when set, still decides."""
+    import io
+
+    from docproc import cli
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    wide = cli._console()
+    assert wide.width == cli.WIDE_OUTPUT
+    table = cli.Table(title="per query")
+    for c in ("query", "rows", "answered", "errors", "mean tokens", "acceptance", "accepted/step", "mean latency s"):
+        table.add_column(c)
+    table.add_row("invoice_number", "15", "15", "0", "9.07", "-", "-", "28.4")
+    wide.print(table)
+    assert "answered" in sys.stdout.getvalue() and "mean latency s" in sys.stdout.getvalue()
+    monkeypatch.setenv("COLUMNS", "100")
+    assert cli._console().width == 100
