@@ -162,6 +162,8 @@ class _Display:
     def __call__(self, event: str, data: dict) -> None:
         if self.log_json and event == "document":
             print(json.dumps({"event": "document", **data}), flush=True)
+        if event == "warning":  # shown even with --quiet
+            err_console.print(f"[yellow]warning:[/yellow] {data['message']}")
         if self.quiet:
             return
         if event == "start":
@@ -199,7 +201,8 @@ def _summary(m: dict) -> None:
         ("draft acceptance", _fmt(m["acceptance_rate"])),
         ("stages (s)", "  ".join(f"{k} {v}" for k, v in m["stage_seconds"].items())),
         ("model", f"{m['model']['path']} (text {m['model']['text']}, vision {m['model']['vision']})"),
-        ("kv cache", f"{m['engine'].get('kv_cache_dtype')} on {m['engine'].get('device')}"),
+        ("kv cache", f"{m['engine'].get('kv_cache_dtype')} on {m['engine'].get('device')}" if m.get("engine")
+         else "model not loaded (nothing to do)"),
         ("draft", "none" if not m.get("draft") else
          f"{m['draft']['draft_model']} (k max {m['draft']['k_max']}{', adaptive' if m['draft']['adaptive'] else ''}; "
          f"mean accepted {_fmt(m['draft']['mean_accepted_length'])}, bypassed steps {m['draft']['bypassed_steps']})"),

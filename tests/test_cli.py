@@ -70,12 +70,15 @@ def test_full_run_then_incremental_then_force(docs, qwen2_vl_dir, tmp_path):
     assert again.exit_code == 0
     m2 = manifest(out)
     assert m2["totals"]["already_done"] == 5 and m2["totals"]["requests"] == 0
+    # nothing to do: the configuration fingerprint came from the cache, the model was not loaded
+    assert m["engine_loaded"] and not m2["engine_loaded"] and m2["stage_seconds"]["load_model"] == 0.0
+    assert m2["config_fingerprint"] == m["config_fingerprint"] and m2["model"]["text"] == m["model"]["text"]
     assert len(rows(out)) == 5 * 7
 
     forced = run_cli("run", docs, "--out", out, "--model", qwen2_vl_dir, "--device", "cpu", "--force")
     assert forced.exit_code == 0
     m3 = manifest(out)
-    assert m3["totals"]["documents"] == 5 and m3["totals"]["requests"] == 35
+    assert m3["totals"]["documents"] == 5 and m3["totals"]["requests"] == 35 and m3["engine_loaded"]
     table3 = rows(out)
     assert len(table3) == 35 and {r["run_id"] for r in table3} == {m3["run_id"]}
     # greedy decoding: the redo gives the same answers
@@ -300,3 +303,48 @@ def test_consoles_are_wide_when_the_output_is_not_a_terminal(monkeypatch):
     assert "answered" in sys.stdout.getvalue() and "mean latency s" in sys.stdout.getvalue()
     monkeypatch.setenv("COLUMNS", "100")
     assert cli._console().width == 100
+
+
+def test_config_cache_follows_the_model_files_and_settings(docs, qwen2_vl_dir, tmp_path):
+    """The cached configuration fingerprint is used only for the same model files and settings; a
+    stale entry is corrected as soon as the engine loads, and rows carry the real fingerprint."""
+    model = tmp_path / "model"
+    shutil.copytree(qwen2_vl_dir, model)
+    few = tmp_path / "docs"
+    few.mkdir()
+    for f in sorted(docs.iterdir())[:2]:
+        shutil.copy(f, few / f.name)
+    out = tmp_path / "out"
+    base = ("run", few, "--out", out, "--model", model, "--device", "cpu")
+    assert run_cli(*base).exit_code == 0
+    first = manifest(out)
+    assert first["engine_loaded"] and first["totals"]["documents"] == 2
+
+    # a model file touched: the key changes, so the engine loads; the fingerprint is the same
+    weights = next(model.glob("*.safetensors"))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    assert run_cli(*base).exit_code == 0
+    touched = manifest(out)
+    assert touched["engine_loaded"] and touched["totals"]["already_done"] == 2 and touched["totals"]["requests"] == 0
+    assert touched["config_fingerprint"] == first["config_fingerprint"]
+    assert run_cli(*base).exit_code == 0 and not manifest(out)["engine_loaded"]  # cached again
+
+    # another setting that changes the fingerprint: not from the cache, documents redone
+    assert run_cli(*base, "--dpi", "100").exit_code == 0
+    dpi = manifest(out)
+    assert dpi["engine_loaded"] and dpi["totals"]["documents"] == 2
+    assert dpi["config_fingerprint"] != first["config_fingerprint"]
+
+    # a stale entry (what a key could miss): corrected when the engine loads for work
+    cache = out / "runs" / "config_cache.json"
+    entries = json.loads(cache.read_text())
+    for v in entries.values():
+        v["config_fingerprint"] = "stale"
+    cache.write_text(json.dumps(entries))
+    res = run_cli(*base)
+    assert res.exit_code == 0 and "stale" in res.output
+    fixed = manifest(out)
+    assert fixed["config_fingerprint"] == first["config_fingerprint"] and fixed["engine_loaded"]
+    # this run's entry (written last) holds the real fingerprint again
+    assert list(json.loads(cache.read_text()).values())[-1]["config_fingerprint"] == first["config_fingerprint"]
+    assert {r["config_fingerprint"] for r in rows(out)} <= {first["config_fingerprint"], dpi["config_fingerprint"]}

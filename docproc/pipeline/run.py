@@ -27,6 +27,10 @@ from docproc.pipeline.runstore import RunStore
 from docproc.pipeline.schema import document_json
 
 PROMPT_VERSION = "v1"
+# runs/<this>: configuration fingerprints of earlier runs, keyed by what they were computed from
+# (Pipeline.config_key), so that a run with nothing new to do need not load the model
+CONFIG_CACHE = "config_cache.json"
+CONFIG_CACHE_ENTRIES = 16
 
 
 @dataclass
@@ -134,8 +138,72 @@ class Pipeline:
         self.stage_seconds = {"discover": 0.0, "open_render_hash": 0.0, "engine": 0.0, "write": 0.0,
                               "load_model": 0.0}
         self.page_hashes: set[str] = set()
+        self._cached_model: dict | None = None  # the model's fingerprints from the config cache
+        self._cached_cfg: str | None = None  # the fingerprint taken from the cache, until checked
+        self._key: str | None = None  # config_key() of this run
+        self.cfg: str | None = None  # the run's configuration fingerprint
 
     # ---- configuration ---------------------------------------------------------------------
+    def config_key(self) -> str | None:
+        """What a run's configuration fingerprint is computed from, short of loading the model: the
+        model and draft folders' files (name, size, modification time), every setting but the
+        inputs and outputs, the query set, the prompt version, docproc's version and whether CUDA
+        is there (`auto` choices depend on it). None when a folder is missing (loading it will say
+        why)."""
+        import torch
+
+        from docproc import __version__
+
+        stamps = {}
+        for name, folder in (("model", self.s.model), ("draft", self.s.draft)):
+            if folder is None:
+                continue
+            root = Path(folder)
+            if not root.is_dir():
+                return None
+            stamps[name] = sorted((str(f.relative_to(root)), st.st_size, st.st_mtime_ns)
+                                  for f in root.rglob("*") if f.is_file() for st in [f.stat()])
+        settings = {k: v for k, v in asdict(self.s).items() if k not in ("inputs", "out", "force", "formats")}
+        payload = {"files": stamps, "settings": settings, "queries": self.queries.fingerprint,
+                   "prompt": PROMPT_VERSION, "docproc": __version__, "cuda": torch.cuda.is_available()}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+    def _config_cache_path(self) -> Path:
+        return self.store.runs_dir / CONFIG_CACHE
+
+    def _read_config_cache(self) -> dict:
+        try:
+            data = json.loads(self._config_cache_path().read_text())
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):  # none yet, or unreadable: it is only a cache
+            return {}
+
+    def _write_config_cache(self, key: str, cfg: str) -> None:
+        from docproc.pipeline.runstore import atomic_write_bytes
+
+        cache = self._read_config_cache()
+        cache.pop(key, None)
+        cache[key] = {"config_fingerprint": cfg, "model": self.model_fingerprint()}
+        keep = dict(list(cache.items())[-CONFIG_CACHE_ENTRIES:])  # the most recent last
+        self.store.runs_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(self._config_cache_path(), json.dumps(keep, indent=1).encode())
+
+    def _config(self) -> str:
+        """The configuration fingerprint: from the config cache when an earlier run computed it from
+        the same files and settings (the model is then loaded only if a document needs work), else
+        from the loaded engine (and cached)."""
+        key = self._key = self.config_key()
+        if key is not None and self.llm is None:
+            hit = self._read_config_cache().get(key)
+            if isinstance(hit, dict) and isinstance(hit.get("config_fingerprint"), str):
+                self._cached_model = hit.get("model")
+                self._cached_cfg = hit["config_fingerprint"]
+                return self._cached_cfg
+        cfg = self.config_fingerprint()
+        if key is not None:
+            self._write_config_cache(key, cfg)
+        return cfg
+
     def _engine(self):
         if self.llm is None:
             from docproc import LLM
@@ -148,9 +216,22 @@ class Pipeline:
                            draft_vision=self.s.draft_vision, enforce_eager=self.s.enforce_eager,
                            fp4_value_slots=self.s.fp4_value_slots)
             self.stage_seconds["load_model"] += time.perf_counter() - t0
+            cached = self._cached_cfg
+            if cached is not None:
+                real = self.config_fingerprint()
+                if real != cached:
+                    # the cache missed a change its key does not see: the rest of the run uses the
+                    # real fingerprint, and the cache is corrected (documents this run skipped as
+                    # done under the stale one are checked again by the next run)
+                    self.cfg, self._cached_cfg = real, None
+                    self._write_config_cache(self._key, real)
+                    self.report("warning", {"message": "the cached configuration fingerprint was stale; "
+                                                       "documents skipped as done are rechecked by the next run"})
         return self.llm
 
     def model_fingerprint(self) -> dict:
+        if self.llm is None and self._cached_model:
+            return dict(self._cached_model)
         m = self._engine().runner.model
         return {"text": m.text_fingerprint, "vision": m.vision_fingerprint}
 
@@ -174,7 +255,7 @@ class Pipeline:
         t_start = time.perf_counter()
         self.store.lock()
         try:
-            cfg = self.config_fingerprint()
+            self.cfg = self._config()  # read at each use below: loading the engine may correct it
             done = set() if self.s.force else self.store.done_keys()
             t0 = time.perf_counter()
             candidates = list(discover(self.s.inputs))
@@ -189,7 +270,7 @@ class Pipeline:
             for cand in candidates:
                 if cand.skip_reason:
                     self.totals.skipped += 1
-                    self._finish_file(cand, None, "skipped", cfg, error=cand.skip_reason)
+                    self._finish_file(cand, None, "skipped", self.cfg, error=cand.skip_reason)
                     continue
                 t0 = time.perf_counter()
                 try:
@@ -198,10 +279,10 @@ class Pipeline:
                 except DocumentError as e:
                     self.stage_seconds["open_render_hash"] += time.perf_counter() - t0
                     self.totals.errors += 1
-                    self._finish_file(cand, None, "error", cfg, error=str(e))
+                    self._finish_file(cand, None, "error", self.cfg, error=str(e))
                     continue
                 self.stage_seconds["open_render_hash"] += time.perf_counter() - t0
-                if (cand.rel, doc.sha256, cfg) in done:
+                if (cand.rel, doc.sha256, self.cfg) in done:
                     doc.close()
                     self.totals.already_done += 1
                     self.report("document", {"path": cand.rel, "status": "already done"})
@@ -212,26 +293,26 @@ class Pipeline:
                         batch.append(window)
                         batch_pages += len(window.pages)
                         if batch_pages >= self.s.batch_pages:
-                            self._run_batch(batch, cfg)
+                            self._run_batch(batch, self.cfg)
                             batch, batch_pages = [], 0
                 except DocumentError as e:  # a page failed to render part-way
                     batch = [w for w in batch if w.doc is not state]
                     batch_pages = sum(len(w.pages) for w in batch)
                     doc.close()
                     self.totals.errors += 1
-                    self._finish_file(cand, doc.sha256, "error", cfg, error=str(e))
+                    self._finish_file(cand, doc.sha256, "error", self.cfg, error=str(e))
                     continue
                 state.finished_adding = True
                 if state.windows_done == state.windows_total:  # all its windows already ran
-                    self._finish_document(state, cfg)
+                    self._finish_document(state, self.cfg)
             if batch:
-                self._run_batch(batch, cfg)
+                self._run_batch(batch, self.cfg)
             self._flush()
             t0 = time.perf_counter()
             if "parquet" in self.s.formats:
                 self.store.consolidate()
             self.stage_seconds["write"] += time.perf_counter() - t0
-            manifest = self._manifest(started, time.perf_counter() - t_start, cfg)
+            manifest = self._manifest(started, time.perf_counter() - t_start, self.cfg)
             self.store.write_manifest(self.run_id, manifest)
             self.report("end", manifest)
             return manifest
@@ -386,6 +467,7 @@ class Pipeline:
             "dedup": {"pages": t.pages, "unique_pages": t.unique_pages,
                       "vision_encodes": info.get("num_encoded_images")},
             "engine": info,
+            "engine_loaded": self.llm is not None,  # false: nothing to do, the fingerprint came from the cache
             "stage_seconds": {k: round(v, 3) for k, v in self.stage_seconds.items()},
             "peak_memory": {"host_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                             "gpu_max_allocated_bytes": peak_gpu},
