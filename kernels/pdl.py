@@ -87,7 +87,8 @@ def launch(t: torch.Tensor, early: bool = True) -> dict:
 
 
 def attention_launch(t: torch.Tensor) -> dict:
-    """launch() for the paged attention kernel and its merge, as ATTENTION says."""
+    """launch() for the paged attention kernel and its merge, as ATTENTION says (a set
+    DOCPROC_PDL_TRIGGER still decides between start and end, as for every kernel)."""
     assert ATTENTION in ("start", "end", "off"), f"DOCPROC_PDL_ATTENTION={ATTENTION!r}: start, end or off"
     if ATTENTION == "off":
         return {"PDL": 0}
