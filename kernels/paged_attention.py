@@ -814,6 +814,8 @@ def paged_attention(
     fp4_v_outlier_dot: bool = False,  # FP4, transposed tile: value outliers through a dot of their own (a variant)
     maxnreg: int | None = None,  # registers per thread the compiler may use (None: FP4 as tuned, see
     # default_fp4_maxnreg; dense the compiler's choice); 0: no cap
+    fp4_gluon: bool | None = None,  # FP4 decode tiles: the Gluon kernel (kernels/fp4_gluon.py); None: where
+    # it can run the call (fp4_gluon.supported) unless DOCPROC_FP4_GLUON=0; True: it must
 ) -> torch.Tensor:
     n_tok, n_heads, d = q.shape
     is_fp4 = fp4_k is not None
@@ -824,6 +826,18 @@ def paged_attention(
     # slots the words as one row per key, below). Tiles of more than 16 rows (prefill chunks, long
     # windows) were not tuned and keep the earlier choice (dense 64 keys, FP4 q K^T from bytes:
     # Triton 3.6 does not compile the word decode there, see the assert below).
+    # the Gluon kernel unless the caller names a variant of the Triton one
+    triton_variant = (block_n is not None or fp4_ptx_decode is not None or fp4_keys_as_rows is not None
+                      or fp4_transposed or fp4_k_outlier_select or fp4_v_outlier_dot or maxnreg is not None)
+    if is_fp4 and (fp4_gluon or (fp4_gluon is None and not triton_variant
+                                 and os.environ.get("DOCPROC_FP4_GLUON", "1") != "0")):
+        try:
+            from kernels import fp4_gluon as gluon_kernel  # imported only where it may run
+            why = gluon_kernel.supported(q, plan, fp4_k, fp4_v)
+        except ImportError as e:  # a Triton without Gluon
+            why = f"no Gluon in this Triton ({e})"
+        assert not (fp4_gluon and why), f"the Gluon FP4 kernel cannot run this call: {why}"
+        fp4_gluon = why is None
     small_tile = plan.block_m <= 16
     if block_n is None:
         block_n = 128 if is_fp4 else (plan.dense_block_n or (32 if small_tile else 64))
@@ -873,7 +887,9 @@ def paged_attention(
     assert small_tile or fp4_ptx_decode not in ("words", "word_rows"), "the word decode is for tiles of <= 16 rows"
     if maxnreg is None and is_fp4:
         maxnreg = default_fp4_maxnreg(small_tile, block_n, num_warps, num_stages, q.device)
-    if is_fp4:
+    if is_fp4 and fp4_gluon:
+        gluon_kernel.launch(q, out, part_acc, part_ml, plan, scale, fp4_k, fp4_v)
+    elif is_fp4:
         _paged_attn_fp4_kernel[(n_tiles, n_kv, splits)](
             q, out, part_acc, part_ml,
             plan.tile_seq, plan.tile_tok, plan.tile_nq, plan.tile_pos, plan.block_table,

@@ -57,6 +57,7 @@ TUNED = {"bf16": {"block_n": 32, "num_warps": 4, "num_stages": 2},
 
 KERNEL_PROFILE = False  # --kernel-profile
 BF16_ONLY = False  # --bf16-only
+GLUON = False  # --gluon
 SWEEP_STAGES = (2, 3, 4)  # --sweep-stages
 
 
@@ -233,6 +234,21 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
                 q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, **cfg4), nv_bytes, {"config": cfg4})
             record("ours_fp4_paged_no_value_outliers_uncapped", lambda: paged_attention(
                 q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, **cfg_r), nv_bytes, {"config": cfg_r})
+        if GLUON:
+            # the Gluon decode kernel (kernels/fp4_gluon.py: no value slots; key slots 2 or none) and
+            # the Triton kernel over the same views
+            nv_bytes = batch * ctx * hkv * (bytes_per_token_head(d, layer.num_outliers) + d // 2 + d // 16)
+            n0_bytes = batch * ctx * hkv * 2 * (d // 2 + d // 16)
+            fv0 = no_outliers("v")
+            fk0 = no_outliers("k")
+            record("ours_fp4_gluon", lambda: paged_attention(
+                q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, fp4_gluon=True), nv_bytes,
+                {"config": "gluon"})
+            record("ours_fp4_gluon_no_outliers", lambda: paged_attention(
+                q, plan, d ** -0.5, fp4_k=fk0, fp4_v=fv0, fp4_gluon=True), n0_bytes, {"config": "gluon"})
+            record("ours_fp4_triton_no_value_outliers", lambda: paged_attention(
+                q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, fp4_gluon=False, **cfg4), nv_bytes,
+                {"config": cfg4})
         # the same kernel decoding in float32 (the path before the PTX bf16x2 decode)
         record("ours_fp4_paged_float_decode", lambda: paged_attention(
             q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"), fp4_ptx_decode=False,
@@ -370,6 +386,9 @@ def main() -> None:
     ap.add_argument("--pdl-ablation", action="store_true",
                     help="bf16: also time the default plan with programmatic dependent launch off")
     ap.add_argument("--bf16-only", action="store_true", help="leave out the FP4 rows (the dense kernel and SDPA)")
+    ap.add_argument("--gluon", action="store_true",
+                    help="FP4: also time the Gluon decode kernel (no value slots; key slots 2 and none) and the "
+                         "Triton kernel over the same views")
     ap.add_argument("--sweep-stages", default="2,3,4", help="--config-sweep: pipeline stages to try")
     ap.add_argument("--no-tune", action="store_true",
                     help="skip the tuner (minutes of a device call) and use TUNED, what it picked in every run "
@@ -383,9 +402,10 @@ def main() -> None:
                     help="also record each row's device kernels and their time per call (torch.profiler); "
                          "run with DOCPROC_PDL=0, else a kernel's time includes its wait for the one before")
     a = ap.parse_args()
-    global KERNEL_PROFILE, BF16_ONLY, SWEEP_STAGES
+    global KERNEL_PROFILE, BF16_ONLY, SWEEP_STAGES, GLUON
     KERNEL_PROFILE = a.kernel_profile
     BF16_ONLY = a.bf16_only
+    GLUON = a.gluon
     SWEEP_STAGES = tuple(map(int, a.sweep_stages.split(",")))
     t0 = time.time()
     bw = copy_bandwidth()

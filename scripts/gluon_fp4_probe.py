@@ -1,10 +1,15 @@
-"""Compile-only probe for issue #5: a Gluon loop that decodes FP4 key codes straight into the
-tensor-core operand registers (mma_v2's B operand), without shared memory, and prints the loop's
-SASS mix for sm_90. No GPU is needed; the numbers are instruction counts, not times.
+"""Compile-only SASS report for the Gluon FP4 decode (issue #5), for sm_90, without a GPU: the
+numbers are instruction counts, not times.
 
-    python scripts/gluon_fp4_probe.py                       # the installed Triton (3.9 here)
+    python scripts/gluon_fp4_probe.py --kernel [--json]     # kernels/fp4_gluon.py's kernel
+    python scripts/gluon_fp4_probe.py                       # the nineteenth session's probe (below)
     PYTHONPATH=/tmp/t36 python scripts/gluon_fp4_probe.py   # Triton 3.6 (the device's) unpacked there
 
+--kernel compiles kernels/fp4_gluon._fp4_decode_kernel at the 7B geometry (GROUP 7, split, block
+size 16, 2 key slots unless --key-slots) and reports its key loop: instructions, the opcode mix,
+shared-memory operations (the design has none in the loop), registers. tests/test_kernels.py runs it.
+
+The probe:
 What it computes: scores = q K^T for one KV head's 128-key tile of an FP4 cache (the kernels/fp4.py
 format without outlier slots): codes loaded from global memory in the operand layout (2-byte loads:
 the layout pairs two consecutive dims of one key), decoded by the word PTX of kernels/paged_attention.py
@@ -81,7 +86,56 @@ def probe(q_ptr, codes_ptr, scales_ptr, out_ptr, n_keys, BLOCK_N: gl.constexpr, 
     gl.store(out_ptr + gl.expand_dims(ro, 1) * BLOCK_N + gl.expand_dims(ns, 0), s)
 
 
+def kernel_report(key_slots: int = 2, group: int = 7) -> dict:
+    """kernels/fp4_gluon.py's kernel compiled for sm_90: its key loop's SASS mix and resources."""
+    import inspect
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from kernels import fp4_gluon as g
+
+    names = list(inspect.signature(g._fp4_decode_kernel.fn).parameters)
+    fp = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
+          "khs_ptr": "*fp32", "vhs_ptr": "*fp32", "kv_ptr": "*fp16"}
+    sig = {}
+    for n in names:
+        if n.endswith("_ptr"):
+            sig[n] = fp.get(n, "*i32" if n.startswith(("tile", "table")) else "*u8")
+        elif n.isupper():
+            sig[n] = "constexpr"
+        else:
+            sig[n] = "fp32" if n == "sm_scale_log2" else "i32"
+    aligned = [i for i, n in enumerate(names) if n.endswith("_ptr") or n in ("sk_b", "sk_s", "sk_h", "ss_b")]
+    src = GluonASTSource(g._fp4_decode_kernel, sig,
+                         constexprs={"GROUP": group, "SPLIT": True, "BS_LOG2": 4, "NUM_OUTLIERS": key_slots},
+                         attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    n_loop, mix = loop_mix(sass)
+    regs = re.search(r"REG:(\d+)", res)
+    return {"triton": triton.__version__, "key_slots": key_slots, "loop_instructions": n_loop,
+            "loop_shared": sum(v for op, v in mix.items() if op.startswith(("STS", "LDS", "BAR", "LDSM"))),
+            "registers": int(regs.group(1)) if regs else None, "mix": dict(mix.most_common())}
+
+
 def main():
+    if "--kernel" in sys.argv:
+        import json
+
+        slots = int(sys.argv[sys.argv.index("--key-slots") + 1]) if "--key-slots" in sys.argv else 2
+        rep = kernel_report(slots)
+        if "--json" in sys.argv:
+            print(json.dumps(rep))
+        else:
+            print(f"triton {rep['triton']}, {slots} key slots: {rep['loop_instructions']} SASS instructions in the "
+                  f"128-key loop (per thread, 4 warps), {rep['loop_shared']} shared-memory operations, "
+                  f"{rep['registers']} registers")
+            print(", ".join(f"{op} {v}" for op, v in list(rep["mix"].items())[:24]))
+        return
     sig = {"q_ptr": "*bf16", "codes_ptr": "*u8", "scales_ptr": "*u8", "out_ptr": "*fp32", "n_keys": "i32",
            "BLOCK_N": "constexpr", "HALF": "constexpr"}
     src = GluonASTSource(probe, sig, constexprs={"BLOCK_N": 128, "HALF": 64},

@@ -370,6 +370,97 @@ def test_fp4_attention_with_ptx_decode_equals_the_float32_decode():
         assert errs.get((True, True, ""), 0.0) == 0.0, errs  # the bytes decode with keys as rows: exact, as before
 
 
+def _zero_width(views):
+    c, sc, oi, ov, hs = views
+    return c, sc, oi[..., :0], ov[..., :0], hs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Gluon: GPU only (no interpreter)")
+@pytest.mark.parametrize("heads,kv_heads,dtype,key_slots", [(28, 4, torch.bfloat16, True), (28, 4, torch.bfloat16, False),
+                                                            (12, 2, torch.bfloat16, True), (16, 1, torch.float16, True)])
+def test_fp4_gluon_decode_matches_the_reference(heads, kv_heads, dtype, key_slots):
+    """kernels/fp4_gluon.py (decode tiles, no value slots) against the float32 reference over the
+    same pool, with the value slots (and without key_slots the key slots) emptied; and against the
+    Triton kernel over the same views: the same decoded values, summed in another order. Contexts
+    of 1 key, partial 128-key steps and steps whose warps have no keys; 1-32 splits (3: a split
+    count that is not a power of two; 32: empty splits); the engine's default picks it."""
+    d, bs = 128, 16
+    ctx_lens = [4096, 1, 77, 1000, 2049, 300, 1500, 128, 129, 33]
+    q_lens = [1] * len(ctx_lens)
+    nb = sum(-(-c // bs) for c in ctx_lens) + 3
+    q, qs, tables = make_batch(q_lens, ctx_lens, heads, kv_heads, d, bs, nb, dtype=dtype, seed=9)
+    layer = fp4_layer_with_outliers(nb, bs, kv_heads, d, seed=10, head_scale=0.07)
+    assert (layer.k["oval"] != 0).any()
+    fk = layer.kernel_views("k") if key_slots else _zero_width(layer.kernel_views("k"))
+    fv = _zero_width(layer.kernel_views("v"))
+    plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=4)
+    assert paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv).equal(
+        paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv, fp4_gluon=True))  # the default
+    layer.v["oval"].zero_()
+    if not key_slots:
+        layer.k["oval"].zero_()
+    ref = paged_attention_ref(q.float(), layer.gather, qs, ctx_lens, tables, bs, d ** -0.5)
+    for splits in (1, 3, 8, 32):
+        plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=splits)
+        out = paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv, fp4_gluon=True).float()
+        tri = paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv, fp4_gluon=False).float()
+        err = ((out - ref).abs().amax(-1) / ref.abs().amax(-1)).max()
+        err_tri = ((out - tri).abs().amax(-1) / tri.abs().amax(-1)).max()
+        assert err < 2e-2 and err_tri <= 2.0 ** -7, (splits, err, err_tri)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Gluon: GPU only")
+def test_fp4_gluon_is_only_taken_where_it_can_run(monkeypatch):
+    """Value slots, verify windows or a named Triton variant keep the Triton kernel; fp4_gluon=True
+    where it cannot run is an error; DOCPROC_FP4_GLUON=0 turns the default off."""
+    from kernels import fp4_gluon
+
+    heads, kv_heads, d, bs = 28, 4, 128, 16
+    q, qs, tables = make_batch([1, 1], [300, 40], heads, kv_heads, d, bs, 24, dtype=torch.bfloat16, seed=11)
+    layer = fp4_layer_with_outliers(24, bs, kv_heads, d, seed=12)
+    plan = plan_tiles(qs, [300, 40], tables, heads // kv_heads, DEV, num_splits=2)
+    fk, fv = layer.kernel_views("k"), layer.kernel_views("v")
+    assert "value outlier slots" in fp4_gluon.supported(q, plan, fk, fv)
+    assert fp4_gluon.supported(q, plan, fk, _zero_width(fv)) is None
+    with pytest.raises(AssertionError, match="cannot run"):
+        paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv, fp4_gluon=True)
+    q2, qs2, tables2 = make_batch([3], [300], heads, kv_heads, d, bs, 24, dtype=torch.bfloat16, seed=13)
+    plan2 = plan_tiles(qs2, [300], tables2, heads // kv_heads, DEV, num_splits=2)
+    assert "decode tiles only" in fp4_gluon.supported(q2, plan2, fk, _zero_width(fv))
+    calls = []
+    real = fp4_gluon.launch
+    monkeypatch.setattr(fp4_gluon, "launch", lambda *a, **k: (calls.append(1), real(*a, **k)))
+    paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=_zero_width(fv))
+    paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=_zero_width(fv), fp4_ptx_decode="words")
+    monkeypatch.setenv("DOCPROC_FP4_GLUON", "0")
+    paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=_zero_width(fv))
+    assert calls == [1]
+
+
+def test_fp4_gluon_kernel_keeps_its_operands_in_registers():
+    """The Gluon kernel compiled for sm_90 (no GPU needed; a subprocess, because the interpreter
+    that conftest turns on cannot compile Gluon): its key loop has no shared-memory operation
+    (every layout conversion is within a thread), loads each key's 16 code bytes and each value's 8
+    in one instruction, and runs 64 tensor-core MMAs per 128 keys (2 x 32 per warp)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gluon_fp4_probe.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    for slots in (2, 0):
+        proc = subprocess.run([sys.executable, str(script), "--kernel", "--json", "--key-slots", str(slots)],
+                              capture_output=True, text=True, env=env, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        rep = json.loads(proc.stdout.strip().splitlines()[-1])
+        mix = rep["mix"]
+        assert rep["loop_shared"] == 0, rep
+        assert mix.get("HMMA.16816.F32.BF16") == 64 and mix.get("LDG.E.128") == 4 and mix.get("LDG.E.64") == 8, mix
+        assert rep["loop_instructions"] < (1800 if slots else 1400), rep
+
+
 def test_fp4_decode_defaults():
     from kernels.paged_attention import default_fp4_decode
     # no PTX (CPU, float32 q): the float32 decode whatever the tile
