@@ -46,12 +46,17 @@ DECODE = gl.constexpr(_fp4_decode_ptx())
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8]))
 A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=2))
 B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=2))
-# key codes as (warp, c, byte of c's 16, key): lane = c + 4 g, 16 bytes a register run
+# key codes as (warp, c, byte of c's 16, key): lane = c + 4 g, 16 bytes a register run; loaded (and
+# carried to the next step) as 32-bit words (warp, c, word, key), taken apart as (.., word, byte, ..)
 K_CODES = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 16, 1], threads_per_warp=[1, 4, 1, 8],
                                         warps_per_cta=[4, 1, 1, 1], order=[2, 1, 3, 0]))
-# value codes as (warp, key, g, j): loaded with j fastest (8 bytes), decoded with the key pair fastest
-V_LOAD = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 2, 1, 8], threads_per_warp=[1, 4, 8, 1],
-                                       warps_per_cta=[4, 1, 1, 1], order=[3, 1, 2, 0]))
+K_BYTES = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 4, 4, 1], threads_per_warp=[1, 4, 1, 1, 8],
+                                        warps_per_cta=[4, 1, 1, 1, 1], order=[3, 2, 1, 4, 0]))
+K_WORDS = gl.constexpr(gl.SliceLayout(3, K_BYTES))
+# value codes as (warp, key, g, j): loaded as words (warp, key, g, word), decoded with the key pair fastest
+V_BYTES = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 2, 1, 2, 4], threads_per_warp=[1, 4, 8, 1, 1],
+                                        warps_per_cta=[4, 1, 1, 1, 1], order=[4, 3, 1, 2, 0]))
+V_WORDS = gl.constexpr(gl.SliceLayout(4, V_BYTES))
 V_PAIR = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 2, 1, 8], threads_per_warp=[1, 4, 8, 1],
                                        warps_per_cta=[4, 1, 1, 1], order=[1, 3, 2, 0]))
 
@@ -86,6 +91,88 @@ def _rows(table_ptr, seq, s_table, key, stop, kvh, sk_b, sk_s, sk_h, ss_b, ss_s,
     return ok, blk * sk_b + off * sk_s + kvh * sk_h, blk * ss_b + off * ss_s + kvh * ss_h
 
 
+# the scores' top 8 rows (the query heads of a GQA group of <= 8) of the (warp, 16, 32) accumulator
+S_TOP = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [0, 0, 8], [0, 0, 16]], lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+    warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 8, 32]))
+
+@gluon.jit
+def _add_slot(s, idx, val, q_ptr, q_row_t, q_ok_t, k_scale, COLS_T: gl.constexpr):
+    """scores += q[row, idx] x val x scale for one key slot (idx, val per key)."""
+    idx = gl.expand_dims(idx, 1).to(gl.int32)
+    val = gl.expand_dims(val, 1).to(gl.float32)
+    qg = gl.load(q_ptr + q_row_t + idx, mask=q_ok_t, other=0.0).to(gl.float32)
+    return s + qg * (val * k_scale)
+
+
+@gluon.jit
+def _fetch(n0, stop, table_ptr, seq, s_table, kvh, kc_ptr, ks_ptr, ki_ptr, kv_ptr, vc_ptr, vs_ptr,
+           sk_b, sk_s, sk_h, ss_b, ss_s, ss_h, si_b, si_s, si_h, sv_b, sv_s, sv_h,
+           BS_LOG2: gl.constexpr, NUM_OUTLIERS: gl.constexpr):
+    """One step's raw bytes (keys n0 + 32 warp + 0..31, masked at stop), as 32-bit words where
+    they stay in registers until the next step: key code words and scale bytes, value code words
+    and scale bytes, and per key its two slots' indices (16 bits) and values (32 bits)."""
+    # keys: code words (warp, c, word, key), scale bytes (warp, c, key)
+    SK2: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, K_WORDS))
+    key = (n0 + gl.expand_dims(gl.arange(0, WARPS, layout=gl.SliceLayout(1, SK2)), 1) * KEYS
+           + gl.expand_dims(gl.arange(0, KEYS, layout=gl.SliceLayout(0, SK2)), 0))
+    ok, row_c, row_s = _rows(table_ptr, seq, s_table, key, stop, kvh, sk_b, sk_s, sk_h, ss_b, ss_s, ss_h, BS_LOG2)
+    row_c = gl.multiple_of(row_c, [16, 16])
+    SKC: gl.constexpr = gl.SliceLayout(2, K_WORDS)
+    ck = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, SKC))), 0), 2)
+    ik = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, K_WORDS))))
+    ik = gl.expand_dims(gl.expand_dims(gl.expand_dims(ik, 0), 1), 3)
+    ok3 = gl.expand_dims(ok, 1)
+    kw_ptr = (kc_ptr + gl.expand_dims(gl.expand_dims(row_c, 1), 2)).to(gl.pointer_type(gl.int32))
+    kw = gl.load(kw_ptr + gl.expand_dims(ck, 2) * 4 + ik, mask=gl.expand_dims(ok3, 2), other=0)
+    rs3 = gl.expand_dims(row_s, 1)
+    ke_lo = gl.load(ks_ptr + rs3 + ck, mask=ok3, other=0)
+    ke_hi = gl.load(ks_ptr + rs3 + 4 + ck, mask=ok3, other=0)
+    # values: code words (warp, key, g, word), scale bytes (warp, key, g)
+    SV2: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, V_WORDS))
+    vkey = (n0 + gl.expand_dims(gl.arange(0, WARPS, layout=gl.SliceLayout(1, SV2)), 1) * KEYS
+            + gl.expand_dims(gl.arange(0, KEYS, layout=gl.SliceLayout(0, SV2)), 0))
+    vok, vrow_c, vrow_s = _rows(table_ptr, seq, s_table, vkey, stop, kvh, sk_b, sk_s, sk_h, ss_b, ss_s, ss_h,
+                                BS_LOG2)
+    vrow_c = gl.multiple_of(vrow_c, [16, 16])
+    gv = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, V_WORDS))))
+    gv3 = gl.expand_dims(gl.expand_dims(gv, 0), 1)
+    gv = gl.expand_dims(gv3, 3)
+    iv = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, V_WORDS))))
+    iv = gl.expand_dims(gl.expand_dims(gl.expand_dims(iv, 0), 1), 2)
+    vok3 = gl.expand_dims(vok, 2)
+    vw_ptr = (vc_ptr + gl.expand_dims(gl.expand_dims(vrow_c, 2), 3)).to(gl.pointer_type(gl.int32))
+    vw = gl.load(vw_ptr + gv * 2 + iv, mask=gl.expand_dims(vok3, 3), other=0)
+    vrs3 = gl.expand_dims(vrow_s, 2)
+    ve_lo = gl.load(vs_ptr + vrs3 + gv3 // 2, mask=vok3, other=0)
+    ve_hi = gl.load(vs_ptr + vrs3 + 4 + gv3 // 2, mask=vok3, other=0)
+    # key slots, per key of the scores' columns: both indices in 16 bits, both values in 32
+    COLS_T: gl.constexpr = gl.SliceLayout(1, S_TOP)
+    okey = (n0 + gl.expand_dims(gl.arange(0, WARPS, layout=gl.SliceLayout(1, COLS_T)), 1) * KEYS
+            + gl.expand_dims(gl.arange(0, KEYS, layout=gl.SliceLayout(0, COLS_T)), 0))
+    if NUM_OUTLIERS > 0:
+        ook, row_o, row_v = _rows(table_ptr, seq, s_table, okey, stop, kvh, si_b, si_s, si_h, sv_b, sv_s, sv_h,
+                                  BS_LOG2)
+        oidx = gl.load((ki_ptr + row_o).to(gl.pointer_type(gl.int16)), mask=ook, other=0)
+        oval = gl.load((kv_ptr + row_v).to(gl.pointer_type(gl.int32)), mask=ook, other=0)
+    else:
+        oidx = gl.full([WARPS, KEYS], 0, gl.int16, layout=COLS_T)
+        oval = gl.full([WARPS, KEYS], 0, gl.int32, layout=COLS_T)
+    return kw, ke_lo, ke_hi, vw, ve_lo, ve_hi, oidx, oval
+
+
+@gluon.jit
+def _bytes(words, axis: gl.constexpr, layout: gl.constexpr):
+    """32-bit words -> their 4 bytes (uint8), as a new dim inserted at `axis` of `layout`."""
+    b = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
+        4 if axis == 3 else 3, layout)))))
+    if axis == 3:
+        b = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(b, 0), 1), 2), 4)
+    else:
+        b = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(b, 0), 1), 2), 3)
+    return ((gl.expand_dims(words, axis) >> (b * 8)) & 0xFF).to(gl.uint8)
+
+
 @gluon.jit
 def _fp4_decode_kernel(
     q_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
@@ -96,11 +183,14 @@ def _fp4_decode_kernel(
     sk_b, sk_s, sk_h, ss_b, ss_s, ss_h, si_b, si_s, si_h, sv_b, sv_s, sv_h,
     GROUP: gl.constexpr, SPLIT: gl.constexpr, BS_LOG2: gl.constexpr, NUM_OUTLIERS: gl.constexpr,
 ):
-    """One program: (tile = sequence, KV head, split); rows are the GROUP query heads of the KV
-    head (16 rows, GROUP <= 16). Partials as _paged_attn_fp4_kernel writes them (BLOCK_M 16).
-    Key outlier slots (NUM_OUTLIERS; their codes are 0): each adds q[row, channel] x value to
-    its key's scores, a gather of q per (row, key, slot) in the scores' own layout. Value slots:
-    none (the caller checks; the Triton kernel reads caches with them)."""
+    """One program: (tile = sequence, KV head, split); GROUP <= 8 query heads. Partials as
+    _paged_attn_fp4_kernel writes them (BLOCK_M 16). S = q K^T takes the MMA's 16 rows (8 of them
+    zero); the output is accumulated transposed, O^T = V^T P^T, whose N = 8 fits the group: P^T's
+    B operand holds exactly the scores' top-row registers, and the accumulator is 32 registers.
+    The next step's bytes are loaded before this step's arithmetic (software pipelining).
+    Key outlier slots (NUM_OUTLIERS 0 or 2; their codes are 0): each adds q[row, channel] x value
+    to its key's scores, a gather of q per (row, key, slot). Value slots: none (the caller checks;
+    the Triton kernel reads caches with them)."""
     tile = gl.program_id(0)
     kvh = gl.program_id(1)
     split = gl.program_id(2)
@@ -125,52 +215,33 @@ def _fp4_decode_kernel(
     q_lo = (gl.load(q_ptr + q_row + dim_a, mask=q_ok, other=0.0).to(gl.float32) * q_unit).to(gl.bfloat16)
     q_hi = (gl.load(q_ptr + q_row + HALF + dim_a, mask=q_ok, other=0.0).to(gl.float32) * q_unit).to(gl.bfloat16)
 
-    # key-side index tensors (K_CODES): keys (warp, key) and bytes (c, byte)
-    SK2: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, K_CODES))  # (warp, key)
-    wk = gl.expand_dims(gl.arange(0, WARPS, layout=gl.SliceLayout(1, SK2)), 1)
-    nk = gl.expand_dims(gl.arange(0, KEYS, layout=gl.SliceLayout(0, SK2)), 0)
-    SKC: gl.constexpr = gl.SliceLayout(2, K_CODES)  # (warp, c, key)
-    ck = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, SKC))), 0), 2)
-    bk = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, K_CODES))))
-    bk = gl.expand_dims(gl.expand_dims(gl.expand_dims(bk, 0), 1), 3)  # (1, 1, 16, 1)
-    # value side (V_LOAD / V_PAIR): keys (warp, key), g, j
-    SV2: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, V_LOAD))
-    wv = gl.expand_dims(gl.arange(0, WARPS, layout=gl.SliceLayout(1, SV2)), 1)
-    nv = gl.expand_dims(gl.arange(0, KEYS, layout=gl.SliceLayout(0, SV2)), 0)
-    gv = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, V_LOAD))))
-    gv = gl.expand_dims(gl.expand_dims(gl.expand_dims(gv, 0), 1), 3)
-    jv = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, V_LOAD))))
-    jv = gl.expand_dims(gl.expand_dims(gl.expand_dims(jv, 0), 1), 2)
-    SVP: gl.constexpr = gl.SliceLayout(3, V_PAIR)  # (warp, key, g) for the value scales
-    wvp = gl.expand_dims(gl.expand_dims(gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, SVP))), 1), 2)
-    nvp = gl.expand_dims(gl.expand_dims(gl.arange(0, KEYS, layout=gl.SliceLayout(0, gl.SliceLayout(2, SVP))), 0), 2)
-    gvp = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, SVP))), 0), 1)
-    # scores' columns (MMA): key of each column
-    w_s = _arange3(WARPS, 0, MMA)
-    n_s = _arange3(KEYS, 2, MMA)
-    r_s = _arange3(16, 1, MMA)
-    q_row_s = tok0 * sq_t + (kvh * GROUP + r_s) * sq_h
-    q_ok_s = r_s < GROUP
+    # the scores' top rows: key of each column, q row of each row (for the key slots' gather)
+    ROWS_T: gl.constexpr = gl.SliceLayout(2, S_TOP)
+    COLS_T: gl.constexpr = gl.SliceLayout(1, S_TOP)
+    n_t = gl.expand_dims(gl.expand_dims(gl.arange(0, KEYS, layout=gl.SliceLayout(0, COLS_T)), 0), 1)
+    w_t = gl.expand_dims(gl.expand_dims(gl.arange(0, WARPS, layout=gl.SliceLayout(1, COLS_T)), 1), 1)
+    r_t = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, ROWS_T)), 0), 2)
+    q_row_t = tok0 * sq_t + (kvh * GROUP + r_t) * sq_h
+    q_ok_t = r_t < GROUP
+    k_scale = sm_scale_log2  # the slots hold values in the model's units
 
-    SROW: gl.constexpr = gl.SliceLayout(2, MMA)
-    m_i = gl.full([WARPS, 16], float("-inf"), gl.float32, layout=SROW)
-    l_i = gl.full([WARPS, 16], 0.0, gl.float32, layout=SROW)
-    acc_lo = gl.full([WARPS, 16, HALF], 0.0, gl.float32, layout=MMA)
-    acc_hi = gl.full([WARPS, 16, HALF], 0.0, gl.float32, layout=MMA)
+    m_i = gl.full([WARPS, 8], float("-inf"), gl.float32, layout=ROWS_T)
+    l_i = gl.full([WARPS, 8], 0.0, gl.float32, layout=ROWS_T)
+    acc_lo = gl.full([WARPS, HALF, 8], 0.0, gl.float32, layout=MMA)  # O^T: (warp, dim, row)
+    acc_hi = gl.full([WARPS, HALF, 8], 0.0, gl.float32, layout=MMA)
+    nxt = _fetch(start, stop, table_ptr, seq, s_table, kvh, kc_ptr, ks_ptr, ki_ptr, kv_ptr, vc_ptr, vs_ptr,
+                 sk_b, sk_s, sk_h, ss_b, ss_s, ss_h, si_b, si_s, si_h, sv_b, sv_s, sv_h, BS_LOG2, NUM_OUTLIERS)
     for n0 in range(start, stop, BLOCK_N):
-        # keys: codes (warp, c, byte, key), scales (warp, c, key)
-        key = n0 + wk * KEYS + nk
-        ok, row_c, row_s = _rows(table_ptr, seq, s_table, key, stop, kvh, sk_b, sk_s, sk_h,
-                                 ss_b, ss_s, ss_h, BS_LOG2)
-        row_c = gl.multiple_of(row_c, [16, 16])
-        ok3 = gl.expand_dims(ok, 1)
-        kc = gl.load(kc_ptr + gl.expand_dims(gl.expand_dims(row_c, 1), 2) + gl.expand_dims(ck, 2) * 16 + bk,
-                     mask=gl.expand_dims(ok3, 2), other=0)
-        rs3 = gl.expand_dims(row_s, 1)
-        ks_lo = _scale_bf16(gl.load(ks_ptr + rs3 + ck, mask=ok3, other=0))
-        ks_hi = _scale_bf16(gl.load(ks_ptr + rs3 + 4 + ck, mask=ok3, other=0))
+        kw, ke_lo, ke_hi, vw, ve_lo, ve_hi, oidx, oval = nxt
+        kc = gl.convert_layout(gl.reshape(_bytes(kw, 3, K_BYTES), [WARPS, 4, 16, KEYS]), K_CODES, assert_trivial=True)
+        vc = gl.convert_layout(gl.reshape(_bytes(vw, 4, V_BYTES), [WARPS, KEYS, 8, 8]), V_PAIR, assert_trivial=True)
+        nxt = _fetch(n0 + BLOCK_N, stop, table_ptr, seq, s_table, kvh, kc_ptr, ks_ptr, ki_ptr, kv_ptr, vc_ptr,
+                     vs_ptr, sk_b, sk_s, sk_h, ss_b, ss_s, ss_h, si_b, si_s, si_h, sv_b, sv_s, sv_h, BS_LOG2,
+                     NUM_OUTLIERS)
         k_lo, k_hi = gl.inline_asm_elementwise(
-            DECODE, "=r,=r,=r,=r,r,r,r,r,r", [kc, gl.expand_dims(ks_lo, 2), gl.expand_dims(ks_hi, 2)],
+            DECODE, "=r,=r,=r,=r,r,r,r,r,r",
+            [kc, gl.expand_dims(gl.convert_layout(_scale_bf16(ke_lo), gl.SliceLayout(2, K_CODES), assert_trivial=True), 2),
+             gl.expand_dims(gl.convert_layout(_scale_bf16(ke_hi), gl.SliceLayout(2, K_CODES), assert_trivial=True), 2)],
             dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
         # (warp, c, byte 4 i + 2 h + p, key) -> (warp, k = 16 i + 8 h + 2 c + p, key)
         k_lo = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(k_lo, [WARPS, 4, 4, 2, 2, KEYS]), [0, 2, 3, 1, 4, 5]),
@@ -179,79 +250,68 @@ def _fp4_decode_kernel(
                                             [WARPS, HALF, KEYS]), B_OP, assert_trivial=True)
         s = mma_v2(q_lo, k_lo, gl.full([WARPS, 16, KEYS], 0.0, gl.float32, layout=MMA))
         s = mma_v2(q_hi, k_hi, s)
-        skey = n0 + w_s * KEYS + n_s  # (warp, 1, key)
-        visible = skey < stop
+        # rows 0..7 only (the rest are the MMA's padding)
+        s, _ = gl.split(gl.permute(gl.reshape(s, [WARPS, 2, 8, KEYS]), [0, 2, 3, 1]))
+        s = gl.convert_layout(s, S_TOP, assert_trivial=True)
         if NUM_OUTLIERS > 0:
-            _, row_o, row_v = _rows(table_ptr, seq, s_table, skey, stop, kvh, si_b, si_s, si_h, sv_b, sv_s, sv_h,
-                                    BS_LOG2)
-            for o in gl.static_range(NUM_OUTLIERS):  # unused slots hold (0, 0.0): they add nothing
-                idx = gl.load(ki_ptr + row_o + o, mask=visible, other=0).to(gl.int32)
-                val = gl.load(kv_ptr + row_v + o, mask=visible, other=0.0).to(gl.float32)
-                qg = gl.load(q_ptr + q_row_s + idx, mask=visible & q_ok_s, other=0.0).to(gl.float32)
-                s += qg * (val * sm_scale_log2)
-
-        s = gl.where(visible, s, float("-inf"))
+            i0 = oidx & 0xFF
+            i1 = (oidx >> 8) & 0xFF
+            v0 = (oval & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True)
+            v1 = (oval >> 16).to(gl.int16).to(gl.float16, bitcast=True)
+            # unused slots hold (0, 0.0): they add nothing
+            s = _add_slot(s, i0, v0, q_ptr, q_row_t, q_ok_t, k_scale, COLS_T)
+            s = _add_slot(s, i1, v1, q_ptr, q_row_t, q_ok_t, k_scale, COLS_T)
+        s = gl.where((n0 + w_t * KEYS + n_t) < stop, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 2))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - gl.expand_dims(m_safe, 2))
         alpha = gl.exp2(m_i - m_safe)
         l_i = l_i * alpha + gl.sum(p, 2)
         m_i = m_new
-        p_op = gl.convert_layout(p.to(gl.bfloat16), A_OP)
+        p_t = gl.convert_layout(gl.permute(p.to(gl.bfloat16), [0, 2, 1]), B_OP, assert_trivial=True)  # (warp, key, row)
 
-        # values: codes (warp, key, g, j), scales (warp, key, g)
-        vkey = n0 + wv * KEYS + nv
-        vok, vrow_c, vrow_s = _rows(table_ptr, seq, s_table, vkey, stop, kvh, sk_b, sk_s, sk_h,
-                                    ss_b, ss_s, ss_h, BS_LOG2)
-        vrow_c = gl.multiple_of(vrow_c, [16, 16])
-        vc = gl.load(vc_ptr + gl.expand_dims(gl.expand_dims(vrow_c, 2), 3) + gv * 8 + jv,
-                     mask=gl.expand_dims(gl.expand_dims(vok, 2), 3), other=0)
-        vc = gl.convert_layout(vc, V_PAIR, assert_trivial=True)
-        vkey_p = n0 + wvp * KEYS + nvp
-        vok_p, _, vrow_sp = _rows(table_ptr, seq, s_table, vkey_p, stop, kvh, sk_b, sk_s, sk_h,
-                                  ss_b, ss_s, ss_h, BS_LOG2)
-        vs_lo = _scale_bf16(gl.load(vs_ptr + vrow_sp + gvp // 2, mask=vok_p, other=0))
-        vs_hi = _scale_bf16(gl.load(vs_ptr + vrow_sp + 4 + gvp // 2, mask=vok_p, other=0))
         v_lo, v_hi = gl.inline_asm_elementwise(
-            DECODE, "=r,=r,=r,=r,r,r,r,r,r", [vc, gl.expand_dims(vs_lo, 3), gl.expand_dims(vs_hi, 3)],
+            DECODE, "=r,=r,=r,=r,r,r,r,r,r",
+            [vc, gl.expand_dims(gl.convert_layout(_scale_bf16(ve_lo), gl.SliceLayout(3, V_PAIR), assert_trivial=True), 3),
+             gl.expand_dims(gl.convert_layout(_scale_bf16(ve_hi), gl.SliceLayout(3, V_PAIR), assert_trivial=True), 3)],
             dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
-        # (warp, key, g, j) -> (warp, key, column 8 j + g)
-        v_lo = gl.convert_layout(gl.reshape(gl.permute(v_lo, [0, 1, 3, 2]), [WARPS, KEYS, HALF]), B_OP,
+        # (warp, key, g, j) -> V^T (warp, m = 8 j + g, key)
+        v_lo = gl.convert_layout(gl.reshape(gl.permute(v_lo, [0, 3, 2, 1]), [WARPS, HALF, KEYS]), A_OP,
                                  assert_trivial=True)
-        v_hi = gl.convert_layout(gl.reshape(gl.permute(v_hi, [0, 1, 3, 2]), [WARPS, KEYS, HALF]), B_OP,
+        v_hi = gl.convert_layout(gl.reshape(gl.permute(v_hi, [0, 3, 2, 1]), [WARPS, HALF, KEYS]), A_OP,
                                  assert_trivial=True)
-        a3 = gl.expand_dims(alpha, 2)
-        acc_lo = mma_v2(p_op, v_lo, acc_lo * a3)
-        acc_hi = mma_v2(p_op, v_hi, acc_hi * a3)
+        a3 = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, MMA)), 1)
+        acc_lo = mma_v2(v_lo, p_t, acc_lo * a3)
+        acc_hi = mma_v2(v_hi, p_t, acc_hi * a3)
 
     # merge the warps' softmax states
     m = gl.max(m_i, 0)
     m_safe = gl.where(m == float("-inf"), 0.0, m)
     f = gl.exp2(m_i - gl.expand_dims(m_safe, 0))
     l = gl.sum(l_i * f, 0)
-    f3 = gl.expand_dims(f, 2) * (vhs * 256.0)
-    o_lo = gl.sum(acc_lo * f3, 0)
+    f3 = gl.expand_dims(gl.convert_layout(f, gl.SliceLayout(1, MMA)), 1) * (vhs * 256.0)
+    o_lo = gl.sum(acc_lo * f3, 0)  # (dim m, row)
     o_hi = gl.sum(acc_hi * f3, 0)
     OL: gl.constexpr = gl.SliceLayout(0, MMA)
-    r_o = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(1, OL)), 1)
-    n_o = gl.expand_dims(gl.arange(0, HALF, layout=gl.SliceLayout(0, OL)), 0)
-    dim_o = (n_o % 8) * 8 + n_o // 8  # column 8 j + g is dim 8 g + j
-    row_ok = r_o < GROUP
+    m_o = gl.expand_dims(gl.arange(0, HALF, layout=gl.SliceLayout(1, OL)), 1)
+    r_o = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, OL)), 0)
+    dim_o = (m_o % 8) * 8 + m_o // 8  # m = 8 j + g is dim 8 g + j
+    row_ok = (r_o < GROUP) & (dim_o >= 0)
     if SPLIT:
         base = (tile * gl.num_programs(1) + kvh) * num_splits + split
         a_off = base * 16 * 2 * HALF + r_o * 2 * HALF + dim_o
-        gl.store(part_acc_ptr + a_off, o_lo, mask=row_ok & (dim_o >= 0))
-        gl.store(part_acc_ptr + a_off + HALF, o_hi, mask=row_ok & (dim_o >= 0))
-        RL: gl.constexpr = gl.SliceLayout(0, SROW)
-        r1 = gl.arange(0, 16, layout=RL)
+        gl.store(part_acc_ptr + a_off, o_lo, mask=row_ok)
+        gl.store(part_acc_ptr + a_off + HALF, o_hi, mask=row_ok)
+        RL: gl.constexpr = gl.SliceLayout(0, ROWS_T)
+        r1 = gl.arange(0, 8, layout=RL)
         gl.store(part_ml_ptr + base * 2 * 16 + r1, m, mask=r1 < GROUP)
         gl.store(part_ml_ptr + base * 2 * 16 + 16 + r1, l, mask=r1 < GROUP)
     else:
-        l2 = gl.convert_layout(l, gl.SliceLayout(1, OL))
-        inv = gl.expand_dims(gl.where(l2 > 0, 1.0 / gl.maximum(l2, 1e-30), 0.0), 1)
+        l2 = gl.convert_layout(l, gl.SliceLayout(0, OL))
+        inv = gl.expand_dims(gl.where(l2 > 0, 1.0 / gl.maximum(l2, 1e-30), 0.0), 0)
         o_off = tok0 * so_t + (kvh * GROUP + r_o) * so_h + dim_o
-        gl.store(out_ptr + o_off, (o_lo * inv).to(out_ptr.dtype.element_ty), mask=row_ok & (dim_o >= 0))
-        gl.store(out_ptr + o_off + HALF, (o_hi * inv).to(out_ptr.dtype.element_ty), mask=row_ok & (dim_o >= 0))
+        gl.store(out_ptr + o_off, (o_lo * inv).to(out_ptr.dtype.element_ty), mask=row_ok)
+        gl.store(out_ptr + o_off + HALF, (o_hi * inv).to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
 def supported(q: torch.Tensor, plan: TilePlan, fp4_k: tuple, fp4_v: tuple) -> str | None:
@@ -265,8 +325,10 @@ def supported(q: torch.Tensor, plan: TilePlan, fp4_k: tuple, fp4_v: tuple) -> st
     if q.shape[-1] != 2 * HALF:
         return f"head_dim must be {2 * HALF}"
     kc, ks, ki, kv, _ = fp4_k
-    if plan.tokens_per_tile != 1 or plan.block_m != 16 or q.shape[1] // kc.shape[2] > 16:
-        return "decode tiles only (one query token, GQA group <= 16)"
+    if plan.tokens_per_tile != 1 or plan.block_m != 16 or q.shape[1] // kc.shape[2] > 8:
+        return "decode tiles only (one query token, GQA group <= 8)"
+    if ki.shape[-1] not in (0, 2):
+        return "key outlier slots must be 0 or 2"
     if fp4_v[2].shape[-1] != 0:
         return "value outlier slots are not read by this kernel"
     bs = kc.shape[1]

@@ -246,6 +246,14 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
                 {"config": "gluon"})
             record("ours_fp4_gluon_no_outliers", lambda: paged_attention(
                 q, plan, d ** -0.5, fp4_k=fk0, fp4_v=fv0, fp4_gluon=True), n0_bytes, {"config": "gluon"})
+            # other split counts: about 2 and 4 programs an SM (the plan's default targets 8)
+            for per_sm in (2, 4):
+                n_sp = min(64, max(1, default_num_splits(batch, ctx, 132, hkv, wide=True) * per_sm // 2))
+                plan_x = plan_tiles(list(range(batch + 1)), [ctx] * batch, tables, hq // hkv, "cuda",
+                                    num_splits=n_sp, num_kv_heads=hkv)
+                record(f"ours_fp4_gluon_s{n_sp}", lambda: paged_attention(
+                    q, plan_x, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, fp4_gluon=True), nv_bytes,
+                    {"config": "gluon"}, splits=n_sp)
             record("ours_fp4_triton_no_value_outliers", lambda: paged_attention(
                 q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, fp4_gluon=False, **cfg4), nv_bytes,
                 {"config": cfg4})
