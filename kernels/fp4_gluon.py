@@ -34,13 +34,36 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from kernels.paged_attention import LOG2E, TilePlan, _fp4_decode_ptx
+from kernels.paged_attention import LOG2E, TilePlan, _fp4_pair_steps
 
 WARPS = gl.constexpr(4)
 KEYS = gl.constexpr(32)  # keys per warp per step
 BLOCK_N = gl.constexpr(128)  # WARPS x KEYS
 HALF = gl.constexpr(64)
-DECODE = gl.constexpr(_fp4_decode_ptx())
+
+
+def _key_decode_ptx() -> str:
+    """pack=4 over (word, its byte b = 0..3): one 32-bit word of key codes ($4; $5-$7 are copies)
+    and the lo and hi groups' scales ($8, $9; $10, $11: bf16 pairs) -> the 4 bytes' low-nibble
+    values ($0, $1) and high-nibble values ($2, $3), bf16 pairs: kernels/paged_attention.py's steps."""
+    return "\n".join(["{", ".reg .b32 t01, t23, x, y, z;", "mov.b32 z, 0x80008000;"]
+                     + _fp4_pair_steps("$4", ("$8", "$9", "$10", "$11"), ["$0", "$1", "$2", "$3"]) + ["}"])
+
+
+def _value_decode_ptx() -> str:
+    """pack=4 over (key pair p, byte b, b + 1): the words of keys 2k ($4) and 2k + 1 ($5; $6, $7
+    copies), the PRMT selector of byte b ($8 = 0x4400 + 0x1111 b; $9-$11 copies) and the two keys'
+    scales ($12, $13 lo; $14, $15 hi: bf16 pairs) -> pairs (key 2k, key 2k + 1) of byte b's and
+    b + 1's low-nibble values ($0, $1) and high-nibble values ($2, $3). The selector puts byte b of
+    each key in the low byte of one 16-bit lane (the other bytes are masked off by the steps)."""
+    lines = ["{", ".reg .b32 t01, t23, x, y, z, s;", "mov.b32 z, 0x80008000;",
+             "prmt.b32 t01, $4, $5, $8;", "add.u32 s, $8, 0x1111;", "prmt.b32 t23, $4, $5, s;"]
+    steps = _fp4_pair_steps("$4", ("$12", "$13", "$14", "$15"), ["$0", "$1", "$2", "$3"])[2:]  # t01, t23 made above
+    return "\n".join(lines + steps + ["}"])
+
+
+KEY_DECODE = gl.constexpr(_key_decode_ptx())
+VALUE_DECODE = gl.constexpr(_value_decode_ptx())
 
 # Layouts, all rank 3 or more with the warp as the leading (batch) dim.
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8]))
@@ -57,8 +80,8 @@ K_WORDS = gl.constexpr(gl.SliceLayout(3, K_BYTES))
 V_BYTES = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 2, 1, 2, 4], threads_per_warp=[1, 4, 8, 1, 1],
                                         warps_per_cta=[4, 1, 1, 1, 1], order=[4, 3, 1, 2, 0]))
 V_WORDS = gl.constexpr(gl.SliceLayout(4, V_BYTES))
-V_PAIR = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 2, 1, 8], threads_per_warp=[1, 4, 8, 1],
-                                       warps_per_cta=[4, 1, 1, 1], order=[1, 3, 2, 0]))
+V_ASM = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 2, 1, 2, 4], threads_per_warp=[1, 4, 8, 1, 1],
+                                      warps_per_cta=[4, 1, 1, 1, 1], order=[1, 4, 3, 2, 0]))
 
 
 @gluon.jit
@@ -83,10 +106,22 @@ def _scale_bf16(e):
 
 
 @gluon.jit
-def _rows(table_ptr, seq, s_table, key, stop, kvh, sk_b, sk_s, sk_h, ss_b, ss_s, ss_h, BS_LOG2: gl.constexpr):
-    """Keys' mask and their rows in the codes and scales views (block size 2^BS_LOG2)."""
+def _rows(table_ptr, seq, s_table, wk, kl, stop, kvh, sk_b, sk_s, sk_h, ss_b, ss_s, ss_h, BS_LOG2: gl.constexpr):
+    """Keys wk + kl (wk: each warp's first key, a multiple of 32, shaped to broadcast against the
+    local key kl): their mask and rows in the codes and scales views (block size 2^BS_LOG2).
+    A warp's 32 keys lie in one block of 32 or more keys, or in two of 16: those are read once
+    per thread (the same address in every lane), not per key."""
+    key = wk + kl
     ok = key < stop
-    blk = gl.load(table_ptr + seq * s_table + (key >> BS_LOG2), mask=ok, other=0).to(gl.int64)
+    row0 = table_ptr + seq * s_table
+    if BS_LOG2 >= 5:
+        blk = gl.load(row0 + (wk >> BS_LOG2), mask=wk < stop, other=0).to(gl.int64)
+    elif BS_LOG2 == 4:
+        b0 = gl.load(row0 + (wk >> 4), mask=wk < stop, other=0).to(gl.int64)
+        b1 = gl.load(row0 + (wk >> 4) + 1, mask=wk + 16 < stop, other=0).to(gl.int64)
+        blk = gl.where(kl >= 16, b1, b0)
+    else:
+        blk = gl.load(row0 + (key >> BS_LOG2), mask=ok, other=0).to(gl.int64)
     off = key & ((1 << BS_LOG2) - 1)
     return ok, blk * sk_b + off * sk_s + kvh * sk_h, blk * ss_b + off * ss_s + kvh * ss_h
 
@@ -95,6 +130,7 @@ def _rows(table_ptr, seq, s_table, key, stop, kvh, sk_b, sk_s, sk_h, ss_b, ss_s,
 S_TOP = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 0, 1], [0, 0, 8], [0, 0, 16]], lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
     warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 8, 32]))
+
 
 @gluon.jit
 def _add_slot(s, idx, val, q_ptr, q_row_t, q_ok_t, k_scale, COLS_T: gl.constexpr):
@@ -114,9 +150,9 @@ def _fetch(n0, stop, table_ptr, seq, s_table, kvh, kc_ptr, ks_ptr, ki_ptr, kv_pt
     and scale bytes, and per key its two slots' indices (16 bits) and values (32 bits)."""
     # keys: code words (warp, c, word, key), scale bytes (warp, c, key)
     SK2: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, K_WORDS))
-    key = (n0 + gl.expand_dims(gl.arange(0, WARPS, layout=gl.SliceLayout(1, SK2)), 1) * KEYS
-           + gl.expand_dims(gl.arange(0, KEYS, layout=gl.SliceLayout(0, SK2)), 0))
-    ok, row_c, row_s = _rows(table_ptr, seq, s_table, key, stop, kvh, sk_b, sk_s, sk_h, ss_b, ss_s, ss_h, BS_LOG2)
+    wk = n0 + gl.expand_dims(gl.arange(0, WARPS, layout=gl.SliceLayout(1, SK2)), 1) * KEYS
+    kl = gl.expand_dims(gl.arange(0, KEYS, layout=gl.SliceLayout(0, SK2)), 0)
+    ok, row_c, row_s = _rows(table_ptr, seq, s_table, wk, kl, stop, kvh, sk_b, sk_s, sk_h, ss_b, ss_s, ss_h, BS_LOG2)
     row_c = gl.multiple_of(row_c, [16, 16])
     SKC: gl.constexpr = gl.SliceLayout(2, K_WORDS)
     ck = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, SKC))), 0), 2)
@@ -130,9 +166,9 @@ def _fetch(n0, stop, table_ptr, seq, s_table, kvh, kc_ptr, ks_ptr, ki_ptr, kv_pt
     ke_hi = gl.load(ks_ptr + rs3 + 4 + ck, mask=ok3, other=0)
     # values: code words (warp, key, g, word), scale bytes (warp, key, g)
     SV2: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, V_WORDS))
-    vkey = (n0 + gl.expand_dims(gl.arange(0, WARPS, layout=gl.SliceLayout(1, SV2)), 1) * KEYS
-            + gl.expand_dims(gl.arange(0, KEYS, layout=gl.SliceLayout(0, SV2)), 0))
-    vok, vrow_c, vrow_s = _rows(table_ptr, seq, s_table, vkey, stop, kvh, sk_b, sk_s, sk_h, ss_b, ss_s, ss_h,
+    wv = n0 + gl.expand_dims(gl.arange(0, WARPS, layout=gl.SliceLayout(1, SV2)), 1) * KEYS
+    vl = gl.expand_dims(gl.arange(0, KEYS, layout=gl.SliceLayout(0, SV2)), 0)
+    vok, vrow_c, vrow_s = _rows(table_ptr, seq, s_table, wv, vl, stop, kvh, sk_b, sk_s, sk_h, ss_b, ss_s, ss_h,
                                 BS_LOG2)
     vrow_c = gl.multiple_of(vrow_c, [16, 16])
     gv = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, V_WORDS))))
@@ -148,10 +184,10 @@ def _fetch(n0, stop, table_ptr, seq, s_table, kvh, kc_ptr, ks_ptr, ki_ptr, kv_pt
     ve_hi = gl.load(vs_ptr + vrs3 + 4 + gv3 // 2, mask=vok3, other=0)
     # key slots, per key of the scores' columns: both indices in 16 bits, both values in 32
     COLS_T: gl.constexpr = gl.SliceLayout(1, S_TOP)
-    okey = (n0 + gl.expand_dims(gl.arange(0, WARPS, layout=gl.SliceLayout(1, COLS_T)), 1) * KEYS
-            + gl.expand_dims(gl.arange(0, KEYS, layout=gl.SliceLayout(0, COLS_T)), 0))
+    wo = n0 + gl.expand_dims(gl.arange(0, WARPS, layout=gl.SliceLayout(1, COLS_T)), 1) * KEYS
+    ol = gl.expand_dims(gl.arange(0, KEYS, layout=gl.SliceLayout(0, COLS_T)), 0)
     if NUM_OUTLIERS > 0:
-        ook, row_o, row_v = _rows(table_ptr, seq, s_table, okey, stop, kvh, si_b, si_s, si_h, sv_b, sv_s, sv_h,
+        ook, row_o, row_v = _rows(table_ptr, seq, s_table, wo, ol, stop, kvh, si_b, si_s, si_h, sv_b, sv_s, sv_h,
                                   BS_LOG2)
         oidx = gl.load((ki_ptr + row_o).to(gl.pointer_type(gl.int16)), mask=ook, other=0)
         oval = gl.load((kv_ptr + row_v).to(gl.pointer_type(gl.int32)), mask=ook, other=0)
@@ -233,16 +269,19 @@ def _fp4_decode_kernel(
                  sk_b, sk_s, sk_h, ss_b, ss_s, ss_h, si_b, si_s, si_h, sv_b, sv_s, sv_h, BS_LOG2, NUM_OUTLIERS)
     for n0 in range(start, stop, BLOCK_N):
         kw, ke_lo, ke_hi, vw, ve_lo, ve_hi, oidx, oval = nxt
-        kc = gl.convert_layout(gl.reshape(_bytes(kw, 3, K_BYTES), [WARPS, 4, 16, KEYS]), K_CODES, assert_trivial=True)
-        vc = gl.convert_layout(gl.reshape(_bytes(vw, 4, V_BYTES), [WARPS, KEYS, 8, 8]), V_PAIR, assert_trivial=True)
         nxt = _fetch(n0 + BLOCK_N, stop, table_ptr, seq, s_table, kvh, kc_ptr, ks_ptr, ki_ptr, kv_ptr, vc_ptr,
                      vs_ptr, sk_b, sk_s, sk_h, ss_b, ss_s, ss_h, si_b, si_s, si_h, sv_b, sv_s, sv_h, BS_LOG2,
                      NUM_OUTLIERS)
+        bk = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, K_BYTES)))))
+        bk = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(bk, 0), 1), 2), 4)
+        kw5, _ = gl.broadcast(gl.expand_dims(kw, 3), bk)  # (warp, c, word, byte, key): the word per byte
         k_lo, k_hi = gl.inline_asm_elementwise(
-            DECODE, "=r,=r,=r,=r,r,r,r,r,r",
-            [kc, gl.expand_dims(gl.convert_layout(_scale_bf16(ke_lo), gl.SliceLayout(2, K_CODES), assert_trivial=True), 2),
-             gl.expand_dims(gl.convert_layout(_scale_bf16(ke_hi), gl.SliceLayout(2, K_CODES), assert_trivial=True), 2)],
+            KEY_DECODE, "=r,=r,=r,=r,r,r,r,r,r,r,r,r",
+            [kw5, gl.expand_dims(gl.expand_dims(_scale_bf16(ke_lo), 2), 3),
+             gl.expand_dims(gl.expand_dims(_scale_bf16(ke_hi), 2), 3)],
             dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+        k_lo = gl.reshape(k_lo, [WARPS, 4, 16, KEYS])
+        k_hi = gl.reshape(k_hi, [WARPS, 4, 16, KEYS])
         # (warp, c, byte 4 i + 2 h + p, key) -> (warp, k = 16 i + 8 h + 2 c + p, key)
         k_lo = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(k_lo, [WARPS, 4, 4, 2, 2, KEYS]), [0, 2, 3, 1, 4, 5]),
                                             [WARPS, HALF, KEYS]), B_OP, assert_trivial=True)
@@ -270,11 +309,19 @@ def _fp4_decode_kernel(
         m_i = m_new
         p_t = gl.convert_layout(gl.permute(p.to(gl.bfloat16), [0, 2, 1]), B_OP, assert_trivial=True)  # (warp, key, row)
 
+        bv = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, V_ASM)))))
+        sel = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims((bv & 2) * 0x1111 + 0x4400, 0), 1), 2), 3)
+        vw5, sel = gl.broadcast(gl.expand_dims(gl.convert_layout(vw, gl.SliceLayout(4, V_ASM), assert_trivial=True),
+                                               4), sel)
+        SV3: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, V_ASM))
         v_lo, v_hi = gl.inline_asm_elementwise(
-            DECODE, "=r,=r,=r,=r,r,r,r,r,r",
-            [vc, gl.expand_dims(gl.convert_layout(_scale_bf16(ve_lo), gl.SliceLayout(3, V_PAIR), assert_trivial=True), 3),
-             gl.expand_dims(gl.convert_layout(_scale_bf16(ve_hi), gl.SliceLayout(3, V_PAIR), assert_trivial=True), 3)],
+            VALUE_DECODE, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r",
+            [vw5, sel,
+             gl.expand_dims(gl.expand_dims(gl.convert_layout(_scale_bf16(ve_lo), SV3, assert_trivial=True), 3), 4),
+             gl.expand_dims(gl.expand_dims(gl.convert_layout(_scale_bf16(ve_hi), SV3, assert_trivial=True), 3), 4)],
             dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+        v_lo = gl.reshape(v_lo, [WARPS, KEYS, 8, 8])
+        v_hi = gl.reshape(v_hi, [WARPS, KEYS, 8, 8])
         # (warp, key, g, j) -> V^T (warp, m = 8 j + g, key)
         v_lo = gl.convert_layout(gl.reshape(gl.permute(v_lo, [0, 3, 2, 1]), [WARPS, HALF, KEYS]), A_OP,
                                  assert_trivial=True)
