@@ -95,7 +95,8 @@ def run(
     draft_vision: str = typer.Option("auto", "--draft-vision", help="auto, own or none (the draft sees text only)."),
     kv_cache: str = typer.Option("auto", "--kv-cache", help="KV cache format: auto, bf16, fp16, fp32 or fp4."),
     fp4_value_slots: Optional[int] = typer.Option(None, "--fp4-value-slots", help="FP4 KV: outlier slots per value "
-                                                  "vector, 0 or 2 (default 2, as the keys)."),
+                                                  "vector, 0 (the default) or 2 (as the keys; on CUDA the "
+                                                  "slower Triton decode kernel)."),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     dpi: int = typer.Option(120, help="PDF render resolution (lowered per page to fit the pixel cap)."),
     max_pages: Optional[int] = typer.Option(None, "--max-pages", help="Read at most this many pages per document."),

@@ -19,7 +19,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     num_kv_blocks: int | None = None  # exact pool size; overrides both of the above (tests)
     encoder_cache_entries: int = 256  # vision outputs kept, keyed by (vision fingerprint, image hash)
-    # FP4 only: outlier slots per value vector, 0 or None (as many as the keys': 2)
+    # FP4 only: outlier slots per value vector, 0 or 2 (as many as the keys'); None: the default, 0
     fp4_value_slots: int | None = None
 
     def __post_init__(self) -> None:

@@ -39,7 +39,8 @@ from kernels.paged_attention import LOG2E, TilePlan, _fp4_pair_steps
 WARPS = gl.constexpr(4)
 KEYS = gl.constexpr(32)  # keys per warp per step
 BLOCK_N = gl.constexpr(128)  # WARPS x KEYS
-HALF = gl.constexpr(64)
+HEAD_DIM = 128  # the only head size this kernel reads (Qwen2-VL's)
+HALF = gl.constexpr(HEAD_DIM // 2)
 
 
 def _key_decode_ptx() -> str:
@@ -361,6 +362,17 @@ def _fp4_decode_kernel(
         gl.store(out_ptr + o_off + HALF, (o_hi * inv).to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
+def engine_can_use(group: int, head_dim: int, key_slots: int, value_slots: int, compute_dtype: torch.dtype,
+                   device) -> bool:
+    """Whether an engine's FP4 decode steps will run this kernel (supported() for its calls), so
+    that its plans take this kernel's split count. DOCPROC_FP4_GLUON=0 turns it off."""
+    device = torch.device(device)
+    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+            and os.environ.get("DOCPROC_FP4_GLUON", "1") != "0"
+            and torch.cuda.get_device_capability(device)[0] >= 8 and compute_dtype in (torch.bfloat16, torch.float16)
+            and head_dim == HEAD_DIM and group <= 8 and key_slots in (0, 2) and value_slots == 0)
+
+
 def supported(q: torch.Tensor, plan: TilePlan, fp4_k: tuple, fp4_v: tuple) -> str | None:
     """None if this kernel can run the call, else why not."""
     if q.device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -369,8 +381,8 @@ def supported(q: torch.Tensor, plan: TilePlan, fp4_k: tuple, fp4_v: tuple) -> st
         return "needs sm_80 or newer (bf16 mma)"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return "q must be bf16 or fp16"
-    if q.shape[-1] != 2 * HALF:
-        return f"head_dim must be {2 * HALF}"
+    if q.shape[-1] != HEAD_DIM:
+        return f"head_dim must be {HEAD_DIM}"
     kc, ks, ki, kv, _ = fp4_k
     if plan.tokens_per_tile != 1 or plan.block_m != 16 or q.shape[1] // kc.shape[2] > 8:
         return "decode tiles only (one query token, GQA group <= 8)"

@@ -51,6 +51,11 @@ GEOMETRIES = {
                                  num_attention_heads=2, num_key_value_heads=1, mrope_section=[4, 6, 6],
                                  rope_theta=10000.0, max_position_embeddings=4096),
                        vision=dict(depth=2, embed_dim=32, num_heads=2, mlp_ratio=2)),  # tiny's trunk shape
+    # head_dim 128 and GQA 2 at toy width: the shapes the Gluon FP4 decode kernel takes (GPU tests)
+    "tiny-hd128": dict(text=dict(vocab_size=384, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=1, mrope_section=[16, 24, 24],
+                                 rope_theta=10000.0, max_position_embeddings=4096),
+                       vision=dict(depth=2, embed_dim=32, num_heads=2, mlp_ratio=2)),
     "2b": dict(text=dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                          num_attention_heads=12, num_key_value_heads=2, mrope_section=[16, 24, 24],
                          rope_theta=1000000.0, max_position_embeddings=32768),

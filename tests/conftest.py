@@ -32,6 +32,14 @@ def qwen2_vl_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def qwen2_vl_hd128_dir(tmp_path_factory):
+    from random_models import make_model
+
+    # head_dim 128, GQA 2: the shapes the Gluon FP4 decode kernel takes
+    return make_model(tmp_path_factory.mktemp("qwen2_vl_hd128"), "qwen2_vl", naming="new", geometry="tiny-hd128")
+
+
+@pytest.fixture(scope="session")
 def qwen2_5_vl_dir(tmp_path_factory):
     from random_models import make_model
 

@@ -275,13 +275,13 @@ def test_fp4_value_slots_are_part_of_the_fingerprint(docs, qwen2_vl_dir, tmp_pat
     out = tmp_path / "out"
     base = ("run", docs, "--out", out, "--model", qwen2_vl_dir, "--device", "cpu", "-q", "--kv-cache", "fp4")
     assert run_cli(*base).exit_code == 0
-    assert run_cli(*base, "--fp4-value-slots", "2").exit_code == 0  # the default, spelled out: nothing redone
+    assert run_cli(*base, "--fp4-value-slots", "0").exit_code == 0  # the default, spelled out: nothing redone
     assert manifest(out)["totals"]["already_done"] == 5
-    res = run_cli(*base, "--fp4-value-slots", "0")
+    res = run_cli(*base, "--fp4-value-slots", "2")
     assert res.exit_code == 0, res.output
     m = manifest(out)
     assert m["totals"]["already_done"] == 0 and m["totals"]["documents"] == 5  # other KV contents: redone
-    assert m["settings"]["fp4_value_slots"] == 0
+    assert m["settings"]["fp4_value_slots"] == 2
 
 
 def test_consoles_are_wide_when_the_output_is_not_a_terminal(monkeypatch):

@@ -84,8 +84,8 @@ def test_fp4_reads_are_the_same_in_chunked_prefill_and_decode(qwen2_vl_dir):
 
 
 def test_fp4_without_value_slots_saves_their_bytes_and_reports_it(qwen2_vl_dir):
-    """fp4_value_slots=0: the value vectors keep no outlier slots (3 bytes a slot), the keys keep
-    theirs; the engine sizes its pool from the smaller pages, reports the setting, and decodes
+    """fp4_value_slots=0 (the default since the twentieth session): the value vectors keep no
+    outlier slots (3 bytes a slot), the keys keep theirs; the engine sizes its pool from the smaller pages, reports the setting, and decodes
     the same way in chunked and whole prefills; a count the kernel cannot read is refused."""
     llm = LLM(str(qwen2_vl_dir), device="cpu", kv_cache_dtype="fp4", fp4_value_slots=0,
               enable_prefix_caching=False)
@@ -100,7 +100,9 @@ def test_fp4_without_value_slots_saves_their_bytes_and_reports_it(qwen2_vl_dir):
                   max_num_batched_tokens=16, enable_prefix_caching=False)
     assert [o.outputs[0].token_ids for o in llm.generate(reqs(), sp)] == \
         [o.outputs[0].token_ids for o in chunked.generate(reqs(), sp)]
-    assert LLM(str(qwen2_vl_dir), device="cpu", kv_cache_dtype="fp4").cache_info()["fp4_value_slots"] == 2
+    assert LLM(str(qwen2_vl_dir), device="cpu", kv_cache_dtype="fp4").cache_info()["fp4_value_slots"] == 0  # default
+    assert LLM(str(qwen2_vl_dir), device="cpu", kv_cache_dtype="fp4",
+               fp4_value_slots=2).runner.kv_cache.layers[0].v["oval"].shape[-1] == 2
     with pytest.raises(ValueError, match="fp4_value_slots"):
         LLM(str(qwen2_vl_dir), device="cpu", kv_cache_dtype="fp4", fp4_value_slots=1)
 

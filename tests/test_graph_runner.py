@@ -148,6 +148,34 @@ def test_cuda_graph_steps_match_eager_steps(qwen2_vl_dir, kv):
 
 
 @pytest.mark.gpu
+def test_fp4_gluon_decode_in_cuda_graphs_matches_eager_steps(qwen2_vl_hd128_dir):
+    """head_dim 128 with bf16 compute and FP4 KV (no value slots, the default): decode steps run
+    the Gluon kernel (kernels/fp4_gluon.py) with its own split count (plan_tiles' fp4_gluon, the
+    graph keys'), warmed up at engine start; captured graphs give the eager steps' tokens."""
+    from kernels import fp4_gluon
+
+    calls = []
+    real = fp4_gluon.launch
+    fp4_gluon.launch = lambda *a, **k: (calls.append(a[4].num_splits), real(*a, **k))
+    try:
+        outs = {}
+        for eager in (True, False):
+            llm = LLM(str(qwen2_vl_hd128_dir), device="cuda", dtype="bfloat16", kv_cache_dtype="fp4",
+                      enforce_eager=eager, kv_cache_memory_bytes=64 << 20)
+            assert llm.runner.backend.fp4_gluon and llm.cache_info()["fp4_value_slots"] == 0
+            calls.clear()
+            outs[eager] = [o.outputs[0].token_ids for o in llm.generate(reqs(), SamplingParams(max_tokens=24,
+                                                                                               ignore_eos=True))]
+            if eager:
+                assert len(calls) >= 23 * 2  # every decode step, both layers
+            else:
+                assert llm.runner.graphs.graphs and llm.runner.graphs.num_replays >= 23
+        assert outs[True] == outs[False]
+    finally:
+        fp4_gluon.launch = real
+
+
+@pytest.mark.gpu
 def test_cuda_graph_speculation_matches_eager_plain_decoding(qwen2_vl_dir):
     plain = LLM(str(qwen2_vl_dir), device="cuda", dtype="float32", enforce_eager=True, kv_cache_memory_bytes=64 << 20)
     want = [o.outputs[0].token_ids for o in plain.generate(reqs(), SamplingParams(max_tokens=24, ignore_eos=True))]

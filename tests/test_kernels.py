@@ -188,6 +188,11 @@ def test_wide_decode_rule():
     assert wide.dense_block_n == 128 and wide.num_splits == 32
     fp4_plan = plan_tiles(q1, [16384, 9000], [[0], [0]], 7, "cpu", num_kv_heads=4)
     assert fp4_plan.dense_block_n is None and fp4_plan.num_splits == default_num_splits(2, 16384, 132, 4)
+    # the Gluon FP4 decode: the wide shape's split count (about 2 programs an SM), no dense keys per step
+    gluon = plan_tiles(q1, [16384, 9000], [[0], [0]], 7, "cpu", num_kv_heads=4, fp4_gluon=True)
+    assert gluon.dense_block_n is None and gluon.num_splits == default_num_splits(2, 16384, 132, 4, wide=True) == 32
+    window = plan_tiles([0, 3, 6], [16384, 9000], [[0], [0]], 7, "cpu", num_kv_heads=4, fp4_gluon=True)
+    assert window.num_splits == plan_tiles([0, 3, 6], [16384, 9000], [[0], [0]], 7, "cpu", num_kv_heads=4).num_splits
     short = plan_tiles(q1, [1000, 900], [[0], [0]], 7, "cpu", num_kv_heads=4, dense=True)
     assert short.dense_block_n is None
     many = plan_tiles(list(range(17)), [2048] * 16, [[0]] * 16, 7, "cpu", num_kv_heads=4, dense=True)

@@ -78,6 +78,7 @@ class GraphRunner:
         self.num_kv_heads = backend.num_kv_heads
         self.num_sms = backend.num_sms
         self.wide_decode = backend.wide_decode
+        self.fp4_gluon = backend.fp4_gluon
         self.block_size = runner.block_size
         self.batches = tuple(b for b in BATCH_BUCKETS if b <= max(max_batch, 1))
         if self.batches[-1] < max_batch:
@@ -124,7 +125,8 @@ class GraphRunner:
         tokens, _ = tile_shape(qb, self.group)
         tiles, ctx = b * -(-qb // tokens), max(c.end for c in chunks)
         wide = self.wide_decode and dense_wide_decode(tiles, qb, ctx, self.num_kv_heads)
-        return b, qb, default_num_splits(tiles, ctx, self.num_sms, self.num_kv_heads, wide=wide), wide
+        gluon = self.fp4_gluon and qb == 1  # the Gluon FP4 decode's split count (plan_tiles' fp4_gluon)
+        return b, qb, default_num_splits(tiles, ctx, self.num_sms, self.num_kv_heads, wide=wide or gluon), wide
 
     # ---- per step ----------------------------------------------------------------------------
     def _layout(self, key):

@@ -33,6 +33,12 @@ CONFIG_CACHE = "config_cache.json"
 CONFIG_CACHE_ENTRIES = 16
 
 
+# Bumped when what config_fingerprint computes changes without a setting changing, so that cached
+# entries (runs/config_cache.json) made under the old rules are not reused: 2 = the FP4 value slot
+# default went from 2 to 0 (twentieth session).
+FINGERPRINT_RULES = 2
+
+
 @dataclass
 class RunSettings:
     inputs: list[str]
@@ -55,7 +61,7 @@ class RunSettings:
     draft_vision: str = "auto"
     anchor_text: bool = False  # put each PDF page's text layer (with coordinates) in the prompt
     enforce_eager: bool = False  # no CUDA graphs (debugging, profiling)
-    fp4_value_slots: int | None = None  # FP4 KV: outlier slots per value vector (0, or 2 as the keys)
+    fp4_value_slots: int | None = None  # FP4 KV: outlier slots per value vector (0, the default, or 2 as the keys)
 
     def __post_init__(self) -> None:
         bad = set(self.formats) - {"json", "parquet"}
@@ -165,7 +171,8 @@ class Pipeline:
                                   for f in root.rglob("*") if f.is_file() for st in [f.stat()])
         settings = {k: v for k, v in asdict(self.s).items() if k not in ("inputs", "out", "force", "formats")}
         payload = {"files": stamps, "settings": settings, "queries": self.queries.fingerprint,
-                   "prompt": PROMPT_VERSION, "docproc": __version__, "cuda": torch.cuda.is_available()}
+                   "prompt": PROMPT_VERSION, "docproc": __version__, "cuda": torch.cuda.is_available(),
+                   "rules": FINGERPRINT_RULES}
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
     def _config_cache_path(self) -> Path:
@@ -245,7 +252,9 @@ class Pipeline:
                    "dtype": info["dtype"], "max_image_tokens": self.s.max_image_tokens, "prompt": PROMPT_VERSION}
         if self.s.anchor_text:  # only when on: runs without it keep their fingerprints
             payload["anchor_text"] = True
-        if info["kv_cache_dtype"] == "fp4" and info["fp4_value_slots"] != 2:  # likewise, off the default
+        if info["kv_cache_dtype"] == "fp4":
+            # always: the default changed from 2 to 0 (twentieth session), and a run made with 2 by
+            # default carried no entry, so an entry-less fingerprint must not match either
             payload["fp4_value_slots"] = info["fp4_value_slots"]
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
