@@ -792,8 +792,8 @@ def main() -> None:
             result[f"{p}_error"] = f"{type(e).__name__}: {e}"
             traceback.print_exc()
         result[f"{p}_seconds"] = round(time.perf_counter() - t0, 1)
-        Path(a.json).write_text(json.dumps(result, indent=1))
-        print(json.dumps({k: v for k, v in result.items() if k.startswith(p)}), flush=True)
+        Path(a.json).write_text(json.dumps(result, indent=1, default=str))
+        print(json.dumps({k: v for k, v in result.items() if k.startswith(p)}, default=str), flush=True)
 
 
 if __name__ == "__main__":

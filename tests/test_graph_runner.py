@@ -34,17 +34,19 @@ def test_graph_keys_take_the_eager_plans_split_count_and_decode_shape():
     from kernels.paged_attention import plan_tiles
 
     class Runner:  # what GraphRunner reads of a ModelRunner
-        def __init__(self, wide):
+        def __init__(self, wide, gluon):
             self.device = torch.device("cpu")
             self.block_size = 16
-            self.backend = SimpleNamespace(num_heads=28, num_kv_heads=4, num_sms=132, wide_decode=wide)
+            self.backend = SimpleNamespace(num_heads=28, num_kv_heads=4, num_sms=132, wide_decode=wide,
+                                           fp4_gluon=gluon)
 
     def chunks(ends):
         return [SimpleNamespace(start=e - 1, end=e, seq=SimpleNamespace(block_table=[0] * (-(-e // 16))))
                 for e in ends]
 
-    for wide in (True, False):
-        runner = Runner(wide)
+    # the dense backend (wide), the FP4 backend with the Triton kernel, and with the Gluon decode
+    for wide, gluon in ((True, False), (False, False), (False, True)):
+        runner = Runner(wide, gluon)
         g = GraphRunner(runner, max_batch=16, max_len=40000, capture=False)
         for ends in ([16384], [5000, 9000], [3000], [1000], [1024] * 2, [16384] * 4, [16384] * 5, [4096] * 3,
                      [2048] * 9):
@@ -52,7 +54,7 @@ def test_graph_keys_take_the_eager_plans_split_count_and_decode_shape():
             # the eager plan at the graph's (padded) batch, as the dense or the FP4 backend makes it
             b = key[0]
             plan = plan_tiles(list(range(b + 1)), (ends + [1] * b)[:b], [[0]] * b, 7, "cpu", num_kv_heads=4,
-                              dense=wide)
+                              dense=wide, fp4_gluon=gluon)
             assert key[2] == plan.num_splits and key[3] == (plan.dense_block_n is not None), (wide, ends, key)
             assert key[3] == (wide and max(ends) >= 1024 and b <= 8), (wide, ends, key)
 
@@ -157,6 +159,9 @@ def test_fp4_gluon_decode_in_cuda_graphs_matches_eager_steps(qwen2_vl_hd128_dir)
     calls = []
     real = fp4_gluon.launch
     fp4_gluon.launch = lambda *a, **k: (calls.append(a[4].num_splits), real(*a, **k))
+    # four requests: a batch the graphs hold without padding rows, so that the bf16 GEMMs of the
+    # eager and the captured steps have the same shapes (and sums)
+    four = reqs() + [{"prompt": "<|im_start|>user\njumps over the lazy dog"}]
     try:
         outs = {}
         for eager in (True, False):
@@ -164,13 +169,13 @@ def test_fp4_gluon_decode_in_cuda_graphs_matches_eager_steps(qwen2_vl_hd128_dir)
                       enforce_eager=eager, kv_cache_memory_bytes=64 << 20)
             assert llm.runner.backend.fp4_gluon and llm.cache_info()["fp4_value_slots"] == 0
             calls.clear()
-            outs[eager] = [o.outputs[0].token_ids for o in llm.generate(reqs(), SamplingParams(max_tokens=24,
-                                                                                               ignore_eos=True))]
+            outs[eager] = [o.outputs[0].token_ids for o in llm.generate(four, SamplingParams(max_tokens=24,
+                                                                                             ignore_eos=True))]
             if eager:
                 assert len(calls) >= 23 * 2  # every decode step, both layers
             else:
                 assert llm.runner.graphs.graphs and llm.runner.graphs.num_replays >= 23
-        assert outs[True] == outs[False]
+        assert outs[True] == outs[False], outs
     finally:
         fp4_gluon.launch = real
 

@@ -78,7 +78,7 @@ class GraphRunner:
         self.num_kv_heads = backend.num_kv_heads
         self.num_sms = backend.num_sms
         self.wide_decode = backend.wide_decode
-        self.fp4_gluon = backend.fp4_gluon
+        self.fp4_gluon = getattr(backend, "fp4_gluon", False)
         self.block_size = runner.block_size
         self.batches = tuple(b for b in BATCH_BUCKETS if b <= max(max_batch, 1))
         if self.batches[-1] < max_batch:

@@ -54,7 +54,8 @@ class CompileWatch:
             with self._lock:
                 t0 = self._started.pop(_key(kwargs), now)
                 fn = kwargs.get("fn")
-                name = getattr(fn, "name", None) or str(kwargs.get("repr", "?")).split("[", 1)[0]
+                # str(): a Gluon kernel's name reaches here as a Triton constexpr
+                name = str(getattr(fn, "name", None) or str(kwargs.get("repr", "?")).split("[", 1)[0])
                 self.records.append(CompileRecord(name, now - t0))
             return after(*args, **kwargs) if after else None
 
