@@ -27,6 +27,7 @@ Triton kernel; tests/test_fp4_gluon.py (CUDA only: Gluon has no interpreter).
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 import triton
@@ -406,7 +407,7 @@ def launch(q: torch.Tensor, out: torch.Tensor, part_acc: torch.Tensor, part_ml: 
     group = q.shape[1] // n_kv
     n_tiles = plan.tile_seq.numel()
     splits = plan.num_splits
-    _fp4_decode_kernel[(n_tiles, n_kv, splits)](
+    _without_jit_hooks(lambda: _fp4_decode_kernel[(n_tiles, n_kv, splits)](
         q, out, part_acc, part_ml,
         plan.tile_seq, plan.tile_tok, plan.tile_pos, plan.block_table,
         kc, ks, ki, kv, vc, vs, khs, vhs,
@@ -415,4 +416,36 @@ def launch(q: torch.Tensor, out: torch.Tensor, part_acc: torch.Tensor, part_ml: 
         *kc.stride()[:3], *ks.stride()[:3], *ki.stride()[:3], *kv.stride()[:3],
         GROUP=group, SPLIT=splits > 1, BS_LOG2=kc.shape[1].bit_length() - 1, NUM_OUTLIERS=ki.shape[-1],
         num_warps=WARPS,
-    )
+    ))
+
+
+# Called with (kernel name, seconds) when a launch compiled (or loaded) a variant of this kernel:
+# docproc.engine.jit_watch listens, as it does to Triton's hooks for the other kernels.
+COMPILE_LISTENERS: list = []
+
+
+def _without_jit_hooks(run) -> None:
+    """Run a launch with Triton's JIT hooks unset: Triton 3.6 serializes a kernel's constants to JSON
+    before it calls them, which fails for a Gluon kernel's (a constexpr), so a hook installed by
+    the engine (docproc.engine.jit_watch) made the first launch raise TypeError. A compile is
+    reported to COMPILE_LISTENERS instead."""
+    rt = triton.knobs.runtime
+    hooks = (getattr(rt, "jit_cache_hook", None), getattr(rt, "jit_post_compile_hook", None))
+    if hooks == (None, None):
+        run()
+        return
+    before = _variants()
+    t0 = time.perf_counter()
+    rt.jit_cache_hook = rt.jit_post_compile_hook = None
+    try:
+        run()
+    finally:
+        rt.jit_cache_hook, rt.jit_post_compile_hook = hooks
+    if _variants() > before:
+        for listener in COMPILE_LISTENERS:
+            listener("_fp4_decode_kernel", time.perf_counter() - t0)
+
+
+def _variants() -> int:
+    """Compiled variants of the kernel, on every device."""
+    return sum(len(c[0]) for c in getattr(_fp4_decode_kernel, "device_caches", {}).values())

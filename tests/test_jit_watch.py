@@ -36,3 +36,31 @@ def test_an_earlier_hook_that_skips_a_compile_still_skips_it(monkeypatch):
     watch = CompileWatch()
     watch.install()
     assert knobs.runtime.jit_cache_hook(key="k", fn=None, repr="x[...]") is True
+
+
+def test_gluon_launches_run_without_the_hooks_and_report_their_compiles(monkeypatch):
+    """Triton 3.6 serializes a kernel's constants to JSON before calling these hooks, which fails
+    for the Gluon FP4 kernel's: its launches run with the hooks unset (and restored after), and a
+    launch that compiled a variant is reported to the watch through the kernel module's listeners."""
+    from kernels import fp4_gluon
+
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    monkeypatch.setattr(fp4_gluon, "COMPILE_LISTENERS", [])
+    watch = CompileWatch()
+    assert watch.install() and fp4_gluon.COMPILE_LISTENERS == [watch._record]
+    hooks = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
+    variants = [3]
+    monkeypatch.setattr(fp4_gluon, "_variants", lambda: variants[0])
+    seen = []
+
+    def launch(compiles):
+        seen.append((knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook))
+        variants[0] += compiles
+
+    mark = watch.mark()
+    fp4_gluon._without_jit_hooks(lambda: launch(1))  # compiled a variant
+    fp4_gluon._without_jit_hooks(lambda: launch(0))  # cached
+    assert seen == [(None, None)] * 2
+    assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == hooks
+    assert [r.kernel for r in watch.since(mark)] == ["_fp4_decode_kernel"]
