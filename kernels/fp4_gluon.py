@@ -35,7 +35,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from kernels.paged_attention import LOG2E, TilePlan, _fp4_pair_steps
+from kernels.paged_attention import LOG2E, UNSPECIALIZED, TilePlan, _fp4_pair_steps
 
 WARPS = gl.constexpr(4)
 KEYS = gl.constexpr(32)  # keys per warp per step
@@ -211,7 +211,7 @@ def _bytes(words, axis: gl.constexpr, layout: gl.constexpr):
     return ((gl.expand_dims(words, axis) >> (b * 8)) & 0xFF).to(gl.uint8)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=UNSPECIALIZED)  # as the Triton kernels: a warm-up at one table width covers all
 def _fp4_decode_kernel(
     q_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     tile_seq_ptr, tile_tok_ptr, tile_pos_ptr, table_ptr,
