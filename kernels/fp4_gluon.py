@@ -7,22 +7,27 @@ instructions per 128-key tile, a third of the issue rate; BENCHMARKS, nineteenth
 layouts are chosen so that no decoded value leaves its thread:
 
 - Each of the 4 warps owns 32 of each step's 128 keys and keeps its own online softmax (max, sum,
-  output); the warps are merged once, at the end. So S = q K^T, P and P V stay inside a warp, and
-  P goes from the scores' accumulator registers to the A operand of P V without moving.
+  output); the warps are merged once, at the end. So S = q K^T, P and the output stay inside a
+  warp.
 - Keys: the B operand of m16n8k16 gives lane (g, c) = (lane / 4, lane % 4) key g of each 8-key
   block and k-indices 16 i + 8 h + 2 c + p. A dot product does not care about the order of its
   dims, so logical k is mapped to code byte 16 c + 4 i + 2 h + p (and q is loaded in the same
   order): each lane's k-indices are then 16 consecutive code bytes of its key (one 16-byte load),
   and one E4M3 group (16 dims) per half, so the group scale rides on the decode's bf16x2 FMA.
-- Values: the B operand of P V is (keys, dims): lane (g, c) holds keys 2 c + p + 8 h + 16 i and
-  columns 8 j + g. Output columns may be permuted too, so column 8 j + g is code byte 8 g + j: 8
-  consecutive bytes of each of its keys (8-byte loads). The bf16x2 register pairs two keys (p = 0,
-  1) of one dim; the decode is the same PTX with the two keys' scales as its pair.
-The per-pair decode is kernels/paged_attention.py's FP4_DECODE_PTX (exact: equal to the float32
-decode bit for bit). Outlier slots: see the kernel's docstring.
+- Output: accumulated transposed, O^T = V^T P^T, whose N = 8 is the GQA group (P V would have
+  M = 16, 8 rows of padding). P^T's B operand holds exactly the registers of the scores' top rows.
+  V^T's A operand gives lane (g, c) dims 8 j + g and keys 2 c + p + 8 h + 16 i; output rows (dims)
+  may be permuted too, so logical dim 8 j + g is code byte 8 g + j: 8 consecutive bytes of each of
+  its keys (8-byte loads). A bf16x2 register pairs two keys (p = 0, 1) of one dim: a PRMT pairs
+  their bytes and the decode takes the two keys' scales as its pair.
+- The next step's code words, scale bytes and key slots are loaded before this step's arithmetic.
+The per-pair decode is kernels/paged_attention.py's (_fp4_pair_steps: exact, equal to the float32
+decode bit for bit). Key outlier slots: a gather of q; value slots are not read (the kernel's
+docstring says why not and who reads them). Measurements: BENCHMARKS.md, twentieth session.
 
 Torch reference: kernels/paged_attention.paged_attention_ref over FP4PagedLayer.gather, as for the
-Triton kernel; tests/test_fp4_gluon.py (CUDA only: Gluon has no interpreter).
+Triton kernel; tests/test_kernels.py (test_fp4_gluon_*: CUDA only, Gluon has no interpreter; the
+compiled form's SASS is checked without a GPU).
 """
 from __future__ import annotations
 
@@ -73,8 +78,6 @@ A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_wid
 B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=2))
 # key codes as (warp, c, byte of c's 16, key): lane = c + 4 g, 16 bytes a register run; loaded (and
 # carried to the next step) as 32-bit words (warp, c, word, key), taken apart as (.., word, byte, ..)
-K_CODES = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 16, 1], threads_per_warp=[1, 4, 1, 8],
-                                        warps_per_cta=[4, 1, 1, 1], order=[2, 1, 3, 0]))
 K_BYTES = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 4, 4, 1], threads_per_warp=[1, 4, 1, 1, 8],
                                         warps_per_cta=[4, 1, 1, 1, 1], order=[3, 2, 1, 4, 0]))
 K_WORDS = gl.constexpr(gl.SliceLayout(3, K_BYTES))
@@ -199,18 +202,6 @@ def _fetch(n0, stop, table_ptr, seq, s_table, kvh, kc_ptr, ks_ptr, ki_ptr, kv_pt
     return kw, ke_lo, ke_hi, vw, ve_lo, ve_hi, oidx, oval
 
 
-@gluon.jit
-def _bytes(words, axis: gl.constexpr, layout: gl.constexpr):
-    """32-bit words -> their 4 bytes (uint8), as a new dim inserted at `axis` of `layout`."""
-    b = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
-        4 if axis == 3 else 3, layout)))))
-    if axis == 3:
-        b = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(b, 0), 1), 2), 4)
-    else:
-        b = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(b, 0), 1), 2), 3)
-    return ((gl.expand_dims(words, axis) >> (b * 8)) & 0xFF).to(gl.uint8)
-
-
 @gluon.jit(do_not_specialize=UNSPECIALIZED)  # as the Triton kernels: a warm-up at one table width covers all
 def _fp4_decode_kernel(
     q_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
@@ -228,7 +219,8 @@ def _fp4_decode_kernel(
     The next step's bytes are loaded before this step's arithmetic (software pipelining).
     Key outlier slots (NUM_OUTLIERS 0 or 2; their codes are 0): each adds q[row, channel] x value
     to its key's scores, a gather of q per (row, key, slot). Value slots: none (the caller checks;
-    the Triton kernel reads caches with them)."""
+    the Triton kernel reads caches with them). A value slot's element belongs to one lane and is one
+    of its 16 dims, so patching it into the operand registers would cost a select per element."""
     tile = gl.program_id(0)
     kvh = gl.program_id(1)
     split = gl.program_id(2)

@@ -2,7 +2,9 @@
 speculative verification (1-16 query tokens, causal inside the window) and prefill chunks (a
 chunk over its cached prefix plus itself), reading a bf16/fp16/fp32 cache (`_paged_attn_kernel`)
 or an FP4 cache (`_paged_attn_fp4_kernel`: the kernels/fp4.py format, decoded in registers). Both
-share the tiling, the key splits, the partials and the merge kernel.
+share the tiling, the key splits, the partials and the merge kernel. FP4 decode steps on CUDA go to
+the Gluon kernel of kernels/fp4_gluon.py where it can run them (paged_attention's fp4_gluon); it
+writes the same partials.
 
 Work is split into tiles of (sequence, a run of its query tokens) x KV head: a tile's rows are
 (query token, query head of the KV head's group), so each KV block is read once for the whole GQA
