@@ -28,16 +28,21 @@ def reqs():
 def test_fp4_pool_holds_3_2x_the_tokens_of_bf16_at_head_dim_128():
     budget = 64 << 20
     dense = KVCache(DenseAttention(28, 4, 128, 1.0, torch.device("cpu"), torch.bfloat16, torch.bfloat16), 2, 16, "bf16")
+    # the default (keys with 2 outlier slots, values without) and value slots as well
     fp4 = KVCache(FP4Attention(28, 4, 128, 1.0, torch.device("cpu"), torch.bfloat16), 2, 16, "fp4")
-    for c in (dense, fp4):
+    fp4_vs = KVCache(FP4Attention(28, 4, 128, 1.0, torch.device("cpu"), torch.bfloat16, num_value_outliers=2), 2,
+                     16, "fp4")
+    for c in (dense, fp4, fp4_vs):
         c.allocate(c.num_blocks_for_bytes(budget))
     per_layer = fp4.bytes_per_token / fp4.num_layers
-    assert per_layer == 2 * 4 * bytes_per_token_head(128) == 624
-    assert per_layer / (dense.bytes_per_token / dense.num_layers) <= 0.31
-    # measured from the allocated pools: bytes per token, and tokens admitted at one budget
-    assert fp4.allocated_bytes / (fp4.num_blocks * 16) == fp4.bytes_per_token
-    assert dense.allocated_bytes <= budget and fp4.allocated_bytes <= budget
-    assert fp4.num_blocks / dense.num_blocks >= 3.2
+    assert per_layer == 4 * (bytes_per_token_head(128) + bytes_per_token_head(128, 0)) == 4 * (78 + 72)
+    assert fp4_vs.bytes_per_token / fp4_vs.num_layers == 2 * 4 * bytes_per_token_head(128) == 624
+    for c in (fp4, fp4_vs):
+        assert c.bytes_per_token / dense.bytes_per_token <= 0.31  # 0.293 and 0.305
+        # measured from the allocated pools: bytes per token, and tokens admitted at one budget
+        assert c.allocated_bytes / (c.num_blocks * 16) == c.bytes_per_token
+        assert dense.allocated_bytes <= budget and c.allocated_bytes <= budget
+        assert c.num_blocks / dense.num_blocks >= 3.2
 
 
 def test_fp4_engine_generates_and_reports_its_format(qwen2_vl_dir):
@@ -45,8 +50,8 @@ def test_fp4_engine_generates_and_reports_its_format(qwen2_vl_dir):
     info = llm.cache_info()
     cfg = llm.runner.text_config
     assert info["kv_cache_dtype"] == "fp4"
-    assert info["bytes_per_token"] == cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * bytes_per_token_head(
-        cfg.head_dim)
+    assert info["bytes_per_token"] == cfg.num_hidden_layers * cfg.num_key_value_heads * (
+        bytes_per_token_head(cfg.head_dim) + bytes_per_token_head(cfg.head_dim, 0))  # no value slots (default)
     outs = llm.generate(reqs(), SamplingParams(max_tokens=16, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
     assert outs[2].metrics.num_cached_tokens > 0  # prefix caching works over FP4 pages too
