@@ -49,7 +49,7 @@ def test_fp4_engine_generates_and_reports_its_format(qwen2_vl_dir):
     llm = LLM(str(qwen2_vl_dir), device="cpu", kv_cache_dtype="fp4")
     info = llm.cache_info()
     cfg = llm.runner.text_config
-    assert info["kv_cache_dtype"] == "fp4"
+    assert info["kv_cache_dtype"] == "fp4" and info["decode_attention"] == "torch"  # the reference on CPU
     assert info["bytes_per_token"] == cfg.num_hidden_layers * cfg.num_key_value_heads * (
         bytes_per_token_head(cfg.head_dim) + bytes_per_token_head(cfg.head_dim, 0))  # no value slots (default)
     outs = llm.generate(reqs(), SamplingParams(max_tokens=16, ignore_eos=True))

@@ -202,6 +202,10 @@ class LLM:
         return {
             "kv_cache_dtype": kv.dtype_name,
             "fp4_value_slots": getattr(self.runner.backend, "num_value_outliers", None),
+            # what runs decode attention: "gluon" (kernels/fp4_gluon.py: FP4 on CUDA where it can),
+            # "triton" (kernels/paged_attention.py) or "torch" (the reference, on CPU)
+            "decode_attention": ("gluon" if getattr(self.runner.backend, "fp4_gluon", False) else "triton")
+                                if self.runner.backend.use_triton else "torch",
             "block_size": kv.block_size,
             "num_blocks": self.runner.num_usable_blocks,
             "num_reserved_blocks": self.runner.num_reserved_blocks,
