@@ -390,9 +390,12 @@ def supported(q: torch.Tensor, plan: TilePlan, fp4_k: tuple, fp4_v: tuple) -> st
 
 
 def launch(q: torch.Tensor, out: torch.Tensor, part_acc: torch.Tensor, part_ml: torch.Tensor, plan: TilePlan,
-           scale: float, fp4_k: tuple, fp4_v: tuple) -> None:
+           scale: float, fp4_k: tuple, fp4_v: tuple, maxnreg: int | None = None) -> None:
     """The split kernel (or the whole attention, unsplit); kernels/paged_attention.paged_attention
-    owns the partial buffers and the merge."""
+    owns the partial buffers and the merge. maxnreg: a register cap (None: the compiler's 255 with
+    key slots, 229 without, so 2 programs an SM). Compiled for sm_90 (Triton 3.6): a cap of 168
+    (3 programs an SM) costs 227 spill instructions a step with key slots (1,756 in the loop against
+    1,529) and 45 without (1,305 against 1,180); not timed yet (bench_kernels --gluon's _r168 rows)."""
     kc, ks, ki, kv, khs = fp4_k
     vc, vs, _, _, vhs = fp4_v
     n_kv = kc.shape[2]
@@ -407,7 +410,7 @@ def launch(q: torch.Tensor, out: torch.Tensor, part_acc: torch.Tensor, part_ml: 
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), plan.block_table.stride(0),
         *kc.stride()[:3], *ks.stride()[:3], *ki.stride()[:3], *kv.stride()[:3],
         GROUP=group, SPLIT=splits > 1, BS_LOG2=kc.shape[1].bit_length() - 1, NUM_OUTLIERS=ki.shape[-1],
-        num_warps=WARPS,
+        num_warps=WARPS, **({"maxnreg": maxnreg} if maxnreg else {}),
     ))
 
 

@@ -834,7 +834,8 @@ def paged_attention(
     # Triton 3.6 does not compile the word decode there, see the assert below).
     # the Gluon kernel unless the caller names a variant of the Triton one
     triton_variant = (block_n is not None or fp4_ptx_decode is not None or fp4_keys_as_rows is not None
-                      or fp4_transposed or fp4_k_outlier_select or fp4_v_outlier_dot or maxnreg is not None)
+                      or fp4_transposed or fp4_k_outlier_select or fp4_v_outlier_dot
+                      or (maxnreg is not None and not fp4_gluon))  # with fp4_gluon=True: the Gluon kernel's cap
     if is_fp4 and (fp4_gluon or (fp4_gluon is None and not triton_variant
                                  and os.environ.get("DOCPROC_FP4_GLUON", "1") != "0")):
         try:
@@ -844,6 +845,7 @@ def paged_attention(
             why = f"no Gluon in this Triton ({e})"
         assert not (fp4_gluon and why), f"the Gluon FP4 kernel cannot run this call: {why}"
         fp4_gluon = why is None
+    gluon_maxnreg = maxnreg  # the caller's cap for the Gluon kernel (the Triton kernel's default is set below)
     small_tile = plan.block_m <= 16
     if block_n is None:
         block_n = 128 if is_fp4 else (plan.dense_block_n or (32 if small_tile else 64))
@@ -894,7 +896,7 @@ def paged_attention(
     if maxnreg is None and is_fp4:
         maxnreg = default_fp4_maxnreg(small_tile, block_n, num_warps, num_stages, q.device)
     if is_fp4 and fp4_gluon:
-        gluon_kernel.launch(q, out, part_acc, part_ml, plan, scale, fp4_k, fp4_v)
+        gluon_kernel.launch(q, out, part_acc, part_ml, plan, scale, fp4_k, fp4_v, maxnreg=gluon_maxnreg)
     elif is_fp4:
         _paged_attn_fp4_kernel[(n_tiles, n_kv, splits)](
             q, out, part_acc, part_ml,

@@ -254,6 +254,17 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
                 record(f"ours_fp4_gluon_s{n_sp}", lambda: paged_attention(
                     q, plan_x, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, fp4_gluon=True), nv_bytes,
                     {"config": "gluon"}, splits=n_sp)
+            # a register cap of 168 (3 programs an SM instead of 2; spills, see fp4_gluon.launch), at
+            # the engine's split count
+            n_w = default_num_splits(batch, ctx, 132, hkv, wide=True)
+            plan_w = plan_tiles(list(range(batch + 1)), [ctx] * batch, tables, hq // hkv, "cuda", num_splits=n_w,
+                                num_kv_heads=hkv)
+            record("ours_fp4_gluon_r168", lambda: paged_attention(
+                q, plan_w, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, fp4_gluon=True, maxnreg=168),
+                nv_bytes, {"config": "gluon, maxnreg 168"}, splits=n_w)
+            record("ours_fp4_gluon_no_outliers_r168", lambda: paged_attention(
+                q, plan_w, d ** -0.5, fp4_k=fk0, fp4_v=fv0, fp4_gluon=True, maxnreg=168), n0_bytes,
+                {"config": "gluon, maxnreg 168"}, splits=n_w)
             record("ours_fp4_triton_no_value_outliers", lambda: paged_attention(
                 q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, fp4_gluon=False, **cfg4), nv_bytes,
                 {"config": cfg4})

@@ -442,6 +442,35 @@ def test_fp4_gluon_is_only_taken_where_it_can_run(monkeypatch):
     assert calls == [1]
 
 
+def test_fp4_gluon_dispatch_and_its_register_cap(monkeypatch):
+    """The dispatch, with the kernel's launch stubbed (so it runs on CPU): the default takes it where
+    supported() allows; a named Triton variant does not; fp4_gluon=True with maxnreg passes the
+    caller's cap, and without one passes none (not the Triton kernel's default cap of 128)."""
+    from kernels import fp4_gluon
+
+    heads, kv_heads, d, bs = 4, 2, 64, 4
+    q, qs, tables = make_batch([1, 1], [9, 5], heads, kv_heads, d, bs, 8, seed=14)
+    layer = FP4PagedLayer(8, bs, kv_heads, d, DEV)
+    plan = plan_tiles(qs, [9, 5], tables, heads // kv_heads, DEV, num_splits=1)  # no merge of stubbed partials
+    caps = []
+    monkeypatch.setattr(fp4_gluon, "supported", lambda *a: None)
+    monkeypatch.setattr(fp4_gluon, "launch", lambda *a, maxnreg=None: caps.append(maxnreg))
+    monkeypatch.setattr(pa_module(), "default_fp4_maxnreg", lambda *a: 128)
+    fk, fv = layer.kernel_views("k"), layer.kernel_views("v")
+    paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv)
+    paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv, fp4_gluon=True, maxnreg=168)
+    assert caps == [None, 168]
+    paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv, maxnreg=168)  # a Triton variant: not Gluon
+    paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv, fp4_gluon=False)
+    assert caps == [None, 168]
+
+
+def pa_module():
+    import kernels.paged_attention as pa
+
+    return pa
+
+
 def test_fp4_gluon_kernel_keeps_its_operands_in_registers():
     """The Gluon kernel compiled for sm_90 (no GPU needed; a subprocess, because the interpreter
     that conftest turns on cannot compile Gluon): its key loop has no shared-memory operation
