@@ -355,38 +355,44 @@ def _fp4_decode_kernel(
         gl.store(out_ptr + o_off + HALF, (o_hi * inv).to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
+def _why_not(device, dtype: torch.dtype, head_dim: int, group: int, key_slots: int, value_slots: int) -> str | None:
+    """The conditions that depend on the engine alone (not on a step): None if they hold."""
+    device = torch.device(device)
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "not a CUDA device (Gluon has no interpreter)"
+    if torch.cuda.get_device_capability(device)[0] < 8:
+        return "needs sm_80 or newer (bf16 mma)"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return "q must be bf16 or fp16"
+    if head_dim != HEAD_DIM:
+        return f"head_dim must be {HEAD_DIM}"
+    if group > 8:
+        return "decode tiles only (one query token, GQA group <= 8)"
+    if key_slots not in (0, 2):
+        return "key outlier slots must be 0 or 2"
+    if value_slots != 0:
+        return "value outlier slots are not read by this kernel"
+    return None
+
+
 def engine_can_use(group: int, head_dim: int, key_slots: int, value_slots: int, compute_dtype: torch.dtype,
                    device) -> bool:
     """Whether an engine's FP4 decode steps will run this kernel (supported() for its calls), so
     that its plans take this kernel's split count. DOCPROC_FP4_GLUON=0 turns it off."""
-    device = torch.device(device)
-    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-            and os.environ.get("DOCPROC_FP4_GLUON", "1") != "0"
-            and torch.cuda.get_device_capability(device)[0] >= 8 and compute_dtype in (torch.bfloat16, torch.float16)
-            and head_dim == HEAD_DIM and group <= 8 and key_slots in (0, 2) and value_slots == 0)
+    return (os.environ.get("DOCPROC_FP4_GLUON", "1") != "0"
+            and _why_not(device, compute_dtype, head_dim, group, key_slots, value_slots) is None)
 
 
 def supported(q: torch.Tensor, plan: TilePlan, fp4_k: tuple, fp4_v: tuple) -> str | None:
     """None if this kernel can run the call, else why not."""
-    if q.device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return "not a CUDA device (Gluon has no interpreter)"
-    if torch.cuda.get_device_capability(q.device)[0] < 8:
-        return "needs sm_80 or newer (bf16 mma)"
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return "q must be bf16 or fp16"
-    if q.shape[-1] != HEAD_DIM:
-        return f"head_dim must be {HEAD_DIM}"
-    kc, ks, ki, kv, _ = fp4_k
-    if plan.tokens_per_tile != 1 or plan.block_m != 16 or q.shape[1] // kc.shape[2] > 8:
-        return "decode tiles only (one query token, GQA group <= 8)"
-    if ki.shape[-1] not in (0, 2):
-        return "key outlier slots must be 0 or 2"
-    if fp4_v[2].shape[-1] != 0:
-        return "value outlier slots are not read by this kernel"
+    kc, _, ki, _, _ = fp4_k
+    why = _why_not(q.device, q.dtype, q.shape[-1], q.shape[1] // kc.shape[2], ki.shape[-1], fp4_v[2].shape[-1])
+    if why is None and (plan.tokens_per_tile != 1 or plan.block_m != 16):
+        why = "decode tiles only (one query token, GQA group <= 8)"
     bs = kc.shape[1]
-    if bs & (bs - 1) or any(st % 16 for st in kc.stride()[:3]):
-        return "block size must be a power of two and code rows 16-byte aligned"
-    return None
+    if why is None and (bs & (bs - 1) or any(st % 16 for st in kc.stride()[:3])):
+        why = "block size must be a power of two and code rows 16-byte aligned"
+    return why
 
 
 def launch(q: torch.Tensor, out: torch.Tensor, part_acc: torch.Tensor, part_ml: torch.Tensor, plan: TilePlan,

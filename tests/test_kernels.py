@@ -465,6 +465,30 @@ def test_fp4_gluon_dispatch_and_its_register_cap(monkeypatch):
     assert caps == [None, 168]
 
 
+def test_fp4_gluon_engine_rule_is_the_calls_rule(monkeypatch):
+    """engine_can_use (what an engine plans for) and supported (what a call may run) share one rule:
+    CUDA sm_80+, bf16/fp16, head_dim 128, GQA <= 8, 0 or 2 key slots, no value slots; the env
+    switch turns the engine's choice off. Checked on CPU with the capability stubbed."""
+    from kernels import fp4_gluon
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # conftest's interpreter (CPU) would say no first
+    ok = dict(group=7, head_dim=128, key_slots=2, value_slots=0, compute_dtype=torch.bfloat16, device="cuda")
+    assert fp4_gluon.engine_can_use(**ok)
+    for change, why in ((dict(value_slots=2), "value outlier"), (dict(group=16), "GQA group <= 8"),
+                        (dict(head_dim=64), "head_dim"), (dict(key_slots=4), "key outlier"),
+                        (dict(compute_dtype=torch.float32), "bf16 or fp16"), (dict(device="cpu"), "CUDA")):
+        args = {**ok, **change}
+        assert not fp4_gluon.engine_can_use(**args)
+        assert why in fp4_gluon._why_not(args["device"], args["compute_dtype"], args["head_dim"], args["group"],
+                                         args["key_slots"], args["value_slots"])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
+    assert "sm_80" in fp4_gluon._why_not("cuda", torch.bfloat16, 128, 7, 2, 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setenv("DOCPROC_FP4_GLUON", "0")
+    assert not fp4_gluon.engine_can_use(**ok)
+
+
 def pa_module():
     import kernels.paged_attention as pa
 
