@@ -51,24 +51,52 @@ HALF = gl.constexpr(HEAD_DIM // 2)
 
 def _key_decode_ptx() -> str:
     """pack=4 over (word, its byte b = 0..3): one 32-bit word of key codes ($4; $5-$7 are copies)
-    and the lo and hi groups' scales ($8, $9; $10, $11: bf16 pairs) -> the 4 bytes' low-nibble
-    values ($0, $1) and high-nibble values ($2, $3), bf16 pairs: kernels/paged_attention.py's steps."""
+    and the lo and hi groups' scales as bf16x2 splats ($8, $12; the rest copies) -> the 4 bytes'
+    low-nibble values ($0, $1) and high-nibble values ($2, $3), bf16 pairs: kernels/paged_attention.py's steps."""
     return "\n".join(["{", ".reg .b32 t01, t23, x, y, z;", "mov.b32 z, 0x80008000;"]
-                     + _fp4_pair_steps("$4", ("$8", "$9", "$10", "$11"), ["$0", "$1", "$2", "$3"]) + ["}"])
+                     + _fp4_pair_steps("$4", ("$8", "$8", "$12", "$12"), ["$0", "$1", "$2", "$3"]) + ["}"])
 
 
 def _value_decode_ptx() -> str:
     """pack=4 over (key pair p, byte b, b + 1): the words of keys 2k ($4) and 2k + 1 ($5; $6, $7
     copies), the PRMT selector of byte b ($8 = 0x4400 + 0x1111 b; $9-$11 copies) and the two keys'
-    scales ($12, $13 lo; $14, $15 hi: bf16 pairs) -> pairs (key 2k, key 2k + 1) of byte b's and
-    b + 1's low-nibble values ($0, $1) and high-nibble values ($2, $3). The selector puts byte b of
-    each key in the low byte of one 16-bit lane (the other bytes are masked off by the steps)."""
+    lo scales ($12) and hi scales ($13) as bf16x2 pairs (SCALE_PAIRS; $14, $15 copies) -> pairs
+    (key 2k, key 2k + 1) of byte b's and b + 1's low-nibble values ($0, $1) and high-nibble values
+    ($2, $3). The selector puts byte b of each key in the low byte of one 16-bit lane (the other
+    bytes are masked off by the steps)."""
     lines = ["{", ".reg .b32 t01, t23, x, y, z, s;", "mov.b32 z, 0x80008000;",
              "prmt.b32 t01, $4, $5, $8;", "add.u32 s, $8, 0x1111;", "prmt.b32 t23, $4, $5, s;"]
-    steps = _fp4_pair_steps("$4", ("$12", "$13", "$14", "$15"), ["$0", "$1", "$2", "$3"])[2:]  # t01, t23 made above
+    steps = _fp4_pair_steps("$4", ("$12", "$12", "$13", "$13"), ["$0", "$1", "$2", "$3"])[2:]  # t01, t23 made above
     return "\n".join(lines + steps + ["}"])
 
 
+# E4M3 scale bytes -> the decode's bf16 scale operands, scale x 2^118 (the decode's codes are value x
+# 2^-126, and q carries 2^8). An E4M3 byte shifted left by 4 is a bf16 whose value is the scale x
+# 2^-120, subnormal scales included (E4M3's exponent field lands in bf16's low exponent bits, its
+# 3 mantissa bits in bf16's top 3); two exact bf16x2 multiplies by 2^119 (0x7B00) follow.
+_TO_SCALE = ["fma.rn.bf16x2 {r}, {r}, c, z;", "fma.rn.bf16x2 {out}, {r}, c, z;"]
+
+
+def _scale_splats_ptx() -> str:
+    """pack=1: a key's lo ($2) and hi ($3) group scale bytes -> each as a bf16x2 splat ($0, $1):
+    the byte times 0x00100010 is the byte << 4 in both 16-bit lanes."""
+    lines = ["{", ".reg .b32 x, y, c, z;", "mov.b32 c, 0x7B007B00;", "mov.b32 z, 0x80008000;",
+             "mul.lo.u32 x, $2, 0x00100010;", "mul.lo.u32 y, $3, 0x00100010;"]
+    lines += [t.format(r="x", out="$0") for t in _TO_SCALE] + [t.format(r="y", out="$1") for t in _TO_SCALE]
+    return "\n".join(lines + ["}"])
+
+
+def _scale_pairs_ptx() -> str:
+    """pack=2 over keys 2k, 2k + 1: their lo ($2, $3) and hi ($4, $5) group scale bytes -> the lo
+    pair ($0) and the hi pair ($1) as bf16x2 (key 2k in the low lane)."""
+    lines = ["{", ".reg .b32 x, y, c, z;", "mov.b32 c, 0x7B007B00;", "mov.b32 z, 0x80008000;",
+             "prmt.b32 x, $2, $3, 0x5410;", "prmt.b32 y, $4, $5, 0x5410;", "shl.b32 x, x, 4;", "shl.b32 y, y, 4;"]
+    lines += [t.format(r="x", out="$0") for t in _TO_SCALE] + [t.format(r="y", out="$1") for t in _TO_SCALE]
+    return "\n".join(lines + ["}"])
+
+
+SCALE_SPLATS = gl.constexpr(_scale_splats_ptx())
+SCALE_PAIRS = gl.constexpr(_scale_pairs_ptx())
 KEY_DECODE = gl.constexpr(_key_decode_ptx())
 VALUE_DECODE = gl.constexpr(_value_decode_ptx())
 
@@ -104,31 +132,43 @@ def _arange3(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _scale_bf16(e):
-    """E4M3 scale bytes -> bf16 scale x 2^118 (exact), the decode's FMA operand."""
-    return ((e.to(gl.int32) << 20).to(gl.float32, bitcast=True) * 6.646139978924579e+35 * 6.646139978924579e+35
-            ).to(gl.bfloat16)
+def _blocks(table_ptr, seq, s_table, wk, stop, page_ptr, PAGE: gl.constexpr, BS_LOG2: gl.constexpr):
+    """The pages (byte pointers) of the blocks holding each warp's keys wk + 0..15 and wk + 16..31
+    (wk: each warp's first key, a multiple of 32, as (WARPS, 1)); one block for both unless blocks
+    are 16 keys. Ids past `stop` are not read (the table's row may hold anything there): those keys
+    read block 0's page, whose bytes are valid codes, and are masked as scores."""
+    row0 = table_ptr + seq * s_table
+    if BS_LOG2 >= 5:
+        blk = gl.load(row0 + (wk >> BS_LOG2), mask=wk < stop, other=0)
+        p0 = page_ptr + blk.to(gl.uint32).to(gl.int64) * PAGE
+        p1 = p0
+    else:
+        b0 = gl.load(row0 + (wk >> 4), mask=wk < stop, other=0)
+        b1 = gl.load(row0 + (wk >> 4) + 1, mask=wk + 16 < stop, other=0)
+        p0 = page_ptr + b0.to(gl.uint32).to(gl.int64) * PAGE
+        p1 = page_ptr + b1.to(gl.uint32).to(gl.int64) * PAGE
+    return p0, p1
 
 
 @gluon.jit
-def _rows(table_ptr, seq, s_table, wk, kl, stop, kvh, sk_b, sk_s, sk_h, ss_b, ss_s, ss_h, BS_LOG2: gl.constexpr):
-    """Keys wk + kl (wk: each warp's first key, a multiple of 32, shaped to broadcast against the
-    local key kl): their mask and rows in the codes and scales views (block size 2^BS_LOG2).
-    A warp's 32 keys lie in one block of 32 or more keys, or in two of 16: those are read once
-    per thread (the same address in every lane), not per key."""
-    key = wk + kl
-    ok = key < stop
-    row0 = table_ptr + seq * s_table
+def _rows(p0, p1, wk, kl, L: gl.constexpr, seg, S: gl.constexpr, BS_LOG2: gl.constexpr, LANE_BITS: gl.constexpr):
+    """Byte pointers to the rows of keys wk + kl (kl: 0..31 as (1, KEYS) in L) in a segment that
+    starts `seg` bytes into the page (its KV head's part) with S bytes per token. Written as a
+    base per block plus kl x S, so that the compiler folds each register's part of kl into the
+    loads' immediate offsets: one 64-bit add per (thread, block, segment) a step, none per key."""
+    p0 = gl.convert_layout(p0, L, assert_trivial=True)
+    p1 = gl.convert_layout(p1, L, assert_trivial=True)
     if BS_LOG2 >= 5:
-        blk = gl.load(row0 + (wk >> BS_LOG2), mask=wk < stop, other=0).to(gl.int64)
-    elif BS_LOG2 == 4:
-        b0 = gl.load(row0 + (wk >> 4), mask=wk < stop, other=0).to(gl.int64)
-        b1 = gl.load(row0 + (wk >> 4) + 1, mask=wk + 16 < stop, other=0).to(gl.int64)
-        blk = gl.where(kl >= 16, b1, b0)
+        base = p0 + (seg + (gl.convert_layout(wk, L, assert_trivial=True) & ((1 << BS_LOG2) - 1)) * S)
     else:
-        blk = gl.load(row0 + (key >> BS_LOG2), mask=ok, other=0).to(gl.int64)
-    off = key & ((1 << BS_LOG2) - 1)
-    return ok, blk * sk_b + off * sk_s + kvh * sk_h, blk * ss_b + off * ss_s + kvh * ss_h
+        base = gl.where((kl & ~LANE_BITS) >= 16, p1 + (seg - 16 * S), p0 + seg)
+    return (base + (kl & LANE_BITS) * S) + (kl & ~LANE_BITS) * S
+
+
+@gluon.jit
+def _local_keys(L: gl.constexpr):
+    """0..31 as (1, KEYS) in L."""
+    return gl.expand_dims(gl.arange(0, KEYS, layout=gl.SliceLayout(0, L)), 0)
 
 
 # the scores' top 8 rows (the query heads of a GQA group of <= 8) of the (warp, 16, 32) accumulator
@@ -138,64 +178,59 @@ S_TOP = gl.constexpr(gl.DistributedLinearLayout(
 
 
 @gluon.jit
-def _add_slot(s, idx, val, q_ptr, q_row_t, q_ok_t, k_scale, COLS_T: gl.constexpr):
-    """scores += q[row, idx] x val x scale for one key slot (idx, val per key)."""
-    idx = gl.expand_dims(idx, 1).to(gl.int32)
-    val = gl.expand_dims(val, 1).to(gl.float32)
-    qg = gl.load(q_ptr + q_row_t + idx, mask=q_ok_t, other=0.0).to(gl.float32)
-    return s + qg * (val * k_scale)
+def _add_slot(s, idx, val, q_rowp, k_scale):
+    """scores += q[row, idx] x val x scale for one key slot (idx, val per key; q_rowp: each score
+    row's q row). A slot's index is always a channel (an empty slot holds (0, 0.0)), so the gather
+    needs no mask."""
+    qg = gl.load(q_rowp + gl.expand_dims(idx, 1).to(gl.int32)).to(gl.float32)
+    return s + qg * (gl.expand_dims(val, 1).to(gl.float32) * k_scale)
 
 
 @gluon.jit
-def _fetch(n0, stop, table_ptr, seq, s_table, kvh, kc_ptr, ks_ptr, ki_ptr, kv_ptr, vc_ptr, vs_ptr,
-           sk_b, sk_s, sk_h, ss_b, ss_s, ss_h, si_b, si_s, si_h, sv_b, sv_s, sv_h,
-           BS_LOG2: gl.constexpr, NUM_OUTLIERS: gl.constexpr):
-    """One step's raw bytes (keys n0 + 32 warp + 0..31, masked at stop), as 32-bit words where
-    they stay in registers until the next step: key code words and scale bytes, value code words
-    and scale bytes, and per key its two slots' indices (16 bits) and values (32 bits)."""
+def _fetch(n0, stop, table_ptr, seq, s_table, page_ptr, kvh, PAGE: gl.constexpr, KC: gl.constexpr,
+           KS: gl.constexpr, KI: gl.constexpr, KV: gl.constexpr, VC: gl.constexpr, VS: gl.constexpr,
+           C_S: gl.constexpr, C_H: gl.constexpr, S_S: gl.constexpr, S_H: gl.constexpr, I_S: gl.constexpr,
+           I_H: gl.constexpr, O_S: gl.constexpr, O_H: gl.constexpr, BS_LOG2: gl.constexpr,
+           NUM_OUTLIERS: gl.constexpr):
+    """One step's raw bytes (keys n0 + 32 warp + 0..31), as 32-bit words where they stay in
+    registers until the next step: key code words and scale bytes, value code words and scale
+    bytes, and per key its two slots' indices (16 bits) and values (32 bits). No load is masked:
+    keys at or past `stop` read block 0's page (_blocks) and are masked as scores. The segment
+    offsets (KC...) and strides per token (_S) and KV head (_H) are in bytes (page_geometry)."""
+    W2: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(1, gl.SliceLayout(2, K_WORDS)))
+    wk = gl.expand_dims(n0 + gl.arange(0, WARPS, layout=W2) * KEYS, 1)
+    p0, p1 = _blocks(table_ptr, seq, s_table, wk, stop, page_ptr, PAGE, BS_LOG2)
     # keys: code words (warp, c, word, key), scale bytes (warp, c, key)
     SK2: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, K_WORDS))
-    wk = n0 + gl.expand_dims(gl.arange(0, WARPS, layout=gl.SliceLayout(1, SK2)), 1) * KEYS
-    kl = gl.expand_dims(gl.arange(0, KEYS, layout=gl.SliceLayout(0, SK2)), 0)
-    ok, row_c, row_s = _rows(table_ptr, seq, s_table, wk, kl, stop, kvh, sk_b, sk_s, sk_h, ss_b, ss_s, ss_h, BS_LOG2)
-    row_c = gl.multiple_of(row_c, [16, 16])
+    kl = _local_keys(SK2)
+    row = gl.multiple_of(_rows(p0, p1, wk, kl, SK2, KC + kvh * C_H, C_S, BS_LOG2, 7), [16, 16])
     SKC: gl.constexpr = gl.SliceLayout(2, K_WORDS)
     ck = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, SKC))), 0), 2)
     ik = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, K_WORDS))))
     ik = gl.expand_dims(gl.expand_dims(gl.expand_dims(ik, 0), 1), 3)
-    ok3 = gl.expand_dims(ok, 1)
-    kw_ptr = (kc_ptr + gl.expand_dims(gl.expand_dims(row_c, 1), 2)).to(gl.pointer_type(gl.int32))
-    kw = gl.load(kw_ptr + gl.expand_dims(ck, 2) * 4 + ik, mask=gl.expand_dims(ok3, 2), other=0)
-    rs3 = gl.expand_dims(row_s, 1)
-    ke_lo = gl.load(ks_ptr + rs3 + ck, mask=ok3, other=0)
-    ke_hi = gl.load(ks_ptr + rs3 + 4 + ck, mask=ok3, other=0)
+    kw = gl.load(gl.expand_dims(gl.expand_dims(row.to(gl.pointer_type(gl.int32)), 1), 2) + gl.expand_dims(ck, 2) * 4 + ik)
+    srow = gl.expand_dims(gl.convert_layout(_rows(p0, p1, wk, kl, SK2, KS + kvh * S_H, S_S, BS_LOG2, 7),
+                                            gl.SliceLayout(1, SKC), assert_trivial=True), 1) + ck
+    ke_lo = gl.load(srow)
+    ke_hi = gl.load(srow + 4)
     # values: code words (warp, key, g, word), scale bytes (warp, key, g)
     SV2: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, V_WORDS))
-    wv = n0 + gl.expand_dims(gl.arange(0, WARPS, layout=gl.SliceLayout(1, SV2)), 1) * KEYS
-    vl = gl.expand_dims(gl.arange(0, KEYS, layout=gl.SliceLayout(0, SV2)), 0)
-    vok, vrow_c, vrow_s = _rows(table_ptr, seq, s_table, wv, vl, stop, kvh, sk_b, sk_s, sk_h, ss_b, ss_s, ss_h,
-                                BS_LOG2)
-    vrow_c = gl.multiple_of(vrow_c, [16, 16])
+    vl = _local_keys(SV2)
+    vrow = gl.multiple_of(_rows(p0, p1, wk, vl, SV2, VC + kvh * C_H, C_S, BS_LOG2, 6), [16, 16])
     gv = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, V_WORDS))))
     gv3 = gl.expand_dims(gl.expand_dims(gv, 0), 1)
-    gv = gl.expand_dims(gv3, 3)
     iv = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, V_WORDS))))
     iv = gl.expand_dims(gl.expand_dims(gl.expand_dims(iv, 0), 1), 2)
-    vok3 = gl.expand_dims(vok, 2)
-    vw_ptr = (vc_ptr + gl.expand_dims(gl.expand_dims(vrow_c, 2), 3)).to(gl.pointer_type(gl.int32))
-    vw = gl.load(vw_ptr + gv * 2 + iv, mask=gl.expand_dims(vok3, 3), other=0)
-    vrs3 = gl.expand_dims(vrow_s, 2)
-    ve_lo = gl.load(vs_ptr + vrs3 + gv3 // 2, mask=vok3, other=0)
-    ve_hi = gl.load(vs_ptr + vrs3 + 4 + gv3 // 2, mask=vok3, other=0)
+    vw = gl.load(gl.expand_dims(gl.expand_dims(vrow.to(gl.pointer_type(gl.int32)), 2), 3) + gl.expand_dims(gv3, 3) * 2 + iv)
+    vsrow = gl.expand_dims(_rows(p0, p1, wk, vl, SV2, VS + kvh * S_H, S_S, BS_LOG2, 6), 2) + gv3 // 2
+    ve_lo = gl.load(vsrow)
+    ve_hi = gl.load(vsrow + 4)
     # key slots, per key of the scores' columns: both indices in 16 bits, both values in 32
     COLS_T: gl.constexpr = gl.SliceLayout(1, S_TOP)
-    wo = n0 + gl.expand_dims(gl.arange(0, WARPS, layout=gl.SliceLayout(1, COLS_T)), 1) * KEYS
-    ol = gl.expand_dims(gl.arange(0, KEYS, layout=gl.SliceLayout(0, COLS_T)), 0)
     if NUM_OUTLIERS > 0:
-        ook, row_o, row_v = _rows(table_ptr, seq, s_table, wo, ol, stop, kvh, si_b, si_s, si_h, sv_b, sv_s, sv_h,
-                                  BS_LOG2)
-        oidx = gl.load((ki_ptr + row_o).to(gl.pointer_type(gl.int16)), mask=ook, other=0)
-        oval = gl.load((kv_ptr + row_v).to(gl.pointer_type(gl.int32)), mask=ook, other=0)
+        ol = _local_keys(COLS_T)
+        oidx = gl.load(_rows(p0, p1, wk, ol, COLS_T, KI + kvh * I_H, I_S, BS_LOG2, 6).to(gl.pointer_type(gl.int16)))
+        oval = gl.load(_rows(p0, p1, wk, ol, COLS_T, KV + kvh * O_H, O_S, BS_LOG2, 6).to(gl.pointer_type(gl.int32)))
     else:
         oidx = gl.full([WARPS, KEYS], 0, gl.int16, layout=COLS_T)
         oval = gl.full([WARPS, KEYS], 0, gl.int32, layout=COLS_T)
@@ -205,12 +240,13 @@ def _fetch(n0, stop, table_ptr, seq, s_table, kvh, kc_ptr, ks_ptr, ki_ptr, kv_pt
 @gluon.jit(do_not_specialize=UNSPECIALIZED)  # as the Triton kernels: a warm-up at one table width covers all
 def _fp4_decode_kernel(
     q_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-    tile_seq_ptr, tile_tok_ptr, tile_pos_ptr, table_ptr,
-    kc_ptr, ks_ptr, ki_ptr, kv_ptr, vc_ptr, vs_ptr, khs_ptr, vhs_ptr,
+    tile_seq_ptr, tile_tok_ptr, tile_pos_ptr, table_ptr, page_ptr, khs_ptr, vhs_ptr,
     sm_scale_log2, num_splits,
     sq_t, sq_h, so_t, so_h, s_table,
-    sk_b, sk_s, sk_h, ss_b, ss_s, ss_h, si_b, si_s, si_h, sv_b, sv_s, sv_h,
     GROUP: gl.constexpr, SPLIT: gl.constexpr, BS_LOG2: gl.constexpr, NUM_OUTLIERS: gl.constexpr,
+    PAGE: gl.constexpr, KC: gl.constexpr, KS: gl.constexpr, KI: gl.constexpr, KV: gl.constexpr,
+    VC: gl.constexpr, VS: gl.constexpr, C_S: gl.constexpr, C_H: gl.constexpr, S_S: gl.constexpr,
+    S_H: gl.constexpr, I_S: gl.constexpr, I_H: gl.constexpr, O_S: gl.constexpr, O_H: gl.constexpr,
 ):
     """One program: (tile = sequence, KV head, split); GROUP <= 8 query heads. Partials as
     _paged_attn_fp4_kernel writes them (BLOCK_M 16). S = q K^T takes the MMA's 16 rows (8 of them
@@ -251,28 +287,27 @@ def _fp4_decode_kernel(
     n_t = gl.expand_dims(gl.expand_dims(gl.arange(0, KEYS, layout=gl.SliceLayout(0, COLS_T)), 0), 1)
     w_t = gl.expand_dims(gl.expand_dims(gl.arange(0, WARPS, layout=gl.SliceLayout(1, COLS_T)), 1), 1)
     r_t = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, ROWS_T)), 0), 2)
-    q_row_t = tok0 * sq_t + (kvh * GROUP + r_t) * sq_h
-    q_ok_t = r_t < GROUP
+    q_rowp = q_ptr + tok0 * sq_t + (kvh * GROUP + gl.minimum(r_t, GROUP - 1)) * sq_h  # rows past the group: unused
     k_scale = sm_scale_log2  # the slots hold values in the model's units
 
     m_i = gl.full([WARPS, 8], float("-inf"), gl.float32, layout=ROWS_T)
     l_i = gl.full([WARPS, 8], 0.0, gl.float32, layout=ROWS_T)
     acc_lo = gl.full([WARPS, HALF, 8], 0.0, gl.float32, layout=MMA)  # O^T: (warp, dim, row)
     acc_hi = gl.full([WARPS, HALF, 8], 0.0, gl.float32, layout=MMA)
-    nxt = _fetch(start, stop, table_ptr, seq, s_table, kvh, kc_ptr, ks_ptr, ki_ptr, kv_ptr, vc_ptr, vs_ptr,
-                 sk_b, sk_s, sk_h, ss_b, ss_s, ss_h, si_b, si_s, si_h, sv_b, sv_s, sv_h, BS_LOG2, NUM_OUTLIERS)
+    nxt = _fetch(start, stop, table_ptr, seq, s_table, page_ptr, kvh, PAGE, KC, KS, KI, KV, VC, VS, C_S, C_H, S_S,
+                 S_H, I_S, I_H, O_S, O_H, BS_LOG2, NUM_OUTLIERS)
     for n0 in range(start, stop, BLOCK_N):
         kw, ke_lo, ke_hi, vw, ve_lo, ve_hi, oidx, oval = nxt
-        nxt = _fetch(n0 + BLOCK_N, stop, table_ptr, seq, s_table, kvh, kc_ptr, ks_ptr, ki_ptr, kv_ptr, vc_ptr,
-                     vs_ptr, sk_b, sk_s, sk_h, ss_b, ss_s, ss_h, si_b, si_s, si_h, sv_b, sv_s, sv_h, BS_LOG2,
-                     NUM_OUTLIERS)
+        nxt = _fetch(n0 + BLOCK_N, stop, table_ptr, seq, s_table, page_ptr, kvh, PAGE, KC, KS, KI, KV, VC, VS, C_S,
+                     C_H, S_S, S_H, I_S, I_H, O_S, O_H, BS_LOG2, NUM_OUTLIERS)
         bk = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, K_BYTES)))))
         bk = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(bk, 0), 1), 2), 4)
         kw5, _ = gl.broadcast(gl.expand_dims(kw, 3), bk)  # (warp, c, word, byte, key): the word per byte
+        ks_lo, ks_hi = gl.inline_asm_elementwise(SCALE_SPLATS, "=r,=r,r,r", [ke_lo.to(gl.int32), ke_hi.to(gl.int32)],
+                                                 dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
         k_lo, k_hi = gl.inline_asm_elementwise(
-            KEY_DECODE, "=r,=r,=r,=r,r,r,r,r,r,r,r,r",
-            [kw5, gl.expand_dims(gl.expand_dims(_scale_bf16(ke_lo), 2), 3),
-             gl.expand_dims(gl.expand_dims(_scale_bf16(ke_hi), 2), 3)],
+            KEY_DECODE, "=r,=r,=r,=r" + ",r" * 12,
+            [kw5, gl.expand_dims(gl.expand_dims(ks_lo, 2), 3), gl.expand_dims(gl.expand_dims(ks_hi, 2), 3)],
             dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
         k_lo = gl.reshape(k_lo, [WARPS, 4, 16, KEYS])
         k_hi = gl.reshape(k_hi, [WARPS, 4, 16, KEYS])
@@ -292,8 +327,8 @@ def _fp4_decode_kernel(
             v0 = (oval & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True)
             v1 = (oval >> 16).to(gl.int16).to(gl.float16, bitcast=True)
             # unused slots hold (0, 0.0): they add nothing
-            s = _add_slot(s, i0, v0, q_ptr, q_row_t, q_ok_t, k_scale, COLS_T)
-            s = _add_slot(s, i1, v1, q_ptr, q_row_t, q_ok_t, k_scale, COLS_T)
+            s = _add_slot(s, i0, v0, q_rowp, k_scale)
+            s = _add_slot(s, i1, v1, q_rowp, k_scale)
         s = gl.where((n0 + w_t * KEYS + n_t) < stop, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 2))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -308,11 +343,13 @@ def _fp4_decode_kernel(
         vw5, sel = gl.broadcast(gl.expand_dims(gl.convert_layout(vw, gl.SliceLayout(4, V_ASM), assert_trivial=True),
                                                4), sel)
         SV3: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, V_ASM))
+        # keys 2k, 2k + 1's (lo pair, hi pair) as one tensor's two elements: the decode's pack of 4
+        # over (key pair, 2 bytes) then receives them as its operands 12 and 13
+        vs_pairs = gl.inline_asm_elementwise(SCALE_PAIRS, "=r,=r,r,r,r,r", [ve_lo.to(gl.int32), ve_hi.to(gl.int32)],
+                                             dtype=gl.int32, is_pure=True, pack=2)
         v_lo, v_hi = gl.inline_asm_elementwise(
-            VALUE_DECODE, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r",
-            [vw5, sel,
-             gl.expand_dims(gl.expand_dims(gl.convert_layout(_scale_bf16(ve_lo), SV3, assert_trivial=True), 3), 4),
-             gl.expand_dims(gl.expand_dims(gl.convert_layout(_scale_bf16(ve_hi), SV3, assert_trivial=True), 3), 4)],
+            VALUE_DECODE, "=r,=r,=r,=r" + ",r" * 12,
+            [vw5, sel, gl.expand_dims(gl.expand_dims(gl.convert_layout(vs_pairs, SV3, assert_trivial=True), 3), 4)],
             dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
         v_lo = gl.reshape(v_lo, [WARPS, KEYS, 8, 8])
         v_hi = gl.reshape(v_hi, [WARPS, KEYS, 8, 8])
@@ -390,8 +427,10 @@ def supported(q: torch.Tensor, plan: TilePlan, fp4_k: tuple, fp4_v: tuple) -> st
     if why is None and (plan.tokens_per_tile != 1 or plan.block_m != 16):
         why = "decode tiles only (one query token, GQA group <= 8)"
     bs = kc.shape[1]
-    if why is None and (bs & (bs - 1) or any(st % 16 for st in kc.stride()[:3])):
-        why = "block size must be a power of two and code rows 16-byte aligned"
+    if why is None and (bs & (bs - 1) or not 16 <= bs <= 128 or any(st % 16 for st in kc.stride()[:3])):
+        why = "block size must be a power of two from 16 to 128 and code rows 16-byte aligned"
+    if why is None and page_geometry(fp4_k, fp4_v) is None:
+        why = "the views must be one FP4PagedLayer's pages"
     return why
 
 
@@ -402,22 +441,46 @@ def launch(q: torch.Tensor, out: torch.Tensor, part_acc: torch.Tensor, part_ml: 
     key slots, 229 without, so 2 programs an SM). Compiled for sm_90 (Triton 3.6): a cap of 168
     (3 programs an SM) costs 227 spill instructions a step with key slots (1,756 in the loop against
     1,529) and 45 without (1,305 against 1,180); not timed yet (bench_kernels --gluon's _r168 rows)."""
-    kc, ks, ki, kv, khs = fp4_k
-    vc, vs, _, _, vhs = fp4_v
+    kc, _, _, _, khs = fp4_k
+    _, _, _, _, vhs = fp4_v
     n_kv = kc.shape[2]
     group = q.shape[1] // n_kv
     n_tiles = plan.tile_seq.numel()
     splits = plan.num_splits
     _without_jit_hooks(lambda: _fp4_decode_kernel[(n_tiles, n_kv, splits)](
         q, out, part_acc, part_ml,
-        plan.tile_seq, plan.tile_tok, plan.tile_pos, plan.block_table,
-        kc, ks, ki, kv, vc, vs, khs, vhs,
+        plan.tile_seq, plan.tile_tok, plan.tile_pos, plan.block_table, kc, khs, vhs,
         scale * LOG2E, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), plan.block_table.stride(0),
-        *kc.stride()[:3], *ks.stride()[:3], *ki.stride()[:3], *kv.stride()[:3],
-        GROUP=group, SPLIT=splits > 1, BS_LOG2=kc.shape[1].bit_length() - 1, NUM_OUTLIERS=ki.shape[-1],
-        num_warps=WARPS, **({"maxnreg": maxnreg} if maxnreg else {}),
+        GROUP=group, SPLIT=splits > 1, BS_LOG2=kc.shape[1].bit_length() - 1, NUM_OUTLIERS=fp4_k[2].shape[-1],
+        **page_geometry(fp4_k, fp4_v), num_warps=WARPS, **({"maxnreg": maxnreg} if maxnreg else {}),
     ))
+
+
+def page_geometry(fp4_k: tuple, fp4_v: tuple) -> dict:
+    """The kernel's constants for one pool: the page's bytes (PAGE), each segment's byte offset from
+    the key codes (KC = 0, KS, KI, KV, VC, VS) and the byte strides per token (_S) and per KV head
+    (_H) of codes (C, both K and V), scales (S), slot indices (I) and slot values (O). None if the
+    views are not one kernels/fp4.FP4PagedLayer page (the same storage and block stride, K and V alike)."""
+    kc, ks, ki, kv, _ = fp4_k
+    vc, vs, _, _, _ = fp4_v
+    views = [t for t in (kc, ks, ki, kv, vc, vs) if t.numel()]  # without key slots, their views are empty
+
+    def strides(t):
+        return tuple(st * t.element_size() for st in t.stride()[:3]) if t.numel() else (0, 0, 0)
+
+    def offset(t):
+        return t.data_ptr() - kc.data_ptr() if t.numel() else 0
+
+    page = strides(kc)[0]
+    if not (all(t.untyped_storage().data_ptr() == kc.untyped_storage().data_ptr() for t in views)
+            and all(strides(t)[0] == page and 0 <= offset(t) < page for t in views)
+            and strides(kc) == strides(vc) and strides(ks) == strides(vs) and page % 16 == 0):
+        return None
+    offs = [offset(t) for t in (kc, ks, ki, kv, vc, vs)]
+    return dict(PAGE=page, KC=0, KS=offs[1], KI=offs[2], KV=offs[3], VC=offs[4], VS=offs[5],
+                C_S=strides(kc)[1], C_H=strides(kc)[2], S_S=strides(ks)[1], S_H=strides(ks)[2],
+                I_S=strides(ki)[1], I_H=strides(ki)[2], O_S=strides(kv)[1], O_H=strides(kv)[2])
 
 
 # Called with (kernel name, seconds) when a launch compiled (or loaded) a variant of this kernel:

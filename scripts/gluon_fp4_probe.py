@@ -93,9 +93,13 @@ def kernel_report(key_slots: int = 2, group: int = 7) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from kernels import fp4_gluon as g
 
+    from kernels.fp4 import FP4PagedLayer
+
+    layer = FP4PagedLayer(2, 16, 4, 128, "cpu", num_outliers=key_slots, num_value_outliers=0)  # 7B: 4 KV heads
+    geometry = g.page_geometry(layer.kernel_views("k"), layer.kernel_views("v"))
     names = list(inspect.signature(g._fp4_decode_kernel.fn).parameters)
     fp = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
-          "khs_ptr": "*fp32", "vhs_ptr": "*fp32", "kv_ptr": "*fp16"}
+          "khs_ptr": "*fp32", "vhs_ptr": "*fp32"}
     sig = {}
     for n in names:
         if n.endswith("_ptr"):
@@ -104,9 +108,10 @@ def kernel_report(key_slots: int = 2, group: int = 7) -> dict:
             sig[n] = "constexpr"
         else:
             sig[n] = "fp32" if n == "sm_scale_log2" else "i32"
-    aligned = [i for i, n in enumerate(names) if n.endswith("_ptr") or n in ("sk_b", "sk_s", "sk_h", "ss_b")]
+    aligned = [i for i, n in enumerate(names) if n.endswith("_ptr")]
     src = GluonASTSource(g._fp4_decode_kernel, sig,
-                         constexprs={"GROUP": group, "SPLIT": True, "BS_LOG2": 4, "NUM_OUTLIERS": key_slots},
+                         constexprs={"GROUP": group, "SPLIT": True, "BS_LOG2": 4, "NUM_OUTLIERS": key_slots,
+                                     **geometry},
                          attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
