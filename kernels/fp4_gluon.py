@@ -225,16 +225,23 @@ def _fetch(n0, stop, table_ptr, seq, s_table, page_ptr, kvh, PAGE: gl.constexpr,
     vsrow = gl.expand_dims(_rows(p0, p1, wk, vl, SV2, VS + kvh * S_H, S_S, BS_LOG2, 6), 2) + gv3 // 2
     ve_lo = gl.load(vsrow)
     ve_hi = gl.load(vsrow + 4)
-    # key slots, per key of the scores' columns: both indices in 16 bits, both values in 32
+    return kw, ke_lo, ke_hi, vw, ve_lo, ve_hi
+
+
+@gluon.jit
+def _slots(n0, stop, table_ptr, seq, s_table, page_ptr, kvh, PAGE: gl.constexpr, KI: gl.constexpr, KV: gl.constexpr,
+           I_S: gl.constexpr, I_H: gl.constexpr, O_S: gl.constexpr, O_H: gl.constexpr, BS_LOG2: gl.constexpr):
+    """The key slots of keys n0 + 32 warp + 0..31, per key of the scores' columns: both indices in
+    16 bits, both values in 32. Loaded at the top of their own step (not carried from the one
+    before, which would hold 16 more registers across the loop)."""
+    W2: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(1, gl.SliceLayout(2, K_WORDS)))
+    wk = gl.expand_dims(n0 + gl.arange(0, WARPS, layout=W2) * KEYS, 1)
+    p0, p1 = _blocks(table_ptr, seq, s_table, wk, stop, page_ptr, PAGE, BS_LOG2)
     COLS_T: gl.constexpr = gl.SliceLayout(1, S_TOP)
-    if NUM_OUTLIERS > 0:
-        ol = _local_keys(COLS_T)
-        oidx = gl.load(_rows(p0, p1, wk, ol, COLS_T, KI + kvh * I_H, I_S, BS_LOG2, 6).to(gl.pointer_type(gl.int16)))
-        oval = gl.load(_rows(p0, p1, wk, ol, COLS_T, KV + kvh * O_H, O_S, BS_LOG2, 6).to(gl.pointer_type(gl.int32)))
-    else:
-        oidx = gl.full([WARPS, KEYS], 0, gl.int16, layout=COLS_T)
-        oval = gl.full([WARPS, KEYS], 0, gl.int32, layout=COLS_T)
-    return kw, ke_lo, ke_hi, vw, ve_lo, ve_hi, oidx, oval
+    ol = _local_keys(COLS_T)
+    oidx = gl.load(_rows(p0, p1, wk, ol, COLS_T, KI + kvh * I_H, I_S, BS_LOG2, 6).to(gl.pointer_type(gl.int16)))
+    oval = gl.load(_rows(p0, p1, wk, ol, COLS_T, KV + kvh * O_H, O_S, BS_LOG2, 6).to(gl.pointer_type(gl.int32)))
+    return oidx, oval
 
 
 @gluon.jit(do_not_specialize=UNSPECIALIZED)  # as the Triton kernels: a warm-up at one table width covers all
@@ -297,7 +304,10 @@ def _fp4_decode_kernel(
     nxt = _fetch(start, stop, table_ptr, seq, s_table, page_ptr, kvh, PAGE, KC, KS, KI, KV, VC, VS, C_S, C_H, S_S,
                  S_H, I_S, I_H, O_S, O_H, BS_LOG2, NUM_OUTLIERS)
     for n0 in range(start, stop, BLOCK_N):
-        kw, ke_lo, ke_hi, vw, ve_lo, ve_hi, oidx, oval = nxt
+        kw, ke_lo, ke_hi, vw, ve_lo, ve_hi = nxt
+        if NUM_OUTLIERS > 0:
+            oidx, oval = _slots(n0, stop, table_ptr, seq, s_table, page_ptr, kvh, PAGE, KI, KV, I_S, I_H, O_S, O_H,
+                                BS_LOG2)
         nxt = _fetch(n0 + BLOCK_N, stop, table_ptr, seq, s_table, page_ptr, kvh, PAGE, KC, KS, KI, KV, VC, VS, C_S,
                      C_H, S_S, S_H, I_S, I_H, O_S, O_H, BS_LOG2, NUM_OUTLIERS)
         bk = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, K_BYTES)))))

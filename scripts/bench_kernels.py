@@ -246,25 +246,27 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
                 {"config": "gluon"})
             record("ours_fp4_gluon_no_outliers", lambda: paged_attention(
                 q, plan, d ** -0.5, fp4_k=fk0, fp4_v=fv0, fp4_gluon=True), n0_bytes, {"config": "gluon"})
-            # other split counts: about 2 and 4 programs an SM (the plan's default targets 8)
-            for per_sm in (2, 4):
-                n_sp = min(64, max(1, default_num_splits(batch, ctx, 132, hkv, wide=True) * per_sm // 2))
+            # other split counts: about 2, 3 and 4 programs an SM (2: the engine's, plan_tiles(fp4_gluon=True))
+            n_w = default_num_splits(batch, ctx, 132, hkv, wide=True)
+            for per_sm in (2, 3, 4):
+                n_sp = min(64, max(1, n_w * per_sm // 2))
+                if per_sm == 3 and n_sp == n_w:
+                    continue
                 plan_x = plan_tiles(list(range(batch + 1)), [ctx] * batch, tables, hq // hkv, "cuda",
                                     num_splits=n_sp, num_kv_heads=hkv)
                 record(f"ours_fp4_gluon_s{n_sp}", lambda: paged_attention(
                     q, plan_x, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, fp4_gluon=True), nv_bytes,
                     {"config": "gluon"}, splits=n_sp)
-            # a register cap of 168 (3 programs an SM instead of 2; spills, see fp4_gluon.launch), at
-            # the engine's split count
-            n_w = default_num_splits(batch, ctx, 132, hkv, wide=True)
-            plan_w = plan_tiles(list(range(batch + 1)), [ctx] * batch, tables, hq // hkv, "cuda", num_splits=n_w,
-                                num_kv_heads=hkv)
-            record("ours_fp4_gluon_r168", lambda: paged_attention(
-                q, plan_w, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, fp4_gluon=True, maxnreg=168),
-                nv_bytes, {"config": "gluon, maxnreg 168"}, splits=n_w)
-            record("ours_fp4_gluon_no_outliers_r168", lambda: paged_attention(
-                q, plan_w, d ** -0.5, fp4_k=fk0, fp4_v=fv0, fp4_gluon=True, maxnreg=168), n0_bytes,
-                {"config": "gluon, maxnreg 168"}, splits=n_w)
+                if per_sm == 4:
+                    continue
+                # a register cap of 168: 3 programs an SM fit (the kernel takes 174 registers with
+                # key slots, 168 without)
+                record(f"ours_fp4_gluon_r168_s{n_sp}", lambda: paged_attention(
+                    q, plan_x, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, fp4_gluon=True, maxnreg=168),
+                    nv_bytes, {"config": "gluon, maxnreg 168"}, splits=n_sp)
+                record(f"ours_fp4_gluon_no_outliers_s{n_sp}", lambda: paged_attention(
+                    q, plan_x, d ** -0.5, fp4_k=fk0, fp4_v=fv0, fp4_gluon=True), n0_bytes,
+                    {"config": "gluon"}, splits=n_sp)
             record("ours_fp4_triton_no_value_outliers", lambda: paged_attention(
                 q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, fp4_gluon=False, **cfg4), nv_bytes,
                 {"config": cfg4})
