@@ -132,22 +132,22 @@ def _arange3(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _blocks(table_ptr, seq, s_table, wk, stop, page_ptr, PAGE: gl.constexpr, BS_LOG2: gl.constexpr):
-    """The pages (byte pointers) of the blocks holding each warp's keys wk + 0..15 and wk + 16..31
-    (wk: each warp's first key, a multiple of 32, as (WARPS, 1)); one block for both unless blocks
-    are 16 keys. Ids past `stop` are not read (the table's row may hold anything there): those keys
-    read block 0's page, whose bytes are valid codes, and are masked as scores."""
+def _ids(n0, stop, table_ptr, seq, s_table, BS_LOG2: gl.constexpr):
+    """The block ids of each warp's keys n0 + 32 warp + 0..15 and + 16..31, as (WARPS, 1) each (the
+    same block twice unless blocks are 16 keys). Ids past `stop` are not read (the table's row may
+    hold anything there): those keys read block 0's page, whose bytes are valid codes, and are
+    masked as scores. Read a step before the codes they address (the loop carries them), so that
+    the code loads do not wait for the table."""
+    W2: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(1, gl.SliceLayout(2, K_WORDS)))
+    wk = gl.expand_dims(n0 + gl.arange(0, WARPS, layout=W2) * KEYS, 1)
     row0 = table_ptr + seq * s_table
     if BS_LOG2 >= 5:
-        blk = gl.load(row0 + (wk >> BS_LOG2), mask=wk < stop, other=0)
-        p0 = page_ptr + blk.to(gl.uint32).to(gl.int64) * PAGE
-        p1 = p0
+        b0 = gl.load(row0 + (wk >> BS_LOG2), mask=wk < stop, other=0)
+        b1 = b0
     else:
         b0 = gl.load(row0 + (wk >> 4), mask=wk < stop, other=0)
         b1 = gl.load(row0 + (wk >> 4) + 1, mask=wk + 16 < stop, other=0)
-        p0 = page_ptr + b0.to(gl.uint32).to(gl.int64) * PAGE
-        p1 = page_ptr + b1.to(gl.uint32).to(gl.int64) * PAGE
-    return p0, p1
+    return b0, b1
 
 
 @gluon.jit
@@ -187,19 +187,21 @@ def _add_slot(s, idx, val, q_rowp, k_scale):
 
 
 @gluon.jit
-def _fetch(n0, stop, table_ptr, seq, s_table, page_ptr, kvh, PAGE: gl.constexpr, KC: gl.constexpr,
+def _fetch(n0, ids, page_ptr, kvh, PAGE: gl.constexpr, KC: gl.constexpr,
            KS: gl.constexpr, KI: gl.constexpr, KV: gl.constexpr, VC: gl.constexpr, VS: gl.constexpr,
            C_S: gl.constexpr, C_H: gl.constexpr, S_S: gl.constexpr, S_H: gl.constexpr, I_S: gl.constexpr,
            I_H: gl.constexpr, O_S: gl.constexpr, O_H: gl.constexpr, BS_LOG2: gl.constexpr,
            NUM_OUTLIERS: gl.constexpr):
     """One step's raw bytes (keys n0 + 32 warp + 0..31), as 32-bit words where they stay in
     registers until the next step: key code words and scale bytes, value code words and scale
-    bytes, and per key its two slots' indices (16 bits) and values (32 bits). No load is masked:
-    keys at or past `stop` read block 0's page (_blocks) and are masked as scores. The segment
-    offsets (KC...) and strides per token (_S) and KV head (_H) are in bytes (page_geometry)."""
+    bytes, and per key its two slots' indices (16 bits) and values (32 bits), from the blocks `ids`
+    (_ids). No load is masked: keys at or past the split's end read block 0's page and are masked
+    as scores. The segment offsets (KC...) and strides per token (_S) and KV head (_H) are in
+    bytes (page_geometry)."""
     W2: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(1, gl.SliceLayout(2, K_WORDS)))
     wk = gl.expand_dims(n0 + gl.arange(0, WARPS, layout=W2) * KEYS, 1)
-    p0, p1 = _blocks(table_ptr, seq, s_table, wk, stop, page_ptr, PAGE, BS_LOG2)
+    p0 = page_ptr + ids[0].to(gl.uint32).to(gl.int64) * PAGE
+    p1 = page_ptr + ids[1].to(gl.uint32).to(gl.int64) * PAGE
     # keys: code words (warp, c, word, key), scale bytes (warp, c, key)
     SK2: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, K_WORDS))
     kl = _local_keys(SK2)
@@ -225,23 +227,16 @@ def _fetch(n0, stop, table_ptr, seq, s_table, page_ptr, kvh, PAGE: gl.constexpr,
     vsrow = gl.expand_dims(_rows(p0, p1, wk, vl, SV2, VS + kvh * S_H, S_S, BS_LOG2, 6), 2) + gv3 // 2
     ve_lo = gl.load(vsrow)
     ve_hi = gl.load(vsrow + 4)
-    return kw, ke_lo, ke_hi, vw, ve_lo, ve_hi
-
-
-@gluon.jit
-def _slots(n0, stop, table_ptr, seq, s_table, page_ptr, kvh, PAGE: gl.constexpr, KI: gl.constexpr, KV: gl.constexpr,
-           I_S: gl.constexpr, I_H: gl.constexpr, O_S: gl.constexpr, O_H: gl.constexpr, BS_LOG2: gl.constexpr):
-    """The key slots of keys n0 + 32 warp + 0..31, per key of the scores' columns: both indices in
-    16 bits, both values in 32. Loaded at the top of their own step (not carried from the one
-    before, which would hold 16 more registers across the loop)."""
-    W2: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(1, gl.SliceLayout(2, K_WORDS)))
-    wk = gl.expand_dims(n0 + gl.arange(0, WARPS, layout=W2) * KEYS, 1)
-    p0, p1 = _blocks(table_ptr, seq, s_table, wk, stop, page_ptr, PAGE, BS_LOG2)
+    # key slots, per key of the scores' columns: both indices in 16 bits, both values in 32
     COLS_T: gl.constexpr = gl.SliceLayout(1, S_TOP)
-    ol = _local_keys(COLS_T)
-    oidx = gl.load(_rows(p0, p1, wk, ol, COLS_T, KI + kvh * I_H, I_S, BS_LOG2, 6).to(gl.pointer_type(gl.int16)))
-    oval = gl.load(_rows(p0, p1, wk, ol, COLS_T, KV + kvh * O_H, O_S, BS_LOG2, 6).to(gl.pointer_type(gl.int32)))
-    return oidx, oval
+    if NUM_OUTLIERS > 0:
+        ol = _local_keys(COLS_T)
+        oidx = gl.load(_rows(p0, p1, wk, ol, COLS_T, KI + kvh * I_H, I_S, BS_LOG2, 6).to(gl.pointer_type(gl.int16)))
+        oval = gl.load(_rows(p0, p1, wk, ol, COLS_T, KV + kvh * O_H, O_S, BS_LOG2, 6).to(gl.pointer_type(gl.int32)))
+    else:
+        oidx = gl.full([WARPS, KEYS], 0, gl.int16, layout=COLS_T)
+        oval = gl.full([WARPS, KEYS], 0, gl.int32, layout=COLS_T)
+    return kw, ke_lo, ke_hi, vw, ve_lo, ve_hi, oidx, oval
 
 
 @gluon.jit(do_not_specialize=UNSPECIALIZED)  # as the Triton kernels: a warm-up at one table width covers all
@@ -301,15 +296,14 @@ def _fp4_decode_kernel(
     l_i = gl.full([WARPS, 8], 0.0, gl.float32, layout=ROWS_T)
     acc_lo = gl.full([WARPS, HALF, 8], 0.0, gl.float32, layout=MMA)  # O^T: (warp, dim, row)
     acc_hi = gl.full([WARPS, HALF, 8], 0.0, gl.float32, layout=MMA)
-    nxt = _fetch(start, stop, table_ptr, seq, s_table, page_ptr, kvh, PAGE, KC, KS, KI, KV, VC, VS, C_S, C_H, S_S,
-                 S_H, I_S, I_H, O_S, O_H, BS_LOG2, NUM_OUTLIERS)
+    nxt = _fetch(start, _ids(start, stop, table_ptr, seq, s_table, BS_LOG2), page_ptr, kvh, PAGE, KC, KS, KI, KV, VC,
+                 VS, C_S, C_H, S_S, S_H, I_S, I_H, O_S, O_H, BS_LOG2, NUM_OUTLIERS)
+    ids = _ids(start + BLOCK_N, stop, table_ptr, seq, s_table, BS_LOG2)
     for n0 in range(start, stop, BLOCK_N):
-        kw, ke_lo, ke_hi, vw, ve_lo, ve_hi = nxt
-        if NUM_OUTLIERS > 0:
-            oidx, oval = _slots(n0, stop, table_ptr, seq, s_table, page_ptr, kvh, PAGE, KI, KV, I_S, I_H, O_S, O_H,
-                                BS_LOG2)
-        nxt = _fetch(n0 + BLOCK_N, stop, table_ptr, seq, s_table, page_ptr, kvh, PAGE, KC, KS, KI, KV, VC, VS, C_S,
-                     C_H, S_S, S_H, I_S, I_H, O_S, O_H, BS_LOG2, NUM_OUTLIERS)
+        kw, ke_lo, ke_hi, vw, ve_lo, ve_hi, oidx, oval = nxt
+        nxt = _fetch(n0 + BLOCK_N, ids, page_ptr, kvh, PAGE, KC, KS, KI, KV, VC, VS, C_S, C_H, S_S, S_H, I_S, I_H, O_S,
+                     O_H, BS_LOG2, NUM_OUTLIERS)
+        ids = _ids(n0 + 2 * BLOCK_N, stop, table_ptr, seq, s_table, BS_LOG2)
         bk = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, K_BYTES)))))
         bk = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(bk, 0), 1), 2), 4)
         kw5, _ = gl.broadcast(gl.expand_dims(kw, 3), bk)  # (warp, c, word, byte, key): the word per byte
