@@ -20,10 +20,22 @@ layouts are chosen so that no decoded value leaves its thread:
   may be permuted too, so logical dim 8 j + g is code byte 8 g + j: 8 consecutive bytes of each of
   its keys (8-byte loads). A bf16x2 register pairs two keys (p = 0, 1) of one dim: a PRMT pairs
   their bytes and the decode takes the two keys' scales as its pair.
-- The next step's code words, scale bytes and key slots are loaded before this step's arithmetic.
+- Addressing (twenty-first session): a kernels/fp4.FP4PagedLayer block is one page holding all its
+  segments, so the kernel takes the page base and, as constants of the pool (page_geometry), each
+  segment's offset and its strides per token and KV head. Per step a thread computes one page
+  pointer per block (two for 16-key blocks) and one 64-bit add per segment; no load is masked
+  (keys past the end read block 0's page and are masked as scores).
+- Software pipelining: the next step's code words, scale bytes and key slots are loaded before
+  this step's arithmetic, and the block ids of the step after that one step earlier still, so the
+  code loads never wait for the block table.
+- Scales: an E4M3 byte shifted left by 4 is a bf16 of the scale x 2^-120 (subnormal scales too);
+  two bf16x2 multiplies by 2^119 make the decode's operand (SCALE_SPLATS for keys, SCALE_PAIRS for
+  values), exact, where a float32 detour took 6 instructions a scale.
 The per-pair decode is kernels/paged_attention.py's (_fp4_pair_steps: exact, equal to the float32
 decode bit for bit). Key outlier slots: a gather of q; value slots are not read (the kernel's
-docstring says why not and who reads them). Measurements: BENCHMARKS.md, twentieth session.
+docstring says why not and who reads them). Measurements: BENCHMARKS.md, twentieth and
+twenty-first sessions (Triton 3.6, sm_90: 1,161 SASS instructions per 128-key step with 2 key
+slots, 959 without; the twentieth session's kernel took 1,529 and 1,180).
 
 Torch reference: kernels/paged_attention.paged_attention_ref over FP4PagedLayer.gather, as for the
 Triton kernel; tests/test_kernels.py (test_fp4_gluon_*: CUDA only, Gluon has no interpreter; the
@@ -441,10 +453,10 @@ def supported(q: torch.Tensor, plan: TilePlan, fp4_k: tuple, fp4_v: tuple) -> st
 def launch(q: torch.Tensor, out: torch.Tensor, part_acc: torch.Tensor, part_ml: torch.Tensor, plan: TilePlan,
            scale: float, fp4_k: tuple, fp4_v: tuple, maxnreg: int | None = None) -> None:
     """The split kernel (or the whole attention, unsplit); kernels/paged_attention.paged_attention
-    owns the partial buffers and the merge. maxnreg: a register cap (None: the compiler's 255 with
-    key slots, 229 without, so 2 programs an SM). Compiled for sm_90 (Triton 3.6): a cap of 168
-    (3 programs an SM) costs 227 spill instructions a step with key slots (1,756 in the loop against
-    1,529) and 45 without (1,305 against 1,180); not timed yet (bench_kernels --gluon's _r168 rows)."""
+    owns the partial buffers and the merge. maxnreg: a register cap (None: the compiler's choice,
+    202 registers with key slots and 197 without for sm_90 with Triton 3.6, so 2 programs an SM).
+    A cap of 168 (3 programs an SM) spills nothing there but was not faster on the H200, at 2 or 3
+    programs' worth of splits an SM (BENCHMARKS.md, twenty-first session), so it is not the default."""
     kc, _, _, _, khs = fp4_k
     _, _, _, _, vhs = fp4_v
     n_kv = kc.shape[2]

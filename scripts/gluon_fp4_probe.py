@@ -124,6 +124,7 @@ def kernel_report(key_slots: int = 2, group: int = 7) -> dict:
     regs = re.search(r"REG:(\d+)", res)
     return {"triton": triton.__version__, "key_slots": key_slots, "loop_instructions": n_loop,
             "loop_shared": sum(v for op, v in mix.items() if op.startswith(("STS", "LDS", "BAR", "LDSM"))),
+            "loop_spills": sum(v for op, v in mix.items() if op.startswith(("STL", "LDL"))),
             "registers": int(regs.group(1)) if regs else None, "mix": dict(mix.most_common())}
 
 

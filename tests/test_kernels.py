@@ -517,7 +517,7 @@ def test_fp4_gluon_kernel_keeps_its_operands_in_registers():
         mix = rep["mix"]
         assert rep["loop_shared"] == 0, rep
         assert mix.get("HMMA.16816.F32.BF16") == 48 and mix.get("LDG.E.128") == 4 and mix.get("LDG.E.64") == 8, mix
-        assert rep["loop_instructions"] < (1250 if slots else 1000) and rep["registers"] <= 200, rep
+        assert rep["loop_instructions"] < (1250 if slots else 1000) and rep["loop_spills"] == 0, rep
 
 
 def test_fp4_decode_defaults():
