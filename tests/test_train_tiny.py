@@ -24,7 +24,7 @@ def run(*args):
 def test_micro_training_pipeline(tmp_path):
     work, dest = tmp_path / "work", tmp_path / "models"
     common = ["--work", work, "--micro", "--batch", "2", "--band-batch", "3", "--workers", "0", "--eval-every", "2",
-              "--eval-docs", "3", "--region-share", "0.5", "--distill-steps", "2"]
+              "--eval-docs", "1", "--region-share", "0.5", "--distill-steps", "2"]
     run("tokenizer", "--work", work, "--micro")
     tok = json.loads((work / "tokenizer" / "tokenizer_config.json").read_text())
     assert "<|image_pad|>" in json.dumps(tok)
