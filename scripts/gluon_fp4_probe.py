@@ -6,7 +6,7 @@ numbers are instruction counts, not times.
     PYTHONPATH=/tmp/t36 python scripts/gluon_fp4_probe.py   # Triton 3.6 (the device's) unpacked there
 
 --kernel compiles kernels/fp4_gluon._fp4_decode_kernel at the 7B geometry (GROUP 7, split, block
-size 16, 2 key slots unless --key-slots) and reports its key loop: instructions, the opcode mix,
+size 16 unless --block-size, 2 key slots unless --key-slots) and reports its key loop: instructions, the opcode mix,
 shared-memory operations (the design has none in the loop), registers. tests/test_kernels.py runs it.
 
 The probe:
@@ -86,7 +86,7 @@ def probe(q_ptr, codes_ptr, scales_ptr, out_ptr, n_keys, BLOCK_N: gl.constexpr, 
     gl.store(out_ptr + gl.expand_dims(ro, 1) * BLOCK_N + gl.expand_dims(ns, 0), s)
 
 
-def kernel_report(key_slots: int = 2, group: int = 7) -> dict:
+def kernel_report(key_slots: int = 2, group: int = 7, block_size: int = 16) -> dict:
     """kernels/fp4_gluon.py's kernel compiled for sm_90: its key loop's SASS mix and resources."""
     import inspect
 
@@ -95,7 +95,7 @@ def kernel_report(key_slots: int = 2, group: int = 7) -> dict:
 
     from kernels.fp4 import FP4PagedLayer
 
-    layer = FP4PagedLayer(2, 16, 4, 128, "cpu", num_outliers=key_slots, num_value_outliers=0)  # 7B: 4 KV heads
+    layer = FP4PagedLayer(2, block_size, 4, 128, "cpu", num_outliers=key_slots, num_value_outliers=0)  # 7B: 4 KV heads
     geometry = g.page_geometry(layer.kernel_views("k"), layer.kernel_views("v"))
     names = list(inspect.signature(g._fp4_decode_kernel.fn).parameters)
     fp = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
@@ -110,7 +110,7 @@ def kernel_report(key_slots: int = 2, group: int = 7) -> dict:
             sig[n] = "fp32" if n == "sm_scale_log2" else "i32"
     aligned = [i for i, n in enumerate(names) if n.endswith("_ptr")]
     src = GluonASTSource(g._fp4_decode_kernel, sig,
-                         constexprs={"GROUP": group, "SPLIT": True, "BS_LOG2": 4, "NUM_OUTLIERS": key_slots,
+                         constexprs={"GROUP": group, "SPLIT": True, "BS_LOG2": block_size.bit_length() - 1, "NUM_OUTLIERS": key_slots,
                                      **geometry},
                          attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
@@ -133,7 +133,8 @@ def main():
         import json
 
         slots = int(sys.argv[sys.argv.index("--key-slots") + 1]) if "--key-slots" in sys.argv else 2
-        rep = kernel_report(slots)
+        bs = int(sys.argv[sys.argv.index("--block-size") + 1]) if "--block-size" in sys.argv else 16
+        rep = kernel_report(slots, block_size=bs)
         if "--json" in sys.argv:
             print(json.dumps(rep))
         else:

@@ -381,15 +381,17 @@ def _zero_width(views):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Gluon: GPU only (no interpreter)")
-@pytest.mark.parametrize("heads,kv_heads,dtype,key_slots", [(28, 4, torch.bfloat16, True), (28, 4, torch.bfloat16, False),
-                                                            (12, 2, torch.bfloat16, True), (8, 1, torch.float16, True)])
-def test_fp4_gluon_decode_matches_the_reference(heads, kv_heads, dtype, key_slots):
+@pytest.mark.parametrize("heads,kv_heads,dtype,key_slots,bs", [
+    (28, 4, torch.bfloat16, True, 16), (28, 4, torch.bfloat16, False, 16), (12, 2, torch.bfloat16, True, 16),
+    (8, 1, torch.float16, True, 16), (28, 4, torch.bfloat16, True, 32), (12, 2, torch.bfloat16, True, 128)])
+def test_fp4_gluon_decode_matches_the_reference(heads, kv_heads, dtype, key_slots, bs):
     """kernels/fp4_gluon.py (decode tiles, no value slots) against the float32 reference over the
     same pool, with the value slots (and without key_slots the key slots) emptied; and against the
     Triton kernel over the same views: the same decoded values, summed in another order. Contexts
     of 1 key, partial 128-key steps and steps whose warps have no keys; 1-32 splits (3: a split
-    count that is not a power of two; 32: empty splits); the engine's default picks it."""
-    d, bs = 128, 16
+    count that is not a power of two; 32: empty splits); the engine's default picks it. Blocks of 16
+    keys (two per warp and step) and of 32 and 128 (one)."""
+    d = 128
     ctx_lens = [4096, 1, 77, 1000, 2049, 300, 1500, 128, 129, 33]
     q_lens = [1] * len(ctx_lens)
     nb = sum(-(-c // bs) for c in ctx_lens) + 3
