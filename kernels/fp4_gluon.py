@@ -166,8 +166,10 @@ def _ids(n0, stop, table_ptr, seq, s_table, BS_LOG2: gl.constexpr):
 def _rows(p0, p1, wk, kl, L: gl.constexpr, seg, S: gl.constexpr, BS_LOG2: gl.constexpr, LANE_BITS: gl.constexpr):
     """Byte pointers to the rows of keys wk + kl (kl: 0..31 as (1, KEYS) in L) in a segment that
     starts `seg` bytes into the page (its KV head's part) with S bytes per token. Written as a
-    base per block plus kl x S, so that the compiler folds each register's part of kl into the
-    loads' immediate offsets: one 64-bit add per (thread, block, segment) a step, none per key."""
+    base per block plus a lane's part of kl x S plus a register's part (LANE_BITS: the bits of kl
+    that vary across lanes in L), so that the compiler can fold the register parts into the loads'
+    immediate offsets (sm_90, Triton 3.6: 14 64-bit multiply-adds a step in the loop without key
+    slots, where per-key addresses took 4-6 instructions each)."""
     p0 = gl.convert_layout(p0, L, assert_trivial=True)
     p1 = gl.convert_layout(p1, L, assert_trivial=True)
     if BS_LOG2 >= 5:
