@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -468,10 +469,23 @@ def main() -> None:
                     + (f"  fp4/sdpa speedup {by['torch_sdpa_bf16']['us'] / by['ours_fp4_paged']['us']:.2f}x"
                        f" (graph {by['torch_sdpa_bf16']['us_graph'] / by['ours_fp4_paged']['us_graph']:.2f}x)"
                        if "ours_fp4_paged" in by else "")
+                    + _engine_fp4_line(by)
                     + f"  bf16/sdpa {by['ours_bf16_paged']['us'] / by['torch_sdpa_bf16']['us']:.2f}"
                     + f" (graph {by['ours_bf16_paged']['us_graph'] / by['torch_sdpa_bf16']['us_graph']:.2f})",
                     flush=True)
                 save()
+
+
+def _engine_fp4_line(by: dict) -> str:
+    """The engine's FP4 decode against SDPA, from a CUDA graph: the Gluon kernel at the engine's
+    split count (the `ours_fp4_gluon_s{n}` row with the smallest n; the engine's pool has no value
+    slots). `ours_fp4_paged` above is the Triton kernel over a pool with value slots, the default
+    before the twentieth session."""
+    rows = [v for k, v in by.items() if re.fullmatch(r"ours_fp4_gluon_s\d+", k)]
+    if not rows or "torch_sdpa_bf16" not in by:
+        return ""
+    g = min(rows, key=lambda v: v["num_splits"])
+    return f"  engine fp4 (gluon, {g['num_splits']} splits)/sdpa, graph {by['torch_sdpa_bf16']['us_graph'] / g['us_graph']:.2f}x"
 
 
 if __name__ == "__main__":
