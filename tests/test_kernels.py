@@ -680,3 +680,20 @@ def test_table_dequantize_is_bit_identical_to_the_reference():
                       torch.arange(32, dtype=torch.uint8).view(4, 8) * 4 % 127,
                       torch.zeros(4, 2, dtype=torch.uint8), torch.zeros(4, 2, dtype=torch.float16))
     assert torch.equal(dequantize_lut(every, 1.0), dequantize_ref(every, 1.0))
+
+
+def test_bench_kernels_reports_the_engine_fp4_row():
+    """bench_kernels' console line compares SDPA with the engine's FP4 decode: the Gluon row at the
+    smallest split count (the engine's), not a capped or slot-free variant."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_kernels.py"
+    spec = importlib.util.spec_from_file_location("bench_kernels_for_test", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    by = {"ours_fp4_gluon_s8": {"num_splits": 8, "us_graph": 20.0}, "ours_fp4_gluon_s16": {"num_splits": 16, "us_graph": 10.0},
+          "ours_fp4_gluon_r168_s8": {"num_splits": 8, "us_graph": 1.0},
+          "ours_fp4_gluon_no_outliers_s8": {"num_splits": 8, "us_graph": 1.0}, "torch_sdpa_bf16": {"us_graph": 30.0}}
+    assert bench._engine_fp4_line(by) == "  engine fp4 (gluon, 8 splits)/sdpa, graph 1.50x"
+    assert bench._engine_fp4_line({"torch_sdpa_bf16": {"us_graph": 30.0}}) == ""
