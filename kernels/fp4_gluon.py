@@ -475,11 +475,26 @@ def launch(q: torch.Tensor, out: torch.Tensor, part_acc: torch.Tensor, part_ml: 
     ))
 
 
-def page_geometry(fp4_k: tuple, fp4_v: tuple) -> dict:
+_GEOMETRY: dict = {}  # page_geometry's answers by the views' addresses, strides and shapes
+
+
+def page_geometry(fp4_k: tuple, fp4_v: tuple) -> dict | None:
     """The kernel's constants for one pool: the page's bytes (PAGE), each segment's byte offset from
     the key codes (KC = 0, KS, KI, KV, VC, VS) and the byte strides per token (_S) and per KV head
     (_H) of codes (C, both K and V), scales (S), slot indices (I) and slot values (O). None if the
-    views are not one kernels/fp4.FP4PagedLayer page (the same storage and block stride, K and V alike)."""
+    views are not one kernels/fp4.FP4PagedLayer page (the same storage and block stride, K and V alike).
+    Memoized by what determines it (each view's address, strides, shape and dtype): a decode step
+    asks once per layer, twice (supported, launch), and working it out takes tens of microseconds."""
+    views = (*fp4_k[:4], *fp4_v[:2])
+    key = tuple((t.data_ptr(), t.stride(), t.shape, t.dtype) for t in views)
+    if key not in _GEOMETRY:
+        if len(_GEOMETRY) > 256:
+            _GEOMETRY.clear()
+        _GEOMETRY[key] = _page_geometry(fp4_k, fp4_v)
+    return _GEOMETRY[key]
+
+
+def _page_geometry(fp4_k: tuple, fp4_v: tuple) -> dict | None:
     kc, ks, ki, kv, _ = fp4_k
     vc, vs, _, _, _ = fp4_v
     views = [t for t in (kc, ks, ki, kv, vc, vs) if t.numel()]  # without key slots, their views are empty

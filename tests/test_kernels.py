@@ -697,3 +697,27 @@ def test_bench_kernels_reports_the_engine_fp4_row():
           "ours_fp4_gluon_no_outliers_s8": {"num_splits": 8, "us_graph": 1.0}, "torch_sdpa_bf16": {"us_graph": 30.0}}
     assert bench._engine_fp4_line(by) == "  engine fp4 (gluon, 8 splits)/sdpa, graph 1.50x"
     assert bench._engine_fp4_line({"torch_sdpa_bf16": {"us_graph": 30.0}}) == ""
+
+
+def test_fp4_gluon_page_geometry():
+    """The Gluon kernel's pool constants: one FP4PagedLayer page per block, each segment's byte
+    offset and strides (memoized, the same answers); empty key-slot views give zeros; views that
+    are not one pool's pages give None (the call then takes the Triton kernel)."""
+    from kernels import fp4_gluon
+
+    bs, h, d = 16, 4, 128
+    layer = FP4PagedLayer(6, bs, h, d, "cpu", num_value_outliers=0)
+    k, v = layer.kernel_views("k"), layer.kernel_views("v")
+    g = fp4_gluon.page_geometry(k, v)
+    base = layer.pages.data_ptr()
+    assert g == fp4_gluon._page_geometry(k, v)
+    assert g["PAGE"] == layer.page_bytes and g["KC"] == 0 and k[0].data_ptr() == base
+    assert (g["C_S"], g["C_H"], g["S_S"], g["S_H"]) == (h * d // 2, d // 2, h * d // 16, d // 16)
+    assert (g["I_S"], g["I_H"], g["O_S"], g["O_H"]) == (h * 2, 2, h * 2 * 2, 2 * 2)
+    for name, t in (("KS", k[1]), ("KI", k[2]), ("KV", k[3]), ("VC", v[0]), ("VS", v[1])):
+        assert g[name] == t.data_ptr() - base and 0 < g[name] < layer.page_bytes, name
+    empty = (k[0], k[1], k[2][..., :0], k[3][..., :0], k[4])
+    g0 = fp4_gluon.page_geometry(empty, v)
+    assert (g0["KI"], g0["I_S"], g0["KV"], g0["O_S"]) == (0, 0, 0, 0) and g0["VC"] == g["VC"]
+    apart = tuple(t.clone() if i < 4 else t for i, t in enumerate(k))  # each segment its own tensor
+    assert fp4_gluon.page_geometry(apart, v) is None
