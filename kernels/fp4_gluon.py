@@ -167,7 +167,8 @@ def _rows(p0, p1, wk, kl, L: gl.constexpr, seg, S: gl.constexpr, BS_LOG2: gl.con
     """Byte pointers to the rows of keys wk + kl (kl: 0..31 as (1, KEYS) in L) in a segment that
     starts `seg` bytes into the page (its KV head's part) with S bytes per token. Written as a
     base per block plus a lane's part of kl x S plus a register's part (LANE_BITS: the bits of kl
-    that vary across lanes in L), so that the compiler can fold the register parts into the loads'
+    that vary across lanes in L; any value gives the same addresses, since bit 4 is never a lane
+    bit, and the right one is what lets the compiler fold), so that the compiler can fold the register parts into the loads'
     immediate offsets (sm_90, Triton 3.6: 14 64-bit multiply-adds a step in the loop without key
     slots, where per-key addresses took 4-6 instructions each)."""
     p0 = gl.convert_layout(p0, L, assert_trivial=True)
