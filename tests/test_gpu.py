@@ -57,3 +57,34 @@ def test_no_kernel_compiles_after_warmup(qwen2_vl_dir, kv):
     info = llm.cache_info()
     assert info["num_cuda_graphs"] > 0
     assert info["kernel_compiles_after_warmup"] == 0, info["kernels_compiled_after_warmup"]
+
+
+def test_narrow_decode_in_the_engine(tmp_path):
+    """Two KV heads, six sequences over > 4k keys: the decode steps' CUDA graphs take the dense
+    kernel's narrow shape (64 keys a step, 32 splits; kernels/paged_attention.py,
+    dense_narrow_decode), warm-up compiled it, and the tokens are those of each prompt run alone
+    (batch 1: the wide shape)."""
+    import json
+
+    from random_models import make_model
+
+    folder = make_model(tmp_path / "m", "qwen2_vl", naming="new")  # tiny: 4 heads, 2 KV heads
+    cfg_path = folder / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    for c in (cfg, cfg.get("text_config", {})):
+        if "max_position_embeddings" in c:
+            c["max_position_embeddings"] = 8192
+    cfg_path.write_text(json.dumps(cfg))
+    llm = LLM(str(folder), device="cuda", gpu_memory_utilization=0.2)
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(10, 300, (4200 + 37 * i,), generator=g).tolist()} for i in range(6)]
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    batch = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    info = llm.cache_info()
+    assert info["kernel_compiles_after_warmup"] == 0, info["kernels_compiled_after_warmup"]
+    shapes = {key[3] for key in llm.runner.graphs.graphs}
+    assert 64 in shapes, llm.runner.graphs.graphs.keys()
+    alone = [llm.generate([p], sp)[0].outputs[0].token_ids for p in prompts]
+    assert 128 in {key[3] for key in llm.runner.graphs.graphs}
+    same = sum(a == b for x, y in zip(batch, alone) for a, b in zip(x, y))
+    assert same >= 0.9 * sum(len(x) for x in batch), (batch, alone)

@@ -25,38 +25,47 @@ def test_buckets_and_text_positions_match_mrope():
 
 
 def test_graph_keys_take_the_eager_plans_split_count_and_decode_shape():
-    """A step's graph key (B, q, splits, wide) agrees with the plan the eager path makes for the
-    same step: the dense kernel's wide decode shape (up to 32 (sequence, KV head) pairs over >= 1k keys) and its
-    split count, the default elsewhere and for the FP4 kernel."""
+    """A step's graph key (B, q, splits, keys per step) agrees with the plan the eager path makes
+    for the same step: the dense kernel's wide decode shape (up to 32 (sequence, KV head) pairs over
+    >= 1k keys), at two KV heads its narrow one (9-16 pairs over >= 4k keys), and their split
+    counts; the default elsewhere and for the FP4 kernel."""
     from types import SimpleNamespace
 
     from docproc.engine.graph_runner import GraphRunner
     from kernels.paged_attention import plan_tiles
 
     class Runner:  # what GraphRunner reads of a ModelRunner
-        def __init__(self, wide, gluon):
+        def __init__(self, wide, gluon, kv_heads):
             self.device = torch.device("cpu")
             self.block_size = 16
-            self.backend = SimpleNamespace(num_heads=28, num_kv_heads=4, num_sms=132, wide_decode=wide,
-                                           fp4_gluon=gluon)
+            self.backend = SimpleNamespace(num_heads=7 * kv_heads, num_kv_heads=kv_heads, num_sms=132,
+                                           wide_decode=wide, fp4_gluon=gluon)
 
     def chunks(ends):
         return [SimpleNamespace(start=e - 1, end=e, seq=SimpleNamespace(block_table=[0] * (-(-e // 16))))
                 for e in ends]
 
-    # the dense backend (wide), the FP4 backend with the Triton kernel, and with the Gluon decode
-    for wide, gluon in ((True, False), (False, False), (False, True)):
-        runner = Runner(wide, gluon)
-        g = GraphRunner(runner, max_batch=16, max_len=40000, capture=False)
-        for ends in ([16384], [5000, 9000], [3000], [1000], [1024] * 2, [16384] * 4, [16384] * 5, [4096] * 3,
-                     [2048] * 9):
-            key = g.key_for(chunks(ends))
-            # the eager plan at the graph's (padded) batch, as the dense or the FP4 backend makes it
-            b = key[0]
-            plan = plan_tiles(list(range(b + 1)), (ends + [1] * b)[:b], [[0]] * b, 7, "cpu", num_kv_heads=4,
-                              dense=wide, fp4_gluon=gluon)
-            assert key[2] == plan.num_splits and key[3] == (plan.dense_block_n is not None), (wide, ends, key)
-            assert key[3] == (wide and max(ends) >= 1024 and b <= 8), (wide, ends, key)
+    # the dense backend (wide), the FP4 backend with the Triton kernel, and with the Gluon decode;
+    # 4 KV heads (7B) and 2 (2B)
+    seen = set()
+    for kv_heads in (4, 2):
+        for wide, gluon in ((True, False), (False, False), (False, True)):
+            runner = Runner(wide, gluon, kv_heads)
+            g = GraphRunner(runner, max_batch=16, max_len=40000, capture=False)
+            for ends in ([16384], [5000, 9000], [3000], [1000], [1024] * 2, [16384] * 4, [16384] * 5, [4096] * 3,
+                         [2048] * 9, [8192] * 6, [4095] * 8, [4096] * 8):
+                key = g.key_for(chunks(ends))
+                # the eager plan at the graph's (padded) batch, as the dense or the FP4 backend makes it
+                b = key[0]
+                plan = plan_tiles(list(range(b + 1)), (ends + [1] * b)[:b], [[0]] * b, 7, "cpu",
+                                  num_kv_heads=kv_heads, dense=wide, fp4_gluon=gluon)
+                assert key[2] == plan.num_splits and key[3] == plan.dense_block_n, (kv_heads, wide, ends, key)
+                pairs = b * kv_heads
+                narrow = wide and kv_heads == 2 and 8 < pairs <= 16 and max(ends) >= 4096
+                expect = 64 if narrow else 128 if wide and max(ends) >= 1024 and pairs <= 32 else None
+                assert key[3] == expect, (kv_heads, wide, ends, key)
+                seen.add(key[3])
+    assert seen == {None, 64, 128}
 
 
 # the interpreter path on CPU; on a GPU the captured graphs are tested instead (below)

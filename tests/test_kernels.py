@@ -202,6 +202,79 @@ def test_wide_decode_rule():
     assert forced.num_splits == 2 and forced.dense_block_n is None
 
 
+def test_dense_narrow_decode_matches_reference():
+    """The dense kernel's narrow decode shape (two KV heads, 9-16 (sequence, KV head) pairs: 64 keys
+    a step in 32 splits), as the engine's plan picks it, against the reference; sequences of
+    different lengths, some splits ending part way through a step or past a sequence's keys."""
+    heads, kv_heads, d, bs = 4, 2, 32, 16
+    q_lens, ctx_lens = [1] * 5, [4100, 4096, 5000, 4203, 4500]
+    nb = sum(-(-c // bs) for c in ctx_lens)
+    q, qs, tables = make_batch(q_lens, ctx_lens, heads, kv_heads, d, bs, nb)
+    plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_kv_heads=kv_heads, dense=True)
+    assert plan.dense_block_n == 64 and plan.num_splits == 32
+    out, ref = dense_and_reference(q, qs, ctx_lens, tables, plan, kv_heads, bs, nb)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4), (out - ref).abs().max()
+
+
+@pytest.mark.parametrize("q_lens,ctx_lens,splits", [([1, 1, 1], [700, 1000, 333], 12),
+                                                    ([2, 1], [500, 130], 9),
+                                                    ([1, 1], [90, 2000], 40)])
+def test_dense_fused_merge_matches_reference(q_lens, ctx_lens, splits):
+    """The dense kernel merging its own splits (the last program of each (tile, KV head) merges;
+    no merge kernel) gives the reference's output and the merge kernel's, and leaves its
+    counters at zero for the next launch. Decode tiles, a 2-token window (all 12 rows of the
+    tile real), empty splits (40 splits over 90 keys)."""
+    from kernels.paged_attention import merge_counters
+
+    heads, kv_heads, d, bs = 12, 2, 32, 16
+    nb = sum(-(-c // bs) for c in ctx_lens)
+    q, qs, tables = make_batch(q_lens, ctx_lens, heads, kv_heads, d, bs, nb)
+    plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=splits, num_kv_heads=kv_heads)
+    assert plan.block_m == 16 and plan.num_splits == splits
+    fused, ref = dense_and_reference(q, qs, ctx_lens, tables, plan, kv_heads, bs, nb, fused_merge=True)
+    assert torch.allclose(fused, ref, atol=1e-5, rtol=1e-4), (fused - ref).abs().max()
+    assert not merge_counters(DEV).any()
+    torch.manual_seed(0)
+    default, _ = dense_and_reference(q, qs, ctx_lens, tables, plan, kv_heads, bs, nb)  # fused by default (>= 9)
+    torch.manual_seed(0)
+    apart, _ = dense_and_reference(q, qs, ctx_lens, tables, plan, kv_heads, bs, nb, fused_merge=False)
+    assert torch.allclose(default, apart, atol=1e-6, rtol=1e-5), (default - apart).abs().max()
+    assert not merge_counters(DEV).any()
+
+
+def test_fused_merge_rule():
+    from kernels.paged_attention import fused_merge_default, fused_merge_shape
+
+    assert fused_merge_default(32, 16) and fused_merge_default(9, 16)
+    assert not fused_merge_default(8, 16) and not fused_merge_default(32, 32)  # few splits; prefill tiles
+    assert fused_merge_shape(1, 7, 16, 128) == (8, 32, 32)  # decode at GQA 7: 8 rows, 4 loads of 32 columns
+    assert fused_merge_shape(2, 6, 16, 128) == (16, 32, 16)
+    assert fused_merge_shape(1, 6, 16, 32) == (8, 32, 32)
+
+
+def test_narrow_decode_rule():
+    from kernels.paged_attention import dense_decode_block_n, dense_narrow_decode, warmup_launches
+    # two KV heads, 9-16 pairs (2B batch 5-8), one query token, >= 4k keys
+    assert dense_narrow_decode(8, 1, 16384, 2) and dense_narrow_decode(5, 1, 4096, 2)
+    assert not dense_narrow_decode(4, 1, 16384, 2)  # 8 pairs: wide
+    assert not dense_narrow_decode(9, 1, 16384, 2)  # 18 pairs: wide
+    assert not dense_narrow_decode(4, 1, 16384, 4)  # 16 pairs at 4 KV heads (7B batch 4): wide was faster
+    assert not dense_narrow_decode(8, 1, 4095, 2) and not dense_narrow_decode(8, 2, 16384, 2)
+    assert dense_decode_block_n(8, 1, 16384, 2) == 64 and dense_decode_block_n(8, 1, 2048, 2) == 128
+    assert dense_decode_block_n(4, 1, 16384, 4) == 128 and dense_decode_block_n(16, 1, 16384, 4) is None
+    # its split count: the default's, 32 for 9-16 pairs from 4k keys
+    for tiles, ctx in ((5, 4096), (8, 16384), (8, 32768), (7, 9000)):
+        assert default_num_splits(tiles, ctx, 132, 2) == 32
+    # only the dense kernel's plans take it
+    q8 = list(range(9))
+    assert plan_tiles(q8, [16384] * 8, [[0]] * 8, 6, "cpu", num_kv_heads=2, dense=True).dense_block_n == 64
+    assert plan_tiles(q8, [16384] * 8, [[0]] * 8, 6, "cpu", num_kv_heads=2).dense_block_n is None
+    # warm-up compiles its (split) variant at two KV heads only
+    assert {(1, 1, 64), (1, 2, 64), (1, 16, 64)} <= set(warmup_launches(6, dense=True, num_kv_heads=2))
+    assert not any(x[2] == 64 for x in warmup_launches(7, dense=True, num_kv_heads=4))
+    assert not any(x[2] == 64 for x in warmup_launches(6, dense=False, num_kv_heads=2))
+
+
 def test_wide_decode_only_for_two_byte_dense_caches():
     """The backends that ask for the wide shape: the dense kernel over bf16/fp16 K/V with bf16/fp16
     compute at head_dim <= 128 (float32 tiles, or head_dim 256, of 128 keys in two stages would not
@@ -567,33 +640,44 @@ def test_split_counts_fill_the_chip_only_where_it_is_underfilled():
 
 def test_warmup_launches_cover_every_plan_the_engine_can_make():
     """Every (tile shape, split count) that a step can ask for -- decode, verify windows, prefill
-    chunks, any batch and context -- is among the launches the engine compiles at start."""
+    chunks, any batch and context -- is among the launches the engine compiles at start: for the
+    dense kernel (its wide and narrow decode shapes, its fused merge) and the FP4 ones."""
     import random
 
-    rng = random.Random(0)
-    for group in (1, 2, 6, 7, 8):
-        # a kernel variant is (tile shape, split or not, the merge kernel's shape): the split count
-        # itself is a run-time argument
-        # (the attention kernel's keys per step do not reach the merge kernel)
-        def variant(shape, splits, dense_block_n):
-            return (shape, splits > 1, dense_block_n), (shape, splits > 1 and merge_shape(splits, shape[1], 128))
+    from kernels.paged_attention import fused_merge_default
 
-        dense = group in (6, 7)  # the dense kernel's plans (wide decode shape) at the real models' groups
-        launches = [variant(tile_shape(q_len, group), splits, dbn)
-                    for q_len, splits, dbn in warmup_launches(group, dense=dense)]
-        warm = {a for a, _ in launches}, {m for _, m in launches}
-        for _ in range(300):
-            n = rng.choice([1, 2, 3, 8, 32, 130])
-            q_max = rng.choice([1, 2, 3, 5, 9, 17, 64, 2048])
-            q_lens = [rng.randint(1, q_max) for _ in range(n)]
-            ctx = [q + rng.choice([0, 5, 900, 4000, 40000]) for q in q_lens]
-            starts = [0]
-            for q in q_lens:
-                starts.append(starts[-1] + q)
-            plan = plan_tiles(starts, ctx, [[0]] * n, group, "cpu", num_sms=rng.choice([1, 78, 132]),
-                              num_kv_heads=rng.choice([1, 2, 4]), dense=dense)
-            attn, merge = variant((plan.tokens_per_tile, plan.block_m), plan.num_splits, plan.dense_block_n)
-            assert attn in warm[0] and merge in warm[1], (group, q_lens, ctx)
+    rng = random.Random(0)
+    seen = set()
+    for group in (1, 2, 6, 7, 8):
+        for dense in (True, False):
+            # a kernel variant is (tile shape, split or not, the dense kernel's keys per step and
+            # whether it merges its own splits) and the merge kernel's shape: the split count itself
+            # is a run-time argument (the attention kernel's keys per step do not reach the merge kernel)
+            def variant(shape, splits, dense_block_n):
+                fused = dense and fused_merge_default(splits, shape[1])
+                return ((shape, splits > 1, dense_block_n, fused),
+                        (shape, splits > 1 and not fused and merge_shape(splits, shape[1], 128)))
+
+            warm = {}
+            for kv_heads in (1, 2, 4):
+                launches = [variant(tile_shape(q_len, group), splits, dbn)
+                            for q_len, splits, dbn in warmup_launches(group, dense=dense, num_kv_heads=kv_heads)]
+                warm[kv_heads] = {a for a, _ in launches}, {m for _, m in launches}
+            for _ in range(300):
+                n = rng.choice([1, 2, 3, 4, 8, 32, 130])
+                q_max = rng.choice([1, 1, 2, 3, 5, 9, 17, 64, 2048])
+                q_lens = [rng.randint(1, q_max) for _ in range(n)]
+                ctx = [q + rng.choice([0, 5, 900, 4000, 40000]) for q in q_lens]
+                starts = [0]
+                for q in q_lens:
+                    starts.append(starts[-1] + q)
+                kv_heads = rng.choice([1, 2, 4])
+                plan = plan_tiles(starts, ctx, [[0]] * n, group, "cpu", num_sms=rng.choice([1, 78, 132]),
+                                  num_kv_heads=kv_heads, dense=dense)
+                attn, merge = variant((plan.tokens_per_tile, plan.block_m), plan.num_splits, plan.dense_block_n)
+                assert attn in warm[kv_heads][0] and merge in warm[kv_heads][1], (group, kv_heads, q_lens, ctx)
+                seen.add((plan.dense_block_n, attn[3]))
+    assert seen == {(None, False), (None, True), (64, False), (64, True), (128, False), (128, True)}, seen
 
 
 def test_block_table_width_and_split_count_do_not_make_new_kernel_variants():

@@ -6,8 +6,9 @@ them with one launch. Graphs need fixed shapes and fixed addresses, so:
 
 - a graph is captured per key (B, q, S, W): at most B sequences with at most q new tokens each, S
   attention key splits (flash-decoding; from the step's longest context, as the eager path picks
-  them, so a run whose contexts stay in one range uses one or two split counts), W whether the
-  dense kernel decodes in its wide shape (kernels/paged_attention.py, dense_wide_decode). Every
+  them, so a run whose contexts stay in one range uses one or two split counts), W the dense
+  kernel's keys per step where it decodes in its wide or narrow shape, else None
+  (kernels/paged_attention.py, dense_decode_block_n). Every
   sequence gets q query rows; a shorter window is padded, and so are missing sequences. Padded
   rows have token 0, position 0 and write their K/V to a scratch slot (the pool's last block,
   which the block manager never hands out); their attention tiles have zero query tokens, so
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 
 from docproc.layers.attention import AttentionMetadata
-from kernels.paged_attention import WIDE_BLOCK_N, TilePlan, default_num_splits, dense_wide_decode, tile_shape
+from kernels.paged_attention import WIDE_BLOCK_N, TilePlan, default_num_splits, dense_decode_block_n, tile_shape
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 Q_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -94,7 +95,7 @@ class GraphRunner:
         self.dev32 = torch.zeros_like(self.host32, device=self.device)
         self.copied = torch.cuda.Event() if capture else None
         self.pool = None
-        self.graphs: dict[tuple[int, int, int, bool], tuple] = {}
+        self.graphs: dict[tuple[int, int, int, int | None], tuple] = {}
         self._layouts: dict[tuple[int, int, int, bool], tuple] = {}
         self.num_replays = 0
         self.capture_seconds = 0.0
@@ -111,7 +112,7 @@ class GraphRunner:
         return (self.runner.kv_cache.num_blocks - 1) * self.block_size
 
     # ---- eligibility -----------------------------------------------------------------------
-    def key_for(self, chunks) -> tuple[int, int, int] | None:
+    def key_for(self, chunks) -> tuple[int, int, int, int | None] | None:
         if not chunks:
             return None
         q = max(c.end - c.start for c in chunks)
@@ -124,9 +125,11 @@ class GraphRunner:
                 return None
         tokens, _ = tile_shape(qb, self.group)
         tiles, ctx = b * -(-qb // tokens), max(c.end for c in chunks)
-        wide = self.wide_decode and dense_wide_decode(tiles, qb, ctx, self.num_kv_heads)
+        # the dense kernel's keys per step (its wide or narrow decode shape) or None
+        shape = dense_decode_block_n(tiles, qb, ctx, self.num_kv_heads) if self.wide_decode else None
         gluon = self.fp4_gluon and qb == 1  # the Gluon FP4 decode's split count (plan_tiles' fp4_gluon)
-        return b, qb, default_num_splits(tiles, ctx, self.num_sms, self.num_kv_heads, wide=wide or gluon), wide
+        wide = shape == WIDE_BLOCK_N
+        return b, qb, default_num_splits(tiles, ctx, self.num_sms, self.num_kv_heads, wide=wide or gluon), shape
 
     # ---- per step ----------------------------------------------------------------------------
     def _layout(self, key):
@@ -254,7 +257,7 @@ class GraphRunner:
         views, n, t, tokens, block_m, _, _ = self._layout(key)
         splits = key[2]
         plan = TilePlan(views["tile_seq"], views["tile_tok"], views["tile_nq"], views["tile_pos"], views["table"],
-                        tokens, block_m, splits, 0, WIDE_BLOCK_N if key[3] else None)
+                        tokens, block_m, splits, 0, key[3])
         meta = AttentionMetadata(views["slots"], [0, n], [n], [], self.block_size, plan)
         text = self.runner.model.text
         hidden = text(views["ids"], views["pos"], self.runner.kv_cache.layers, meta, self.runner.backend)

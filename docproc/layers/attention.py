@@ -90,7 +90,8 @@ class _Backend:
         t0 = time.perf_counter()
         n_blocks = self.num_blocks(layer)
         for q_len, splits, dense_block_n in warmup_launches(self.num_heads // self.num_kv_heads,
-                                                            dense=self.wide_decode):
+                                                            dense=self.wide_decode,
+                                                            num_kv_heads=self.num_kv_heads):
             ctx = q_len
             blocks = list(range(min(n_blocks, -(-ctx // block_size))))
             if len(blocks) * block_size < ctx:
