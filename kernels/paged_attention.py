@@ -181,30 +181,6 @@ def _store_tile(out_ptr, part_acc_ptr, part_ml_ptr, acc_lo, acc_hi, m_i, l_i, ti
         tl.store(part_ml_ptr + base * 2 * BLOCK_M + BLOCK_M + r, l_i, mask=row_ok)
 
 
-@triton.jit
-def _fused_merge(out_ptr, part_acc_ptr, part_ml_ptr, count_ptr, tile, kvh, nq, tok0, num_splits, so_t, so_h,
-                 GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, HALF: tl.constexpr,
-                 M_ROWS: tl.constexpr, F_CHUNK: tl.constexpr, F_BLOCK_D: tl.constexpr):
-    """The split-K merge inside the attention kernel: the last of a (tile, KV head)'s num_splits
-    programs to store its partials merges them all and writes the output, so no merge kernel
-    runs. Each program counts itself in count_ptr[tile, kvh] once its partials are stored; the
-    count is reset by the merging program, so it is 0 at every launch (the buffer starts zeroed).
-    Ordering as in a grid barrier: a CTA barrier after the partial stores, then one gpu-scope
-    acquire-release atomic; the merging program reads the partials through L2 (.cg)."""
-    tl.debug_barrier()  # every thread's partial stores before the count (the release covers them)
-    cnt_ptr = count_ptr + tile * tl.num_programs(1) + kvh
-    done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == num_splits - 1:
-        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
-        r, t, head, row_ok = _tile_rows(kvh, nq, GROUP, TOKENS, M_ROWS)  # the tile's real rows only
-        base0 = (tile * tl.num_programs(1) + kvh) * num_splits
-        for c0 in tl.static_range(0, 2 * HALF, F_BLOCK_D):
-            dd = c0 + tl.arange(0, F_BLOCK_D)
-            acc, l_run = _merge_partials(part_acc_ptr, part_ml_ptr, base0, num_splits, r, row_ok, dd, BLOCK_M, HALF,
-                                         F_CHUNK, True)
-            _store_merged(out_ptr, acc, l_run, tok0, t, head, row_ok, dd, so_t, so_h)
-
-
 # Integer arguments Triton must not specialize on (it compiles a variant for a value of 1 and one
 # for a multiple of 16). The block table's row stride is its width, the longest table of the step:
 # it changes from step to step, so a warm-up at one width would not cover a step at another (one
@@ -220,7 +196,7 @@ UNSPECIALIZED = ["s_table", "num_splits"]
 @triton.jit(do_not_specialize=UNSPECIALIZED)
 def _paged_attn_kernel(
     # pointers
-    q_ptr, out_ptr, part_acc_ptr, part_ml_ptr, count_ptr,
+    q_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     tile_seq_ptr, tile_tok_ptr, tile_nq_ptr, tile_pos_ptr, table_ptr,
     k_ptr, v_ptr,  # bf16/fp16/fp32 caches (num_blocks, block_size, Hkv, D)
     # sizes
@@ -231,8 +207,6 @@ def _paged_attn_kernel(
     # meta
     GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HALF: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr,
-    FUSED_MERGE: tl.constexpr = False, M_ROWS: tl.constexpr = 16, F_CHUNK: tl.constexpr = 32,
-    F_BLOCK_D: tl.constexpr = 32,
 ):
     pdl.start(PDL)  # kernels/pdl.py: everything below depends on earlier kernels
     pdl.wait(PDL)
@@ -266,9 +240,6 @@ def _paged_attn_kernel(
 
     _store_tile(out_ptr, part_acc_ptr, part_ml_ptr, acc_lo, acc_hi, m_i, l_i, tile, kvh, split, tok0, t, head, r,
                 row_ok, d, so_t, so_h, num_splits, BLOCK_M, HALF, SPLIT)
-    if SPLIT and FUSED_MERGE:
-        _fused_merge(out_ptr, part_acc_ptr, part_ml_ptr, count_ptr, tile, kvh, nq, tok0, num_splits, so_t, so_h,
-                     GROUP, TOKENS, BLOCK_M, HALF, M_ROWS, F_CHUNK, F_BLOCK_D)
 
 
 def _fp4_pair_steps(word: str, scales: tuple[str, str, str, str], outs: list[str]) -> list[str]:
@@ -594,50 +565,6 @@ def _paged_attn_fp4_kernel(
                 row_ok, d, so_t, so_h, num_splits, BLOCK_M, HALF, SPLIT)
 
 
-@triton.jit
-def _merge_partials(part_acc_ptr, part_ml_ptr, base0, num_splits, r, row_ok, dd,
-                    BLOCK_M: tl.constexpr, HALF: tl.constexpr, CHUNK: tl.constexpr, CG: tl.constexpr):
-    """The merge of the num_splits partials of one (tile, KV head) (base0: its first split's index)
-    for rows r (some of the tile's BLOCK_M rows) and output columns dd: log-sum-exp in one pass
-    with a running maximum, CHUNK splits a load. Returns the unnormalized output and the sum of
-    weights. CG: read the partials through L2 only (the fused merge reads what other programs of
-    the same launch wrote)."""
-    c = tl.arange(0, CHUNK)
-    m_run = tl.full(r.shape, float("-inf"), tl.float32)
-    l_run = tl.zeros(r.shape, tl.float32)
-    acc = tl.zeros([r.shape[0], dd.shape[0]], tl.float32)
-    for s0 in range(0, num_splits, CHUNK):
-        split = base0 + s0 + c
-        ok = (s0 + c) < num_splits
-        ml = part_ml_ptr + split[:, None] * 2 * BLOCK_M + r[None, :]
-        okr = ok[:, None] & row_ok[None, :]  # rows the attention kernel wrote
-        a_ptr = part_acc_ptr + split[:, None, None] * BLOCK_M * 2 * HALF + r[None, :, None] * 2 * HALF + dd[None, None, :]
-        if CG:
-            m = tl.load(ml, mask=okr, other=float("-inf"), cache_modifier=".cg")  # (CHUNK, rows)
-            l = tl.load(ml + BLOCK_M, mask=okr, other=0.0, cache_modifier=".cg")
-            a = tl.load(a_ptr, mask=okr[:, :, None], other=0.0, cache_modifier=".cg")  # (CHUNK, rows, cols)
-        else:
-            m = tl.load(ml, mask=okr, other=float("-inf"))
-            l = tl.load(ml + BLOCK_M, mask=okr, other=0.0)
-            a = tl.load(a_ptr, mask=okr[:, :, None], other=0.0)
-        m_new = tl.maximum(m_run, tl.max(m, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_run - m_safe)  # 0 while nothing came before
-        w = tl.exp2(m - m_safe[None, :])  # 0 for an empty split (m = -inf) and for the masked ones
-        acc = acc * alpha[:, None] + tl.sum(a * w[:, :, None], 0)
-        l_run = l_run * alpha + tl.sum(l * w, 0)
-        m_run = m_new
-    return acc, l_run
-
-
-@triton.jit
-def _store_merged(out_ptr, acc, l_run, tok0, t, head, row_ok, dd, so_t, so_h):
-    inv = tl.where(l_run > 0, 1.0 / tl.maximum(l_run, 1e-30), 0.0)
-    o_off = (tok0 + t) * so_t + head * so_h
-    tl.store(out_ptr + o_off[:, None] + dd[None, :], (acc * inv[:, None]).to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None])
-
-
 @triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr, tile_tok_ptr, tile_nq_ptr,
@@ -661,44 +588,31 @@ def _combine_kernel(
     r, t, head, row_ok = _tile_rows(kvh, nq, GROUP, TOKENS, BLOCK_M)
     dd = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     base0 = (tile * tl.num_programs(1) + kvh) * num_splits
-    acc, l_run = _merge_partials(part_acc_ptr, part_ml_ptr, base0, num_splits, r, row_ok, dd, BLOCK_M, HALF, CHUNK,
-                                 False)
+    c = tl.arange(0, CHUNK)
+    m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_run = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for s0 in range(0, num_splits, CHUNK):
+        split = base0 + s0 + c
+        ok = (s0 + c) < num_splits
+        ml = part_ml_ptr + split[:, None] * 2 * BLOCK_M + r[None, :]
+        okr = ok[:, None] & row_ok[None, :]  # rows the attention kernel wrote
+        m = tl.load(ml, mask=okr, other=float("-inf"))  # (CHUNK, BLOCK_M)
+        l = tl.load(ml + BLOCK_M, mask=okr, other=0.0)
+        a = tl.load(part_acc_ptr + split[:, None, None] * BLOCK_M * 2 * HALF + r[None, :, None] * 2 * HALF
+                    + dd[None, None, :], mask=okr[:, :, None], other=0.0)  # (CHUNK, BLOCK_M, BLOCK_D)
+        m_new = tl.maximum(m_run, tl.max(m, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_safe)  # 0 while nothing came before
+        w = tl.exp2(m - m_safe[None, :])  # 0 for an empty split (m = -inf) and for the masked ones
+        acc = acc * alpha[:, None] + tl.sum(a * w[:, :, None], 0)
+        l_run = l_run * alpha + tl.sum(l * w, 0)
+        m_run = m_new
     pdl.end(PDL)
-    _store_merged(out_ptr, acc, l_run, tok0, t, head, row_ok, dd, so_t, so_h)
-
-
-# The dense kernel merges its splits itself (_fused_merge) for decode tiles (<= 16 rows) split more
-# than FUSED_MIN_SPLITS ways: the few-sequence, long-context steps whose merge kernel is a visible
-# share of the step. Measured on the H200: BENCHMARKS.md, twenty-second session.
-FUSED_MIN_SPLITS = 9
-COUNTER_CAPACITY = 1 << 16  # (tile, KV head) counters per device; a bigger launch uses the merge kernel
-_COUNTERS: dict[str, torch.Tensor] = {}
-
-
-def fused_merge_default(num_splits: int, block_m: int) -> bool:
-    """Whether the dense kernel merges its own splits (no merge kernel) when the caller names
-    neither: decode tiles split FUSED_MIN_SPLITS ways or more, unless DOCPROC_FUSED_MERGE=0."""
-    return (num_splits >= FUSED_MIN_SPLITS and block_m <= 16
-            and os.environ.get("DOCPROC_FUSED_MERGE", "1") != "0")
-
-
-def fused_merge_shape(tokens: int, group: int, block_m: int, head_dim: int) -> tuple[int, int, int]:
-    """The fused merge's (rows, splits per load, columns per load): the tile's real rows rounded
-    up to a power of two (8 for one token at GQA 6-7, not the tile's 16), 32 splits and a
-    (32, rows, cols) load of 8K values (64 a thread at 4 warps)."""
-    rows = min(block_m, max(8, triton.next_power_of_2(tokens * group)))
-    return rows, 32, max(8, min(head_dim, 8192 // (32 * rows)))
-
-
-def merge_counters(device) -> torch.Tensor:
-    """The fused merge's per-(tile, KV head) counters for a device: COUNTER_CAPACITY int32 zeros,
-    allocated once (the engine's warm-up does, before any CUDA graph capture) and left at zero by
-    every launch. One stream at a time uses them (the engine runs on one)."""
-    key = str(torch.device(device))
-    buf = _COUNTERS.get(key)
-    if buf is None:
-        buf = _COUNTERS[key] = torch.zeros(COUNTER_CAPACITY, dtype=torch.int32, device=device)
-    return buf
+    inv = tl.where(l_run > 0, 1.0 / tl.maximum(l_run, 1e-30), 0.0)
+    o_off = (tok0 + t) * so_t + head * so_h
+    tl.store(out_ptr + o_off[:, None] + dd[None, :], (acc * inv[:, None]).to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
 
 
 def merge_shape(num_splits: int, block_m: int, head_dim: int) -> tuple[int, int]:
@@ -750,20 +664,20 @@ def warmup_launches(group: int, max_window: int = 64, dense: bool = False,
     kernels that plan_tiles and default_num_splits can ask for with GQA group `group`: one window
     length per distinct tile_shape (decode, verify windows, prefill chunks), unsplit (1) and split
     (the split count is a run-time argument, so 2 stands for every count up to 8 and 16 for every
-    count above: the two shapes of the merge kernel, merge_shape, and the dense kernel's split
-    variants without and with its fused merge, fused_merge_default). The other compile-time parameters are fixed per engine (head size,
+    count above, the two shapes of the merge kernel, merge_shape). The other compile-time parameters are fixed per engine (head size,
     cache format, group, dtype) or follow from the tile shape (the FP4 key layout, the dense
     kernel's keys per step), but for the dense kernel's wide decode (dense_wide_decode): its 128
-    keys a step, and at two KV heads its narrow decode (dense_narrow_decode): 64 keys a step, each
-    unsplit and split both ways. Triples (q_len, splits, the plan's dense_block_n)."""
+    keys a step, unsplit and split, and at two KV heads its narrow decode (dense_narrow_decode): 64
+    keys a step, unsplit and split (32 splits on 132 SMs; fewer SMs, fewer). Triples (q_len,
+    splits, the plan's dense_block_n)."""
     shapes: dict[tuple[int, int], int] = {}
     for q_len in range(1, max_window + 1):
         shapes.setdefault(tile_shape(q_len, group), q_len)
     out = [(q_len, s, None) for q_len in shapes.values() for s in (1, 2, 16)]
     if dense:
-        out += [(1, s, WIDE_BLOCK_N) for s in (1, 2, 16)]
+        out += [(1, s, WIDE_BLOCK_N) for s in (1, 2)]
         if num_kv_heads == 2:
-            out += [(1, s, NARROW_BLOCK_N) for s in (1, 2, 16)]
+            out += [(1, s, NARROW_BLOCK_N) for s in (1, 2)]
     return out
 
 
@@ -797,7 +711,9 @@ def dense_wide_decode(num_tiles: int, max_q: int, max_context: int, num_kv_heads
 # nineteenth session, 2B batch 8 (16 pairs), this shape against the wide one, PDL on: 4k keys 12.26
 # against 13.67 us, 16k 40.43 against 42.04, 32k 70.96 against 73.74 (PDL off, 16k: 41.50 against
 # 41.26); the same pair count at four KV heads (7B batch 4, 16k) was 10% slower than wide (45.63
-# against 41.38), so only two KV heads. Twenty-second session: see BENCHMARKS.md.
+# against 41.38), so only two KV heads. Twenty-second session, as the engine plans it: batch 8 at
+# 8k, 16k, 32k keys 25.1, 40.4, 70.3 us against wide's 25.6, 41.6, 72.9 (SDPA 22.7, 37.0, 66.0);
+# batch 6 (12 pairs) 21.5, 36.0, 62.2 against 23.5, 39.0, 68.1.
 NARROW_BLOCK_N = 64
 NARROW_MIN_CONTEXT = 4096
 
@@ -941,8 +857,6 @@ def paged_attention(
     # default_fp4_maxnreg; dense the compiler's choice); 0: no cap
     fp4_gluon: bool | None = None,  # FP4 decode tiles: the Gluon kernel (kernels/fp4_gluon.py); None: where
     # it can run the call (fp4_gluon.supported) unless DOCPROC_FP4_GLUON=0; True: it must
-    fused_merge: bool | None = None,  # dense kernel, split: the last program of each (tile, KV head) merges
-    # the splits (no merge kernel); None: fused_merge_default
 ) -> torch.Tensor:
     n_tok, n_heads, d = q.shape
     is_fp4 = fp4_k is not None
@@ -1035,12 +949,8 @@ def paged_attention(
             num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
         )
     else:
-        if fused_merge is None:
-            fused_merge = fused_merge_default(splits, plan.block_m)
-        fused_merge = bool(fused_merge) and splits > 1 and n_tiles * n_kv <= COUNTER_CAPACITY
-        m_rows, f_chunk, f_block_d = fused_merge_shape(plan.tokens_per_tile, group, plan.block_m, d)
         _paged_attn_kernel[(n_tiles, n_kv, splits)](
-            q, out, part_acc, part_ml, merge_counters(q.device) if fused_merge else part_ml,
+            q, out, part_acc, part_ml,
             plan.tile_seq, plan.tile_tok, plan.tile_nq, plan.tile_pos, plan.block_table,
             k_cache, v_cache,
             block_size, scale * LOG2E, splits,
@@ -1048,12 +958,9 @@ def paged_attention(
             *strides_k,
             GROUP=group, TOKENS=plan.tokens_per_tile, BLOCK_M=plan.block_m, BLOCK_N=block_n, HALF=d // 2,
             SPLIT=splits > 1, DOT_FP32=dot_fp32,
-            FUSED_MERGE=fused_merge, M_ROWS=m_rows, F_CHUNK=f_chunk, F_BLOCK_D=f_block_d,
             num_warps=num_warps, num_stages=num_stages, **pdl.attention_launch(q),
             **({"maxnreg": maxnreg} if maxnreg else {}),
         )
-        if fused_merge:
-            return out
     if splits > 1:
         chunk, block_d = merge_shape(splits, plan.block_m, d)
         _combine_kernel[(n_tiles, n_kv, d // block_d)](

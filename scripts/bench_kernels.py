@@ -27,7 +27,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kernels import pdl  # noqa: E402
 from kernels.fp4 import FP4PagedLayer, bytes_per_token_head  # noqa: E402
-from kernels.paged_attention import default_num_splits, fused_merge_default, paged_attention, plan_tiles  # noqa: E402
+from kernels.paged_attention import default_num_splits, paged_attention, plan_tiles  # noqa: E402
 
 GEOMETRIES = {"7b": (28, 4, 128), "2b": (12, 2, 128)}
 BLOCK_SIZE = 16
@@ -58,7 +58,6 @@ TUNED = {"bf16": {"block_n": 32, "num_warps": 4, "num_stages": 2},
 
 KERNEL_PROFILE = False  # --kernel-profile
 BF16_ONLY = False  # --bf16-only
-MERGE_ABLATION = False  # --merge-ablation
 GLUON = False  # --gluon
 SWEEP_STAGES = (2, 3, 4)  # --sweep-stages
 
@@ -166,14 +165,6 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
             record(f"ours_bf16_paged_splits{n_sp}", lambda: paged_attention(
                 q, plan_x, d ** -0.5, k_cache=k, v_cache=v, **cfg), 2 * batch * ctx * hkv * d * 2, {"config": cfg},
                 splits=n_sp)
-    if MERGE_ABLATION and plan_d.num_splits > 1:
-        # the same plan with the merge kernel instead of the fused merge (or fused where the
-        # default is not): kernels/paged_attention.py, fused_merge_default
-        fused = fused_merge_default(plan_d.num_splits, plan_d.block_m)
-        record(f"ours_bf16_paged_{'unfused' if fused else 'fused'}", lambda: paged_attention(
-            q, plan_d, d ** -0.5, k_cache=k, v_cache=v, fused_merge=not fused, **cfg_d),
-            2 * batch * ctx * hkv * d * 2, {"config": cfg_d, "dense_block_n": plan_d.dense_block_n,
-                                            "fused_merge": not fused}, splits=plan_d.num_splits)
     if pdl_ablation:
         # the same plan and kernels launched without programmatic dependent launch (kernels/pdl.py;
         # DOCPROC_PDL=0 for a whole run): the merge kernel then starts after the attention kernel ends
@@ -420,9 +411,6 @@ def main() -> None:
     ap.add_argument("--pdl-ablation", action="store_true",
                     help="bf16: also time the default plan with programmatic dependent launch off")
     ap.add_argument("--bf16-only", action="store_true", help="leave out the FP4 rows (the dense kernel and SDPA)")
-    ap.add_argument("--merge-ablation", action="store_true",
-                    help="the dense kernel's plan also with its split merge the other way (the merge kernel where "
-                         "the default fuses it, fused where not): rows ours_bf16_paged_unfused / _fused")
     ap.add_argument("--gluon", action="store_true",
                     help="FP4: also time the Gluon decode kernel (no value slots; key slots 2 and none) and the "
                          "Triton kernel over the same views")
@@ -439,10 +427,9 @@ def main() -> None:
                     help="also record each row's device kernels and their time per call (torch.profiler); "
                          "run with DOCPROC_PDL=0, else a kernel's time includes its wait for the one before")
     a = ap.parse_args()
-    global KERNEL_PROFILE, BF16_ONLY, SWEEP_STAGES, GLUON, MERGE_ABLATION
+    global KERNEL_PROFILE, BF16_ONLY, SWEEP_STAGES, GLUON
     KERNEL_PROFILE = a.kernel_profile
     BF16_ONLY = a.bf16_only
-    MERGE_ABLATION = a.merge_ablation
     GLUON = a.gluon
     SWEEP_STAGES = tuple(map(int, a.sweep_stages.split(",")))
     t0 = time.time()

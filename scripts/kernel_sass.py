@@ -36,7 +36,7 @@ DENSE_INTS = dict(block_size=16, sq_t=3584, sq_h=128, so_t=3584, so_h=128, s_tab
                   sk_s=4 * 128, sk_h=128)
 POINTER_TYPES = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
                  "k_ptr": "*bf16", "v_ptr": "*bf16", "kv_ptr": "*fp16", "vv_ptr": "*fp16", "khs_ptr": "*fp32",
-                 "vhs_ptr": "*fp32", "table_ptr": "*i32", "eye_ptr": "*bf16", "count_ptr": "*i32"}
+                 "vhs_ptr": "*fp32", "table_ptr": "*i32", "eye_ptr": "*bf16"}
 
 
 def compile_sass(kernel: str, block_n: int, num_warps: int, keys_as_rows: bool, ptx_decode: bool = True,

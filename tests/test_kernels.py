@@ -216,42 +216,6 @@ def test_dense_narrow_decode_matches_reference():
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4), (out - ref).abs().max()
 
 
-@pytest.mark.parametrize("q_lens,ctx_lens,splits", [([1, 1, 1], [700, 1000, 333], 12),
-                                                    ([2, 1], [500, 130], 9),
-                                                    ([1, 1], [90, 2000], 40)])
-def test_dense_fused_merge_matches_reference(q_lens, ctx_lens, splits):
-    """The dense kernel merging its own splits (the last program of each (tile, KV head) merges;
-    no merge kernel) gives the reference's output and the merge kernel's, and leaves its
-    counters at zero for the next launch. Decode tiles, a 2-token window (all 12 rows of the
-    tile real), empty splits (40 splits over 90 keys)."""
-    from kernels.paged_attention import merge_counters
-
-    heads, kv_heads, d, bs = 12, 2, 32, 16
-    nb = sum(-(-c // bs) for c in ctx_lens)
-    q, qs, tables = make_batch(q_lens, ctx_lens, heads, kv_heads, d, bs, nb)
-    plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=splits, num_kv_heads=kv_heads)
-    assert plan.block_m == 16 and plan.num_splits == splits
-    fused, ref = dense_and_reference(q, qs, ctx_lens, tables, plan, kv_heads, bs, nb, fused_merge=True)
-    assert torch.allclose(fused, ref, atol=1e-5, rtol=1e-4), (fused - ref).abs().max()
-    assert not merge_counters(DEV).any()
-    torch.manual_seed(0)
-    default, _ = dense_and_reference(q, qs, ctx_lens, tables, plan, kv_heads, bs, nb)  # fused by default (>= 9)
-    torch.manual_seed(0)
-    apart, _ = dense_and_reference(q, qs, ctx_lens, tables, plan, kv_heads, bs, nb, fused_merge=False)
-    assert torch.allclose(default, apart, atol=1e-6, rtol=1e-5), (default - apart).abs().max()
-    assert not merge_counters(DEV).any()
-
-
-def test_fused_merge_rule():
-    from kernels.paged_attention import fused_merge_default, fused_merge_shape
-
-    assert fused_merge_default(32, 16) and fused_merge_default(9, 16)
-    assert not fused_merge_default(8, 16) and not fused_merge_default(32, 32)  # few splits; prefill tiles
-    assert fused_merge_shape(1, 7, 16, 128) == (8, 32, 32)  # decode at GQA 7: 8 rows, 4 loads of 32 columns
-    assert fused_merge_shape(2, 6, 16, 128) == (16, 32, 16)
-    assert fused_merge_shape(1, 6, 16, 32) == (8, 32, 32)
-
-
 def test_narrow_decode_rule():
     from kernels.paged_attention import dense_decode_block_n, dense_narrow_decode, warmup_launches
     # two KV heads, 9-16 pairs (2B batch 5-8), one query token, >= 4k keys
@@ -270,7 +234,7 @@ def test_narrow_decode_rule():
     assert plan_tiles(q8, [16384] * 8, [[0]] * 8, 6, "cpu", num_kv_heads=2, dense=True).dense_block_n == 64
     assert plan_tiles(q8, [16384] * 8, [[0]] * 8, 6, "cpu", num_kv_heads=2).dense_block_n is None
     # warm-up compiles its (split) variant at two KV heads only
-    assert {(1, 1, 64), (1, 2, 64), (1, 16, 64)} <= set(warmup_launches(6, dense=True, num_kv_heads=2))
+    assert {(1, 1, 64), (1, 2, 64)} <= set(warmup_launches(6, dense=True, num_kv_heads=2))
     assert not any(x[2] == 64 for x in warmup_launches(7, dense=True, num_kv_heads=4))
     assert not any(x[2] == 64 for x in warmup_launches(6, dense=False, num_kv_heads=2))
 
@@ -641,22 +605,18 @@ def test_split_counts_fill_the_chip_only_where_it_is_underfilled():
 def test_warmup_launches_cover_every_plan_the_engine_can_make():
     """Every (tile shape, split count) that a step can ask for -- decode, verify windows, prefill
     chunks, any batch and context -- is among the launches the engine compiles at start: for the
-    dense kernel (its wide and narrow decode shapes, its fused merge) and the FP4 ones."""
+    dense kernel (its wide and narrow decode shapes) and the FP4 ones."""
     import random
-
-    from kernels.paged_attention import fused_merge_default
 
     rng = random.Random(0)
     seen = set()
     for group in (1, 2, 6, 7, 8):
         for dense in (True, False):
-            # a kernel variant is (tile shape, split or not, the dense kernel's keys per step and
-            # whether it merges its own splits) and the merge kernel's shape: the split count itself
-            # is a run-time argument (the attention kernel's keys per step do not reach the merge kernel)
+            # a kernel variant is (tile shape, split or not, the dense kernel's keys per step) and
+            # the merge kernel's shape: the split count itself is a run-time argument (the attention
+            # kernel's keys per step do not reach the merge kernel)
             def variant(shape, splits, dense_block_n):
-                fused = dense and fused_merge_default(splits, shape[1])
-                return ((shape, splits > 1, dense_block_n, fused),
-                        (shape, splits > 1 and not fused and merge_shape(splits, shape[1], 128)))
+                return (shape, splits > 1, dense_block_n), (shape, splits > 1 and merge_shape(splits, shape[1], 128))
 
             warm = {}
             for kv_heads in (1, 2, 4):
@@ -676,8 +636,8 @@ def test_warmup_launches_cover_every_plan_the_engine_can_make():
                                   num_kv_heads=kv_heads, dense=dense)
                 attn, merge = variant((plan.tokens_per_tile, plan.block_m), plan.num_splits, plan.dense_block_n)
                 assert attn in warm[kv_heads][0] and merge in warm[kv_heads][1], (group, kv_heads, q_lens, ctx)
-                seen.add((plan.dense_block_n, attn[3]))
-    assert seen == {(None, False), (None, True), (64, False), (64, True), (128, False), (128, True)}, seen
+                seen.add(plan.dense_block_n)
+    assert seen == {None, 64, 128}, seen
 
 
 def test_block_table_width_and_split_count_do_not_make_new_kernel_variants():
