@@ -96,7 +96,7 @@ class GraphRunner:
         self.copied = torch.cuda.Event() if capture else None
         self.pool = None
         self.graphs: dict[tuple[int, int, int, int | None], tuple] = {}
-        self._layouts: dict[tuple[int, int, int, bool], tuple] = {}
+        self._layouts: dict[tuple[int, int, int, int | None], tuple] = {}
         self.num_replays = 0
         self.capture_seconds = 0.0
         # the block table each host-buffer row holds: (the sequence's table list, its length). A
