@@ -213,20 +213,6 @@ def _fetch(n0, ids, page_ptr, kvh, PAGE: gl.constexpr, KC: gl.constexpr,
     (_ids). No load is masked: keys at or past the split's end read block 0's page and are masked
     as scores. The segment offsets (KC...) and strides per token (_S) and KV head (_H) are in
     bytes (page_geometry)."""
-    kw, ke_lo, ke_hi, oidx, oval = _fetch_k(n0, ids, page_ptr, kvh, PAGE, KC, KS, KI, KV, VC, VS, C_S, C_H, S_S, S_H, I_S, I_H, O_S, O_H, BS_LOG2,
-                     NUM_OUTLIERS)
-    vw, ve_lo, ve_hi = _fetch_v(n0, ids, page_ptr, kvh, PAGE, KC, KS, KI, KV, VC, VS, C_S, C_H, S_S, S_H, I_S, I_H, O_S, O_H, BS_LOG2,
-                     NUM_OUTLIERS)
-    return kw, ke_lo, ke_hi, vw, ve_lo, ve_hi, oidx, oval
-
-
-@gluon.jit
-def _fetch_k(n0, ids, page_ptr, kvh, PAGE: gl.constexpr, KC: gl.constexpr,
-           KS: gl.constexpr, KI: gl.constexpr, KV: gl.constexpr, VC: gl.constexpr, VS: gl.constexpr,
-           C_S: gl.constexpr, C_H: gl.constexpr, S_S: gl.constexpr, S_H: gl.constexpr, I_S: gl.constexpr,
-           I_H: gl.constexpr, O_S: gl.constexpr, O_H: gl.constexpr, BS_LOG2: gl.constexpr,
-           NUM_OUTLIERS: gl.constexpr):
-    """_fetch's key part: code words, scale bytes, slot indices and values."""
     W2: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(1, gl.SliceLayout(2, K_WORDS)))
     wk = gl.expand_dims(n0 + gl.arange(0, WARPS, layout=W2) * KEYS, 1)
     p0 = page_ptr + ids[0].to(gl.uint32).to(gl.int64) * PAGE
@@ -244,29 +230,6 @@ def _fetch_k(n0, ids, page_ptr, kvh, PAGE: gl.constexpr, KC: gl.constexpr,
                                             gl.SliceLayout(1, SKC), assert_trivial=True), 1) + ck
     ke_lo = gl.load(srow)
     ke_hi = gl.load(srow + 4)
-    # key slots, per key of the scores' columns: both indices in 16 bits, both values in 32
-    COLS_T: gl.constexpr = gl.SliceLayout(1, S_TOP)
-    if NUM_OUTLIERS > 0:
-        ol = _local_keys(COLS_T)
-        oidx = gl.load(_rows(p0, p1, wk, ol, COLS_T, KI + kvh * I_H, I_S, BS_LOG2, 6).to(gl.pointer_type(gl.int16)))
-        oval = gl.load(_rows(p0, p1, wk, ol, COLS_T, KV + kvh * O_H, O_S, BS_LOG2, 6).to(gl.pointer_type(gl.int32)))
-    else:
-        oidx = gl.full([WARPS, KEYS], 0, gl.int16, layout=COLS_T)
-        oval = gl.full([WARPS, KEYS], 0, gl.int32, layout=COLS_T)
-    return kw, ke_lo, ke_hi, oidx, oval
-
-
-@gluon.jit
-def _fetch_v(n0, ids, page_ptr, kvh, PAGE: gl.constexpr, KC: gl.constexpr,
-           KS: gl.constexpr, KI: gl.constexpr, KV: gl.constexpr, VC: gl.constexpr, VS: gl.constexpr,
-           C_S: gl.constexpr, C_H: gl.constexpr, S_S: gl.constexpr, S_H: gl.constexpr, I_S: gl.constexpr,
-           I_H: gl.constexpr, O_S: gl.constexpr, O_H: gl.constexpr, BS_LOG2: gl.constexpr,
-           NUM_OUTLIERS: gl.constexpr):
-    """_fetch's value part: code words and scale bytes."""
-    W2: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(1, gl.SliceLayout(2, K_WORDS)))
-    wk = gl.expand_dims(n0 + gl.arange(0, WARPS, layout=W2) * KEYS, 1)
-    p0 = page_ptr + ids[0].to(gl.uint32).to(gl.int64) * PAGE
-    p1 = page_ptr + ids[1].to(gl.uint32).to(gl.int64) * PAGE
     # values: code words (warp, key, g, word), scale bytes (warp, key, g)
     SV2: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, V_WORDS))
     vl = _local_keys(SV2)
@@ -279,85 +242,16 @@ def _fetch_v(n0, ids, page_ptr, kvh, PAGE: gl.constexpr, KC: gl.constexpr,
     vsrow = gl.expand_dims(_rows(p0, p1, wk, vl, SV2, VS + kvh * S_H, S_S, BS_LOG2, 6), 2) + gv3 // 2
     ve_lo = gl.load(vsrow)
     ve_hi = gl.load(vsrow + 4)
-    return vw, ve_lo, ve_hi
-
-
-@gluon.jit
-def _scores(kw, ke_lo, ke_hi, oidx, oval, q_lo, q_hi, q_rowp, k_scale, NUM_OUTLIERS: gl.constexpr):
-    """One step's scores (log2 units, unmasked) in S_TOP from its key bytes (_fetch_k): the decode
-    into the B operand, S = q K^T on the tensor cores, plus the key slots."""
-    bk = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, K_BYTES)))))
-    bk = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(bk, 0), 1), 2), 4)
-    kw5, _ = gl.broadcast(gl.expand_dims(kw, 3), bk)  # (warp, c, word, byte, key): the word per byte
-    ks_lo, ks_hi = gl.inline_asm_elementwise(SCALE_SPLATS, "=r,=r,r,r", [ke_lo.to(gl.int32), ke_hi.to(gl.int32)],
-                                             dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
-    k_lo, k_hi = gl.inline_asm_elementwise(
-        KEY_DECODE, "=r,=r,=r,=r" + ",r" * 12,
-        [kw5, gl.expand_dims(gl.expand_dims(ks_lo, 2), 3), gl.expand_dims(gl.expand_dims(ks_hi, 2), 3)],
-        dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
-    k_lo = gl.reshape(k_lo, [WARPS, 4, 16, KEYS])
-    k_hi = gl.reshape(k_hi, [WARPS, 4, 16, KEYS])
-    # (warp, c, byte 4 i + 2 h + p, key) -> (warp, k = 16 i + 8 h + 2 c + p, key)
-    k_lo = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(k_lo, [WARPS, 4, 4, 2, 2, KEYS]), [0, 2, 3, 1, 4, 5]),
-                                        [WARPS, HALF, KEYS]), B_OP, assert_trivial=True)
-    k_hi = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(k_hi, [WARPS, 4, 4, 2, 2, KEYS]), [0, 2, 3, 1, 4, 5]),
-                                        [WARPS, HALF, KEYS]), B_OP, assert_trivial=True)
-    s = mma_v2(q_lo, k_lo, gl.full([WARPS, 16, KEYS], 0.0, gl.float32, layout=MMA))
-    s = mma_v2(q_hi, k_hi, s)
-    # rows 0..7 only (the rest are the MMA's padding)
-    s, _ = gl.split(gl.permute(gl.reshape(s, [WARPS, 2, 8, KEYS]), [0, 2, 3, 1]))
-    s = gl.convert_layout(s, S_TOP, assert_trivial=True)
-    if NUM_OUTLIERS > 0:
-        i0 = oidx & 0xFF
-        i1 = (oidx >> 8) & 0xFF
-        v0 = (oval & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True)
-        v1 = (oval >> 16).to(gl.int16).to(gl.float16, bitcast=True)
-        # unused slots hold (0, 0.0): they add nothing
-        s = _add_slot(s, i0, v0, q_rowp, k_scale)
-        s = _add_slot(s, i1, v1, q_rowp, k_scale)
-    return s
-
-
-@gluon.jit
-def _accumulate(s, n0, stop, vw, ve_lo, ve_hi, m_i, l_i, acc_lo, acc_hi):
-    """The online softmax over one step's scores (keys at or past `stop` masked) and O^T += V^T P^T
-    from its value bytes (_fetch_v)."""
+    # key slots, per key of the scores' columns: both indices in 16 bits, both values in 32
     COLS_T: gl.constexpr = gl.SliceLayout(1, S_TOP)
-    n_t = gl.expand_dims(gl.expand_dims(gl.arange(0, KEYS, layout=gl.SliceLayout(0, COLS_T)), 0), 1)
-    w_t = gl.expand_dims(gl.expand_dims(gl.arange(0, WARPS, layout=gl.SliceLayout(1, COLS_T)), 1), 1)
-    s = gl.where((n0 + w_t * KEYS + n_t) < stop, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 2))
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s - gl.expand_dims(m_safe, 2))
-    alpha = gl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + gl.sum(p, 2)
-    m_i = m_new
-    p_t = gl.convert_layout(gl.permute(p.to(gl.bfloat16), [0, 2, 1]), B_OP, assert_trivial=True)  # (warp, key, row)
-
-    bv = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, V_ASM)))))
-    sel = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims((bv & 2) * 0x1111 + 0x4400, 0), 1), 2), 3)
-    vw5, sel = gl.broadcast(gl.expand_dims(gl.convert_layout(vw, gl.SliceLayout(4, V_ASM), assert_trivial=True),
-                                           4), sel)
-    SV3: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, V_ASM))
-    # keys 2k, 2k + 1's (lo pair, hi pair) as one tensor's two elements: the decode's pack of 4
-    # over (key pair, 2 bytes) then receives them as its operands 12 and 13
-    vs_pairs = gl.inline_asm_elementwise(SCALE_PAIRS, "=r,=r,r,r,r,r", [ve_lo.to(gl.int32), ve_hi.to(gl.int32)],
-                                         dtype=gl.int32, is_pure=True, pack=2)
-    v_lo, v_hi = gl.inline_asm_elementwise(
-        VALUE_DECODE, "=r,=r,=r,=r" + ",r" * 12,
-        [vw5, sel, gl.expand_dims(gl.expand_dims(gl.convert_layout(vs_pairs, SV3, assert_trivial=True), 3), 4)],
-        dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
-    v_lo = gl.reshape(v_lo, [WARPS, KEYS, 8, 8])
-    v_hi = gl.reshape(v_hi, [WARPS, KEYS, 8, 8])
-    # (warp, key, g, j) -> V^T (warp, m = 8 j + g, key)
-    v_lo = gl.convert_layout(gl.reshape(gl.permute(v_lo, [0, 3, 2, 1]), [WARPS, HALF, KEYS]), A_OP,
-                             assert_trivial=True)
-    v_hi = gl.convert_layout(gl.reshape(gl.permute(v_hi, [0, 3, 2, 1]), [WARPS, HALF, KEYS]), A_OP,
-                             assert_trivial=True)
-    a3 = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, MMA)), 1)
-    acc_lo = mma_v2(v_lo, p_t, acc_lo * a3)
-    acc_hi = mma_v2(v_hi, p_t, acc_hi * a3)
-    return m_i, l_i, acc_lo, acc_hi
+    if NUM_OUTLIERS > 0:
+        ol = _local_keys(COLS_T)
+        oidx = gl.load(_rows(p0, p1, wk, ol, COLS_T, KI + kvh * I_H, I_S, BS_LOG2, 6).to(gl.pointer_type(gl.int16)))
+        oval = gl.load(_rows(p0, p1, wk, ol, COLS_T, KV + kvh * O_H, O_S, BS_LOG2, 6).to(gl.pointer_type(gl.int32)))
+    else:
+        oidx = gl.full([WARPS, KEYS], 0, gl.int16, layout=COLS_T)
+        oval = gl.full([WARPS, KEYS], 0, gl.int32, layout=COLS_T)
+    return kw, ke_lo, ke_hi, vw, ve_lo, ve_hi, oidx, oval
 
 
 @gluon.jit(do_not_specialize=UNSPECIALIZED)  # as the Triton kernels: a warm-up at one table width covers all
@@ -370,7 +264,6 @@ def _fp4_decode_kernel(
     PAGE: gl.constexpr, KC: gl.constexpr, KS: gl.constexpr, KI: gl.constexpr, KV: gl.constexpr,
     VC: gl.constexpr, VS: gl.constexpr, C_S: gl.constexpr, C_H: gl.constexpr, S_S: gl.constexpr,
     S_H: gl.constexpr, I_S: gl.constexpr, I_H: gl.constexpr, O_S: gl.constexpr, O_H: gl.constexpr,
-    OVERLAP: gl.constexpr = False,
 ):
     """One program: (tile = sequence, KV head, split); GROUP <= 8 query heads. Partials as
     _paged_attn_fp4_kernel writes them (BLOCK_M 16). S = q K^T takes the MMA's 16 rows (8 of them
@@ -405,8 +298,11 @@ def _fp4_decode_kernel(
     q_lo = (gl.load(q_ptr + q_row + dim_a, mask=q_ok, other=0.0).to(gl.float32) * q_unit).to(gl.bfloat16)
     q_hi = (gl.load(q_ptr + q_row + HALF + dim_a, mask=q_ok, other=0.0).to(gl.float32) * q_unit).to(gl.bfloat16)
 
-    # the scores' top rows: the q row of each row (for the key slots' gather)
+    # the scores' top rows: key of each column, q row of each row (for the key slots' gather)
     ROWS_T: gl.constexpr = gl.SliceLayout(2, S_TOP)
+    COLS_T: gl.constexpr = gl.SliceLayout(1, S_TOP)
+    n_t = gl.expand_dims(gl.expand_dims(gl.arange(0, KEYS, layout=gl.SliceLayout(0, COLS_T)), 0), 1)
+    w_t = gl.expand_dims(gl.expand_dims(gl.arange(0, WARPS, layout=gl.SliceLayout(1, COLS_T)), 1), 1)
     r_t = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, ROWS_T)), 0), 2)
     q_rowp = q_ptr + tok0 * sq_t + (kvh * GROUP + gl.minimum(r_t, GROUP - 1)) * sq_h  # rows past the group: unused
     k_scale = sm_scale_log2  # the slots hold values in the model's units
@@ -415,45 +311,75 @@ def _fp4_decode_kernel(
     l_i = gl.full([WARPS, 8], 0.0, gl.float32, layout=ROWS_T)
     acc_lo = gl.full([WARPS, HALF, 8], 0.0, gl.float32, layout=MMA)  # O^T: (warp, dim, row)
     acc_hi = gl.full([WARPS, HALF, 8], 0.0, gl.float32, layout=MMA)
-    if OVERLAP:
-        # the next step's scores are computed beside this step's softmax and values, so that the
-        # scheduler has independent work while either waits on its latencies
-        ids_k = _ids(start, stop, table_ptr, seq, s_table, BS_LOG2)
-        ids_v = _ids(start + BLOCK_N, stop, table_ptr, seq, s_table, BS_LOG2)
-        kw, ke_lo, ke_hi, oidx, oval = _fetch_k(start, ids_k, page_ptr, kvh, PAGE, KC, KS, KI, KV, VC, VS, C_S, C_H,
-                                                S_S, S_H, I_S, I_H, O_S, O_H, BS_LOG2, NUM_OUTLIERS)
-        v_nxt = _fetch_v(start, ids_k, page_ptr, kvh, PAGE, KC, KS, KI, KV, VC, VS, C_S, C_H, S_S, S_H, I_S, I_H, O_S,
-                         O_H, BS_LOG2, NUM_OUTLIERS)
-        k_nxt = _fetch_k(start + BLOCK_N, ids_v, page_ptr, kvh, PAGE, KC, KS, KI, KV, VC, VS, C_S, C_H, S_S, S_H, I_S,
-                         I_H, O_S, O_H, BS_LOG2, NUM_OUTLIERS)
-        ids_k = _ids(start + 2 * BLOCK_N, stop, table_ptr, seq, s_table, BS_LOG2)
-        s = _scores(kw, ke_lo, ke_hi, oidx, oval, q_lo, q_hi, q_rowp, k_scale, NUM_OUTLIERS)
-        for n0 in range(start, stop - BLOCK_N, BLOCK_N):  # the steps that have a next one
-            vw, ve_lo, ve_hi = v_nxt
-            kw, ke_lo, ke_hi, oidx, oval = k_nxt
-            v_nxt = _fetch_v(n0 + BLOCK_N, ids_v, page_ptr, kvh, PAGE, KC, KS, KI, KV, VC, VS, C_S, C_H, S_S, S_H, I_S,
-                             I_H, O_S, O_H, BS_LOG2, NUM_OUTLIERS)
-            k_nxt = _fetch_k(n0 + 2 * BLOCK_N, ids_k, page_ptr, kvh, PAGE, KC, KS, KI, KV, VC, VS, C_S, C_H, S_S, S_H,
-                             I_S, I_H, O_S, O_H, BS_LOG2, NUM_OUTLIERS)
-            ids_v = ids_k
-            ids_k = _ids(n0 + 3 * BLOCK_N, stop, table_ptr, seq, s_table, BS_LOG2)
-            s_nxt = _scores(kw, ke_lo, ke_hi, oidx, oval, q_lo, q_hi, q_rowp, k_scale, NUM_OUTLIERS)
-            m_i, l_i, acc_lo, acc_hi = _accumulate(s, n0, stop, vw, ve_lo, ve_hi, m_i, l_i, acc_lo, acc_hi)
-            s = s_nxt
-        vw, ve_lo, ve_hi = v_nxt
-        last = start + gl.maximum(gl.cdiv(stop - start, BLOCK_N) - 1, 0) * BLOCK_N
-        m_i, l_i, acc_lo, acc_hi = _accumulate(s, last, stop, vw, ve_lo, ve_hi, m_i, l_i, acc_lo, acc_hi)
-    else:
-        nxt = _fetch(start, _ids(start, stop, table_ptr, seq, s_table, BS_LOG2), page_ptr, kvh, PAGE, KC, KS, KI, KV,
-                     VC, VS, C_S, C_H, S_S, S_H, I_S, I_H, O_S, O_H, BS_LOG2, NUM_OUTLIERS)
-        ids = _ids(start + BLOCK_N, stop, table_ptr, seq, s_table, BS_LOG2)
-        for n0 in range(start, stop, BLOCK_N):
-            kw, ke_lo, ke_hi, vw, ve_lo, ve_hi, oidx, oval = nxt
-            nxt = _fetch(n0 + BLOCK_N, ids, page_ptr, kvh, PAGE, KC, KS, KI, KV, VC, VS, C_S, C_H, S_S, S_H, I_S, I_H,
-                         O_S, O_H, BS_LOG2, NUM_OUTLIERS)
-            ids = _ids(n0 + 2 * BLOCK_N, stop, table_ptr, seq, s_table, BS_LOG2)
-            s = _scores(kw, ke_lo, ke_hi, oidx, oval, q_lo, q_hi, q_rowp, k_scale, NUM_OUTLIERS)
-            m_i, l_i, acc_lo, acc_hi = _accumulate(s, n0, stop, vw, ve_lo, ve_hi, m_i, l_i, acc_lo, acc_hi)
+    nxt = _fetch(start, _ids(start, stop, table_ptr, seq, s_table, BS_LOG2), page_ptr, kvh, PAGE, KC, KS, KI, KV, VC,
+                 VS, C_S, C_H, S_S, S_H, I_S, I_H, O_S, O_H, BS_LOG2, NUM_OUTLIERS)
+    ids = _ids(start + BLOCK_N, stop, table_ptr, seq, s_table, BS_LOG2)
+    for n0 in range(start, stop, BLOCK_N):
+        kw, ke_lo, ke_hi, vw, ve_lo, ve_hi, oidx, oval = nxt
+        nxt = _fetch(n0 + BLOCK_N, ids, page_ptr, kvh, PAGE, KC, KS, KI, KV, VC, VS, C_S, C_H, S_S, S_H, I_S, I_H, O_S,
+                     O_H, BS_LOG2, NUM_OUTLIERS)
+        ids = _ids(n0 + 2 * BLOCK_N, stop, table_ptr, seq, s_table, BS_LOG2)
+        bk = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, K_BYTES)))))
+        bk = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(bk, 0), 1), 2), 4)
+        kw5, _ = gl.broadcast(gl.expand_dims(kw, 3), bk)  # (warp, c, word, byte, key): the word per byte
+        ks_lo, ks_hi = gl.inline_asm_elementwise(SCALE_SPLATS, "=r,=r,r,r", [ke_lo.to(gl.int32), ke_hi.to(gl.int32)],
+                                                 dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+        k_lo, k_hi = gl.inline_asm_elementwise(
+            KEY_DECODE, "=r,=r,=r,=r" + ",r" * 12,
+            [kw5, gl.expand_dims(gl.expand_dims(ks_lo, 2), 3), gl.expand_dims(gl.expand_dims(ks_hi, 2), 3)],
+            dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+        k_lo = gl.reshape(k_lo, [WARPS, 4, 16, KEYS])
+        k_hi = gl.reshape(k_hi, [WARPS, 4, 16, KEYS])
+        # (warp, c, byte 4 i + 2 h + p, key) -> (warp, k = 16 i + 8 h + 2 c + p, key)
+        k_lo = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(k_lo, [WARPS, 4, 4, 2, 2, KEYS]), [0, 2, 3, 1, 4, 5]),
+                                            [WARPS, HALF, KEYS]), B_OP, assert_trivial=True)
+        k_hi = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(k_hi, [WARPS, 4, 4, 2, 2, KEYS]), [0, 2, 3, 1, 4, 5]),
+                                            [WARPS, HALF, KEYS]), B_OP, assert_trivial=True)
+        s = mma_v2(q_lo, k_lo, gl.full([WARPS, 16, KEYS], 0.0, gl.float32, layout=MMA))
+        s = mma_v2(q_hi, k_hi, s)
+        # rows 0..7 only (the rest are the MMA's padding)
+        s, _ = gl.split(gl.permute(gl.reshape(s, [WARPS, 2, 8, KEYS]), [0, 2, 3, 1]))
+        s = gl.convert_layout(s, S_TOP, assert_trivial=True)
+        if NUM_OUTLIERS > 0:
+            i0 = oidx & 0xFF
+            i1 = (oidx >> 8) & 0xFF
+            v0 = (oval & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True)
+            v1 = (oval >> 16).to(gl.int16).to(gl.float16, bitcast=True)
+            # unused slots hold (0, 0.0): they add nothing
+            s = _add_slot(s, i0, v0, q_rowp, k_scale)
+            s = _add_slot(s, i1, v1, q_rowp, k_scale)
+        s = gl.where((n0 + w_t * KEYS + n_t) < stop, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 2))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - gl.expand_dims(m_safe, 2))
+        alpha = gl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + gl.sum(p, 2)
+        m_i = m_new
+        p_t = gl.convert_layout(gl.permute(p.to(gl.bfloat16), [0, 2, 1]), B_OP, assert_trivial=True)  # (warp, key, row)
+
+        bv = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, V_ASM)))))
+        sel = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims((bv & 2) * 0x1111 + 0x4400, 0), 1), 2), 3)
+        vw5, sel = gl.broadcast(gl.expand_dims(gl.convert_layout(vw, gl.SliceLayout(4, V_ASM), assert_trivial=True),
+                                               4), sel)
+        SV3: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, V_ASM))
+        # keys 2k, 2k + 1's (lo pair, hi pair) as one tensor's two elements: the decode's pack of 4
+        # over (key pair, 2 bytes) then receives them as its operands 12 and 13
+        vs_pairs = gl.inline_asm_elementwise(SCALE_PAIRS, "=r,=r,r,r,r,r", [ve_lo.to(gl.int32), ve_hi.to(gl.int32)],
+                                             dtype=gl.int32, is_pure=True, pack=2)
+        v_lo, v_hi = gl.inline_asm_elementwise(
+            VALUE_DECODE, "=r,=r,=r,=r" + ",r" * 12,
+            [vw5, sel, gl.expand_dims(gl.expand_dims(gl.convert_layout(vs_pairs, SV3, assert_trivial=True), 3), 4)],
+            dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+        v_lo = gl.reshape(v_lo, [WARPS, KEYS, 8, 8])
+        v_hi = gl.reshape(v_hi, [WARPS, KEYS, 8, 8])
+        # (warp, key, g, j) -> V^T (warp, m = 8 j + g, key)
+        v_lo = gl.convert_layout(gl.reshape(gl.permute(v_lo, [0, 3, 2, 1]), [WARPS, HALF, KEYS]), A_OP,
+                                 assert_trivial=True)
+        v_hi = gl.convert_layout(gl.reshape(gl.permute(v_hi, [0, 3, 2, 1]), [WARPS, HALF, KEYS]), A_OP,
+                                 assert_trivial=True)
+        a3 = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, MMA)), 1)
+        acc_lo = mma_v2(v_lo, p_t, acc_lo * a3)
+        acc_hi = mma_v2(v_hi, p_t, acc_hi * a3)
 
     # merge the warps' softmax states
     m = gl.max(m_i, 0)
@@ -546,15 +472,8 @@ def launch(q: torch.Tensor, out: torch.Tensor, part_acc: torch.Tensor, part_ml: 
         scale * LOG2E, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), plan.block_table.stride(0),
         GROUP=group, SPLIT=splits > 1, BS_LOG2=kc.shape[1].bit_length() - 1, NUM_OUTLIERS=fp4_k[2].shape[-1],
-        OVERLAP=overlapped(),
         **page_geometry(fp4_k, fp4_v), num_warps=WARPS, **({"maxnreg": maxnreg} if maxnreg else {}),
     ))
-
-
-def overlapped() -> bool:
-    """Whether launches take the overlapped loop (the next step's scores beside this step's softmax
-    and values); DOCPROC_FP4_OVERLAP=0 takes the plain one, for comparisons."""
-    return os.environ.get("DOCPROC_FP4_OVERLAP", "1") != "0"
 
 
 _GEOMETRY: dict = {}  # page_geometry's answers by the views' addresses, strides and shapes

@@ -96,20 +96,6 @@ def _sweep_grid(default_splits: int, ctx: int, split_mults, block_ns, stages, ca
                     yield n_sp, bn, st, cap
 
 
-def _plain(run):
-    """run() with the Gluon FP4 kernel's plain loop (DOCPROC_FP4_OVERLAP=0): the variable is read at
-    every launch, so graph captures inside run() take that variant too."""
-    before = os.environ.get("DOCPROC_FP4_OVERLAP")
-    os.environ["DOCPROC_FP4_OVERLAP"] = "0"
-    try:
-        return run()
-    finally:
-        if before is None:
-            del os.environ["DOCPROC_FP4_OVERLAP"]
-        else:
-            os.environ["DOCPROC_FP4_OVERLAP"] = before
-
-
 def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_splits: bool = False,
               outlier_ablation: bool = False, decode_ablation: bool = False, config_sweep: bool = False,
               maxnreg_ablation: bool = False, bf16_alt: bool = False, pdl_ablation: bool = False) -> list[dict]:
@@ -272,15 +258,6 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
                 record(f"ours_fp4_gluon_s{n_sp}", lambda: paged_attention(
                     q, plan_x, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, fp4_gluon=True), nv_bytes,
                     {"config": "gluon"}, splits=n_sp)
-                if per_sm == 2:
-                    # the plain loop (kernels/fp4_gluon.overlapped() off), for comparison at the
-                    # engine's split count
-                    record(f"ours_fp4_gluon_plain_s{n_sp}", lambda: _plain(lambda: paged_attention(
-                        q, plan_x, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, fp4_gluon=True)), nv_bytes,
-                        {"config": "gluon, plain loop"}, splits=n_sp)
-                    record(f"ours_fp4_gluon_no_outliers_plain_s{n_sp}", lambda: _plain(lambda: paged_attention(
-                        q, plan_x, d ** -0.5, fp4_k=fk0, fp4_v=fv0, fp4_gluon=True)), n0_bytes,
-                        {"config": "gluon, plain loop"}, splits=n_sp)
                 if per_sm == 4:
                     continue
                 # a register cap of 168: 3 programs an SM fit (the kernel takes about 200 registers
