@@ -107,6 +107,13 @@ def _scale_pairs_ptx() -> str:
     return "\n".join(lines + ["}"])
 
 
+# The decode ablation (bench_kernels --gluon-free-decode, timing only: the values are wrong): one
+# instruction per output register in place of each decode, the same operands read, so that the
+# loads, MMAs and softmax stay and the difference is what the decode costs.
+KEY_DECODE_FREE = gl.constexpr("xor.b32 $0, $4, $8; add.u32 $1, $4, $8; xor.b32 $2, $4, $12; add.u32 $3, $4, $12;")
+VALUE_DECODE_FREE = gl.constexpr("xor.b32 $0, $4, $12; xor.b32 $1, $5, $12; xor.b32 $2, $4, $13; xor.b32 $3, $5, $13;")
+ABLATE_DECODE = False  # set by scripts/bench_kernels.py for its ablation rows only
+
 SCALE_SPLATS = gl.constexpr(_scale_splats_ptx())
 SCALE_PAIRS = gl.constexpr(_scale_pairs_ptx())
 KEY_DECODE = gl.constexpr(_key_decode_ptx())
@@ -264,6 +271,7 @@ def _fp4_decode_kernel(
     PAGE: gl.constexpr, KC: gl.constexpr, KS: gl.constexpr, KI: gl.constexpr, KV: gl.constexpr,
     VC: gl.constexpr, VS: gl.constexpr, C_S: gl.constexpr, C_H: gl.constexpr, S_S: gl.constexpr,
     S_H: gl.constexpr, I_S: gl.constexpr, I_H: gl.constexpr, O_S: gl.constexpr, O_H: gl.constexpr,
+    FREE_DECODE: gl.constexpr = False,
 ):
     """One program: (tile = sequence, KV head, split); GROUP <= 8 query heads. Partials as
     _paged_attn_fp4_kernel writes them (BLOCK_M 16). S = q K^T takes the MMA's 16 rows (8 of them
@@ -324,10 +332,13 @@ def _fp4_decode_kernel(
         kw5, _ = gl.broadcast(gl.expand_dims(kw, 3), bk)  # (warp, c, word, byte, key): the word per byte
         ks_lo, ks_hi = gl.inline_asm_elementwise(SCALE_SPLATS, "=r,=r,r,r", [ke_lo.to(gl.int32), ke_hi.to(gl.int32)],
                                                  dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
-        k_lo, k_hi = gl.inline_asm_elementwise(
-            KEY_DECODE, "=r,=r,=r,=r" + ",r" * 12,
-            [kw5, gl.expand_dims(gl.expand_dims(ks_lo, 2), 3), gl.expand_dims(gl.expand_dims(ks_hi, 2), 3)],
-            dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+        k_args = [kw5, gl.expand_dims(gl.expand_dims(ks_lo, 2), 3), gl.expand_dims(gl.expand_dims(ks_hi, 2), 3)]
+        if FREE_DECODE:
+            k_lo, k_hi = gl.inline_asm_elementwise(KEY_DECODE_FREE, "=r,=r,=r,=r" + ",r" * 12, k_args,
+                                                   dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+        else:
+            k_lo, k_hi = gl.inline_asm_elementwise(KEY_DECODE, "=r,=r,=r,=r" + ",r" * 12, k_args,
+                                                   dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
         k_lo = gl.reshape(k_lo, [WARPS, 4, 16, KEYS])
         k_hi = gl.reshape(k_hi, [WARPS, 4, 16, KEYS])
         # (warp, c, byte 4 i + 2 h + p, key) -> (warp, k = 16 i + 8 h + 2 c + p, key)
@@ -366,10 +377,13 @@ def _fp4_decode_kernel(
         # over (key pair, 2 bytes) then receives them as its operands 12 and 13
         vs_pairs = gl.inline_asm_elementwise(SCALE_PAIRS, "=r,=r,r,r,r,r", [ve_lo.to(gl.int32), ve_hi.to(gl.int32)],
                                              dtype=gl.int32, is_pure=True, pack=2)
-        v_lo, v_hi = gl.inline_asm_elementwise(
-            VALUE_DECODE, "=r,=r,=r,=r" + ",r" * 12,
-            [vw5, sel, gl.expand_dims(gl.expand_dims(gl.convert_layout(vs_pairs, SV3, assert_trivial=True), 3), 4)],
-            dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+        v_args = [vw5, sel, gl.expand_dims(gl.expand_dims(gl.convert_layout(vs_pairs, SV3, assert_trivial=True), 3), 4)]
+        if FREE_DECODE:
+            v_lo, v_hi = gl.inline_asm_elementwise(VALUE_DECODE_FREE, "=r,=r,=r,=r" + ",r" * 12, v_args,
+                                                   dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+        else:
+            v_lo, v_hi = gl.inline_asm_elementwise(VALUE_DECODE, "=r,=r,=r,=r" + ",r" * 12, v_args,
+                                                   dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
         v_lo = gl.reshape(v_lo, [WARPS, KEYS, 8, 8])
         v_hi = gl.reshape(v_hi, [WARPS, KEYS, 8, 8])
         # (warp, key, g, j) -> V^T (warp, m = 8 j + g, key)
@@ -472,6 +486,7 @@ def launch(q: torch.Tensor, out: torch.Tensor, part_acc: torch.Tensor, part_ml: 
         scale * LOG2E, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), plan.block_table.stride(0),
         GROUP=group, SPLIT=splits > 1, BS_LOG2=kc.shape[1].bit_length() - 1, NUM_OUTLIERS=fp4_k[2].shape[-1],
+        FREE_DECODE=ABLATE_DECODE,
         **page_geometry(fp4_k, fp4_v), num_warps=WARPS, **({"maxnreg": maxnreg} if maxnreg else {}),
     ))
 

@@ -86,7 +86,7 @@ def probe(q_ptr, codes_ptr, scales_ptr, out_ptr, n_keys, BLOCK_N: gl.constexpr, 
     gl.store(out_ptr + gl.expand_dims(ro, 1) * BLOCK_N + gl.expand_dims(ns, 0), s)
 
 
-def kernel_report(key_slots: int = 2, group: int = 7, block_size: int = 16) -> dict:
+def kernel_report(key_slots: int = 2, group: int = 7, block_size: int = 16, free_decode: bool = False) -> dict:
     """kernels/fp4_gluon.py's kernel compiled for sm_90: its key loop's SASS mix and resources."""
     import inspect
 
@@ -111,6 +111,7 @@ def kernel_report(key_slots: int = 2, group: int = 7, block_size: int = 16) -> d
     aligned = [i for i, n in enumerate(names) if n.endswith("_ptr")]
     src = GluonASTSource(g._fp4_decode_kernel, sig,
                          constexprs={"GROUP": group, "SPLIT": True, "BS_LOG2": block_size.bit_length() - 1, "NUM_OUTLIERS": key_slots,
+                                     "FREE_DECODE": free_decode,
                                      **geometry},
                          attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
@@ -134,7 +135,7 @@ def main():
 
         slots = int(sys.argv[sys.argv.index("--key-slots") + 1]) if "--key-slots" in sys.argv else 2
         bs = int(sys.argv[sys.argv.index("--block-size") + 1]) if "--block-size" in sys.argv else 16
-        rep = kernel_report(slots, block_size=bs)
+        rep = kernel_report(slots, block_size=bs, free_decode="--free-decode" in sys.argv)
         if "--json" in sys.argv:
             print(json.dumps(rep))
         else:

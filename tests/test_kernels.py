@@ -542,7 +542,7 @@ def test_fp4_gluon_kernel_keeps_its_operands_in_registers():
     that conftest turns on cannot compile Gluon): its key loop has no shared-memory operation
     (every layout conversion is within a thread), loads each key's 16 code bytes and each value's 8
     in one instruction, and runs 48 tensor-core MMAs per 128 keys (per warp 32 for the scores, 16
-    for the transposed output)."""
+    for the transposed output). Its decode ablation (timing only) keeps all of that but the decode."""
     import json
     import os
     import subprocess
@@ -551,15 +551,21 @@ def test_fp4_gluon_kernel_keeps_its_operands_in_registers():
 
     script = Path(__file__).resolve().parent.parent / "scripts" / "gluon_fp4_probe.py"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    for slots in (2, 0):
-        proc = subprocess.run([sys.executable, str(script), "--kernel", "--json", "--key-slots", str(slots)],
-                              capture_output=True, text=True, env=env, timeout=600)
+    reports = {}
+    for slots, free in ((2, False), (0, False), (2, True)):
+        proc = subprocess.run([sys.executable, str(script), "--kernel", "--json", "--key-slots", str(slots)]
+                              + ["--free-decode"] * free, capture_output=True, text=True, env=env, timeout=600)
         assert proc.returncode == 0, proc.stderr[-2000:]
-        rep = json.loads(proc.stdout.strip().splitlines()[-1])
+        rep = reports[slots, free] = json.loads(proc.stdout.strip().splitlines()[-1])
         mix = rep["mix"]
         assert rep["loop_shared"] == 0, rep
         assert mix.get("HMMA.16816.F32.BF16") == 48 and mix.get("LDG.E.128") == 4 and mix.get("LDG.E.64") == 8, mix
         assert rep["loop_instructions"] < (1250 if slots else 1000) and rep["loop_spills"] == 0, rep
+    # the decode ablation (bench_kernels --gluon-free-decode) takes the decode out and leaves the
+    # loads and MMAs (above) alone: the decode is over 400 instructions of the step
+    full, free = reports[2, False], reports[2, True]
+    assert full["loop_instructions"] - free["loop_instructions"] > 400, (full, free)
+    assert all(full["mix"].get(op) == free["mix"].get(op) for op in ("LDG.E.U16", "LDG.E.U8", "MUFU.EX2")), (full, free)
 
 
 def test_fp4_decode_defaults():
