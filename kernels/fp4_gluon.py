@@ -114,11 +114,6 @@ KEY_DECODE_FREE = gl.constexpr("xor.b32 $0, $4, $8; add.u32 $1, $4, $8; xor.b32 
 VALUE_DECODE_FREE = gl.constexpr("xor.b32 $0, $4, $12; xor.b32 $1, $5, $12; xor.b32 $2, $4, $13; xor.b32 $3, $5, $13;")
 ABLATE_DECODE = False  # set by scripts/bench_kernels.py for its ablation rows only
 
-# One lane of a warp asks L2 for a whole page (the size operand $2 in bytes): a bulk prefetch, no
-# registers held (sm_90). Output $0 is a dummy.
-L2_PREFETCH_PAGE = gl.constexpr("{ .reg .pred p; .reg .b32 l; mov.u32 l, %laneid; setp.eq.u32 p, l, 0; "
-                                "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }")
-
 SCALE_SPLATS = gl.constexpr(_scale_splats_ptx())
 SCALE_PAIRS = gl.constexpr(_scale_pairs_ptx())
 KEY_DECODE = gl.constexpr(_key_decode_ptx())
@@ -172,19 +167,6 @@ def _ids(n0, stop, table_ptr, seq, s_table, BS_LOG2: gl.constexpr):
         b0 = gl.load(row0 + (wk >> 4), mask=wk < stop, other=0)
         b1 = gl.load(row0 + (wk >> 4) + 1, mask=wk + 16 < stop, other=0)
     return b0, b1
-
-
-@gluon.jit
-def _prefetch_pages(ids, page_ptr, PAGE: gl.constexpr, BS_LOG2: gl.constexpr):
-    """Ask L2 for the pages of the blocks `ids` (_ids), whole (every KV head's segments: the other
-    heads' programs read them at about the same time), one bulk prefetch per warp and block."""
-    size = gl.full_like(ids[0], PAGE)
-    gl.inline_asm_elementwise(L2_PREFETCH_PAGE, "=r,l,r", [page_ptr + ids[0].to(gl.uint32).to(gl.int64) * PAGE, size],
-                              dtype=gl.int32, is_pure=False, pack=1)
-    if BS_LOG2 < 5:
-        gl.inline_asm_elementwise(L2_PREFETCH_PAGE, "=r,l,r",
-                                  [page_ptr + ids[1].to(gl.uint32).to(gl.int64) * PAGE, size],
-                                  dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -289,7 +271,7 @@ def _fp4_decode_kernel(
     PAGE: gl.constexpr, KC: gl.constexpr, KS: gl.constexpr, KI: gl.constexpr, KV: gl.constexpr,
     VC: gl.constexpr, VS: gl.constexpr, C_S: gl.constexpr, C_H: gl.constexpr, S_S: gl.constexpr,
     S_H: gl.constexpr, I_S: gl.constexpr, I_H: gl.constexpr, O_S: gl.constexpr, O_H: gl.constexpr,
-    FREE_DECODE: gl.constexpr = False, L2_PREFETCH: gl.constexpr = False,
+    FREE_DECODE: gl.constexpr = False,
 ):
     """One program: (tile = sequence, KV head, split); GROUP <= 8 query heads. Partials as
     _paged_attn_fp4_kernel writes them (BLOCK_M 16). S = q K^T takes the MMA's 16 rows (8 of them
@@ -340,21 +322,11 @@ def _fp4_decode_kernel(
     nxt = _fetch(start, _ids(start, stop, table_ptr, seq, s_table, BS_LOG2), page_ptr, kvh, PAGE, KC, KS, KI, KV, VC,
                  VS, C_S, C_H, S_S, S_H, I_S, I_H, O_S, O_H, BS_LOG2, NUM_OUTLIERS)
     ids = _ids(start + BLOCK_N, stop, table_ptr, seq, s_table, BS_LOG2)
-    ids_pf = _ids(start + 2 * BLOCK_N, stop, table_ptr, seq, s_table, BS_LOG2)
     for n0 in range(start, stop, BLOCK_N):
         kw, ke_lo, ke_hi, vw, ve_lo, ve_hi, oidx, oval = nxt
-        if L2_PREFETCH:
-            # the pages of the step after next, so that the next step's loads (which the compiler
-            # issues late in this step) find them in L2
-            _prefetch_pages(ids_pf, page_ptr, PAGE, BS_LOG2)
-            nxt = _fetch(n0 + BLOCK_N, ids, page_ptr, kvh, PAGE, KC, KS, KI, KV, VC, VS, C_S, C_H, S_S, S_H, I_S,
-                         I_H, O_S, O_H, BS_LOG2, NUM_OUTLIERS)
-            ids = ids_pf
-            ids_pf = _ids(n0 + 3 * BLOCK_N, stop, table_ptr, seq, s_table, BS_LOG2)
-        else:
-            nxt = _fetch(n0 + BLOCK_N, ids, page_ptr, kvh, PAGE, KC, KS, KI, KV, VC, VS, C_S, C_H, S_S, S_H, I_S,
-                         I_H, O_S, O_H, BS_LOG2, NUM_OUTLIERS)
-            ids = _ids(n0 + 2 * BLOCK_N, stop, table_ptr, seq, s_table, BS_LOG2)
+        nxt = _fetch(n0 + BLOCK_N, ids, page_ptr, kvh, PAGE, KC, KS, KI, KV, VC, VS, C_S, C_H, S_S, S_H, I_S, I_H, O_S,
+                     O_H, BS_LOG2, NUM_OUTLIERS)
+        ids = _ids(n0 + 2 * BLOCK_N, stop, table_ptr, seq, s_table, BS_LOG2)
         bk = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, K_BYTES)))))
         bk = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(bk, 0), 1), 2), 4)
         kw5, _ = gl.broadcast(gl.expand_dims(kw, 3), bk)  # (warp, c, word, byte, key): the word per byte
@@ -514,14 +486,9 @@ def launch(q: torch.Tensor, out: torch.Tensor, part_acc: torch.Tensor, part_ml: 
         scale * LOG2E, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), plan.block_table.stride(0),
         GROUP=group, SPLIT=splits > 1, BS_LOG2=kc.shape[1].bit_length() - 1, NUM_OUTLIERS=fp4_k[2].shape[-1],
-        FREE_DECODE=ABLATE_DECODE, L2_PREFETCH=l2_prefetch(),
+        FREE_DECODE=ABLATE_DECODE,
         **page_geometry(fp4_k, fp4_v), num_warps=WARPS, **({"maxnreg": maxnreg} if maxnreg else {}),
     ))
-
-
-def l2_prefetch() -> bool:
-    """Whether launches ask L2 for the pages of the step after next (DOCPROC_FP4_L2_PREFETCH=1)."""
-    return os.environ.get("DOCPROC_FP4_L2_PREFETCH", "0") == "1"
 
 
 _GEOMETRY: dict = {}  # page_geometry's answers by the views' addresses, strides and shapes

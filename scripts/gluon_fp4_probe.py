@@ -112,7 +112,6 @@ def kernel_report(key_slots: int = 2, group: int = 7, block_size: int = 16, free
     src = GluonASTSource(g._fp4_decode_kernel, sig,
                          constexprs={"GROUP": group, "SPLIT": True, "BS_LOG2": block_size.bit_length() - 1, "NUM_OUTLIERS": key_slots,
                                      "FREE_DECODE": free_decode,
-                                     "L2_PREFETCH": os.environ.get("DOCPROC_FP4_L2_PREFETCH", "0") == "1",
                                      **geometry},
                          attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
