@@ -1,7 +1,8 @@
 """Compile-only SASS report for the Gluon FP4 decode (issue #5), for sm_90, without a GPU: the
 numbers are instruction counts, not times.
 
-    python scripts/gluon_fp4_probe.py --kernel [--json]     # kernels/fp4_gluon.py's kernel
+    python scripts/gluon_fp4_probe.py --kernel [--json] [--free-decode]   # kernels/fp4_gluon.py's kernel
+                                                            # (--free-decode: its timing-only decode ablation)
     python scripts/gluon_fp4_probe.py                       # the nineteenth session's probe (below)
     PYTHONPATH=/tmp/t36 python scripts/gluon_fp4_probe.py   # Triton 3.6 (the device's) unpacked there
 
