@@ -271,7 +271,7 @@ def _fp4_decode_kernel(
     PAGE: gl.constexpr, KC: gl.constexpr, KS: gl.constexpr, KI: gl.constexpr, KV: gl.constexpr,
     VC: gl.constexpr, VS: gl.constexpr, C_S: gl.constexpr, C_H: gl.constexpr, S_S: gl.constexpr,
     S_H: gl.constexpr, I_S: gl.constexpr, I_H: gl.constexpr, O_S: gl.constexpr, O_H: gl.constexpr,
-    FREE_DECODE: gl.constexpr = False,
+    FREE_DECODE: gl.constexpr = False, EARLY_LOADS: gl.constexpr = True,
 ):
     """One program: (tile = sequence, KV head, split); GROUP <= 8 query heads. Partials as
     _paged_attn_fp4_kernel writes them (BLOCK_M 16). S = q K^T takes the MMA's 16 rows (8 of them
@@ -324,8 +324,16 @@ def _fp4_decode_kernel(
     ids = _ids(start + BLOCK_N, stop, table_ptr, seq, s_table, BS_LOG2)
     for n0 in range(start, stop, BLOCK_N):
         kw, ke_lo, ke_hi, vw, ve_lo, ve_hi, oidx, oval = nxt
-        nxt = _fetch(n0 + BLOCK_N, ids, page_ptr, kvh, PAGE, KC, KS, KI, KV, VC, VS, C_S, C_H, S_S, S_H, I_S, I_H, O_S,
-                     O_H, BS_LOG2, NUM_OUTLIERS)
+        if EARLY_LOADS:
+            # a block of its own (the condition always holds), so that ptxas issues the next step's
+            # loads at the top of this one: left in one block with the arithmetic, it sank them to
+            # 64-84% of the step, where DRAM's latency was no longer hidden
+            if n0 >= start:
+                nxt = _fetch(n0 + BLOCK_N, ids, page_ptr, kvh, PAGE, KC, KS, KI, KV, VC, VS, C_S, C_H, S_S, S_H, I_S,
+                             I_H, O_S, O_H, BS_LOG2, NUM_OUTLIERS)
+        else:
+            nxt = _fetch(n0 + BLOCK_N, ids, page_ptr, kvh, PAGE, KC, KS, KI, KV, VC, VS, C_S, C_H, S_S, S_H, I_S, I_H,
+                         O_S, O_H, BS_LOG2, NUM_OUTLIERS)
         ids = _ids(n0 + 2 * BLOCK_N, stop, table_ptr, seq, s_table, BS_LOG2)
         bk = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, K_BYTES)))))
         bk = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(bk, 0), 1), 2), 4)
@@ -486,9 +494,15 @@ def launch(q: torch.Tensor, out: torch.Tensor, part_acc: torch.Tensor, part_ml: 
         scale * LOG2E, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), plan.block_table.stride(0),
         GROUP=group, SPLIT=splits > 1, BS_LOG2=kc.shape[1].bit_length() - 1, NUM_OUTLIERS=fp4_k[2].shape[-1],
-        FREE_DECODE=ABLATE_DECODE,
+        FREE_DECODE=ABLATE_DECODE, EARLY_LOADS=early_loads(),
         **page_geometry(fp4_k, fp4_v), num_warps=WARPS, **({"maxnreg": maxnreg} if maxnreg else {}),
     ))
+
+
+def early_loads() -> bool:
+    """Whether launches issue the next step's loads in a block of their own (DOCPROC_FP4_EARLY_LOADS=0:
+    the earlier form, for comparisons)."""
+    return os.environ.get("DOCPROC_FP4_EARLY_LOADS", "1") != "0"
 
 
 _GEOMETRY: dict = {}  # page_geometry's answers by the views' addresses, strides and shapes

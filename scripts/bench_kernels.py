@@ -97,6 +97,20 @@ def _sweep_grid(default_splits: int, ctx: int, split_mults, block_ns, stages, ca
                     yield n_sp, bn, st, cap
 
 
+def _with_env(name, value, run):
+    """run() with the environment variable `name` set to `value` (kernels read theirs at launch, so
+    graph captures inside run() take that variant too)."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return run()
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+
+
 def _free_decode(run):
     """run() with the Gluon FP4 kernel's decode ablated (kernels/fp4_gluon.ABLATE_DECODE: one
     instruction per decoded register, wrong values): what the rest of the kernel takes."""
@@ -271,6 +285,15 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
                 record(f"ours_fp4_gluon_s{n_sp}", lambda: paged_attention(
                     q, plan_x, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, fp4_gluon=True), nv_bytes,
                     {"config": "gluon"}, splits=n_sp)
+                if per_sm == 2:
+                    # the next step's loads left in the arithmetic's block (DOCPROC_FP4_EARLY_LOADS=0)
+                    record(f"ours_fp4_gluon_late_loads_s{n_sp}", lambda: _with_env("DOCPROC_FP4_EARLY_LOADS", "0", lambda: paged_attention(
+                        q, plan_x, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, fp4_gluon=True)), nv_bytes,
+                        {"config": "gluon, loads in the arithmetic's block"}, splits=n_sp)
+                    record(f"ours_fp4_gluon_no_outliers_late_loads_s{n_sp}", lambda: _with_env(
+                        "DOCPROC_FP4_EARLY_LOADS", "0", lambda: paged_attention(
+                            q, plan_x, d ** -0.5, fp4_k=fk0, fp4_v=fv0, fp4_gluon=True)), n0_bytes,
+                        {"config": "gluon, loads in the arithmetic's block"}, splits=n_sp)
                 if per_sm == 2 and GLUON_FREE_DECODE:
                     # the decode ablation at the engine's split count (timing only: wrong values),
                     # kernels/fp4_gluon.ABLATE_DECODE

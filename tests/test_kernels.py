@@ -424,7 +424,7 @@ def _zero_width(views):
 @pytest.mark.parametrize("heads,kv_heads,dtype,key_slots,bs", [
     (28, 4, torch.bfloat16, True, 16), (28, 4, torch.bfloat16, False, 16), (12, 2, torch.bfloat16, True, 16),
     (8, 1, torch.float16, True, 16), (28, 4, torch.bfloat16, True, 32), (12, 2, torch.bfloat16, True, 128)])
-def test_fp4_gluon_decode_matches_the_reference(heads, kv_heads, dtype, key_slots, bs):
+def test_fp4_gluon_decode_matches_the_reference(heads, kv_heads, dtype, key_slots, bs, monkeypatch):
     """kernels/fp4_gluon.py (decode tiles, no value slots) against the float32 reference over the
     same pool, with the value slots (and without key_slots the key slots) emptied; and against the
     Triton kernel over the same views: the same decoded values, summed in another order. Contexts
@@ -454,6 +454,11 @@ def test_fp4_gluon_decode_matches_the_reference(heads, kv_heads, dtype, key_slot
         err = ((out - ref).abs().amax(-1) / ref.abs().amax(-1)).max()
         err_tri = ((out - tri).abs().amax(-1) / tri.abs().amax(-1)).max()
         assert err < 2e-2 and err_tri <= 2.0 ** -7, (splits, err, err_tri)
+        # the loads in the arithmetic's block (the earlier form): the same arithmetic, the same bits
+        monkeypatch.setenv("DOCPROC_FP4_EARLY_LOADS", "0")
+        late = paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv, fp4_gluon=True).float()
+        monkeypatch.delenv("DOCPROC_FP4_EARLY_LOADS")
+        assert late.equal(out), (splits, (late - out).abs().max())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Gluon: GPU only")
