@@ -112,7 +112,7 @@ def kernel_report(key_slots: int = 2, group: int = 7, block_size: int = 16, free
     aligned = [i for i, n in enumerate(names) if n.endswith("_ptr")]
     src = GluonASTSource(g._fp4_decode_kernel, sig,
                          constexprs={"GROUP": group, "SPLIT": True, "BS_LOG2": block_size.bit_length() - 1, "NUM_OUTLIERS": key_slots,
-                                     "FREE_DECODE": free_decode,
+                                     "FREE_DECODE": free_decode, "EARLY_LOADS": g.early_loads(),
                                      **geometry},
                          attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
