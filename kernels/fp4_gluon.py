@@ -35,7 +35,8 @@ The per-pair decode is kernels/paged_attention.py's (_fp4_pair_steps: exact, equ
 decode bit for bit). Key outlier slots: a gather of q; value slots are not read (the kernel's
 docstring says why not and who reads them). Measurements: BENCHMARKS.md, twentieth and
 twenty-first sessions (Triton 3.6, sm_90: 1,161 SASS instructions per 128-key step with 2 key
-slots, 959 without; the twentieth session's kernel took 1,529 and 1,180).
+slots, 959 without; the twentieth session's kernel took 1,529 and 1,180) and twenty-third (the next
+step's loads issued first: 1,220 and 998, 1-7% faster).
 
 Torch reference: kernels/paged_attention.paged_attention_ref over FP4PagedLayer.gather, as for the
 Triton kernel; tests/test_kernels.py (test_fp4_gluon_*: CUDA only, Gluon has no interpreter; the
@@ -479,9 +480,10 @@ def launch(q: torch.Tensor, out: torch.Tensor, part_acc: torch.Tensor, part_ml: 
            scale: float, fp4_k: tuple, fp4_v: tuple, maxnreg: int | None = None) -> None:
     """The split kernel (or the whole attention, unsplit); kernels/paged_attention.paged_attention
     owns the partial buffers and the merge. maxnreg: a register cap (None: the compiler's choice,
-    202 registers with key slots and 197 without for sm_90 with Triton 3.6, so 2 programs an SM).
-    A cap of 168 (3 programs an SM) spills nothing there but was not faster on the H200, at 2 or 3
-    programs' worth of splits an SM (BENCHMARKS.md, twenty-first session), so it is not the default."""
+    250 registers with key slots and 237 without for sm_90 with Triton 3.6, so 2 programs an SM).
+    A cap of 168 (3 programs an SM) was not faster on the H200 in the twenty-first session (202
+    registers uncapped then) and about 2x slower in the twenty-third with the loads issued first,
+    so it is not the default."""
     kc, _, _, _, khs = fp4_k
     _, _, _, _, vhs = fp4_v
     n_kv = kc.shape[2]
