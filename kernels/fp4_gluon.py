@@ -341,13 +341,10 @@ def _fp4_decode_kernel(
         kw5, _ = gl.broadcast(gl.expand_dims(kw, 3), bk)  # (warp, c, word, byte, key): the word per byte
         ks_lo, ks_hi = gl.inline_asm_elementwise(SCALE_SPLATS, "=r,=r,r,r", [ke_lo.to(gl.int32), ke_hi.to(gl.int32)],
                                                  dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
-        k_args = [kw5, gl.expand_dims(gl.expand_dims(ks_lo, 2), 3), gl.expand_dims(gl.expand_dims(ks_hi, 2), 3)]
-        if FREE_DECODE:
-            k_lo, k_hi = gl.inline_asm_elementwise(KEY_DECODE_FREE, "=r,=r,=r,=r" + ",r" * 12, k_args,
-                                                   dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
-        else:
-            k_lo, k_hi = gl.inline_asm_elementwise(KEY_DECODE, "=r,=r,=r,=r" + ",r" * 12, k_args,
-                                                   dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+        k_lo, k_hi = gl.inline_asm_elementwise(
+            KEY_DECODE_FREE if FREE_DECODE else KEY_DECODE, "=r,=r,=r,=r" + ",r" * 12,
+            [kw5, gl.expand_dims(gl.expand_dims(ks_lo, 2), 3), gl.expand_dims(gl.expand_dims(ks_hi, 2), 3)],
+            dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
         k_lo = gl.reshape(k_lo, [WARPS, 4, 16, KEYS])
         k_hi = gl.reshape(k_hi, [WARPS, 4, 16, KEYS])
         # (warp, c, byte 4 i + 2 h + p, key) -> (warp, k = 16 i + 8 h + 2 c + p, key)
@@ -386,13 +383,10 @@ def _fp4_decode_kernel(
         # over (key pair, 2 bytes) then receives them as its operands 12 and 13
         vs_pairs = gl.inline_asm_elementwise(SCALE_PAIRS, "=r,=r,r,r,r,r", [ve_lo.to(gl.int32), ve_hi.to(gl.int32)],
                                              dtype=gl.int32, is_pure=True, pack=2)
-        v_args = [vw5, sel, gl.expand_dims(gl.expand_dims(gl.convert_layout(vs_pairs, SV3, assert_trivial=True), 3), 4)]
-        if FREE_DECODE:
-            v_lo, v_hi = gl.inline_asm_elementwise(VALUE_DECODE_FREE, "=r,=r,=r,=r" + ",r" * 12, v_args,
-                                                   dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
-        else:
-            v_lo, v_hi = gl.inline_asm_elementwise(VALUE_DECODE, "=r,=r,=r,=r" + ",r" * 12, v_args,
-                                                   dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+        v_lo, v_hi = gl.inline_asm_elementwise(
+            VALUE_DECODE_FREE if FREE_DECODE else VALUE_DECODE, "=r,=r,=r,=r" + ",r" * 12,
+            [vw5, sel, gl.expand_dims(gl.expand_dims(gl.convert_layout(vs_pairs, SV3, assert_trivial=True), 3), 4)],
+            dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
         v_lo = gl.reshape(v_lo, [WARPS, KEYS, 8, 8])
         v_hi = gl.reshape(v_hi, [WARPS, KEYS, 8, 8])
         # (warp, key, g, j) -> V^T (warp, m = 8 j + g, key)
