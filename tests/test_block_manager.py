@@ -161,3 +161,23 @@ def test_prefix_caching_off_never_hits():
     b = seq(range(9))
     bm.allocate(b)
     assert b.num_cached_tokens == 0 and not bm.hash_to_block
+
+
+def test_discard_takes_a_failed_steps_blocks_out_of_the_prefix_cache():
+    """commit registers hashes when a step is scheduled; if the step then raises, those blocks
+    hold no K/V, and a later request must not hit them."""
+    bm = BlockManager(16, BS)
+    a = seq(range(13))
+    bm.allocate(a)
+    bm.commit(a, len(a))  # scheduled ... and the step raised
+    bm.discard(a)
+    assert all_refs_zero(bm) and not bm.hash_to_block
+    again = seq(range(13))
+    bm.allocate(again)
+    assert again.num_computed_tokens == 0  # no hit on the unwritten blocks
+    done = seq(range(100, 109))  # a finished sequence's blocks stay cached as before
+    run_prefill(bm, done)
+    bm.deallocate(done)
+    hit = seq(range(100, 109))
+    bm.allocate(hit)
+    assert hit.num_computed_tokens == 8

@@ -88,3 +88,30 @@ def test_narrow_decode_in_the_engine(tmp_path):
     assert 128 in {key[3] for key in llm.runner.graphs.graphs}
     same = sum(a == b for x, y in zip(batch, alone) for a, b in zip(x, y))
     assert same >= 0.9 * sum(len(x) for x in batch), (batch, alone)
+
+
+def test_graph_captures_survive_threads_that_pin_memory(qwen2_vl_dir):
+    """Graphs are captured lazily, mid-run, while the image-prefetch threads pin host memory: a
+    capture must not be invalidated by another thread's CUDA calls (cudaErrorStreamCaptureInvalidated
+    crashed `docproc run --draft bundled` on the H200). Here a thread pins memory without pause
+    while batches of new sizes capture new graphs, with a draft capturing its own."""
+    import threading
+
+    stop = threading.Event()
+
+    def pin():
+        while not stop.is_set():
+            torch.empty(1 << 18).pin_memory()
+
+    llm = LLM(str(qwen2_vl_dir), device="cuda", gpu_memory_utilization=0.2, speculative_model=str(qwen2_vl_dir),
+              num_speculative_tokens="auto")
+    worker = threading.Thread(target=pin, daemon=True)
+    worker.start()
+    try:
+        for n in (1, 2, 3, 5, 9, 17):  # each a new batch bucket: new graphs for target and draft
+            out = llm.generate([r for r in requests() for _ in range(3)][:n], SamplingParams(max_tokens=12))
+            assert all(o.error is None for o in out)
+    finally:
+        stop.set()
+        worker.join()
+    assert llm.cache_info()["num_cuda_graphs"] >= 4

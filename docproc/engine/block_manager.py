@@ -179,6 +179,20 @@ class BlockManager:
             if block.hash is None:
                 self.free.move_to_end(block_id, last=False)
 
+    def discard(self, seq: Sequence) -> None:
+        """Deallocate a sequence whose step failed: its blocks leave the prefix cache too (commit
+        registers a block's hash when its step is scheduled, so a failed step leaves hashes over
+        K/V that was never written). Blocks it hit in the cache go with them: lost entries, never
+        wrong ones."""
+        for block_id in seq.block_table:
+            block = self.blocks[block_id]
+            if block.hash is not None:
+                if self.hash_to_block.get(block.hash) == block_id:
+                    del self.hash_to_block[block.hash]
+                    self._version += 1
+                block.hash = None
+        self.deallocate(seq)
+
     def deallocate(self, seq: Sequence) -> None:
         """Return a sequence's blocks. Its tail is released first, so among its cached blocks the
         head of the prefix (the part other requests share) is evicted last."""

@@ -270,7 +270,12 @@ class GraphRunner:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.device(self.device), torch.cuda.graph(graph, pool=self.pool):  # (cuda:N too)
+        # thread_local: the image-prefetch threads pin host memory (cudaHostAlloc, event queries)
+        # while a step captures; in the default global mode any such call from another thread
+        # invalidates the capture (cudaErrorStreamCaptureInvalidated). Only this thread's calls
+        # are checked; nothing else enqueues work on the capturing stream.
+        with torch.cuda.device(self.device), torch.cuda.graph(graph, pool=self.pool,
+                                                              capture_error_mode="thread_local"):
             out = self._forward_static(key)
         self.graphs[key] = (graph, out)
         self.capture_seconds += time.perf_counter() - t0

@@ -7,6 +7,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence as Seq
 
+import torch
+
 import kernels.gemv as kernels_gemv
 import kernels.pdl as kernels_pdl
 from docproc.config import CacheConfig, EngineConfig
@@ -20,6 +22,7 @@ from docproc.engine.sequence import Sequence
 from docproc.engine.speculative import accept_greedy, accept_sampled
 from docproc.engine.progress import Progress
 from docproc.engine.speculator import Chunk, Speculator, check_tokenizers, parse_spec_k
+from docproc.errors import DeviceUnavailable
 from docproc.models.processor import PromptError
 from docproc.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from docproc.sampling_params import SamplingParams
@@ -43,6 +46,14 @@ def eos_token_ids(folder: str | Path, hf_config, tokenizer) -> set[int]:
     if ids is None:
         return set()
     return {int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])}
+
+
+def is_device_failure(e: BaseException) -> bool:
+    """A CUDA error that leaves the context unusable (not an out-of-memory, which a smaller step
+    survives)."""
+    if isinstance(e, torch.OutOfMemoryError) or not isinstance(e, RuntimeError):
+        return False
+    return type(e).__name__ == "AcceleratorError" or "CUDA error" in str(e)
 
 
 class LLM:
@@ -187,12 +198,35 @@ class LLM:
                     results[i] = self._output(seq, prompts[i])
                     if progress:
                         progress.advance(seq.num_generated_tokens)
+        except BaseException as e:
+            self._abort_unfinished()  # the engine stays usable for the caller's next call
+            if is_device_failure(e):
+                raise DeviceUnavailable(f"the device failed ({type(e).__name__}: {e}); the CUDA context cannot "
+                                        f"be used again: check the GPU (nvidia-smi) and run again") from e
+            raise
         finally:
             if progress:
                 progress.close()
             if not self.scheduler.has_unfinished:
                 self.runner.prefetcher.drop()  # pixels of requests that failed before their encode
         return results  # type: ignore[return-value]
+
+    def count_image_tokens(self, image) -> int:
+        """The tokens an image (a PIL image) takes in a prompt, as the engine will expand it."""
+        return self.processor.num_tokens(self.processor.grid_thw(image))
+
+    def _abort_unfinished(self) -> None:
+        """Drop every queued and running sequence (a step raised): their blocks go back to the pool
+        and out of the prefix cache (BlockManager.discard), a launched overlapped step is
+        forgotten."""
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            if self.speculator is not None:
+                self.speculator.release(seq, failed=True)
+            if seq.block_table:
+                self.block_manager.discard(seq)  # before finish: its hashes may name unwritten K/V
+            self.scheduler.finish(seq, "abort")
+        self._pending = None
+        self._next_k = None
 
     def cache_info(self) -> dict:
         kv = self.runner.kv_cache

@@ -18,6 +18,7 @@ from docproc.engine.prefetch import ImagePrefetcher, default_workers
 from docproc.engine.sampler import Sampler, SamplingRow
 from docproc.engine.scheduler import SchedulerOutput
 from docproc.engine.sequence import Sequence
+from docproc.errors import DeviceUnavailable
 from docproc.layers.attention import AttentionMetadata, DenseAttention, FP4Attention
 from docproc.models.loader import load_model
 from docproc.models.processor import Processor
@@ -33,8 +34,15 @@ CPU_KV_BYTES_DEFAULT = 512 << 20
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError("device 'cuda' was asked for but torch sees no CUDA device: use --device cpu")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise DeviceUnavailable(f"device {device!r} was asked for but torch sees no CUDA device: "
+                                    f"use --device cpu (or auto), or install a CUDA build of torch")
+        index = torch.device(device).index
+        if index is not None and index >= torch.cuda.device_count():
+            raise DeviceUnavailable(f"device {device!r} was asked for but only {torch.cuda.device_count()} "
+                                    f"CUDA device(s) are visible: pick one of cuda:0..cuda:"
+                                    f"{torch.cuda.device_count() - 1}")
     return torch.device(device)
 
 

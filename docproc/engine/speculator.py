@@ -33,6 +33,10 @@ def check_tokenizers(target: str, draft: str) -> None:
     """The draft must encode text exactly as the target does; checked before any weights load."""
     from transformers import AutoTokenizer
 
+    from docproc.models.loader import check_folder
+
+    for folder in (target, draft):
+        check_folder(folder)  # a missing folder is named as such, not looked up on a model hub
     hashes = [tokenizer_hash(AutoTokenizer.from_pretrained(str(p), local_files_only=True)) for p in (target, draft)]
     if hashes[0] != hashes[1]:
         raise ValueError(f"draft tokenizer differs from target (vocab hash {hashes[1]} vs {hashes[0]}): "
@@ -120,10 +124,11 @@ class Speculator:
             seq.draft = DraftView(seq, prompt, images, mm)
         return seq.draft
 
-    def release(self, seq: Sequence) -> None:
-        """Free the draft's blocks (finished or preempted sequence)."""
+    def release(self, seq: Sequence, failed: bool = False) -> None:
+        """Free the draft's blocks (finished or preempted sequence; failed: its step raised, so
+        its blocks leave the prefix cache as well, BlockManager.discard)."""
         if seq.draft is not None and seq.draft.block_table:
-            self.block_manager.deallocate(seq.draft)
+            (self.block_manager.discard if failed else self.block_manager.deallocate)(seq.draft)
         seq.draft = None
         self.policy.forget(seq.seq_id)
 

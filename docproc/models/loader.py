@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from docproc.errors import ModelUnavailable
 from docproc.models.qwen2_vl import Qwen2VLTextModel, TextConfig
 from docproc.models.rope import MRotaryEmbedding
 from docproc.models.vision import VisionEncoder
@@ -20,17 +21,25 @@ from docproc.models.vision import VisionEncoder
 SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ModelUnavailable, ValueError):
     """The folder is not a checkpoint docproc can load; the message says what is missing."""
 
 
-def read_config(folder: str | Path):
+def check_folder(folder: str | Path) -> Path:
+    """The folder, if it exists and holds a config.json; else CheckpointError saying which."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise CheckpointError(f"model folder {folder} does not exist (docproc loads local folders only)")
-    cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
+        what = "is a file, not a folder" if folder.exists() else "does not exist"
+        raise CheckpointError(f"model folder {folder} {what}: pass a local checkpoint folder "
+                              f"(docproc never downloads models)")
+    if not (folder / "config.json").is_file():
         raise CheckpointError(f"{folder} is not a Hugging Face checkpoint: config.json is missing")
+    return folder
+
+
+def read_config(folder: str | Path):
+    folder = check_folder(folder)
+    cfg_path = folder / "config.json"
     try:
         raw = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:

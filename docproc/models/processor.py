@@ -3,11 +3,12 @@
 vLLM's convention: the prompt holds one `<|image_pad|>` per image (inside
 `<|vision_start|>...<|vision_end|>`); the engine expands each to the image's token count. Images
 may be PIL images, paths or bytes; each is keyed by the SHA-256 of its decoded RGB pixels and size,
-so the same page given as a file, as bytes or as a PIL image hits the same caches.
+so the same page given as a file, as bytes or as a PIL image hits the same caches. Every image is
+converted as a person sees it (docproc.multimodal.to_rgb) and padded with white into the vision
+tower's aspect-ratio limit, so no page shape is refused.
 """
 from __future__ import annotations
 
-import hashlib
 import io
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from PIL import Image
 
 from docproc.engine.sequence import ImageSpan
 from docproc.models.loader import CheckpointError
+from docproc.multimodal import fit_aspect, padded_size, pixel_hash, to_rgb
 
 IMAGE_PAD = "<|image_pad|>"
 
@@ -27,8 +29,8 @@ class PromptError(ValueError):
 
 @dataclass
 class LoadedImage:
-    image: Image.Image  # RGB
-    content_hash: str
+    image: Image.Image  # RGB, padded into the aspect-ratio limit
+    content_hash: str  # of the RGB pixels before padding (what the pipeline hashes a page by)
 
 
 def load_image(obj, content_hash: str | None = None) -> LoadedImage:
@@ -52,13 +54,12 @@ def load_image(obj, content_hash: str | None = None) -> LoadedImage:
         raise PromptError(f"cannot read image{what}: not an image format Pillow recognises") from None
     except (OSError, Image.DecompressionBombError) as e:
         raise PromptError(f"cannot read image: {e}") from None
-    if img.mode != "RGB":
-        img = img.convert("RGB")
-    if content_hash is not None:
-        return LoadedImage(img, str(content_hash))
-    h = hashlib.sha256(b"%dx%d:" % img.size)
-    h.update(img.tobytes())
-    return LoadedImage(img, h.hexdigest())
+    try:
+        img = to_rgb(img)
+    except (OSError, ValueError) as e:  # pixel data that fails to decode only now
+        raise PromptError(f"cannot read image: {e}") from None
+    digest = str(content_hash) if content_hash is not None else pixel_hash(img)
+    return LoadedImage(fit_aspect(img), digest)
 
 
 class Processor:
@@ -87,13 +88,17 @@ class Processor:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
         ip = self.image_processor
-        w, h = image.size
+        w, h = padded_size(*image.size)  # what load_image hands the vision tower
         try:
             rh, rw = smart_resize(h, w, factor=ip.patch_size * ip.merge_size,
                                   min_pixels=ip.size["shortest_edge"], max_pixels=ip.size["longest_edge"])
         except ValueError as e:
             raise PromptError(f"image of {w}x{h} pixels: {e}") from None
         return (1, rh // ip.patch_size, rw // ip.patch_size)
+
+    def num_tokens(self, grid: tuple[int, int, int]) -> int:
+        """Prompt tokens of an image with this patch grid (patches merged merge_size x merge_size)."""
+        return grid[0] * grid[1] * grid[2] // self.merge_size ** 2
 
     def pixel_values(self, images: list[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
         out = self.image_processor(images=images, return_tensors="pt")
@@ -135,7 +140,7 @@ class Processor:
         for pad, im in zip(pads, loaded):
             out.extend(ids[prev:pad])
             grid = self.grid_thw(im.image)
-            n = grid[0] * grid[1] * grid[2] // self.merge_size**2
+            n = self.num_tokens(grid)
             spans.append(ImageSpan(len(out), n, im.content_hash, grid, self.merge_size))
             out.extend([self.image_token_id] * n)
             prev = pad + 1
