@@ -1,19 +1,24 @@
 """The docproc command line (thin: parsing and display; the work is in docproc.pipeline).
 
-Exit codes: 0 success, 1 finished but some documents failed, 2 usage error, 75 another run holds
-the output folder's lock.
+Exit codes of `docproc run` (README, "Exit codes"): 0 every document ok, partial or skipped;
+1 finished, some documents failed; 2 usage error (flags, query file, inputs), nothing done;
+3 the model or draft is missing or cannot be loaded; 4 the device is missing or failed;
+5 the output folder cannot be written (read-only, a file, disk full); 70 an internal error;
+75 another run holds the output folder's lock; 130 / 143 stopped by SIGINT / SIGTERM.
 """
 from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+
+from docproc.errors import EXIT_DEVICE, EXIT_MODEL, EXIT_OUTPUT
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Extract structured data from folders of PDFs and images with vision-language models.")
@@ -33,7 +38,22 @@ def _console(stderr: bool = False) -> Console:
 out_console = _console()
 err_console = _console(stderr=True)
 
-EXIT_OK, EXIT_FAILURES, EXIT_USAGE, EXIT_LOCKED = 0, 1, 2, 75
+EXIT_OK, EXIT_FAILURES, EXIT_USAGE, EXIT_INTERNAL, EXIT_LOCKED = 0, 1, 2, 70, 75
+EXIT_CODES = {EXIT_OK: "ok", EXIT_FAILURES: "some documents failed", EXIT_USAGE: "usage error",
+              EXIT_MODEL: "model unavailable", EXIT_DEVICE: "device unavailable", EXIT_OUTPUT: "output unwritable",
+              EXIT_INTERNAL: "internal error", EXIT_LOCKED: "locked", 130: "interrupted (SIGINT)",
+              143: "interrupted (SIGTERM)"}
+FAILURES_SHOWN = 5  # failed files the summary names before giving a count
+
+
+def error(message: str, label: str = "error", colour: str = "red") -> None:
+    """One line on stderr; the message is shown as written (no Rich markup: '[[query]]' stays)."""
+    err_console.print(f"[{colour}]{label}:[/{colour}] {escape(str(message))}", soft_wrap=True)
+
+
+def shown(key: str) -> str:
+    """A document key for the terminal: control characters escaped (the key itself is kept)."""
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode() for ch in key)
 
 
 def bundled_model(name: str) -> Path:
@@ -97,7 +117,7 @@ def run(
     fp4_value_slots: Optional[int] = typer.Option(None, "--fp4-value-slots", help="FP4 KV: outlier slots per value "
                                                   "vector, 0 (the default) or 2 (as the keys; on CUDA the "
                                                   "slower Triton decode kernel)."),
-    device: str = typer.Option("auto", help="auto, cpu or cuda."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
     dpi: int = typer.Option(120, help="PDF render resolution (lowered per page to fit the pixel cap)."),
     max_pages: Optional[int] = typer.Option(None, "--max-pages", help="Read at most this many pages per document."),
     format: str = typer.Option("json,parquet", "--format", help="Outputs: json, parquet or both."),
@@ -110,16 +130,18 @@ def run(
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="No CUDA graphs for decode and "
                                        "verification steps (debugging, profiling)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display and no summary."),
+    debug: bool = typer.Option(False, "--debug", help="Print the traceback of every unexpected error (a "
+                               "document's, or the run's) on stderr."),
     log_json: bool = typer.Option(False, "--log-json", help="JSON lines (one per document, then the manifest) on stdout."),
 ) -> None:
     """Extract fields from every document under INPUTS into OUT.
 
     Example: docproc run invoices/ scans/ --out out --kv-cache fp4
     """
+    from docproc.errors import EnvironmentFault
     from docproc.pipeline.queries import QueryFileError
     from docproc.pipeline.run import Pipeline, RunSettings
     from docproc.pipeline.runstore import LockedError
-    from docproc.models.loader import CheckpointError
 
     try:
         settings = RunSettings(inputs=[str(p) for p in inputs], out=str(out), model=resolve_model(model),
@@ -129,26 +151,37 @@ def run(
                                max_num_batched_tokens=max_num_batched_tokens,
                                gpu_memory_utilization=gpu_memory_utilization, batch_pages=batch_pages,
                                anchor_text=anchor_text, enforce_eager=enforce_eager,
-                               fp4_value_slots=fp4_value_slots)
-    except (ValueError, typer.BadParameter) as e:
-        err_console.print(f"[red]error:[/red] {e}")
+                               fp4_value_slots=fp4_value_slots, debug=debug)
+        pipeline = Pipeline(settings, reporter=_Display(quiet=quiet or log_json, log_json=log_json))
+    except (QueryFileError, ValueError, typer.BadParameter) as e:
+        error(e)
         raise typer.Exit(EXIT_USAGE)
-    reporter = _Display(quiet=quiet or log_json, log_json=log_json)
     try:
-        pipeline = Pipeline(settings, reporter=reporter)
         manifest = pipeline.run()
     except LockedError as e:
-        err_console.print(f"[yellow]locked:[/yellow] {e}; exiting")
+        error(f"{e}; exiting", "locked", "yellow")
         raise typer.Exit(EXIT_LOCKED)
-    except (QueryFileError, CheckpointError, ValueError) as e:
-        err_console.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(EXIT_USAGE)
+    except EnvironmentFault as e:  # before the run started (the output folder): no manifest
+        error(e)
+        raise typer.Exit(e.exit_code)
+    except Exception as e:  # noqa: BLE001 -- a bug: one line, the traceback with --debug
+        if debug:
+            raise
+        error(f"internal error: {type(e).__name__}: {e} (run again with --debug for the traceback, and "
+              f"please report it)")
+        raise typer.Exit(EXIT_INTERNAL)
     finally:
-        reporter.close()
+        pipeline.report.close()
     if log_json:
         print(json.dumps({"event": "end", **manifest}), flush=True)
     elif not quiet:
         _summary(manifest)
+    if manifest["status"] == "failed":
+        error(manifest["fault"]["message"])
+    elif manifest["status"] == "interrupted":
+        t = manifest["totals"]
+        error(f"{manifest['fault']['message']}: {t['documents']} documents finished and kept; the batch in "
+              f"flight was dropped; run the same command again to finish", "interrupted", "yellow")
     raise typer.Exit(manifest["exit_code"])
 
 
@@ -195,13 +228,13 @@ def _summary(m: dict) -> None:
     table = Table(show_header=False, box=None, pad_edge=False)
     rows = [
         ("files", f"{t['files']}  (ok {t['ok']}, partial {t['partial']}, errors {t['errors']}, skipped {t['skipped']}, "
-                  f"already done {t['already_done']})"),
+                  f"already done {t['already_done']}, moved {t['moved']}; removed {t['removed']})"),
         ("pages", f"{t['pages']}  (unique {t['unique_pages']}; vision encodes {m['dedup']['vision_encodes']})"),
         ("requests", f"{t['requests']}  prompt tokens {t['prompt_tokens']} (from cache {t['cached_tokens']})"),
         ("generated", f"{t['generated_tokens']} tokens, {_fmt(m['tokens_per_second'])} tok/s"),
         ("draft acceptance", _fmt(m["acceptance_rate"])),
         ("stages (s)", "  ".join(f"{k} {v}" for k, v in m["stage_seconds"].items())),
-        ("model", f"{m['model']['path']} (text {m['model']['text']}, vision {m['model']['vision']})"),
+        ("model", f"{m['model']['path']} (text {m['model'].get('text', '-')}, vision {m['model'].get('vision', '-')})"),
         ("kv cache", f"{m['engine'].get('kv_cache_dtype')} on {m['engine'].get('device')}" if m.get("engine")
          else "model not loaded (nothing to do)"),
         ("draft", "none" if not m.get("draft") else
@@ -209,8 +242,17 @@ def _summary(m: dict) -> None:
          f"mean accepted {_fmt(m['draft']['mean_accepted_length'])}, bypassed steps {m['draft']['bypassed_steps']})"),
     ]
     for k, v in rows:
-        table.add_row(f"[dim]{k}[/dim]", v)
+        table.add_row(f"[dim]{k}[/dim]", escape(v))
     out_console.print(table)
+    failed = m.get("failures") or []
+    if failed:
+        out_console.print(f"[red]failed[/red] {t['errors']} file(s):")
+        for f in failed[:FAILURES_SHOWN]:
+            out_console.print(f"  {escape(shown(f['path']))}: {escape(str(f['error']))} [dim]({f['kind']})[/dim]",
+                              soft_wrap=True)
+        if t["errors"] > FAILURES_SHOWN:
+            out_console.print(f"  ... and {t['errors'] - FAILURES_SHOWN} more: "
+                              f"docproc stats {escape(m['settings']['out'])} --failures")
 
 
 @app.command()
@@ -219,21 +261,34 @@ def stats(
     run_id: Optional[str] = typer.Option(None, "--run", help="Show this run instead of the last one."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     limit: int = typer.Option(10, help="How many recent runs to list."),
+    failures: bool = typer.Option(False, "--failures", help="List every failed or partial document in OUT "
+                                  "with its reason, instead of the run summary."),
 ) -> None:
     """Report on the runs in OUT: the last (or --run) run's summary and per-query figures, and a
-    table of recent runs.
+    table of recent runs; or, with --failures, every document that failed and why.
 
-    Example: docproc stats out --json
+    Example: docproc stats out --json; docproc stats out --failures
     """
-    from docproc.pipeline.stats import collect
+    from docproc.pipeline.stats import collect, list_failures
 
+    if limit < 1:
+        error(f"--limit must be >= 1, got {limit}")
+        raise typer.Exit(EXIT_USAGE)
     try:
-        data = collect(out, run_id, limit)
+        data = list_failures(out) if failures else collect(out, run_id, limit)
     except (FileNotFoundError, KeyError) as e:
-        err_console.print(f"[red]error:[/red] {e.args[0] if e.args else e}")
+        error(e.args[0] if e.args else e)
         raise typer.Exit(EXIT_USAGE)
     if as_json:
         print(json.dumps(data, indent=2))
+        return
+    if failures:
+        t = Table(title=f"{len(data)} failed or partial document(s)")
+        for c in ("path", "status", "kind", "reason"):
+            t.add_column(c, overflow="fold")
+        for f in data:
+            t.add_row(escape(shown(f["path"])), f["status"], f["kind"] or "-", escape(f["error"] or "-"))
+        out_console.print(t)
         return
     r = data["run"]
     out_console.print(f"[bold]run {r['run_id']}[/bold] started {r['started_at']}, {r['seconds']:.1f} s, "
@@ -277,8 +332,8 @@ def eval_cmd(
 
     try:
         res = evaluate(out, truth)
-    except (FileNotFoundError, json.JSONDecodeError, KeyError) as e:
-        err_console.print(f"[red]error:[/red] {e}")
+    except (FileNotFoundError, json.JSONDecodeError, KeyError, ValueError) as e:
+        error(e)
         raise typer.Exit(EXIT_USAGE)
     if as_json:
         print(json.dumps(res, indent=2))

@@ -116,7 +116,7 @@ def test_second_run_on_a_locked_folder_exits_75(docs, qwen2_vl_dir, tmp_path):
 
 def test_usage_errors_exit_2(docs, qwen2_vl_dir, tmp_path):
     assert run_cli("run", docs, "--out", tmp_path / "o", "--model", qwen2_vl_dir, "--format", "xml").exit_code == 2
-    assert run_cli("run", docs, "--out", tmp_path / "o", "--model", tmp_path / "missing").exit_code == 2
+    assert run_cli("run", docs, "--out", tmp_path / "o", "--model", tmp_path / "missing").exit_code == 3  # model
     bad = tmp_path / "q.toml"
     bad.write_text("[[query]]\nname = 'x'\n")
     assert run_cli("run", docs, "--out", tmp_path / "o", "--model", qwen2_vl_dir, "--queries", bad).exit_code == 2
@@ -219,12 +219,12 @@ def test_sigkill_mid_run_then_rerun_gives_the_clean_rows(docs, qwen2_vl_dir, tmp
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
-        if list((out / "parts").glob("part-*.parquet")) if (out / "parts").is_dir() else []:
+        if list(RunStore(out).parts_dir.glob("part-*.rows")) if RunStore(out).parts_dir.is_dir() else []:
             break
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    parts = list((out / "parts").glob("part-*.parquet"))
+    parts = list(RunStore(out).parts_dir.glob("part-*.rows"))
     assert parts, "the run was killed before it flushed anything"
     done_before = sum(pq.read_table(p).num_rows for p in parts)
     assert done_before < 35  # it really was killed mid-way
@@ -336,7 +336,7 @@ def test_config_cache_follows_the_model_files_and_settings(docs, qwen2_vl_dir, t
     assert dpi["config_fingerprint"] != first["config_fingerprint"]
 
     # a stale entry (what a key could miss): corrected when the engine loads for work
-    cache = out / "runs" / "config_cache.json"
+    cache = RunStore(out).config_cache_path
     entries = json.loads(cache.read_text())
     for v in entries.values():
         v["config_fingerprint"] = "stale"

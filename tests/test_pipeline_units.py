@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from docproc.cli import parse_formats
 from docproc.pipeline.evaluate import _f1, _norm
 from docproc.pipeline.normalize import normalize_amount, normalize_date
 from docproc.pipeline.queries import QueryFileError, build_prompt, load_queries, parse_answer
-from docproc.pipeline.runstore import safe_relpath
+from docproc.pipeline.runstore import json_relpath
 
 
 @pytest.mark.parametrize("text,iso", [("2024-03-01", "2024-03-01"), ("01.03.2024", "2024-03-01"),
@@ -40,13 +41,14 @@ def test_parse_answer_by_type():
 def test_query_file_errors(tmp_path):
     qs = load_queries()
     assert [q.name for q in qs.queries][:2] == ["vendor", "invoice_number"] and len(qs.fingerprint) == 16
-    for body, msg in [("x = 1", "no [[query]]"), ("[[query]]\nname='a'", "needs a name and a question"),
+    for body, msg in [("x = 1", "unknown top-level key(s) 'x'"), ("name = 'x'", "no [[query]]"),
+                      ("[[query]]\nname='a'", "needs a question"),
                       ("[[query]]\nname='a'\nquestion='q'\ntype='int'", "type 'int'"),
                       ("[[query]]\nname='a'\nquestion='q'\n[[query]]\nname='a'\nquestion='r'", "appears twice"),
                       ("[[query", "not valid TOML")]:
         f = tmp_path / "q.toml"
         f.write_text(body)
-        with pytest.raises(QueryFileError, match=msg.replace("[", r"\[")):
+        with pytest.raises(QueryFileError, match=re.escape(msg)):
             load_queries(f)
     with pytest.raises(QueryFileError, match="does not exist"):
         load_queries(tmp_path / "none.toml")
@@ -66,10 +68,16 @@ def test_parse_formats():
         parse_formats("")
 
 
-def test_safe_relpath_never_leaves_the_folder():
-    assert str(safe_relpath("../../etc/passwd")) == "etc/passwd"
-    assert str(safe_relpath("/abs/x.pdf")) == "abs/x.pdf"
-    assert str(safe_relpath("a/./b.png")) == "a/b.png"
+def test_json_names_never_leave_the_folder_fail_or_clash():
+    assert str(json_relpath("a/b.png")) == "a/b.png.json"
+    assert str(json_relpath("/abs/x.pdf")) == "abs/x.pdf.json"
+    keys = ["../../etc/passwd", "a/../b.png", "a/./b.png", "r\\xe4.png", "x" * 300 + ".png", "tab\there.png",
+            "a.png.json/b.png", "a/b.png", "a/b.png~0123456789ab"]
+    names = [json_relpath(k) for k in keys]
+    assert len(set(names)) == len(keys)  # distinct keys, distinct files
+    for n in names:
+        assert ".." not in n.parts and not n.is_absolute() and all(len(p.encode()) <= 143 for p in n.parts)
+    assert names[0].name.startswith("passwd~") and names[3].name.startswith("r_xe4.png~")
 
 
 def test_eval_normalisation_and_f1():

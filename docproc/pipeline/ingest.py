@@ -1,20 +1,30 @@
 """Finding documents and turning them into page images, one document at a time.
 
-Discovery is recursive and lazy (a generator over the tree), so memory does not grow with the
-number of files; a document's pages are rendered when its batch runs. Every file ends as exactly
-one outcome: a document, or a skip/error with a reason. Untrusted input is capped: pages per
-document, pixels per page (PDFs render at a DPI lowered to fit the cap; images above it, and
-decompression bombs, are errors), and symlinks that leave the input root are skipped.
+Every file under the inputs ends as exactly one outcome: a document, or a skip or error with a
+reason and a kind. A document's key is unique and stable: its path relative to its input root,
+behind the root as given when several roots are given; names that are not UTF-8 keep their bytes
+as backslash escapes (`r\\xe4.jpg`); a file reached twice (the same input twice, a folder and its
+subfolder, a link to a file in the tree, a hard link) counts once, under its first real path.
+Folders excluded by the caller (the output folder) are never entered. Untrusted input is capped:
+pages per document, pixels per page (PDFs render at a DPI lowered to fit the cap; images above
+it, and decompression bombs, are errors); links that leave the input root, broken links and
+special files (FIFOs, sockets, devices) are skipped. A document's pages are rendered when its
+batch runs.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
-from dataclasses import dataclass, field
+import re
+import stat
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from PIL import Image
+
+from docproc.multimodal import pixel_hash, to_rgb
 
 PDF_SUFFIXES = {".pdf"}
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".tif", ".tiff", ".webp", ".bmp"}
@@ -22,17 +32,25 @@ DEFAULT_MAX_PIXELS = 40_000_000  # per page; a 300-dpi A3 page is 17.5 M
 
 
 class DocumentError(Exception):
-    """This file cannot be processed; the message is the reason recorded in its outcome row."""
+    """This file cannot be processed; the message is the reason recorded in its outcome row and
+    kind its class (README lists them)."""
+
+    def __init__(self, message: str, kind: str = "unreadable") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass
 class Candidate:
-    path: Path
-    rel: str  # path relative to its input root (or the file name for a file input)
+    path: Path  # the file as found (a name that is not UTF-8 holds surrogate escapes)
+    rel: str  # the document's key: relative to its input root (see the module docstring)
+    root: str = ""  # the real, absolute path of the input root it was found under
     skip_reason: str | None = None
+    kind: str | None = None  # the skip's or error's kind
+    is_error: bool = False  # an error outcome (an unlistable folder), not a skip
 
     @property
-    def kind(self) -> str:
+    def doc_type(self) -> str:
         return "pdf" if self.path.suffix.lower() in PDF_SUFFIXES else "image"
 
 
@@ -44,6 +62,141 @@ class Page:
     width: int
     height: int
     text: str | None = None  # the PDF's text layer with coordinates (--anchor-text); None for images
+
+
+def display_name(name: str) -> str:
+    """A file system name as text that UTF-8 can store: bytes that are not UTF-8 (held by Python
+    as surrogate escapes) become backslash escapes; the same bytes always give the same text."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def root_label(inp: str | Path) -> str:
+    """How a root is named in its documents' keys when several roots are given: the path as
+    given, normalised (`./in/` -> `in`)."""
+    return display_name(os.path.normpath(str(inp)))
+
+
+def _is_within(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def discover(inputs: list[str | Path], exclude: list[str | Path] = ()) -> list[Candidate]:
+    """Every file under the inputs, in a stable order (sorted within each folder; within a root,
+    real files before links so that a file and a link to it keep the file's key), each file once.
+    exclude: folders never entered, nor reached through a link (the output folder)."""
+    excluded = [os.path.realpath(e) for e in exclude]
+    seen: set[tuple] = set()
+    unique, real_inputs = [], set()
+    for inp in inputs:  # the same root given twice is one root
+        real = os.path.realpath(inp)
+        if real not in real_inputs:
+            real_inputs.add(real)
+            unique.append(inp)
+    several = len(unique) > 1
+    out: list[Candidate] = []
+    for inp in unique:
+        root = Path(inp)
+        label = root_label(inp) if several else ""
+        real_root = os.path.realpath(root)
+
+        def key(rel: str) -> str:
+            rel = display_name(rel)
+            return f"{label}/{rel}" if label else rel
+
+        def folder_key(path: str | None) -> str:
+            """An unlistable folder's key: its path and a slash ('./' alone for the root)."""
+            rel = os.path.relpath(path, root) if path else "."
+            if rel == ".":
+                return f"{label}/" if label else "./"
+            return key(rel) + "/"
+
+        if not root.is_dir():
+            name = label or display_name(root.name)
+            if not os.path.lexists(root):
+                out.append(Candidate(root, name, real_root, "input path does not exist", "missing"))
+                continue
+            out.extend(_candidate(root, name, real_root, excluded, seen))  # the file is its own root
+            continue
+        links: list[tuple[Path, str]] = []
+        failed: list[OSError] = []
+        for dirpath, dirnames, filenames in os.walk(root, onerror=failed.append, followlinks=False):
+            for e in failed:  # folders that could not be listed: their files would go unseen
+                out.append(Candidate(Path(e.filename or root), folder_key(e.filename), real_root,
+                                     f"cannot list folder: {e.strerror}", "unlistable_folder", is_error=True))
+            failed.clear()
+            dirnames.sort()
+            keep = []
+            for d in dirnames:
+                p = Path(dirpath) / d
+                if p.is_symlink():
+                    links.append((p, key(str(p.relative_to(root)))))
+                elif not any(_is_within(os.path.realpath(p), x) for x in excluded):
+                    keep.append(d)
+            dirnames[:] = keep
+            for name in sorted(filenames):
+                p = Path(dirpath) / name
+                k = key(str(p.relative_to(root)))
+                if p.is_symlink():
+                    links.append((p, k))
+                else:
+                    out.extend(_candidate(p, k, real_root, excluded, seen))
+        for e in failed:
+            out.append(Candidate(Path(e.filename or root), folder_key(e.filename), real_root,
+                                 f"cannot list folder: {e.strerror}", "unlistable_folder", is_error=True))
+        for p, k in links:
+            out.extend(_candidate(p, k, real_root, excluded, seen, link_root=real_root))
+    return out
+
+
+def _candidate(p: Path, rel: str, root: str, excluded: list[str], seen: set,
+               link_root: str | None = None) -> list[Candidate]:
+    """The outcome of one path (none if its file was reached already); whatever looking at it
+    raises is that path's error, not the run's."""
+    try:
+        return list(_classify(p, rel, root, excluded, seen, link_root))
+    except Exception as e:  # noqa: BLE001 -- the per-file boundary
+        return [Candidate(p, rel, root, f"{type(e).__name__}: {e}", "internal", is_error=True)]
+
+
+def _classify(p: Path, rel: str, root: str, excluded: list[str], seen: set, link_root: str | None):
+    try:
+        st = os.stat(p)  # follows links
+    except OSError as e:
+        lst = os.lstat(p)
+        if ("entry", lst.st_dev, lst.st_ino) in seen:  # a broken link reached twice
+            return
+        seen.add(("entry", lst.st_dev, lst.st_ino))
+        if e.errno == errno.ELOOP:
+            yield Candidate(p, rel, root, "symbolic link loop", "broken_link")
+        elif p.is_symlink():
+            yield Candidate(p, rel, root, "broken symbolic link (its target does not exist)", "broken_link")
+        else:
+            yield Candidate(p, rel, root, f"cannot read file: {e.strerror}", "unreadable", is_error=True)
+        return
+    if link_root is not None:
+        target = os.path.realpath(p)
+        if any(_is_within(target, x) for x in excluded):
+            yield Candidate(p, rel, root, "symbolic link into the output folder", "outside_root")
+            return
+        if not _is_within(target, link_root):
+            yield Candidate(p, rel, root, "symlink points outside the input folder", "outside_root")
+            return
+        if stat.S_ISDIR(st.st_mode):
+            return  # a folder inside the root: its files are reached through their real location
+    if (st.st_dev, st.st_ino) in seen:
+        return
+    seen.add((st.st_dev, st.st_ino))
+    if not stat.S_ISREG(st.st_mode):
+        what = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode)
+                else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "not a regular file")
+        yield Candidate(p, rel, root, f"not a regular file ({what})", "not_a_file")
+        return
+    suffix = p.suffix.lower()
+    if suffix not in PDF_SUFFIXES | IMAGE_SUFFIXES:
+        yield Candidate(p, rel, root, f"not a supported document type ({display_name(suffix) or 'no extension'})",
+                        "unsupported_type")
+        return
+    yield Candidate(p, rel, root)
 
 
 ANCHOR_MAX_CHARS = 4000  # per page: a page with more text keeps its first lines and says it was cut
@@ -105,50 +258,11 @@ class Document:
             self._closer = None
 
 
-def discover(inputs: list[str | Path]) -> Iterator[Candidate]:
-    """Yield every file under the inputs, sorted within each folder for stable runs."""
-    for inp in inputs:
-        root = Path(inp)
-        if root.is_file():
-            yield _classify(root, root.name, root.parent)
-            continue
-        if not root.is_dir():
-            yield Candidate(root, str(inp), "input path does not exist")
-            continue
-        real_root = root.resolve()
-        for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-            dirnames.sort()
-            for name in sorted(filenames) + sorted(d for d in dirnames if (Path(dirpath) / d).is_symlink()):
-                p = Path(dirpath) / name
-                rel = str(p.relative_to(root))
-                if p.is_symlink():
-                    target = p.resolve()
-                    if not target.is_relative_to(real_root):
-                        yield Candidate(p, rel, "symlink points outside the input folder")
-                        continue
-                    if target.is_dir():
-                        continue  # its files are reached through their real location
-                yield _classify(p, rel, real_root)
-
-
-def _classify(p: Path, rel: str, root: Path) -> Candidate:
-    suffix = p.suffix.lower()
-    if suffix not in PDF_SUFFIXES | IMAGE_SUFFIXES:
-        return Candidate(p, rel, f"not a supported document type ({suffix or 'no extension'})")
-    return Candidate(p, rel)
-
-
 def _sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
-    return h.hexdigest()
-
-
-def _pixel_hash(img: Image.Image) -> str:
-    h = hashlib.sha256(b"%dx%d:" % img.size)
-    h.update(img.tobytes())
     return h.hexdigest()
 
 
@@ -158,22 +272,22 @@ def open_document(c: Candidate, *, dpi: int = 120, max_pages: int | None = None,
     """Open, validate and hash a document; page 1 is rendered here so that a file whose pages
     cannot be read fails at once with its reason."""
     try:
-        size = c.path.stat().st_size
+        size = os.stat(c.path).st_size
     except OSError as e:
-        raise DocumentError(f"cannot read file: {e.strerror}") from None
+        raise DocumentError(f"cannot read file: {e.strerror}", "unreadable") from None
     if size == 0:
-        raise DocumentError("empty file (0 bytes)")
+        raise DocumentError("empty file (0 bytes)", "empty")
     if size > max_file_bytes:
-        raise DocumentError(f"file is {size} bytes, over the {max_file_bytes}-byte limit")
+        raise DocumentError(f"file is {size} bytes, over the {max_file_bytes}-byte limit", "too_large")
     try:
         digest = _sha256_file(c.path)
     except OSError as e:
-        raise DocumentError(f"cannot read file: {e.strerror}") from None
-    doc = _open_pdf(c, digest, dpi, max_pages, max_pixels, with_text) if c.kind == "pdf" else \
+        raise DocumentError(f"cannot read file: {e.strerror}", "unreadable") from None
+    doc = _open_pdf(c, digest, dpi, max_pages, max_pixels, with_text) if c.doc_type == "pdf" else \
         _open_image(c, digest, max_pages, max_pixels)
     try:
         doc.page(0)
-    except Exception:
+    except BaseException:
         doc.close()
         raise
     return doc
@@ -184,58 +298,89 @@ def _open_pdf(c: Candidate, digest: str, dpi: int, max_pages: int | None, max_pi
     import pymupdf
 
     try:
-        pdf = pymupdf.open(str(c.path), filetype="pdf")
-    except Exception as e:  # pymupdf raises its own FileDataError / RuntimeError variants
-        raise DocumentError(f"not a readable PDF: {e}") from None
+        name = str(c.path)
+        try:
+            name.encode("utf-8")
+            pdf = pymupdf.open(name, filetype="pdf")
+        except UnicodeEncodeError:  # MuPDF takes UTF-8 names only: hand it the bytes
+            pdf = pymupdf.open(stream=c.path.read_bytes(), filetype="pdf")
+    except OSError as e:
+        raise DocumentError(f"cannot read file: {e.strerror}", "unreadable") from None
+    except Exception:  # pymupdf raises its own FileDataError / RuntimeError variants
+        raise DocumentError("not a readable PDF: the file is damaged or is not a PDF", "damaged") from None
     if pdf.needs_pass:
         pdf.close()
-        raise DocumentError("PDF is encrypted and needs a password")
+        raise DocumentError("PDF is encrypted and needs a password", "encrypted")
     if pdf.page_count == 0:
         pdf.close()
-        raise DocumentError("PDF has zero pages")
+        raise DocumentError("PDF has zero pages", "no_pages")
 
     def render(i: int) -> Page:
         try:
             page = pdf.load_page(i)
             w_in, h_in = page.rect.width / 72.0, page.rect.height / 72.0
+            if not (w_in > 0 and h_in > 0):
+                raise DocumentError(f"page {i + 1} has no area ({page.rect.width:g} x {page.rect.height:g} pt)",
+                                    "render")
             page_dpi = dpi
             if w_in * h_in * dpi * dpi > max_pixels:  # lower the DPI to fit the pixel cap
                 page_dpi = max(1, int((max_pixels / max(w_in * h_in, 1e-6)) ** 0.5))
             pix = page.get_pixmap(dpi=page_dpi, alpha=False, colorspace=pymupdf.csRGB)
             text = anchor_text(page) if with_text else None
+        except DocumentError:
+            raise
         except Exception as e:
-            raise DocumentError(f"cannot render page {i + 1}: {e}") from None
+            raise DocumentError(f"cannot render page {i + 1}: {e}", "render") from None
         img = Image.frombytes("RGB", (pix.width, pix.height), pix.samples)
-        return Page(i, img, _pixel_hash(img), img.width, img.height, text or None)
+        return Page(i, img, pixel_hash(img), img.width, img.height, text or None)
 
     return Document(c, digest, pdf.page_count, max_pages, render, pdf.close)
 
 
+_BOMB_PIXELS = re.compile(r"\((\d+) pixels\)")
+
+
+def _bomb_error(e: Exception, max_pixels: int) -> DocumentError:
+    """Pillow's decompression-bomb refusal, in our cap's terms (its own limit is another number)."""
+    m = _BOMB_PIXELS.search(str(e))
+    size = f"{int(m.group(1)) / 1e6:.0f} Mpx" if m else "more pixels than Pillow will decode"
+    return DocumentError(f"image is {size}, over the {max_pixels / 1e6:.0f} Mpx cap per page "
+                         f"(a decompression bomb or an oversized scan)", "too_large")
+
+
 def _open_image(c: Candidate, digest: str, max_pages: int | None, max_pixels: int) -> Document:
     try:
-        im = Image.open(c.path)
+        with warnings.catch_warnings():  # our cap is checked below, under Pillow's warning threshold
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            im = Image.open(c.path)
         frames = getattr(im, "n_frames", 1)
     except Image.DecompressionBombError as e:
-        raise DocumentError(f"image rejected as a decompression bomb: {e}") from None
+        raise _bomb_error(e, max_pixels) from None
     except (OSError, ValueError, SyntaxError, EOFError) as e:
-        raise DocumentError(f"not a readable image: {e}") from None
+        raise DocumentError(f"not a readable image: {e}", "damaged") from None
 
     def render(i: int) -> Page:
         try:
             im.seek(i)
             if im.width * im.height > max_pixels:
                 raise DocumentError(
-                    f"image {'frame %d ' % (i + 1) if frames > 1 else ''}is {im.width}x{im.height} pixels, "
-                    f"over the {max_pixels}-pixel cap")
-            rgb = im.convert("RGB")
-            rgb.load()
+                    f"image {'frame %d ' % (i + 1) if frames > 1 else ''}is {im.width}x{im.height} pixels "
+                    f"({im.width * im.height / 1e6:.0f} Mpx), over the {max_pixels / 1e6:.0f} Mpx cap per page",
+                    "too_large")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                im.load()
+                rgb = to_rgb(im)
+                rgb.load()
         except DocumentError:
             raise
         except Image.DecompressionBombError as e:
-            raise DocumentError(f"image rejected as a decompression bomb: {e}") from None
+            raise _bomb_error(e, max_pixels) from None
         except (OSError, ValueError, SyntaxError, EOFError) as e:
-            raise DocumentError(f"not a readable image: {e}") from None
+            raise DocumentError(f"not a readable image: {e}", "damaged") from None
+        if rgb is im:
+            rgb = im.copy()  # the next seek must not change this page's pixels
         # a single image is keyed by its file bytes; frames of a multi-page file by their pixels
-        return Page(i, rgb, digest if frames == 1 else _pixel_hash(rgb), rgb.width, rgb.height)
+        return Page(i, rgb, digest if frames == 1 else pixel_hash(rgb), rgb.width, rgb.height)
 
     return Document(c, digest, frames, max_pages, render, im.close)

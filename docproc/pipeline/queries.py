@@ -45,32 +45,67 @@ def default_query_file() -> Path:
     return Path(str(resources.files("docproc") / "assets" / "queries" / "default.toml"))
 
 
+QUERY_KEYS = ("name", "question", "type", "max_tokens")
+FILE_KEYS = ("name", "query")
+MAX_TOKENS_LIMIT = 32768
+
+
 def load_queries(path: str | Path | None = None) -> QuerySet:
+    """A query set from TOML, checked whole before any model loads: QueryFileError names the
+    query and the key at fault and says what is expected."""
     path = Path(path) if path else default_query_file()
+    if path.is_dir():
+        raise QueryFileError(f"query file {path} is a folder: pass a .toml file of [[query]] tables")
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise QueryFileError(f"query file {path} does not exist") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+    except OSError as e:
+        raise QueryFileError(f"cannot read query file {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise QueryFileError(f"query file {path} is not UTF-8 text") from None
+    except tomllib.TOMLDecodeError as e:
         raise QueryFileError(f"query file {path} is not valid TOML: {e}") from None
+    unknown = sorted(set(data) - set(FILE_KEYS))
+    if unknown:
+        raise QueryFileError(f"{path}: unknown top-level key(s) {', '.join(map(repr, unknown))}; "
+                             f"a query file has {' and '.join(FILE_KEYS)} ([[query]] tables)")
+    if "name" in data and not isinstance(data["name"], str):
+        raise QueryFileError(f"{path}: name must be a string, got {type(data['name']).__name__}")
     raw = data.get("query")
     if not isinstance(raw, list) or not raw:
-        raise QueryFileError(f"query file {path} has no [[query]] tables")
+        raise QueryFileError(f"query file {path} has no [[query]] tables: add at least one, with a name and "
+                             f"a question")
     queries, seen = [], set()
     for i, q in enumerate(raw):
-        if not isinstance(q, dict) or not q.get("name") or not q.get("question"):
-            raise QueryFileError(f"{path}: query {i + 1} needs a name and a question")
+        where = f"{path}: query {i + 1}"
+        if not isinstance(q, dict):
+            raise QueryFileError(f"{where} is not a table: write each query as a [[query]] table")
+        unknown = sorted(set(q) - set(QUERY_KEYS))
+        if unknown:
+            raise QueryFileError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; "
+                                 f"a query has {', '.join(QUERY_KEYS)}")
+        for key in ("name", "question"):
+            if key not in q:
+                raise QueryFileError(f"{where} needs a {key}")
+            if not isinstance(q[key], str) or not q[key].strip():
+                got = type(q[key]).__name__ if not isinstance(q[key], str) else "an empty string"
+                raise QueryFileError(f"{where}: {key} must be a non-empty string, got {got}")
+        name = q["name"]
+        where = f"{path}: query {name!r}"
         qtype = q.get("type", "string")
         if qtype not in QUERY_TYPES:
-            raise QueryFileError(f"{path}: query {q['name']!r} has type {qtype!r}; use one of {', '.join(QUERY_TYPES)}")
-        if q["name"] in seen:
-            raise QueryFileError(f"{path}: query name {q['name']!r} appears twice")
-        seen.add(q["name"])
-        max_tokens = int(q.get("max_tokens", 128 if qtype == "json" else 48))
-        if max_tokens < 1:
-            raise QueryFileError(f"{path}: query {q['name']!r} max_tokens must be >= 1")
-        queries.append(Query(str(q["name"]), str(q["question"]), qtype, max_tokens))
-    return QuerySet(str(data.get("name", path.stem)), tuple(queries), str(path))
+            raise QueryFileError(f"{where} has type {qtype!r}; use one of {', '.join(QUERY_TYPES)}")
+        if name in seen:
+            raise QueryFileError(f"{path}: query name {name!r} appears twice")
+        seen.add(name)
+        max_tokens = q.get("max_tokens", 128 if qtype == "json" else 48)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+            raise QueryFileError(f"{where}: max_tokens must be a whole number, got {max_tokens!r}")
+        if not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
+            raise QueryFileError(f"{where}: max_tokens must be from 1 to {MAX_TOKENS_LIMIT}, got {max_tokens}")
+        queries.append(Query(name, q["question"], qtype, max_tokens))
+    return QuerySet(data.get("name", path.stem), tuple(queries), str(path))
 
 
 def build_prompt(num_pages: int, question: str, anchor_text: str | None = None) -> str:

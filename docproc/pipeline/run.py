@@ -8,97 +8,41 @@ image-token budget is split into consecutive windows of pages; each query is ask
 window and the first window (in page order) with a non-empty parsed answer wins. With
 --anchor-text, each born-digital PDF page's text layer (with coordinates) follows the images in
 the prompt, inside the shared prefix.
+
+Reliability: whatever one document raises, at any stage (discovery, open, render, hash,
+preprocessing, encode, write), becomes that document's error row and the run goes on; a batch
+that fails in the engine is run again document by document so that only the document at fault
+fails. Only faults of the environment (docproc.errors) stop a run; SIGTERM and SIGINT drop the
+batch in flight. Either way the run ends with a manifest saying how it ended, and the lock freed.
 """
 from __future__ import annotations
 
-import hashlib
-import json
+import os
 import resource
 import time
+import traceback
 import uuid
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Callable
 
+from docproc.errors import EnvironmentFault, OutputUnwritable
+from docproc.pipeline.engine_setup import PROMPT_VERSION, EngineSetup
 from docproc.pipeline.ingest import Candidate, Document, DocumentError, discover, open_document
-from docproc.pipeline.queries import Query, QuerySet, build_prompt, load_queries, parse_answer
-from docproc.pipeline.runstore import RunStore
+from docproc.pipeline.queries import QuerySet, build_prompt, load_queries, parse_answer
+from docproc.pipeline.reconcile import Reconciliation, reconcile
+from docproc.pipeline.runstore import REMOVED, RunStore
 from docproc.pipeline.schema import document_json
+from docproc.pipeline.settings import RunSettings, RunTotals
+from docproc.pipeline.signals import EXIT_INTERRUPTED, RunInterrupted, signals_raise
 
-PROMPT_VERSION = "v1"
-# runs/<this>: configuration fingerprints of earlier runs, keyed by what they were computed from
-# (Pipeline.config_key), so that a run with nothing new to do need not load the model
-CONFIG_CACHE = "config_cache.json"
-CONFIG_CACHE_ENTRIES = 16
+__all__ = ["Pipeline", "RunSettings", "RunTotals", "UsageError", "PROMPT_VERSION"]
 
-
-# Bumped when what config_fingerprint computes changes without a setting changing, so that cached
-# entries (runs/config_cache.json) made under the old rules are not reused: 2 = the FP4 value slot
-# default went from 2 to 0 (twentieth session).
-FINGERPRINT_RULES = 2
+FAILURES_LISTED = 20  # failed files named in a manifest (docproc stats --failures lists all)
 
 
-@dataclass
-class RunSettings:
-    inputs: list[str]
-    out: str
-    model: str
-    queries: str | None = None
-    device: str = "auto"
-    kv_cache: str = "auto"
-    dpi: int = 120
-    max_pages: int | None = None
-    formats: tuple[str, ...] = ("json", "parquet")
-    force: bool = False
-    max_num_batched_tokens: int = 8192
-    gpu_memory_utilization: float = 0.9
-    batch_pages: int = 32  # pages per engine batch: bounds memory
-    max_image_tokens: int = 16384  # per prompt; more pages are split into windows
-    seed: int = 0
-    draft: str | None = None  # speculative decoding: the draft model folder
-    spec_k: str = "auto"  # a number or "auto"
-    draft_vision: str = "auto"
-    anchor_text: bool = False  # put each PDF page's text layer (with coordinates) in the prompt
-    enforce_eager: bool = False  # no CUDA graphs (debugging, profiling)
-    fp4_value_slots: int | None = None  # FP4 KV: outlier slots per value vector (0, the default, or 2 as the keys)
-
-    def __post_init__(self) -> None:
-        bad = set(self.formats) - {"json", "parquet"}
-        if bad or not self.formats:
-            raise ValueError(f"--format takes json and/or parquet, got {','.join(self.formats)}")
-        if self.dpi < 10 or self.dpi > 1200:
-            raise ValueError(f"--dpi must be between 10 and 1200, got {self.dpi}")
-        if self.max_pages is not None and self.max_pages < 1:
-            raise ValueError(f"--max-pages must be >= 1, got {self.max_pages}")
-        if self.draft_vision not in ("auto", "own", "none"):
-            raise ValueError(f"--draft-vision must be auto, own or none, got {self.draft_vision}")
-        if self.spec_k != "auto" and not (self.spec_k.isdigit() and 1 <= int(self.spec_k) <= 15):
-            raise ValueError(f"--spec-k must be a number from 1 to 15 or auto, got {self.spec_k}")
-        if self.kv_cache not in ("auto", "bf16", "fp16", "fp32", "fp4"):
-            raise ValueError(f"--kv-cache must be auto, bf16, fp16, fp32 or fp4, got {self.kv_cache}")
-        if self.fp4_value_slots not in (None, 0, 2):
-            raise ValueError(f"--fp4-value-slots must be 0 or 2, got {self.fp4_value_slots}")
-
-
-@dataclass
-class RunTotals:
-    files: int = 0
-    documents: int = 0  # documents processed this run
-    ok: int = 0
-    partial: int = 0
-    errors: int = 0
-    skipped: int = 0  # unsupported files, symlinks out of the root
-    already_done: int = 0  # same path, hash and configuration as an earlier run
-    pages: int = 0
-    unique_pages: int = 0
-    requests: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    generated_tokens: int = 0
-    draft_proposed: int = 0
-    draft_accepted: int = 0
-    draft_verifications: int = 0
+class UsageError(ValueError):
+    """The run cannot start as asked (inputs, output folder); nothing was done."""
 
 
 @dataclass
@@ -115,6 +59,7 @@ class _DocState:
     windows_done: int = 0
     answers: dict = field(default_factory=dict)  # query name -> list of (window, row)
     finished_adding: bool = False
+    failure: tuple[str, str] | None = None  # (kind, message): the engine failed on this document
 
 
 def window_anchor(pages) -> str | None:
@@ -124,7 +69,11 @@ def window_anchor(pages) -> str | None:
     return "\n".join(parts) if parts else None
 
 
-Reporter = Callable[[str, dict], None]  # (event, data): "start", "document", "batch", "end"
+def _within(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+Reporter = Callable[[str, dict], None]  # (event, data): "start", "document", "batch", "warning", "end"
 
 
 def _now() -> str:
@@ -132,9 +81,12 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="microseconds")
 
 
-class Pipeline:
+class Pipeline(EngineSetup):
     def __init__(self, settings: RunSettings, llm=None, reporter: Reporter | None = None) -> None:
+        """Checks the inputs, the output folder's place and the query set; UsageError or
+        QueryFileError before anything is loaded or written."""
         self.s = settings
+        self._check_paths()
         self.store = RunStore(settings.out)
         self.queries: QuerySet = load_queries(settings.queries)
         self.llm = llm
@@ -144,189 +96,155 @@ class Pipeline:
         self.stage_seconds = {"discover": 0.0, "open_render_hash": 0.0, "engine": 0.0, "write": 0.0,
                               "load_model": 0.0}
         self.page_hashes: set[str] = set()
-        self._cached_model: dict | None = None  # the model's fingerprints from the config cache
-        self._cached_cfg: str | None = None  # the fingerprint taken from the cache, until checked
-        self._key: str | None = None  # config_key() of this run
-        self.cfg: str | None = None  # the run's configuration fingerprint
+        self.failures: list[dict] = []  # this run's failed files: path, kind, error
+        self._plan = Reconciliation()  # the stored rows against the inputs (made after discovery)
+        self._roots: dict[str, str] = {}  # key -> root of every outcome discovery made
 
-    # ---- configuration ---------------------------------------------------------------------
-    def config_key(self) -> str | None:
-        """What a run's configuration fingerprint is computed from, short of loading the model: the
-        model and draft folders' files (name, size, modification time), every setting but the
-        inputs and outputs, the query set, the prompt version, docproc's version and whether CUDA
-        is there (`auto` choices depend on it). None when a folder is missing (loading it will say
-        why)."""
-        import torch
-
-        from docproc import __version__
-
-        stamps = {}
-        for name, folder in (("model", self.s.model), ("draft", self.s.draft)):
-            if folder is None:
-                continue
-            root = Path(folder)
-            if not root.is_dir():
-                return None
-            stamps[name] = sorted((str(f.relative_to(root)), st.st_size, st.st_mtime_ns)
-                                  for f in root.rglob("*") if f.is_file() for st in [f.stat()])
-        settings = {k: v for k, v in asdict(self.s).items() if k not in ("inputs", "out", "force", "formats")}
-        payload = {"files": stamps, "settings": settings, "queries": self.queries.fingerprint,
-                   "prompt": PROMPT_VERSION, "docproc": __version__, "cuda": torch.cuda.is_available(),
-                   "rules": FINGERPRINT_RULES}
-        return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
-
-    def _config_cache_path(self) -> Path:
-        return self.store.runs_dir / CONFIG_CACHE
-
-    def _read_config_cache(self) -> dict:
-        try:
-            data = json.loads(self._config_cache_path().read_text())
-            return data if isinstance(data, dict) else {}
-        except (OSError, ValueError):  # none yet, or unreadable: it is only a cache
-            return {}
-
-    def _write_config_cache(self, key: str, cfg: str) -> None:
-        from docproc.pipeline.runstore import atomic_write_bytes
-
-        cache = self._read_config_cache()
-        cache.pop(key, None)
-        cache[key] = {"config_fingerprint": cfg, "model": self.model_fingerprint()}
-        keep = dict(list(cache.items())[-CONFIG_CACHE_ENTRIES:])  # the most recent last
-        self.store.runs_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(self._config_cache_path(), json.dumps(keep, indent=1).encode())
-
-    def _config(self) -> str:
-        """The configuration fingerprint: from the config cache when an earlier run computed it from
-        the same files and settings (the model is then loaded only if a document needs work), else
-        from the loaded engine (and cached)."""
-        key = self._key = self.config_key()
-        if key is not None and self.llm is None:
-            hit = self._read_config_cache().get(key)
-            if isinstance(hit, dict) and isinstance(hit.get("config_fingerprint"), str):
-                self._cached_model = hit.get("model")
-                self._cached_cfg = hit["config_fingerprint"]
-                return self._cached_cfg
-        cfg = self.config_fingerprint()
-        if key is not None:
-            self._write_config_cache(key, cfg)
-        return cfg
-
-    def _engine(self):
-        if self.llm is None:
-            from docproc import LLM
-
-            t0 = time.perf_counter()
-            self.llm = LLM(self.s.model, device=self.s.device, kv_cache_dtype=self.s.kv_cache,
-                           max_num_batched_tokens=self.s.max_num_batched_tokens,
-                           gpu_memory_utilization=self.s.gpu_memory_utilization, seed=self.s.seed,
-                           speculative_model=self.s.draft, num_speculative_tokens=self.s.spec_k,
-                           draft_vision=self.s.draft_vision, enforce_eager=self.s.enforce_eager,
-                           fp4_value_slots=self.s.fp4_value_slots)
-            self.stage_seconds["load_model"] += time.perf_counter() - t0
-            cached = self._cached_cfg
-            if cached is not None:
-                real = self.config_fingerprint()
-                if real != cached:
-                    # the cache missed a change its key does not see: the rest of the run uses the
-                    # real fingerprint, and the cache is corrected (documents this run skipped as
-                    # done under the stale one are checked again by the next run)
-                    self.cfg, self._cached_cfg = real, None
-                    self._write_config_cache(self._key, real)
-                    self.report("warning", {"message": "the cached configuration fingerprint was stale; "
-                                                       "documents skipped as done are rechecked by the next run"})
-        return self.llm
-
-    def model_fingerprint(self) -> dict:
-        if self.llm is None and self._cached_model:
-            return dict(self._cached_model)
-        m = self._engine().runner.model
-        return {"text": m.text_fingerprint, "vision": m.vision_fingerprint}
-
-    def config_fingerprint(self) -> str:
-        info = self._engine().cache_info()
-        spec = self._engine().spec_info()
-        # greedy speculation is lossless, but sampled output depends on the draft: fingerprint it
-        draft = spec["draft_fingerprint"] if spec else None
-        payload = {"queries": self.queries.fingerprint, "model": self.model_fingerprint(), "draft": draft,
-                   "dpi": self.s.dpi, "max_pages": self.s.max_pages, "kv_cache": info["kv_cache_dtype"],
-                   "dtype": info["dtype"], "max_image_tokens": self.s.max_image_tokens, "prompt": PROMPT_VERSION}
-        if self.s.anchor_text:  # only when on: runs without it keep their fingerprints
-            payload["anchor_text"] = True
-        if info["kv_cache_dtype"] == "fp4":
-            # always: the default changed from 2 to 0 (twentieth session), and a run made with 2 by
-            # default carried no entry, so an entry-less fingerprint must not match either
-            payload["fp4_value_slots"] = info["fp4_value_slots"]
-        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+    def _check_paths(self) -> None:
+        out = os.path.realpath(self.s.out)
+        for inp in self.s.inputs:
+            if not os.path.lexists(inp):
+                raise UsageError(f"input {inp} does not exist")
+            if not os.path.exists(inp):
+                raise UsageError(f"input {inp} is a broken symbolic link")
+            real = os.path.realpath(inp)
+            if real == out:
+                raise UsageError(f"the output folder {self.s.out} is also an input: pass another --out "
+                                 f"(a folder inside the input is fine: it is never read as input)")
+            if _within(real, out):
+                raise UsageError(f"input {inp} is inside the output folder {self.s.out}: docproc never reads "
+                                 f"its own outputs; pass another --out")
 
     # ---- the run -----------------------------------------------------------------------------
     def run(self) -> dict:
+        """Run to the end (or to a signal or an environment fault) and return the manifest; its
+        status is completed, interrupted or failed, and exit_code says the same."""
         started = _now()
         t_start = time.perf_counter()
-        self.store.lock()
+        self.store.lock()  # LockedError, OutputUnwritable: nothing started, no manifest
+        status, fault, exit_code = "completed", None, None
+        self._part = self.store.next_part()
+        self._rows_pending: list[dict] = []
+        self._docs_pending: list[tuple[str, list[dict]]] = []
         try:
-            self.cfg = self._config()  # read at each use below: loading the engine may correct it
-            done = set() if self.s.force else self.store.done_keys()
-            t0 = time.perf_counter()
-            candidates = list(discover(self.s.inputs))
-            self.stage_seconds["discover"] += time.perf_counter() - t0
-            self.totals.files = len(candidates)
-            self.report("start", {"run_id": self.run_id, "files": len(candidates)})
-            self._part = self.store.next_part()
-            self._rows_pending: list[dict] = []
-            self._docs_pending: list[tuple[str, list[dict]]] = []
-            batch: list[_Window] = []
-            batch_pages = 0
-            for cand in candidates:
-                if cand.skip_reason:
-                    self.totals.skipped += 1
-                    self._finish_file(cand, None, "skipped", self.cfg, error=cand.skip_reason)
-                    continue
-                t0 = time.perf_counter()
+            with signals_raise():
                 try:
-                    doc = open_document(cand, dpi=self.s.dpi, max_pages=self.s.max_pages,
-                                        with_text=self.s.anchor_text)
-                except DocumentError as e:
-                    self.stage_seconds["open_render_hash"] += time.perf_counter() - t0
-                    self.totals.errors += 1
-                    self._finish_file(cand, None, "error", self.cfg, error=str(e))
-                    continue
-                self.stage_seconds["open_render_hash"] += time.perf_counter() - t0
-                if (cand.rel, doc.sha256, self.cfg) in done:
-                    doc.close()
-                    self.totals.already_done += 1
-                    self.report("document", {"path": cand.rel, "status": "already done"})
-                    continue
-                state = _DocState(doc)
+                    self._process()
+                except RunInterrupted as e:
+                    status, exit_code = "interrupted", EXIT_INTERRUPTED.get(e.signum, 128 + e.signum)
+                    fault = {"kind": "signal", "message": f"stopped by {e}"}
+                    # the batch in flight is dropped; documents it had finished are written
+                    self._finish_store(completed=False)
+                except EnvironmentFault as e:
+                    status, exit_code = "failed", e.exit_code
+                    fault = {"kind": e.kind, "message": str(e)}
+                    if self.s.debug:
+                        traceback.print_exc()
+                    if not isinstance(e, OutputUnwritable):  # documents finished so far are kept
+                        try:
+                            self._finish_store(completed=False)
+                        except OutputUnwritable:
+                            pass
+                manifest = self._manifest(started, time.perf_counter() - t_start, status, fault, exit_code)
                 try:
-                    for window in self._windows(state):
-                        batch.append(window)
-                        batch_pages += len(window.pages)
-                        if batch_pages >= self.s.batch_pages:
-                            self._run_batch(batch, self.cfg)
-                            batch, batch_pages = [], 0
-                except DocumentError as e:  # a page failed to render part-way
-                    batch = [w for w in batch if w.doc is not state]
-                    batch_pages = sum(len(w.pages) for w in batch)
-                    doc.close()
-                    self.totals.errors += 1
-                    self._finish_file(cand, doc.sha256, "error", self.cfg, error=str(e))
-                    continue
-                state.finished_adding = True
-                if state.windows_done == state.windows_total:  # all its windows already ran
-                    self._finish_document(state, self.cfg)
-            if batch:
-                self._run_batch(batch, self.cfg)
-            self._flush()
-            t0 = time.perf_counter()
-            if "parquet" in self.s.formats:
-                self.store.consolidate()
-            self.stage_seconds["write"] += time.perf_counter() - t0
-            manifest = self._manifest(started, time.perf_counter() - t_start, self.cfg)
-            self.store.write_manifest(self.run_id, manifest)
-            self.report("end", manifest)
-            return manifest
+                    self.store.write_manifest(self.run_id, manifest)
+                except OutputUnwritable as e:
+                    if status == "completed":
+                        manifest.update(status="failed", exit_code=e.exit_code,
+                                        fault={"kind": e.kind, "message": str(e)})
+                self.report("end", manifest)
+                return manifest
         finally:
             self.store.unlock()
+
+    def _process(self) -> None:
+        self.check_models()
+        self.cfg = self._config()  # read at each use below: loading the engine may correct it
+        t0 = time.perf_counter()
+        candidates = discover(self.s.inputs, exclude=[self.s.out])
+        self.stage_seconds["discover"] += time.perf_counter() - t0
+        self.totals.files = len(candidates)
+        self.report("start", {"run_id": self.run_id, "files": len(candidates)})
+        self._reconcile(candidates)
+        batch: list[_Window] = []
+        for cand in candidates:
+            if cand.skip_reason:  # discovery's own outcome: a skip, or a folder it could not list
+                if not cand.is_error:
+                    self.totals.skipped += 1
+                self._file_row(cand, None, "error" if cand.is_error else "skipped", cand.skip_reason, cand.kind)
+                continue
+            t0 = time.perf_counter()
+            try:
+                doc = open_document(cand, dpi=self.s.dpi, max_pages=self.s.max_pages, with_text=self.s.anchor_text)
+            except (EnvironmentFault, RunInterrupted):
+                raise
+            except Exception as e:  # noqa: BLE001 -- the per-document boundary
+                self._document_failed(cand, None, e)
+                continue
+            finally:
+                self.stage_seconds["open_render_hash"] += time.perf_counter() - t0
+            if not self.s.force and (cand.rel, doc.sha256, self.cfg) in self._plan.done:
+                doc.close()
+                self.totals.already_done += 1
+                self.report("document", {"path": cand.rel, "status": "already done"})
+                continue
+            moved = None if self.s.force else self._plan.take_rename(doc.sha256, self.cfg)
+            if moved is not None:
+                doc.close()
+                self._move(cand, moved)
+                continue
+            state = _DocState(doc)
+            try:
+                for window in self._windows(state):
+                    batch.append(window)
+                    if sum(len(w.pages) for w in batch) >= self.s.batch_pages:
+                        self._run_batch(batch)
+                        batch = []
+                    if state.failure is not None:
+                        break  # the engine failed on one of its windows: its rows are an error row
+            except (EnvironmentFault, RunInterrupted):
+                raise
+            except Exception as e:  # noqa: BLE001 -- a page failed to render or preprocess
+                batch = [w for w in batch if w.doc is not state]
+                doc.close()
+                self._document_failed(cand, doc.sha256, e)
+                continue
+            state.finished_adding = True
+            if state.failure is not None:
+                batch = [w for w in batch if w.doc is not state]
+                state.windows_total = state.windows_done
+            if state.windows_done == state.windows_total:  # all its windows already ran
+                self._finish_document(state)
+        if batch:
+            self._run_batch(batch)
+        self._flush()
+        self._finish_store(completed=True)
+
+    def _reconcile(self, candidates: list[Candidate]) -> None:
+        """What the stored rows say against what discovery found (docproc.pipeline.reconcile)."""
+        rows = self.store.current().to_pylist()
+        found = {c.rel: c.root for c in candidates}
+        unlisted = ["" if c.rel == "./" else c.rel for c in candidates if c.kind == "unlistable_folder"]
+        self._plan = reconcile(rows, found, {c.root for c in candidates}, unlisted)
+        self._roots = found
+
+    def _finish_store(self, completed: bool) -> None:
+        """Tombstones for removed documents (their JSON files deleted), then results.parquet."""
+        self._flush()
+        removed = self._plan.removed
+        if removed:
+            self._rows_pending = [{"run_id": self.run_id, "path": k, "root": root, "doc_status": REMOVED,
+                                   "status": REMOVED, "config_fingerprint": self.cfg or ""} for k, root in removed.items()]
+            self._docs_pending = []
+            self._flush()
+            for k in removed:
+                self.store.remove_document_json(k)
+            self.totals.removed = len(removed)
+            self._plan.removed = {}
+        t0 = time.perf_counter()
+        if "parquet" in self.s.formats:
+            self.store.consolidate(fill_roots={k: self._roots[k] for k in self._plan.missing_roots})
+        self.stage_seconds["write"] += time.perf_counter() - t0
 
     def _windows(self, state: _DocState):
         """Consecutive windows of a document's pages within the image-token budget, rendered
@@ -340,8 +258,7 @@ class Pipeline:
             page = doc.page(i)
             self.totals.pages += 1
             self.page_hashes.add(page.sha256)
-            grid = llm.processor.grid_thw(page.image)
-            n = grid[0] * grid[1] * grid[2] // llm.processor.merge_size ** 2
+            n = llm.count_image_tokens(page.image)
             if page.text:  # the anchor text shares the window's budget with the images
                 n += len(llm.tokenizer.encode(page.text, add_special_tokens=False)) + 8
             if pages and tokens + n > budget:
@@ -356,7 +273,29 @@ class Pipeline:
         state.windows_total += 1
         yield _Window(state, state.windows_total - 1, pages)
 
-    def _run_batch(self, batch: list[_Window], cfg: str) -> None:
+    def _run_batch(self, batch: list[_Window]) -> None:
+        """Run a batch; if the engine raises, run it again document by document so that only the
+        documents it fails on get error rows."""
+        try:
+            self._generate(batch)
+        except (EnvironmentFault, RunInterrupted):
+            raise
+        except Exception as e:  # noqa: BLE001 -- one document's request broke the engine step
+            states = list({id(w.doc): w.doc for w in batch}.values())
+            if len(states) == 1:
+                state = states[0]
+                state.failure = ("internal", f"{type(e).__name__}: {e}")
+                if self.s.debug:
+                    traceback.print_exc()
+                state.windows_done += sum(1 for w in batch if w.doc is state)
+                if state.finished_adding and state.windows_done == state.windows_total:
+                    self._finish_document(state)
+                self._flush()
+                return
+            for state in states:
+                self._run_batch([w for w in batch if w.doc is state])
+
+    def _generate(self, batch: list[_Window]) -> None:
         from docproc import SamplingParams
 
         llm = self._engine()
@@ -371,8 +310,10 @@ class Pipeline:
                 params.append(SamplingParams(temperature=0.0, max_tokens=q.max_tokens))
                 meta.append((w, q))
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        self.stage_seconds["engine"] += time.perf_counter() - t0
+        try:
+            outs = llm.generate(prompts, params)
+        finally:
+            self.stage_seconds["engine"] += time.perf_counter() - t0
         for (w, q), out in zip(meta, outs):
             m = out.metrics
             row = {"query": q.name, "query_type": q.type, "answer": out.outputs[0].text,
@@ -388,7 +329,7 @@ class Pipeline:
             self.totals.draft_accepted += m.draft_accepted
             self.totals.draft_verifications += m.draft_verifications
             if out.error:
-                row.update(value=None, status="error", error=out.error)
+                row.update(value=None, status="error", error=out.error, error_kind="engine")
             else:
                 value, err = parse_answer(q.type, out.outputs[0].text)
                 row.update(value=value, status="parse_error" if err else ("ok" if value is not None else "empty"),
@@ -398,13 +339,18 @@ class Pipeline:
             w.doc.windows_done += 1
         for state in {id(w.doc): w.doc for w in batch}.values():
             if state.finished_adding and state.windows_done == state.windows_total:
-                self._finish_document(state, cfg)
+                self._finish_document(state)
         self.report("batch", {"totals": asdict(self.totals), "unique_pages": len(self.page_hashes),
                               "engine_seconds": self.stage_seconds["engine"]})
         self._flush()
 
-    def _finish_document(self, state: _DocState, cfg: str) -> None:
+    def _finish_document(self, state: _DocState) -> None:
         doc = state.doc
+        if state.failure is not None:
+            doc.close()
+            kind, message = state.failure
+            self._file_row(doc.candidate, doc.sha256, "error", message, kind)
+            return
         rows = []
         for q in self.queries.queries:
             candidates = sorted(state.answers.get(q.name, []), key=lambda x: x[0])
@@ -419,10 +365,16 @@ class Pipeline:
         bad = sum(r["status"] in ("error", "parse_error") for r in rows)
         status = "ok" if bad == 0 else ("error" if bad == len(rows) else "partial")
         self.totals.documents += 1
-        setattr(self.totals, {"ok": "ok", "partial": "partial", "error": "errors"}[status],
-                getattr(self.totals, {"ok": "ok", "partial": "partial", "error": "errors"}[status]) + 1)
-        base = {"run_id": self.run_id, "path": doc.candidate.rel, "doc_sha256": doc.sha256, "doc_status": status,
-                "pages": doc.num_pages, "config_fingerprint": cfg}
+        if status == "error":
+            self.totals.errors += 1
+            reason = next(r["error"] for r in rows if r["error"])
+            self.failures.append({"path": doc.candidate.rel, "kind": rows[0].get("error_kind") or "answers",
+                                  "error": reason})
+        else:
+            setattr(self.totals, status, getattr(self.totals, status) + 1)
+        base = {"run_id": self.run_id, "path": doc.candidate.rel, "root": doc.candidate.root,
+                "doc_sha256": doc.sha256, "doc_status": status, "pages": doc.num_pages,
+                "config_fingerprint": self.cfg}
         full = [{**base, **r} for r in rows]
         if doc.truncated:
             for r in full:
@@ -433,12 +385,35 @@ class Pipeline:
         self._rows_pending.extend(full)
         self.report("document", {"path": doc.candidate.rel, "status": status, "pages": doc.num_pages})
 
-    def _finish_file(self, cand: Candidate, sha: str | None, status: str, cfg: str, error: str) -> None:
-        row = {"run_id": self.run_id, "path": cand.rel, "doc_sha256": sha, "doc_status": status, "pages": None,
-               "query": None, "status": status, "error": error, "config_fingerprint": cfg}
+    def _document_failed(self, cand: Candidate, sha: str | None, e: Exception) -> None:
+        """A document's error row from what it raised: a DocumentError's reason and kind, or an
+        unexpected exception's class and message (its traceback on stderr with --debug)."""
+        if isinstance(e, DocumentError):
+            kind, message = e.kind, str(e)
+        else:
+            kind, message = "internal", f"{type(e).__name__}: {e}"
+            if self.s.debug:
+                traceback.print_exception(e)
+        self._file_row(cand, sha, "error", message, kind)
+
+    def _file_row(self, cand: Candidate, sha: str | None, status: str, error: str, kind: str | None) -> None:
+        if status == "error":
+            self.totals.errors += 1
+            self.failures.append({"path": cand.rel, "kind": kind, "error": error})
+        row = {"run_id": self.run_id, "path": cand.rel, "root": cand.root, "doc_sha256": sha, "doc_status": status,
+               "pages": None, "query": None, "status": status, "error": error, "error_kind": kind,
+               "config_fingerprint": self.cfg}
         self._docs_pending.append((cand.rel, [row]))
         self._rows_pending.append(row)
-        self.report("document", {"path": cand.rel, "status": status, "error": error})
+        self.report("document", {"path": cand.rel, "status": status, "error": error, "error_kind": kind})
+
+    def _move(self, cand: Candidate, old_rows: list[dict]) -> None:
+        """A renamed file: the removed document's rows under the new key, the model not run."""
+        rows = [{**r, "path": cand.rel, "root": cand.root} for r in old_rows]
+        self.totals.moved += 1
+        self._docs_pending.append((cand.rel, rows))
+        self._rows_pending.extend(rows)
+        self.report("document", {"path": cand.rel, "status": "moved", "from": old_rows[0]["path"]})
 
     def _flush(self) -> None:
         if not self._rows_pending:
@@ -447,13 +422,43 @@ class Pipeline:
         # JSON first, the part last: a document is "done" only once its part exists
         if "json" in self.s.formats:
             for rel, rows in self._docs_pending:
-                self.store.write_document_json(rel, document_json(rows))
+                try:
+                    doc = document_json(rows)
+                except Exception as e:  # noqa: BLE001 -- the write stage's per-document boundary
+                    doc = None
+                    self._replace_with_error(rel, rows, e)
+                if doc is not None:
+                    self.store.write_document_json(rel, doc)
         self.store.write_part(self._part, self._rows_pending)
         self._part += 1
         self._rows_pending, self._docs_pending = [], []
         self.stage_seconds["write"] += time.perf_counter() - t0
 
-    def _manifest(self, started: str, seconds: float, cfg: str) -> dict:
+    def _replace_with_error(self, rel: str, rows: list[dict], e: Exception) -> None:
+        """A document whose JSON could not be made: its rows in this part become one error row."""
+        first = rows[0]
+        error = {"run_id": self.run_id, "path": rel, "root": first.get("root"), "doc_sha256": first.get("doc_sha256"),
+                 "doc_status": "error", "pages": None, "query": None, "status": "error",
+                 "error": f"{type(e).__name__}: {e}", "error_kind": "internal", "config_fingerprint": self.cfg}
+        ids = {id(r) for r in rows}
+        self._rows_pending = [r for r in self._rows_pending if id(r) not in ids] + [error]
+        was = first.get("doc_status")
+        if was in ("ok", "partial"):
+            setattr(self.totals, was, getattr(self.totals, was) - 1)
+        if was != "error":
+            self.totals.errors += 1
+        self.failures.append({"path": rel, "kind": "internal", "error": error["error"]})
+        if self.s.debug:
+            traceback.print_exception(e)
+        try:
+            self.store.write_document_json(rel, document_json([error]))
+        except OutputUnwritable:
+            raise
+        except Exception:  # noqa: BLE001 -- the table row stands on its own
+            pass
+
+    def _manifest(self, started: str, seconds: float, status: str, fault: dict | None,
+                  exit_code: int | None) -> dict:
         import torch
 
         self.totals.unique_pages = len(self.page_hashes)
@@ -462,13 +467,16 @@ class Pipeline:
         peak_gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
         return {
             "run_id": self.run_id, "started_at": started, "finished_at": _now(), "seconds": round(seconds, 3),
+            # completed | interrupted (a signal) | failed (a fault of the environment: see fault)
+            "status": status, "fault": fault,
             "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self.s).items()},
             "query_set": {"name": self.queries.name, "fingerprint": self.queries.fingerprint,
                           "queries": [q.name for q in self.queries.queries], "source": self.queries.source},
-            "model": {"path": self.s.model, **self.model_fingerprint()},
+            "model": {"path": self.s.model, **(self.model_info() or {})},
             "draft": self.llm.spec_info() if self.llm is not None else None,
-            "config_fingerprint": cfg,
+            "config_fingerprint": self.cfg,
             "totals": asdict(t),
+            "failures": self.failures[:FAILURES_LISTED],  # the first ones; docproc stats --failures: all
             "tokens_per_second": round(t.generated_tokens / self.stage_seconds["engine"], 2)
             if self.stage_seconds["engine"] > 0 else None,
             "acceptance_rate": (t.draft_accepted / t.draft_proposed) if t.draft_proposed else None,
@@ -482,5 +490,5 @@ class Pipeline:
                             "gpu_max_allocated_bytes": peak_gpu},
             # failures: files that could not be read and documents with no usable answer at all;
             # a partial document (some fields unparseable or failed) is reported, not failed
-            "exit_code": 1 if t.errors else 0,
+            "exit_code": exit_code if exit_code is not None else (1 if t.errors else 0),
         }

@@ -1,40 +1,90 @@
 """The output folder: a lock, results flushed in atomic parts, incremental state, manifests.
 
-Layout of OUT:
-  .docproc.lock                 held (flock) for the whole run: a second run exits with code 75
-  parts/part-00000042.parquet   results, flushed batch by batch (temp file + rename)
-  results.parquet               all parts merged: per path, the rows of its latest part
-  json/<path>.json              one file per document
-  runs/<run_id>/manifest.json   settings, fingerprints, stage timings, totals, cache figures
-A run killed at any point loses at most the batch in flight; the next run reads the parts, skips
-every document already done with the same (path, file hash, configuration) and finishes the rest.
+Layout of OUT (what a reader of OUT sees: results.parquet, json/, runs/):
+  results.parquet               the current results: one set of rows per document under the inputs
+  json/<path>.json              one file per document (a hashed name where the path cannot be one)
+  runs/<run_id>/manifest.json   settings, fingerprints, stage timings, totals, cache figures, status
+  .docproc/lock                 held (flock) for the whole run: a second run exits with code 75
+  .docproc/parts/part-N.rows    results flushed batch by batch (temp file + rename): the state,
+                                Parquet files under a suffix no '*.parquet' glob matches
+  .docproc/config_cache.json    configuration fingerprints of earlier runs
+The state lives in a hidden folder under its own suffix so that a dataset reader of OUT sees
+every row once, in results.parquet: pyarrow.dataset skips hidden folders, and a glob such as
+'OUT/**/*.parquet' (DuckDB, Polars), which may descend into them, matches no '.rows' file. A run killed at any point loses at
+most the batch in flight; the next run reads the parts, skips every document already done with
+the same (path, file hash, configuration) and finishes the rest. Files are written with the
+permissions the umask gives (not mkstemp's 0600). A write that fails for a reason of the folder
+(read-only, full, not a folder) raises OutputUnwritable, which stops the run.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
+import hashlib
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from docproc.errors import OutputUnwritable
 from docproc.pipeline.schema import RESULT_SCHEMA, to_table
 
-EXIT_LOCKED = 75
+STATE_DIR = ".docproc"
+PART_SUFFIX = ".rows"
+REMOVED = "removed"  # doc_status of a tombstone: the document's file is gone from its root
+# one path component: 255 bytes on most file systems, 143 on eCryptfs (encrypted home folders),
+# the shortest in common use; a JSON name longer than this goes under its hashed name
+NAME_MAX_BYTES = 143
+JSON_PATH_MAX_BYTES = 1024  # beyond this a JSON file goes under its hashed name
 
 
 class LockedError(RuntimeError):
     pass
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def output_fault(e: OSError, what: Path | str) -> OutputUnwritable:
+    """An OSError from writing OUT as the run-stopping fault, with the fix in the message."""
+    code = e.errno
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        msg = f"no space left for {what} (disk or quota full): free space and run again; finished documents are kept"
+    elif code == errno.EROFS:
+        msg = f"{what} is on a read-only file system: pass a writable --out"
+    elif code in (errno.EACCES, errno.EPERM):
+        msg = f"cannot write {what}: permission denied; pass an --out you may write to"
+    elif code in (errno.ENOTDIR, errno.EEXIST):
+        msg = f"cannot write {what}: a file stands where a folder is needed; pass a folder as --out"
+    else:
+        msg = f"cannot write {what}: {e.strerror or e}"
+    return OutputUnwritable(msg)
+
+
+def atomic_write_bytes(path: Path, data: bytes, mode: int | None = None) -> None:
+    """Write a file whole or not at all (temp file in the same folder, fsync, rename), with the
+    permissions the umask gives a new file."""
+    _atomic(path, lambda f, tmp: f.write(data), mode)
+
+
+def atomic_write_table(path: Path, table: pa.Table, mode: int | None = None) -> None:
+    _atomic(path, lambda f, tmp: pq.write_table(table, f), mode)
+
+
+def _atomic(path: Path, write, mode: int | None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
     try:
+        os.fchmod(fd, 0o666 & ~_umask() if mode is None else mode)
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            write(f, tmp)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -43,46 +93,85 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
-def atomic_write_table(path: Path, table: pa.Table) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".parquet")
-    os.close(fd)
-    try:
-        pq.write_table(table, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+_HASHED = re.compile(r"~[0-9a-f]{12}$")
 
 
-def safe_relpath(rel: str) -> Path:
-    """A relative path that cannot leave the folder it is joined to."""
-    parts = [p for p in Path(rel).parts if p not in ("", ".", "..", "/")]
-    return Path(*parts) if parts else Path("_")
+def _plain_component(part: str, is_dir: bool) -> bool:
+    return (part not in ("", ".", "..") and "\\" not in part and part.isprintable()
+            and len(part.encode()) + len(".json") <= NAME_MAX_BYTES
+            and not (is_dir and part.endswith(".json")) and not _HASHED.search(part))
+
+
+def _truncate(text: str, max_bytes: int) -> str:
+    return text.encode()[:max_bytes].decode("utf-8", "ignore")
+
+
+def json_relpath(key: str) -> Path:
+    """The JSON file of a document, relative to json/: the key plus '.json' where every component
+    can be a file name; else a name that cannot fail or clash: the key's printable part, cut to
+    fit, plus '~' and 12 hex digits of the key's SHA-256 (a key that is too long, holds escaped
+    bytes, control characters or '..', or whose folder names end in '.json'). Never outside
+    json/: no component is '..' or empty."""
+    parts = key.lstrip("/").split("/")  # a key behind an absolute root: under json/ all the same
+    if (all(_plain_component(p, i < len(parts) - 1) for i, p in enumerate(parts))
+            and len(key.encode()) + len(".json") <= JSON_PATH_MAX_BYTES):
+        return Path(*parts[:-1], parts[-1] + ".json")
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    dirs = [p for p in parts[:-1] if _plain_component(p, True)]
+    while dirs and len("/".join(dirs).encode()) > JSON_PATH_MAX_BYTES // 2:
+        dirs.pop()
+    name = "".join(ch if ch.isprintable() and ch not in "/\\" else "_" for ch in parts[-1]).lstrip(".") or "_"
+    name = _truncate(name, NAME_MAX_BYTES - 40) + f"~{digest}.json"
+    return Path(*dirs, name)
 
 
 class RunStore:
     def __init__(self, out: str | Path) -> None:
         self.out = Path(out)
-        self.parts_dir = self.out / "parts"
+        self.state_dir = self.out / STATE_DIR
+        self.parts_dir = self.state_dir / "parts"
         self.runs_dir = self.out / "runs"
         self.json_dir = self.out / "json"
+        self.config_cache_path = self.state_dir / "config_cache.json"
         self._lock_fd: int | None = None
 
     # ---- lock ------------------------------------------------------------------------------
     def lock(self) -> None:
-        self.out.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.out / ".docproc.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        """Take the folder's lock (LockedError if another run holds it); OutputUnwritable if OUT
+        cannot be made or written. Parts left by an older layout (OUT/parts) move into the state."""
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.state_dir / "lock", os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as e:
+            raise output_fault(e, self.out) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise LockedError(f"another docproc run holds {self.out / '.docproc.lock'}") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+            raise LockedError(f"another docproc run holds {self.state_dir / 'lock'}") from None
         self._lock_fd = fd
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            probe = self.state_dir / f".probe-{os.getpid()}"
+            probe.write_bytes(b"")  # a folder that takes the lock file but no new file (quota, ro bind)
+            probe.unlink()
+            self._adopt_old_parts()
+        except OSError as e:
+            self.unlock()
+            raise output_fault(e, self.out) from None
+
+    def _adopt_old_parts(self) -> None:
+        old = self.out / "parts"
+        if not old.is_dir():
+            return
+        self.parts_dir.mkdir(parents=True, exist_ok=True)
+        for f in sorted(old.glob("part-*.parquet")):
+            os.replace(f, self.parts_dir / (f.stem + PART_SUFFIX))
+        try:
+            old.rmdir()
+        except OSError:
+            pass  # something else of the user's is in there: leave it
 
     def unlock(self) -> None:
         if self._lock_fd is not None:
@@ -92,7 +181,7 @@ class RunStore:
 
     # ---- parts -----------------------------------------------------------------------------
     def _part_files(self) -> list[Path]:
-        return sorted(self.parts_dir.glob("part-*.parquet")) if self.parts_dir.is_dir() else []
+        return sorted(self.parts_dir.glob(f"part-*{PART_SUFFIX}")) if self.parts_dir.is_dir() else []
 
     def next_part(self) -> int:
         files = self._part_files()
@@ -101,7 +190,11 @@ class RunStore:
     def write_part(self, part: int, rows: list[dict]) -> None:
         for r in rows:
             r["part"] = part
-        atomic_write_table(self.parts_dir / f"part-{part:08d}.parquet", to_table(rows))
+        path = self.parts_dir / f"part-{part:08d}{PART_SUFFIX}"
+        try:
+            atomic_write_table(path, to_table(rows))
+        except OSError as e:
+            raise output_fault(e, self.out) from None
 
     def read_all(self) -> pa.Table:
         tables = []
@@ -125,39 +218,79 @@ class RunStore:
         keep = [i for i, (p, n) in enumerate(zip(paths, parts)) if latest[p] == n]
         return table.take(pa.array(keep, type=pa.int64()))
 
-    def done_keys(self) -> set[tuple[str, str, str]]:
-        """(path, file hash, configuration) of every document with a recorded outcome."""
-        t = self.latest_per_path(self.read_all())
-        keys = set()
-        for p, h, c, s in zip(t.column("path").to_pylist(), t.column("doc_sha256").to_pylist(),
-                              t.column("config_fingerprint").to_pylist(), t.column("doc_status").to_pylist()):
-            if h is not None and s != "skipped":
-                keys.add((p, h, c))
-        return keys
-
-    def consolidate(self) -> pa.Table:
-        """Write results.parquet, then compact the parts into one (the newest number, so rows
-        read twice after a crash between the two steps still resolve to one copy)."""
+    def current(self) -> pa.Table:
+        """Every document's latest rows, tombstones (removed documents) dropped."""
         table = self.latest_per_path(self.read_all())
-        table = table.sort_by([("path", "ascending"), ("part", "ascending")])
-        atomic_write_table(self.out / "results.parquet", table)
-        old = self._part_files()
-        if len(old) > 1:
-            part = self.next_part()
-            compacted = table.set_column(table.schema.get_field_index("part"), "part",
-                                         pa.array([part] * table.num_rows, type=pa.int64()))
-            atomic_write_table(self.parts_dir / f"part-{part:08d}.parquet", compacted)
-            for f in old:
-                f.unlink(missing_ok=True)
+        if table.num_rows:
+            keep = [i for i, s in enumerate(table.column("doc_status").to_pylist()) if s != REMOVED]
+            if len(keep) < table.num_rows:
+                table = table.take(pa.array(keep, type=pa.int64()))
+        return table
+
+    def consolidate(self, fill_roots: dict[str, str] | None = None) -> pa.Table:
+        """Write results.parquet, then compact the parts into one (the newest number, so rows
+        read twice after a crash between the two steps still resolve to one copy). Old parts go
+        oldest first, so that a tombstone outlives the rows it removes. fill_roots: key -> root
+        for rows stored before roots were recorded."""
+        table = self.current().sort_by([("path", "ascending"), ("part", "ascending")])
+        if fill_roots:
+            roots = [r if r is not None else fill_roots.get(p) for p, r in
+                     zip(table.column("path").to_pylist(), table.column("root").to_pylist())]
+            table = table.set_column(table.schema.get_field_index("root"), RESULT_SCHEMA.field("root"),
+                                     pa.array(roots, type=pa.string()))
+        try:
+            atomic_write_table(self.out / "results.parquet", table)
+            old = self._part_files()
+            if len(old) > 1:
+                part = self.next_part()
+                compacted = table.set_column(table.schema.get_field_index("part"), "part",
+                                             pa.array([part] * table.num_rows, type=pa.int64()))
+                atomic_write_table(self.parts_dir / f"part-{part:08d}{PART_SUFFIX}", compacted)
+                for f in old:
+                    f.unlink(missing_ok=True)
+        except OSError as e:
+            raise output_fault(e, self.out) from None
         return table
 
     # ---- documents and manifests --------------------------------------------------------------
+    def json_path(self, rel: str) -> Path:
+        return self.json_dir / json_relpath(rel)
+
     def write_document_json(self, rel: str, doc: dict) -> None:
-        target = self.json_dir / (str(safe_relpath(rel)) + ".json")
-        atomic_write_bytes(target, json.dumps(doc, indent=2, ensure_ascii=False).encode())
+        try:
+            atomic_write_bytes(self.json_path(rel), json.dumps(doc, indent=2, ensure_ascii=False).encode())
+        except OSError as e:
+            raise output_fault(e, self.out) from None
+
+    def remove_document_json(self, rel: str) -> None:
+        path = self.json_path(rel)
+        try:
+            path.unlink(missing_ok=True)
+            for parent in path.parents:  # folders it leaves empty, up to json/
+                if parent == self.json_dir or not parent.is_relative_to(self.json_dir):
+                    break
+                parent.rmdir()
+        except OSError:
+            pass  # a folder still holding other documents' files (rmdir refuses): as it should be
 
     def write_manifest(self, run_id: str, manifest: dict) -> None:
-        atomic_write_bytes(self.runs_dir / run_id / "manifest.json", json.dumps(manifest, indent=2).encode())
+        try:
+            atomic_write_bytes(self.runs_dir / run_id / "manifest.json", json.dumps(manifest, indent=2).encode())
+        except OSError as e:
+            raise output_fault(e, self.out) from None
+
+    def read_config_cache(self) -> dict:
+        try:
+            data = json.loads(self.config_cache_path.read_text())
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):  # none yet, or unreadable: it is only a cache
+            return {}
+
+    def write_config_cache(self, cache: dict) -> None:
+        try:
+            atomic_write_bytes(self.config_cache_path, json.dumps(cache, indent=1).encode())
+        except OSError as e:
+            raise output_fault(e, self.out) from None
 
     def manifests(self) -> list[dict]:
         out = []
@@ -167,6 +300,6 @@ class RunStore:
                 if m.is_file():
                     try:
                         out.append(json.loads(m.read_text()))
-                    except json.JSONDecodeError:
+                    except (json.JSONDecodeError, OSError, UnicodeDecodeError):
                         continue
         return sorted(out, key=lambda m: m.get("started_at", ""))

@@ -2,7 +2,9 @@
 per-document JSON files.
 
 A row is one document x query. A file that was skipped or failed before any query ran has one row
-with a null query, so every input file has an outcome in the table.
+with a null query, so every input file has an outcome in the table. In the state's parts (not in
+results.parquet) a document whose file is gone from its root has one tombstone row of doc_status
+"removed".
 """
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import pyarrow as pa
 
 RESULT_SCHEMA = pa.schema([
     pa.field("run_id", pa.string(), nullable=False),
-    pa.field("path", pa.string(), nullable=False),  # relative to its input root
+    pa.field("path", pa.string(), nullable=False),  # the document's key: relative to its input root
+    pa.field("root", pa.string()),  # the input root's real path (null in tables written before it existed)
     pa.field("doc_sha256", pa.string()),  # of the file's bytes; null when the file was not read
     pa.field("doc_status", pa.string(), nullable=False),  # ok | partial | skipped | error
     pa.field("pages", pa.int32()),  # pages processed (after --max-pages)
@@ -20,6 +23,7 @@ RESULT_SCHEMA = pa.schema([
     pa.field("value", pa.string()),  # parsed and normalised (ISO date, plain decimal, sorted JSON)
     pa.field("status", pa.string(), nullable=False),  # ok | empty | parse_error | error | skipped
     pa.field("error", pa.string()),
+    pa.field("error_kind", pa.string()),  # a document's error or skip class (README: "Outcomes")
     pa.field("prompt_tokens", pa.int32()),
     pa.field("cached_tokens", pa.int32()),
     pa.field("generated_tokens", pa.int32()),
@@ -41,11 +45,13 @@ def to_table(rows: list[dict]) -> pa.Table:
 def document_json(rows: list[dict]) -> dict:
     """One document's JSON file, from its rows (same fields and names as the table)."""
     first = rows[0]
-    doc = {k: first[k] for k in ("run_id", "path", "doc_sha256", "doc_status", "pages", "config_fingerprint")}
+    doc = {k: first.get(k) for k in ("run_id", "path", "doc_sha256", "doc_status", "pages", "config_fingerprint")}
     doc["fields"] = {r["query"]: r["value"] for r in rows if r["query"] is not None}
-    doc["queries"] = [{k: r[k] for k in COLUMNS if k not in doc and k != "part"} for r in rows
+    doc["queries"] = [{k: r.get(k) for k in COLUMNS if k not in doc and k not in ("part", "root")} for r in rows
                       if r["query"] is not None]
-    errors = [r["error"] for r in rows if r["error"]]
+    errors = [r["error"] for r in rows if r.get("error")]
     if errors:
         doc["errors"] = errors
+    if first.get("error_kind") and first["query"] is None:
+        doc["error_kind"] = first["error_kind"]
     return doc

@@ -15,7 +15,9 @@ def run_row(m: dict) -> dict:
             "already_done": t["already_done"], "pages": t["pages"], "unique_pages": t["unique_pages"],
             "generated_tokens": t["generated_tokens"], "tokens_per_second": m.get("tokens_per_second"),
             "acceptance_rate": m.get("acceptance_rate"), "cache_hit_rate": m.get("prefix_cache_hit_rate"),
-            "failures": t["errors"], "partial": t["partial"], "skipped": t["skipped"], "seconds": m["seconds"]}
+            "failures": t["errors"], "partial": t["partial"], "skipped": t["skipped"],
+            "moved": t.get("moved", 0), "removed": t.get("removed", 0), "seconds": m["seconds"],
+            "status": m.get("status", "completed")}
 
 
 def per_query(out: Path, run_id: str | None) -> dict:
@@ -59,4 +61,25 @@ def collect(out: str | Path, run_id: str | None = None, limit: int = 10) -> dict
                     "model": m["model"], "config_fingerprint": m["config_fingerprint"],
                     "peak_memory": m["peak_memory"], "exit_code": m["exit_code"]},
             "per_query": per_query(out, m["run_id"]),
+            "fault": m.get("fault"),
             "recent_runs": [run_row(x) for x in manifests[-limit:]]}
+
+
+def list_failures(out: str | Path) -> list[dict]:
+    """Every document of OUT that failed (error) or was answered in part (partial), with its
+    reason: the state's current rows, so it holds also when results.parquet was not written."""
+    out = Path(out)
+    store = RunStore(out)
+    if not store.parts_dir.is_dir() and not (out / "results.parquet").is_file():
+        raise FileNotFoundError(f"no results in {out}: run `docproc run ... --out {out}` first")
+    docs: dict[str, dict] = {}
+    for r in store.current().to_pylist():
+        if r["doc_status"] not in ("error", "partial"):
+            continue
+        d = docs.setdefault(r["path"], {"path": r["path"], "status": r["doc_status"], "kind": r.get("error_kind"),
+                                        "error": None, "run_id": r["run_id"]})
+        if r["status"] in ("error", "parse_error") and r["error"]:
+            reason = r["error"] if r["query"] is None else f"{r['query']}: {r['error']}"
+            d["error"] = reason if d["error"] is None else f"{d['error']}; {reason}"
+            d["kind"] = d["kind"] or r.get("error_kind") or ("answer" if r["status"] == "parse_error" else None)
+    return sorted(docs.values(), key=lambda d: (d["status"] != "error", d["path"]))

@@ -1,0 +1,162 @@
+"""Loading the engine, and the configuration fingerprint that decides which documents are done.
+
+The fingerprint is computed from the loaded engine (model and draft fingerprints, KV format,
+dtype) and the settings that change answers; a cache keyed by what it is computed from (the model
+folders' files, every setting, the query set) lets a run with nothing new to do skip loading the
+model. Pipeline inherits this; it needs self.s (RunSettings), self.store, self.queries, self.llm,
+self.report and self.stage_seconds.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from docproc.errors import DeviceUnavailable, EnvironmentFault, ModelUnavailable
+
+PROMPT_VERSION = "v1"
+CONFIG_CACHE_ENTRIES = 16  # configuration fingerprints kept (.docproc/config_cache.json)
+# Bumped when what config_fingerprint computes changes without a setting changing, so that cached
+# entries made under the old rules are not reused (2: FP4 KV records its value-slot count).
+FINGERPRINT_RULES = 2
+
+
+def load_fault(e: Exception, model: str, draft: str | None) -> EnvironmentFault:
+    """An exception from loading the engine as the fault that stops the run."""
+    if type(e).__name__ in ("AcceleratorError", "CudaError") or "CUDA error" in str(e):
+        return DeviceUnavailable(f"the device failed while loading {model}: {e}; check the GPU (nvidia-smi)")
+    if type(e).__name__ == "OutOfMemoryError":
+        return DeviceUnavailable(f"not enough device memory to load {model}"
+                                 f"{' and ' + draft if draft else ''}: lower --gpu-memory-utilization, free "
+                                 f"the GPU, or use a smaller model")
+    return ModelUnavailable(f"cannot load {model}{' with draft ' + draft if draft else ''}: "
+                            f"{type(e).__name__}: {e}")
+
+
+class EngineSetup:
+    _cached_model: dict | None = None  # the model's fingerprints from the config cache
+    _cached_cfg: str | None = None  # the fingerprint taken from the cache, until checked
+    _key: str | None = None  # config_key() of this run
+    cfg: str | None = None  # the run's configuration fingerprint
+
+    def config_key(self) -> str | None:
+        """What a run's configuration fingerprint is computed from, short of loading the model: the
+        model and draft folders' files (name, size, modification time), every setting but the
+        inputs and outputs, the query set, the prompt version, docproc's version and whether CUDA
+        is there (`auto` choices depend on it). None when a folder is missing (loading it will say
+        why)."""
+        import torch
+
+        from docproc import __version__
+
+        stamps = {}
+        for name, folder in (("model", self.s.model), ("draft", self.s.draft)):
+            if folder is None:
+                continue
+            root = Path(folder)
+            if not root.is_dir():
+                return None
+            stamps[name] = sorted((str(f.relative_to(root)), st.st_size, st.st_mtime_ns)
+                                  for f in root.rglob("*") if f.is_file() for st in [f.stat()])
+        settings = {k: v for k, v in asdict(self.s).items() if k not in ("inputs", "out", "force", "formats", "debug")}
+        payload = {"files": stamps, "settings": settings, "queries": self.queries.fingerprint,
+                   "prompt": PROMPT_VERSION, "docproc": __version__, "cuda": torch.cuda.is_available(),
+                   "rules": FINGERPRINT_RULES}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+    def _write_config_cache(self, key: str, cfg: str) -> None:
+        cache = self.store.read_config_cache()
+        cache.pop(key, None)
+        cache[key] = {"config_fingerprint": cfg, "model": self.model_fingerprint()}
+        self.store.write_config_cache(dict(list(cache.items())[-CONFIG_CACHE_ENTRIES:]))  # the most recent last
+
+    def _config(self) -> str:
+        """The configuration fingerprint: from the config cache when an earlier run computed it from
+        the same files and settings (the model is then loaded only if a document needs work), else
+        from the loaded engine (and cached)."""
+        key = self._key = self.config_key()
+        if key is not None and self.llm is None:
+            hit = self.store.read_config_cache().get(key)
+            if isinstance(hit, dict) and isinstance(hit.get("config_fingerprint"), str):
+                self._cached_model = hit.get("model")
+                self._cached_cfg = hit["config_fingerprint"]
+                return self._cached_cfg
+        cfg = self.config_fingerprint()
+        if key is not None:
+            self._write_config_cache(key, cfg)
+        return cfg
+
+    def _engine(self):
+        if self.llm is None:
+            from docproc import LLM
+
+            t0 = time.perf_counter()
+            try:
+                self.llm = LLM(self.s.model, device=self.s.device, kv_cache_dtype=self.s.kv_cache,
+                               max_num_batched_tokens=self.s.max_num_batched_tokens,
+                               gpu_memory_utilization=self.s.gpu_memory_utilization, seed=self.s.seed,
+                               speculative_model=self.s.draft, num_speculative_tokens=self.s.spec_k,
+                               draft_vision=self.s.draft_vision, enforce_eager=self.s.enforce_eager,
+                               fp4_value_slots=self.s.fp4_value_slots)
+            except EnvironmentFault:
+                raise
+            except Exception as e:  # noqa: BLE001 -- whatever loading raises stops the run, named
+                raise load_fault(e, self.s.model, self.s.draft) from e
+            finally:
+                self.stage_seconds["load_model"] += time.perf_counter() - t0
+            cached = self._cached_cfg
+            if cached is not None:
+                real = self.config_fingerprint()
+                if real != cached:
+                    # the cache missed a change its key does not see: the rest of the run uses the
+                    # real fingerprint, and the cache is corrected (documents this run skipped as
+                    # done under the stale one are checked again by the next run)
+                    self.cfg, self._cached_cfg = real, None
+                    self._write_config_cache(self._key, real)
+                    self.report("warning", {"message": "the cached configuration fingerprint was stale; "
+                                                       "documents skipped as done are rechecked by the next run"})
+        return self.llm
+
+    def model_fingerprint(self) -> dict:
+        if self.llm is None and self._cached_model:
+            return dict(self._cached_model)
+        m = self._engine().runner.model
+        return {"text": m.text_fingerprint, "vision": m.vision_fingerprint}
+
+    def config_fingerprint(self) -> str:
+        info = self._engine().cache_info()
+        spec = self._engine().spec_info()
+        # greedy speculation is lossless, but sampled output depends on the draft: fingerprint it
+        draft = spec["draft_fingerprint"] if spec else None
+        payload = {"queries": self.queries.fingerprint, "model": self.model_fingerprint(), "draft": draft,
+                   "dpi": self.s.dpi, "max_pages": self.s.max_pages, "kv_cache": info["kv_cache_dtype"],
+                   "dtype": info["dtype"], "max_image_tokens": self.s.max_image_tokens, "prompt": PROMPT_VERSION}
+        if self.s.anchor_text:  # only when on: runs without it keep their fingerprints
+            payload["anchor_text"] = True
+        if info["kv_cache_dtype"] == "fp4":
+            # always: an entry-less FP4 fingerprint stands for the older default of 2 slots, so
+            # that runs made under it never match a run with 0
+            payload["fp4_value_slots"] = info["fp4_value_slots"]
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+    def check_models(self) -> None:
+        """The model and draft folders exist and hold a config.json (before any import of torch)."""
+        for what, folder in (("model", self.s.model), ("draft", self.s.draft)):
+            if folder is None:
+                continue
+            p = Path(folder)
+            if not p.is_dir():
+                flag = "--model" if what == "model" else "--draft"
+                raise ModelUnavailable(f"{what} folder {folder} {'is not a folder' if p.exists() else 'does not exist'}: "
+                                       f"pass a local checkpoint folder as {flag} (docproc never downloads models)")
+            if not (p / "config.json").is_file():
+                raise ModelUnavailable(f"{what} folder {folder} has no config.json: it is not a Hugging Face "
+                                       f"checkpoint folder")
+
+    def model_info(self) -> dict | None:
+        """The model's fingerprints when they are known without loading anything now."""
+        if self.llm is not None or self._cached_model:
+            return self.model_fingerprint()
+        return None

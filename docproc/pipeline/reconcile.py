@@ -1,0 +1,54 @@
+"""The folder as the truth: what an output folder's rows say against what the inputs hold now.
+
+After discovery, every stored document is one of: still there (its key was found again), removed
+(its key is gone from a root this run searched: its rows leave results.parquet, its JSON file is
+deleted), or out of scope (stored from a root this run did not search: kept as it is). A removed
+document whose exact bytes turn up under a new key with the same configuration was renamed: its
+rows move to the new key without running the model. Keys under a folder that could not be listed
+are never taken as removed (their files were not seen, not deleted).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# error kinds that say nothing about the file's bytes: such a document is tried again by the next
+# run instead of being taken as done
+RETRY_KINDS = frozenset({"internal", "engine"})
+
+
+@dataclass
+class Reconciliation:
+    done: set[tuple[str, str, str]] = field(default_factory=set)  # (key, file hash, configuration)
+    removed: dict[str, str | None] = field(default_factory=dict)  # key -> its root, gone from the folder
+    renamed_from: dict[tuple[str, str], list[dict]] = field(default_factory=dict)  # (hash, config) -> rows
+    missing_roots: set[str] = field(default_factory=set)  # keys found with no root recorded
+
+    def take_rename(self, sha: str, cfg: str) -> list[dict] | None:
+        """The rows of a removed document with these bytes and configuration (taken once)."""
+        return self.renamed_from.pop((sha, cfg), None)
+
+
+def reconcile(rows: list[dict], found: dict[str, str], searched_roots: set[str], unlisted: list[str]) -> Reconciliation:
+    """rows: the store's current rows; found: key -> root of every outcome this run's discovery
+    made; searched_roots: the roots this run searched; unlisted: key prefixes of folders that
+    could not be listed."""
+    r = Reconciliation()
+    by_key: dict[str, list[dict]] = {}
+    for row in rows:
+        by_key.setdefault(row["path"], []).append(row)
+    for key, doc_rows in by_key.items():
+        first = doc_rows[0]
+        if key in found:
+            if first.get("root") is None:
+                r.missing_roots.add(key)
+            if first["doc_sha256"] is not None and first["doc_status"] != "skipped" and \
+                    first.get("error_kind") not in RETRY_KINDS:
+                r.done.add((key, first["doc_sha256"], first["config_fingerprint"]))
+            continue
+        root = first.get("root")
+        if root is None or root not in searched_roots or any(key.startswith(p) for p in unlisted):
+            continue
+        r.removed[key] = root
+        if first["doc_sha256"] is not None and first["doc_status"] in ("ok", "partial"):
+            r.renamed_from.setdefault((first["doc_sha256"], first["config_fingerprint"]), doc_rows)
+    return r

@@ -1,0 +1,83 @@
+"""What a run is asked to do (RunSettings, checked whole before anything loads) and what it
+counts as it goes (RunTotals)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RunSettings:
+    inputs: list[str]
+    out: str
+    model: str
+    queries: str | None = None
+    device: str = "auto"
+    kv_cache: str = "auto"
+    dpi: int = 120
+    max_pages: int | None = None
+    formats: tuple[str, ...] = ("json", "parquet")
+    force: bool = False
+    max_num_batched_tokens: int = 8192
+    gpu_memory_utilization: float = 0.9
+    batch_pages: int = 32  # pages per engine batch: bounds memory
+    max_image_tokens: int = 16384  # per prompt; more pages are split into windows
+    seed: int = 0
+    draft: str | None = None  # speculative decoding: the draft model folder
+    spec_k: str = "auto"  # a number or "auto"
+    draft_vision: str = "auto"
+    anchor_text: bool = False  # put each PDF page's text layer (with coordinates) in the prompt
+    enforce_eager: bool = False  # no CUDA graphs (debugging, profiling)
+    fp4_value_slots: int | None = None  # FP4 KV: outlier slots per value vector (0, the default, or 2 as the keys)
+    debug: bool = False  # tracebacks of documents' unexpected errors on stderr
+
+    def __post_init__(self) -> None:
+        bad = set(self.formats) - {"json", "parquet"}
+        if bad or not self.formats:
+            raise ValueError(f"--format takes json and/or parquet, got {','.join(self.formats)}")
+        if not self.inputs:
+            raise ValueError("give at least one input file or folder")
+        if self.dpi < 10 or self.dpi > 1200:
+            raise ValueError(f"--dpi must be between 10 and 1200, got {self.dpi}")
+        if self.max_pages is not None and self.max_pages < 1:
+            raise ValueError(f"--max-pages must be >= 1, got {self.max_pages}")
+        if self.draft_vision not in ("auto", "own", "none"):
+            raise ValueError(f"--draft-vision must be auto, own or none, got {self.draft_vision}")
+        if self.spec_k != "auto" and not (self.spec_k.isdigit() and 1 <= int(self.spec_k) <= 15):
+            raise ValueError(f"--spec-k must be a number from 1 to 15 or auto, got {self.spec_k}")
+        if self.kv_cache not in ("auto", "bf16", "fp16", "fp32", "fp4"):
+            raise ValueError(f"--kv-cache must be auto, bf16, fp16, fp32 or fp4, got {self.kv_cache}")
+        if self.fp4_value_slots not in (None, 0, 2):
+            raise ValueError(f"--fp4-value-slots must be 0 or 2, got {self.fp4_value_slots}")
+        if self.device not in ("auto", "cpu", "cuda") and not (
+                self.device.startswith("cuda:") and self.device[5:].isdigit()):
+            raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device}")
+        if not 16 <= self.max_num_batched_tokens <= 1 << 20:
+            raise ValueError(f"--max-num-batched-tokens must be from 16 to {1 << 20}, got {self.max_num_batched_tokens}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.batch_pages < 1:
+            raise ValueError(f"--batch-pages must be >= 1, got {self.batch_pages}")
+        if self.max_image_tokens < 64:
+            raise ValueError(f"max_image_tokens must be >= 64, got {self.max_image_tokens}")
+
+
+@dataclass
+class RunTotals:
+    files: int = 0
+    documents: int = 0  # documents processed this run
+    ok: int = 0
+    partial: int = 0
+    errors: int = 0
+    skipped: int = 0  # unsupported files, links out of the root, broken links, special files
+    already_done: int = 0  # same path, hash and configuration as an earlier run
+    moved: int = 0  # renamed files: their rows moved to the new path, the model not run
+    removed: int = 0  # documents whose files are gone: their rows left results.parquet
+    pages: int = 0
+    unique_pages: int = 0
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    draft_proposed: int = 0
+    draft_accepted: int = 0
+    draft_verifications: int = 0

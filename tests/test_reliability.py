@@ -1,0 +1,394 @@
+"""Every file, every run: hostile folders, odd names, signals and a broken environment, through the
+CLI on a tiny random model (CPU). One query of two tokens keeps each run to a few seconds."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+import pymupdf
+import pytest
+import torch
+from PIL import Image
+from typer.testing import CliRunner
+
+from docproc.cli import app
+from docproc.pipeline import ingest, runstore
+from docproc.pipeline.runstore import RunStore
+
+ROOT = Path(__file__).resolve().parent.parent
+cli = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def queries(tmp_path_factory):
+    q = tmp_path_factory.mktemp("q") / "one.toml"
+    q.write_text('[[query]]\nname = "total"\nquestion = "What is the total?"\nmax_tokens = 2\n')
+    return q
+
+
+@pytest.fixture
+def run(qwen2_vl_dir, queries):
+    def go(*args, model=qwen2_vl_dir, extra=()):
+        argv = ["run", *[str(a) for a in args], "--model", str(model), "--device", "cpu", "--queries", str(queries),
+                *extra]
+        return cli.invoke(app, argv)
+    return go
+
+
+def page(path: Path, size=(120, 90), colour=(250, 250, 250), mode="RGB") -> Path:
+    img = Image.new("RGB", size, colour)
+    img.paste((20, 20, 20), (10, 10, size[0] // 2, 20))  # a dark bar: not a blank page
+    if mode != "RGB":
+        img = img.convert(mode)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img.save(path)
+    return path
+
+
+def table(out: Path) -> list[dict]:
+    return pq.read_table(out / "results.parquet").to_pylist()
+
+
+def by_path(out: Path) -> dict[str, dict]:
+    return {r["path"]: r for r in table(out)}
+
+
+def manifest(out: Path) -> dict:
+    return RunStore(out).manifests()[-1]
+
+
+# ---- the run goes on whatever one file is ---------------------------------------------------------
+def test_odd_pages_names_and_links_each_get_one_row(run, tmp_path):
+    root = tmp_path / "in"
+    page(root / "wide.png", size=(2000, 8))  # aspect ratio 250: padded into the vision tower's limit
+    pdf = pymupdf.open()
+    pdf.new_page(width=36, height=14400).insert_text((5, 30), "tall")  # 0.5 x 200 in
+    pdf.save(root / "tall.pdf")
+    bad = os.fsdecode(b"r\xe4\xff.png")  # not UTF-8
+    page(root / bad)
+    long_name = "x" * 246 + ".png"  # 250 bytes: legal, but name + '.json' is not
+    page(root / long_name)
+    os.symlink("b.png", root / "a.png")
+    os.symlink("a.png", root / "b.png")
+    res = run(root, "--out", tmp_path / "out")
+    assert res.exit_code == 0, res.output
+    assert "Traceback" not in res.output
+    rows = by_path(tmp_path / "out")
+    assert rows["wide.png"]["doc_status"] == "ok" and rows["tall.pdf"]["doc_status"] == "ok"
+    assert rows["r\\xe4\\xff.png"]["doc_status"] == "ok"  # the bytes kept, as escapes
+    assert rows[long_name]["doc_status"] == "ok"
+    assert rows["a.png"]["doc_status"] == rows["b.png"]["doc_status"] == "skipped"
+    assert "loop" in rows["a.png"]["error"] and rows["a.png"]["error_kind"] == "broken_link"
+    assert len(rows) == 6
+    jsons = sorted(p.name for p in (tmp_path / "out" / "json").iterdir())
+    assert len(jsons) == 6 and all(len(n.encode()) <= 255 for n in jsons)
+    assert "wide.png.json" in jsons and sum("~" in n for n in jsons) == 2  # escaped and too long: hashed
+    doc = json.loads((tmp_path / "out" / "json" / runstore.json_relpath("r\\xe4\\xff.png")).read_text())
+    assert doc["path"] == "r\\xe4\\xff.png"
+
+
+def test_pixels_as_a_person_sees_them(tmp_path):
+    rgba = Image.new("RGBA", (40, 30), (0, 0, 0, 0))  # transparent black: a white page with nothing on it
+    rgba.paste((200, 0, 0, 255), (0, 0, 10, 10))
+    rgba.save(tmp_path / "alpha.png")
+    grey16 = Image.fromarray((np.ones((30, 40)) * 32896).astype(np.uint16))  # mid grey in 16 bits
+    grey16.save(tmp_path / "grey16.png")
+    Image.new("CMYK", (40, 30), (0, 0, 0, 0)).save(tmp_path / "cmyk.jpg")  # no ink: white
+    pal = Image.new("P", (40, 30), 0)
+    pal.putpalette([0, 0, 0, 255, 255, 255] + [0] * 762)
+    pal.save(tmp_path / "palette.png", transparency=0)  # colour 0 (black) transparent
+    rotated = Image.new("RGB", (40, 30), "white")
+    rotated.paste((0, 0, 0), (0, 0, 5, 5))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: rotate 90 degrees clockwise to view
+    rotated.save(tmp_path / "exif.jpg", exif=exif, quality=95)
+    got = {}
+    for c in ingest.discover([tmp_path]):
+        doc = ingest.open_document(c)
+        got[c.rel] = doc.page(0).image
+        doc.close()
+    assert got["alpha.png"].getpixel((30, 20)) == (255, 255, 255) and got["alpha.png"].getpixel((2, 2)) == (200, 0, 0)
+    assert got["grey16.png"].getpixel((5, 5)) == (128, 128, 128)
+    assert min(got["cmyk.jpg"].getpixel((5, 5))) >= 250
+    assert got["palette.png"].getpixel((5, 5)) == (255, 255, 255)
+    assert got["exif.jpg"].size == (30, 40)  # turned upright
+    assert all(im.mode == "RGB" for im in got.values())
+
+
+def test_keys_are_unique_and_files_count_once(run, tmp_path, monkeypatch):
+    page(tmp_path / "x" / "inv.png", colour=(240, 240, 240))
+    page(tmp_path / "y" / "inv.png", colour=(230, 230, 230))
+    res = run(tmp_path / "x" / "inv.png", tmp_path / "y" / "inv.png", "--out", tmp_path / "o1")
+    assert res.exit_code == 0, res.output
+    keys = sorted(by_path(tmp_path / "o1"))
+    assert len(keys) == 2 and keys[0].endswith("x/inv.png") and keys[1].endswith("y/inv.png")
+    assert len(list((tmp_path / "o1" / "json").rglob("*.json"))) == 2
+
+    monkeypatch.chdir(tmp_path)  # folders given as typed: keys behind each root's name
+    res = run("x", "./y/", "--out", tmp_path / "o2")
+    assert res.exit_code == 0 and sorted(by_path(tmp_path / "o2")) == ["x/inv.png", "y/inv.png"]
+
+    os.symlink(tmp_path / "x" / "inv.png", tmp_path / "x" / "a_link.png")  # the same file, by a link
+    os.link(tmp_path / "x" / "inv.png", tmp_path / "x" / "hard.png")  # and by a second name
+    res = run("x", "x", "--out", tmp_path / "o3")
+    assert res.exit_code == 0, res.output
+    m = manifest(tmp_path / "o3")
+    # one file, under its first real name in sorted order (a link's name only if no real one)
+    assert m["totals"]["files"] == 1 and sorted(by_path(tmp_path / "o3")) == ["hard.png"]
+
+
+def test_output_inside_the_input_is_never_read(run, tmp_path):
+    root = tmp_path / "in"
+    page(root / "a.png")
+    for _ in range(2):
+        res = run(root, "--out", root / "out")
+        assert res.exit_code == 0, res.output
+    assert sorted(by_path(root / "out")) == ["a.png"]
+    assert not (root / "out" / "json" / "out").exists()
+    res = run(root, "--out", root)
+    assert res.exit_code == 2 and "also an input" in res.output
+    res = run(root / "out" / "json", "--out", root / "out")
+    assert res.exit_code == 2 and "inside the output folder" in res.output
+
+
+def test_the_folder_is_the_truth_removed_and_renamed_files(run, tmp_path):
+    root = tmp_path / "in"
+    page(root / "a.png", colour=(240, 240, 240))
+    page(root / "b.png", colour=(220, 220, 220))
+    page(root / "c.png", colour=(200, 200, 200))
+    out = tmp_path / "out"
+    assert run(root, "--out", out).exit_code == 0
+    before = by_path(out)
+    (root / "a.png").unlink()
+    (root / "b.png").rename(root / "b_renamed.png")
+    res = run(root, "--out", out)
+    assert res.exit_code == 0, res.output
+    m = manifest(out)
+    assert m["totals"]["removed"] == 2 and m["totals"]["moved"] == 1 and m["totals"]["already_done"] == 1
+    assert m["totals"]["requests"] == 0  # the renamed file's rows moved: the model did not run
+    after = by_path(out)
+    assert sorted(after) == ["b_renamed.png", "c.png"]
+    assert after["b_renamed.png"]["answer"] == before["b.png"]["answer"]
+    assert after["b_renamed.png"]["doc_sha256"] == before["b.png"]["doc_sha256"]
+    assert sorted(p.name for p in (out / "json").iterdir()) == ["b_renamed.png.json", "c.png.json"]
+    # another root's rows in the same folder are not "removed" by a run over this one
+    page(tmp_path / "other" / "z.png")
+    assert run(tmp_path / "other", "--out", out).exit_code == 0
+    assert sorted(by_path(out)) == ["b_renamed.png", "c.png", "z.png"]
+
+
+def test_outputs_follow_the_umask_and_readers_see_each_row_once(run, tmp_path):
+    root = tmp_path / "in"
+    page(root / "a.png")
+    page(root / "b.png", colour=(100, 100, 100))
+    old = os.umask(0o002)
+    try:
+        assert run(root, "--out", tmp_path / "out").exit_code == 0
+    finally:
+        os.umask(old)
+    out = tmp_path / "out"
+    for f in [out / "results.parquet", *out.rglob("*.json"), *out.rglob("*.rows")]:
+        assert f.stat().st_mode & 0o777 == 0o664, f
+    found = sorted(str(p.relative_to(out)) for p in out.glob("**/*.parquet"))  # DuckDB-style glob
+    assert found == ["results.parquet"]
+    ds = pads.dataset(str(out), format="parquet", exclude_invalid_files=True)
+    assert ds.to_table().num_rows == len(table(out)) == 2
+
+
+# ---- clear errors -------------------------------------------------------------------------------------
+def test_usage_errors_before_the_model_loads(run, tmp_path):
+    t0 = time.perf_counter()
+    res = run(tmp_path / "typo", "--out", tmp_path / "out")
+    assert res.exit_code == 2 and "does not exist" in res.output and not (tmp_path / "out").exists()
+    assert time.perf_counter() - t0 < 30  # no model was loaded (it takes longer than discovery, not a timing test)
+    page(tmp_path / "a.png")
+    cases = {
+        'max_tokens = "many"': "whole number",
+        "max_tokens = 2.7": "whole number",
+        "max_tokens = 0": "from 1 to",
+        "question = { a = 1 }": "non-empty string",
+        'colour = "red"': "unknown key",
+    }
+    for line, want in cases.items():
+        q = tmp_path / "q.toml"
+        body = '[[query]]\nname = "total"\n' + ("" if line.startswith("question") else 'question = "Total?"\n')
+        q.write_text(body + line + "\n")
+        res = cli.invoke(app, ["run", str(tmp_path / "a.png"), "--out", str(tmp_path / "o"), "--queries", str(q)])
+        assert res.exit_code == 2 and want in res.output, (line, res.output)
+    res = cli.invoke(app, ["run", str(tmp_path / "a.png"), "--out", str(tmp_path / "o"), "--queries", str(tmp_path)])
+    assert res.exit_code == 2 and "is a folder" in res.output
+    (tmp_path / "empty.toml").write_text('name = "x"\n')
+    res = cli.invoke(app, ["run", str(tmp_path / "a.png"), "--out", str(tmp_path / "o"), "--queries",
+                           str(tmp_path / "empty.toml")])
+    assert res.exit_code == 2 and "[[query]]" in res.output  # shown as written, not eaten as markup
+    for flag in (["--batch-pages", "0"], ["--device", "tpu"], ["--gpu-memory-utilization", "1.5"], ["--dpi", "5"]):
+        res = cli.invoke(app, ["run", str(tmp_path / "a.png"), "--out", str(tmp_path / "o"), *flag])
+        assert res.exit_code == 2, flag
+    assert not (tmp_path / "o").exists()
+
+
+def test_environment_faults_stop_with_one_line_and_their_exit_code(run, tmp_path, monkeypatch):
+    page(tmp_path / "in" / "a.png")
+    (tmp_path / "file").write_text("not a folder")
+    res = run(tmp_path / "in", "--out", tmp_path / "file")
+    assert res.exit_code == 5 and "a file stands where a folder is needed" in res.output
+    assert "Traceback" not in res.output
+
+    res = run(tmp_path / "in", "--out", tmp_path / "o_draft", extra=["--draft", str(tmp_path / "missing")])
+    assert res.exit_code == 3 and "does not exist" in res.output and "repo" not in res.output.lower()
+    assert manifest(tmp_path / "o_draft")["status"] == "failed"
+    res = run(tmp_path / "in", "--out", tmp_path / "o_model", model=tmp_path / "nomodel")
+    assert res.exit_code == 3 and manifest(tmp_path / "o_model")["fault"]["kind"] == "model"
+
+    if not torch.cuda.is_available():
+        res = cli.invoke(app, ["run", str(tmp_path / "in"), "--out", str(tmp_path / "o_cuda"), "--device", "cuda"])
+        assert res.exit_code == 4 and "no CUDA device" in res.output and "Traceback" not in res.output
+
+    real_mkstemp = runstore.tempfile.mkstemp
+
+    def read_only(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(runstore.tempfile, "mkstemp", read_only)
+    res = run(tmp_path / "in", "--out", tmp_path / "o_ro")
+    assert res.exit_code == 5 and "read-only" in res.output
+    monkeypatch.setattr(runstore.tempfile, "mkstemp", real_mkstemp)
+
+
+def test_a_full_disk_stops_the_run_and_the_next_run_finishes(run, tmp_path, monkeypatch):
+    root = tmp_path / "in"
+    for i in range(4):
+        page(root / f"p{i}.png", colour=(200 + 10 * i,) * 3)
+    out = tmp_path / "out"
+    real = runstore.RunStore.write_part
+    calls = []
+
+    def fills_up(self, part, rows):
+        calls.append(part)
+        if len(calls) > 1:
+            raise runstore.output_fault(OSError(errno.ENOSPC, "No space left on device"), self.out)
+        return real(self, part, rows)
+
+    monkeypatch.setattr(runstore.RunStore, "write_part", fills_up)
+    res = run(root, "--out", out, extra=["--batch-pages", "1"])
+    assert res.exit_code == 5 and "no space left" in res.output and "Traceback" not in res.output
+    m = manifest(out)
+    assert m["status"] == "failed" and m["fault"]["kind"] == "output"
+    monkeypatch.setattr(runstore.RunStore, "write_part", real)
+    res = run(root, "--out", out)
+    assert res.exit_code == 0, res.output
+    assert manifest(out)["totals"]["already_done"] == 1  # the document flushed before the disk filled up
+    rows = table(out)
+    assert sorted(r["path"] for r in rows) == [f"p{i}.png" for i in range(4)]
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signals_end_the_run_with_a_manifest(qwen2_vl_dir, queries, tmp_path, sig, code):
+    root = tmp_path / "in"
+    for i in range(12):
+        page(root / f"p{i:02d}.png", colour=(100 + 10 * i,) * 3)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "docproc", "run", str(root), "--out", str(out), "--model", str(qwen2_vl_dir),
+           "--device", "cpu", "--quiet", "--batch-pages", "1", "--queries", str(queries)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not list((out / ".docproc" / "parts").glob("*.rows")
+                                                                      if (out / ".docproc" / "parts").is_dir() else []):
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err
+    assert "Traceback" not in err and "interrupted" in err
+    m = manifest(out)
+    assert m["status"] == "interrupted" and m["exit_code"] == code
+    holder = RunStore(out)
+    holder.lock()  # the lock was freed
+    holder.unlock()
+    done = m["totals"]["documents"]
+    assert 1 <= done < 12 and len(table(out)) == done
+    res = cli.invoke(app, ["run", str(root), "--out", str(out), "--model", str(qwen2_vl_dir), "--device", "cpu",
+                           "--queries", str(queries)])
+    assert res.exit_code == 0 and len(table(out)) == 12
+
+
+def test_failed_files_are_named_and_listed(run, tmp_path):
+    root = tmp_path / "in"
+    page(root / "good.png")
+    (root / "damaged.pdf").write_bytes(b"%PDF-1.4\n" + os.urandom(2000))
+    Image.new("1", (9000, 9000)).save(root / "bomb.png")  # 81 Mpx: over the 40 Mpx cap
+    for i in range(6):
+        (root / f"junk{i}.jpg").write_bytes(b"not a jpeg")
+    res = run(root, "--out", tmp_path / "out")
+    assert res.exit_code == 1
+    rows = by_path(tmp_path / "out")
+    assert rows["damaged.pdf"]["error"] == "not a readable PDF: the file is damaged or is not a PDF"
+    assert "40 Mpx cap" in rows["bomb.png"]["error"] and rows["bomb.png"]["error_kind"] == "too_large"
+    assert "failed 8 file(s)" in res.output and "and 3 more" in res.output and "--failures" in res.output
+    listed = cli.invoke(app, ["stats", str(tmp_path / "out"), "--failures", "--json"])
+    data = json.loads(listed.output)
+    assert len(data) == 8 and {d["path"] for d in data} == set(rows) - {"good.png"}
+    assert all(d["error"] and d["kind"] for d in data)
+    human = cli.invoke(app, ["stats", str(tmp_path / "out"), "--failures"])
+    assert human.exit_code == 0 and "damaged.pdf" in human.output
+
+
+# ---- one document's unexpected exception, at every stage ---------------------------------------------
+STAGES = ["discovery", "open", "render", "hash", "preprocessing", "encode", "write"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_an_unexpected_exception_fails_only_its_document(run, qwen2_vl_dir, tmp_path, monkeypatch, stage):
+    from docproc.models import processor as processor_mod
+    from docproc.models.loader import read_config
+    from docproc.models.vision import VisionEncoder
+    from docproc.pipeline import run as run_mod
+
+    bad_size = (60, 200)  # the document that raises is told by its page size (and its patch grid)
+    bad_grid = list(processor_mod.Processor(qwen2_vl_dir, read_config(qwen2_vl_dir)).grid_thw(Image.new("RGB", bad_size)))
+    root = tmp_path / "in"
+    page(root / "a.png", colour=(250, 250, 250))
+    page(root / "bad.png", size=bad_size, colour=(240, 240, 240))
+    page(root / "c.png", colour=(230, 230, 230))
+
+    def raise_for_bad(fn, test):
+        def wrapped(*a, **k):
+            if test(*a, **k):
+                raise RuntimeError("injected")
+            return fn(*a, **k)
+        return wrapped
+
+    targets = {
+        "discovery": (ingest, "_classify", lambda p, *a, **k: Path(p).name == "bad.png"),
+        "open": (ingest, "_open_image", lambda c, *a, **k: c.path.name == "bad.png"),
+        "render": (ingest, "to_rgb", lambda im: im.size == bad_size),
+        "hash": (ingest, "_sha256_file", lambda p: Path(p).name == "bad.png"),
+        "preprocessing": (processor_mod.Processor, "pixel_values",
+                          lambda self, images: any(i.size == bad_size for i in images)),
+        "encode": (VisionEncoder, "encode", lambda self, pixels, grids: bad_grid in grids.tolist()),
+        "write": (run_mod, "document_json", lambda rows: rows[0]["path"] == "bad.png"),
+    }
+    owner, name, test = targets[stage]
+    monkeypatch.setattr(owner, name, raise_for_bad(getattr(owner, name), test))
+    out = tmp_path / "out"
+    res = run(root, "--out", out, extra=["--batch-pages", "8"])
+    assert res.exit_code == 1, res.output
+    assert "Traceback" not in res.output
+    rows = by_path(out)
+    assert sorted(rows) == ["a.png", "bad.png", "c.png"]
+    assert rows["bad.png"]["doc_status"] == "error" and "injected" in rows["bad.png"]["error"]
+    assert rows["bad.png"]["error_kind"] == "internal"
+    assert rows["a.png"]["doc_status"] == rows["c.png"]["doc_status"] == "ok"
+    # the next run tries the document again (an internal error says nothing about its bytes)
+    monkeypatch.undo()
+    res = run(root, "--out", out)
+    assert res.exit_code == 0 and by_path(out)["bad.png"]["doc_status"] == "ok"
+    assert manifest(out)["totals"]["already_done"] == 2
