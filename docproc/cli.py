@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -197,7 +198,7 @@ class _Display:
         if self.log_json and event == "document":
             print(json.dumps({"event": "document", **data}), flush=True)
         if event == "warning":  # shown even with --quiet
-            err_console.print(f"[yellow]warning:[/yellow] {data['message']}")
+            error(data["message"], "warning", "yellow")
         if self.quiet:
             return
         if event == "start":
@@ -224,7 +225,7 @@ class _Display:
 
 def _summary(m: dict) -> None:
     t = m["totals"]
-    out_console.print(f"[bold]docproc run {m['run_id']}[/bold]  {m['seconds']:.1f} s  -> {m['settings']['out']}")
+    out_console.print(f"[bold]docproc run {m['run_id']}[/bold]  {m['seconds']:.1f} s  -> {escape(m['settings']['out'])}")
     table = Table(show_header=False, box=None, pad_edge=False)
     rows = [
         ("files", f"{t['files']}  (ok {t['ok']}, partial {t['partial']}, errors {t['errors']}, skipped {t['skipped']}, "
@@ -305,7 +306,7 @@ def stats(
                   "mean latency s"):
             q.add_column(c)
         for name, v in data["per_query"].items():
-            q.add_row(name, str(v["rows"]), str(v["answered"]), str(v["errors"]), _fmt(v["mean_generated_tokens"]),
+            q.add_row(escape(name), str(v["rows"]), str(v["answered"]), str(v["errors"]), _fmt(v["mean_generated_tokens"]),
                       _fmt(v["acceptance_rate"]), _fmt(v["mean_accepted_length"]), _fmt(v["mean_latency_s"]))
         out_console.print(q)
     t = Table(title="recent runs")
@@ -343,14 +344,18 @@ def eval_cmd(
     for c in ("field", "exact match", "F1", "n"):
         t.add_column(c)
     for f, v in res["per_field"].items():
-        t.add_row(f, f"{v['exact_match']:.1%}", f"{v['f1']:.1%}", str(v["n"]))
+        t.add_row(escape(f), f"{v['exact_match']:.1%}", f"{v['f1']:.1%}", str(v["n"]))
     for g, v in res["by_format"].items():
         t.add_row(f"[dim]all fields, {g}[/dim]", f"{v['exact_match']:.1%}", "", str(v["n"]))
     out_console.print(t)
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except KeyboardInterrupt:  # Ctrl-C before a run took the signals over (while importing, say)
+        error("interrupted before the run started; nothing was done", "interrupted", "yellow")
+        sys.exit(130)
 
 
 if __name__ == "__main__":

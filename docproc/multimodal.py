@@ -10,6 +10,10 @@ from PIL import Image, ImageOps
 # Qwen2-VL's image processor refuses pages whose long side is more than 200 times the short one
 MAX_ASPECT_RATIO = 200
 PAD_COLOUR = (255, 255, 255)  # paper
+# a padded page's most pixels: a 1 x 200,000 strip padded whole would be 200 Mpx (the vision
+# tower resizes every page to at most ~12.8 Mpx anyway), so a page that would pad past this is
+# scaled down first
+MAX_PADDED_PIXELS = 4096 * 4096
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
@@ -21,7 +25,7 @@ def to_rgb(img: Image.Image) -> Image.Image:
     except (ValueError, TypeError, SyntaxError, OSError, KeyError):  # a malformed EXIF block: keep as stored
         pass
     mode = img.mode
-    if mode == "RGB":
+    if mode == "RGB" and "transparency" not in img.info:
         return img
     if mode.startswith("I;16") or mode in ("I", "F"):
         img = _deep_grey_to_l(img)
@@ -64,24 +68,45 @@ def pixel_hash(img: Image.Image) -> str:
     return h.hexdigest()
 
 
-def padded_size(width: int, height: int, max_ratio: int = MAX_ASPECT_RATIO) -> tuple[int, int]:
-    """The size a page is padded to (with white, below or to the right) so that its long side is at
-    most max_ratio times its short side; the size itself when it already is."""
+def _fit(width: int, height: int, max_ratio: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(the image's size after any downscale, the padded page's size)."""
     width, height = max(1, width), max(1, height)
-    if width > height * max_ratio:
-        height = -(-width // max_ratio)
-    elif height > width * max_ratio:
-        width = -(-height // max_ratio)
-    return width, height
+    long, short = max(width, height), min(width, height)
+    if long <= short * max_ratio:
+        return (width, height), (width, height)
+    padded_short = -(-long // max_ratio)
+    if long * padded_short > MAX_PADDED_PIXELS:
+        # the longest side L with L * (L / max_ratio + 1) <= MAX_PADDED_PIXELS
+        new_long = int((-max_ratio + (max_ratio ** 2 + 4 * max_ratio * MAX_PADDED_PIXELS) ** 0.5) / 2)
+        long, short = new_long, max(1, round(short * new_long / long))
+        padded_short = -(-long // max_ratio)
+    image = (long, short) if width >= height else (short, long)
+    page = (long, padded_short) if width >= height else (padded_short, long)
+    return image, page
+
+
+def padded_size(width: int, height: int, max_ratio: int = MAX_ASPECT_RATIO) -> tuple[int, int]:
+    """The size of the page fit_aspect makes of an image of this size."""
+    return _fit(width, height, max_ratio)[1]
 
 
 def fit_aspect(img: Image.Image, max_ratio: int = MAX_ASPECT_RATIO) -> Image.Image:
-    """An RGB page padded with white to padded_size (the image itself when no padding is needed).
-    Padding rather than squeezing keeps the text's shape: a 2000 x 8 strip stays a strip of
-    readable height on a white band, where a resize would flatten it."""
-    size = padded_size(*img.size, max_ratio=max_ratio)
-    if size == img.size:
+    """An RGB page whose long side is at most max_ratio times its short side: padded with white
+    below or to the right (the image itself when no padding is needed), first scaled down when
+    the padded page would exceed MAX_PADDED_PIXELS. Padding rather than squeezing keeps the
+    text's shape: a 2000 x 8 strip stays a strip of readable height on a white band, where a
+    resize would flatten it."""
+    image, page = _fit(*img.size, max_ratio)
+    if page == img.size:
         return img
-    page = Image.new("RGB", size, PAD_COLOUR)
-    page.paste(img, (0, 0))
-    return page
+    if image != img.size:
+        img = img.resize(image, Image.Resampling.BOX)
+    out = Image.new("RGB", page, PAD_COLOUR)
+    out.paste(img, (0, 0))
+    return out
+
+
+def safe_text(text: str) -> str:
+    """Text that UTF-8 can store: surrogate escapes (bytes of a file name that are not UTF-8,
+    carried into a message) become backslash escapes."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")

@@ -96,6 +96,37 @@ def test_odd_pages_names_and_links_each_get_one_row(run, tmp_path):
     assert doc["path"] == "r\\xe4\\xff.png"
 
 
+def test_hostile_names_roots_and_state(run, tmp_path):
+    """Names one byte apart from an escape, a root whose own path is not UTF-8, Rich markup in
+    OUT, a strip that would pad to 200 Mpx, a stray file among the parts."""
+    root = tmp_path / os.fsdecode(b"in\xff")
+    page(root / os.fsdecode(b"r\xe4.png"))
+    page(root / "r\\xe4.png", colour=(90, 90, 90))  # a backslash, x, e, 4: another file, another key
+    Image.new("L", (1, 200_000), 255).save(root / "strip.png")
+    out = tmp_path / "out[/x]"
+    res = run(root, "--out", out)
+    assert res.exit_code == 0, res.output
+    rows = by_path(out)
+    assert sorted(rows) == ["r\\\\xe4.png", "r\\xe4.png", "strip.png"]
+    assert rows["strip.png"]["doc_status"] == "ok"
+    assert all(r["root"].endswith("in\\xff") for r in rows.values())
+    (RunStore(out).parts_dir / "part-zz.rows").write_text("not a part")
+    assert run(root, "--out", out).exit_code == 0 and manifest(out)["totals"]["already_done"] == 3
+
+
+def test_padding_is_bounded_and_answers_never_raise():
+    from docproc.multimodal import MAX_PADDED_PIXELS, fit_aspect, padded_size
+    from docproc.pipeline.queries import parse_answer
+
+    assert padded_size(2000, 8) == (2000, 10) and padded_size(8, 2000) == (10, 2000)
+    assert padded_size(300, 200) == (300, 200)
+    w, h = padded_size(1, 1_000_000)
+    assert w * h <= MAX_PADDED_PIXELS and h / w <= 200
+    assert fit_aspect(Image.new("RGB", (1, 1_000_000))).size == (w, h)
+    assert parse_answer("number", "1" * 40) == (None, "not a number: '" + "1" * 40 + "'")
+    assert parse_answer("json", "{" * 100_000 + "}" * 100_000)[0] is None
+
+
 def test_pixels_as_a_person_sees_them(tmp_path):
     rgba = Image.new("RGBA", (40, 30), (0, 0, 0, 0))  # transparent black: a white page with nothing on it
     rgba.paste((200, 0, 0, 255), (0, 0, 10, 10))
@@ -111,6 +142,9 @@ def test_pixels_as_a_person_sees_them(tmp_path):
     exif = Image.Exif()
     exif[0x0112] = 6  # orientation: rotate 90 degrees clockwise to view
     rotated.save(tmp_path / "exif.jpg", exif=exif, quality=95)
+    keyed = Image.new("RGB", (40, 30), (0, 0, 0))
+    keyed.paste((0, 0, 255), (0, 0, 10, 10))
+    keyed.save(tmp_path / "keyed.png", transparency=(0, 0, 0))  # RGB with a transparent colour
     got = {}
     for c in ingest.discover([tmp_path]):
         doc = ingest.open_document(c)
@@ -121,6 +155,7 @@ def test_pixels_as_a_person_sees_them(tmp_path):
     assert min(got["cmyk.jpg"].getpixel((5, 5))) >= 250
     assert got["palette.png"].getpixel((5, 5)) == (255, 255, 255)
     assert got["exif.jpg"].size == (30, 40)  # turned upright
+    assert got["keyed.png"].getpixel((30, 20)) == (255, 255, 255) and got["keyed.png"].getpixel((2, 2)) == (0, 0, 255)
     assert all(im.mode == "RGB" for im in got.values())
 
 
@@ -173,7 +208,7 @@ def test_the_folder_is_the_truth_removed_and_renamed_files(run, tmp_path):
     res = run(root, "--out", out)
     assert res.exit_code == 0, res.output
     m = manifest(out)
-    assert m["totals"]["removed"] == 2 and m["totals"]["moved"] == 1 and m["totals"]["already_done"] == 1
+    assert m["totals"]["removed"] == 1 and m["totals"]["moved"] == 1 and m["totals"]["already_done"] == 1
     assert m["totals"]["requests"] == 0  # the renamed file's rows moved: the model did not run
     after = by_path(out)
     assert sorted(after) == ["b_renamed.png", "c.png"]
@@ -184,6 +219,16 @@ def test_the_folder_is_the_truth_removed_and_renamed_files(run, tmp_path):
     page(tmp_path / "other" / "z.png")
     assert run(tmp_path / "other", "--out", out).exit_code == 0
     assert sorted(by_path(out)) == ["b_renamed.png", "c.png", "z.png"]
+    # ... but a root emptied of files is searched all the same, and the same path from another
+    # root is said out loud, not replaced in silence
+    (tmp_path / "other" / "z.png").unlink()
+    assert run(tmp_path / "other", "--out", out, extra=["--format", "json"]).exit_code == 0
+    assert manifest(out)["totals"]["removed"] == 1
+    assert sorted(by_path(out)) == ["b_renamed.png", "c.png"]  # results.parquet kept current with json only
+    page(tmp_path / "third" / "c.png", colour=(10, 10, 10))
+    res = run(tmp_path / "third", "--out", out)
+    assert res.exit_code == 0 and "from another input root" in res.output
+    assert by_path(out)["c.png"]["root"] == str((tmp_path / "third").resolve())
 
 
 def test_outputs_follow_the_umask_and_readers_see_each_row_once(run, tmp_path):
@@ -342,7 +387,7 @@ def test_failed_files_are_named_and_listed(run, tmp_path):
 
 
 # ---- one document's unexpected exception, at every stage ---------------------------------------------
-STAGES = ["discovery", "open", "render", "hash", "preprocessing", "encode", "write"]
+STAGES = ["discovery", "open", "render", "hash", "preprocessing", "encode", "answers", "write"]
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -374,6 +419,7 @@ def test_an_unexpected_exception_fails_only_its_document(run, qwen2_vl_dir, tmp_
         "preprocessing": (processor_mod.Processor, "pixel_values",
                           lambda self, images: any(i.size == bad_size for i in images)),
         "encode": (VisionEncoder, "encode", lambda self, pixels, grids: bad_grid in grids.tolist()),
+        "answers": (run_mod.Pipeline, "_answers", lambda self, w, outs: w.doc.doc.candidate.rel == "bad.png"),
         "write": (run_mod, "document_json", lambda rows: rows[0]["path"] == "bad.png"),
     }
     owner, name, test = targets[stage]
@@ -387,6 +433,12 @@ def test_an_unexpected_exception_fails_only_its_document(run, qwen2_vl_dir, tmp_
     assert rows["bad.png"]["doc_status"] == "error" and "injected" in rows["bad.png"]["error"]
     assert rows["bad.png"]["error_kind"] == "internal"
     assert rows["a.png"]["doc_status"] == rows["c.png"]["doc_status"] == "ok"
+    m = manifest(out)
+    assert m["totals"]["errors"] == 1 and m["totals"]["ok"] == 2
+    # each good document's request ran once: no second engine run, no doubled figures
+    if stage not in ("discovery", "open", "render", "hash"):
+        assert m["totals"]["requests"] in (2, 3)
+        assert rows["a.png"]["prompt_tokens"] == rows["c.png"]["prompt_tokens"]
     # the next run tries the document again (an internal error says nothing about its bytes)
     monkeypatch.undo()
     res = run(root, "--out", out)

@@ -214,7 +214,7 @@ def test_training_anchor_text_is_the_pipelines(tmp_path):
     doc = draw_pdf(spec)
     path = tmp_path / "a5.pdf"
     doc.save(str(path))
-    opened = open_document(next(discover([str(tmp_path)])), with_text=True)
+    opened = open_document(discover([str(tmp_path)])[0], with_text=True)
     want = window_anchor([opened.page(i) for i in range(opened.num_pages)])
     assert want and "Page size:" in want and T.doc_anchor(doc) == want
 

@@ -45,7 +45,8 @@ def evaluate(out: str | Path, truth_file: str | Path) -> dict:
     results = out / "results.parquet"
     if not results.is_file():
         raise FileNotFoundError(f"{results} does not exist: run `docproc run ... --out {out}` first")
-    table = pq.read_table(results).to_pylist()
+    with open(results, "rb") as f:  # a Python file: Arrow takes no path that is not UTF-8
+        table = pq.read_table(f).to_pylist()
     answers: dict[str, dict[str, str | None]] = defaultdict(dict)
     for r in table:
         if r["query"] is not None:

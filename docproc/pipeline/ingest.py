@@ -65,9 +65,14 @@ class Page:
 
 
 def display_name(name: str) -> str:
-    """A file system name as text that UTF-8 can store: bytes that are not UTF-8 (held by Python
-    as surrogate escapes) become backslash escapes; the same bytes always give the same text."""
-    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    """A file system name as text that UTF-8 can store, one text per name: bytes that are not
+    UTF-8 (held by Python as surrogate escapes) become `\\xNN`, and a backslash becomes `\\\\`
+    (so the byte 0xE4 and a file literally named `\\xe4` stay two keys). A name with neither is
+    kept as it is."""
+    if "\\" not in name and not any("\udc80" <= ch <= "\udcff" for ch in name):
+        return name
+    return "".join("\\\\" if ch == "\\" else f"\\x{ord(ch) - 0xDC00:02x}" if "\udc80" <= ch <= "\udcff" else ch
+                   for ch in name)
 
 
 def root_label(inp: str | Path) -> str:
@@ -98,6 +103,7 @@ def discover(inputs: list[str | Path], exclude: list[str | Path] = ()) -> list[C
         root = Path(inp)
         label = root_label(inp) if several else ""
         real_root = os.path.realpath(root)
+        shown_root = display_name(real_root)  # what rows record as the root
 
         def key(rel: str) -> str:
             rel = display_name(rel)
@@ -113,15 +119,15 @@ def discover(inputs: list[str | Path], exclude: list[str | Path] = ()) -> list[C
         if not root.is_dir():
             name = label or display_name(root.name)
             if not os.path.lexists(root):
-                out.append(Candidate(root, name, real_root, "input path does not exist", "missing"))
+                out.append(Candidate(root, name, shown_root, "input path does not exist", "missing"))
                 continue
-            out.extend(_candidate(root, name, real_root, excluded, seen))  # the file is its own root
+            out.extend(_candidate(root, name, shown_root, excluded, seen))  # the file is its own root
             continue
         links: list[tuple[Path, str]] = []
         failed: list[OSError] = []
         for dirpath, dirnames, filenames in os.walk(root, onerror=failed.append, followlinks=False):
             for e in failed:  # folders that could not be listed: their files would go unseen
-                out.append(Candidate(Path(e.filename or root), folder_key(e.filename), real_root,
+                out.append(Candidate(Path(e.filename or root), folder_key(e.filename), shown_root,
                                      f"cannot list folder: {e.strerror}", "unlistable_folder", is_error=True))
             failed.clear()
             dirnames.sort()
@@ -139,13 +145,27 @@ def discover(inputs: list[str | Path], exclude: list[str | Path] = ()) -> list[C
                 if p.is_symlink():
                     links.append((p, k))
                 else:
-                    out.extend(_candidate(p, k, real_root, excluded, seen))
+                    out.extend(_candidate(p, k, shown_root, excluded, seen))
         for e in failed:
-            out.append(Candidate(Path(e.filename or root), folder_key(e.filename), real_root,
+            out.append(Candidate(Path(e.filename or root), folder_key(e.filename), shown_root,
                                  f"cannot list folder: {e.strerror}", "unlistable_folder", is_error=True))
         for p, k in links:
-            out.extend(_candidate(p, k, real_root, excluded, seen, link_root=real_root))
+            out.extend(_candidate(p, k, shown_root, excluded, seen, link_root=real_root))
+    taken: set[str] = set()
+    for c in out:  # keys are one text per name, but two roots' labels could still meet
+        if c.rel in taken:
+            n = 2
+            while f"{c.rel}~{n}" in taken:
+                n += 1
+            c.rel = f"{c.rel}~{n}"
+        taken.add(c.rel)
     return out
+
+
+def searched_roots(inputs: list[str | Path]) -> set[str]:
+    """The roots a discovery over these inputs searches, as its candidates record them (an input
+    folder, or an input file itself), found files or not."""
+    return {display_name(os.path.realpath(inp)) for inp in inputs}
 
 
 def _candidate(p: Path, rel: str, root: str, excluded: list[str], seen: set,
@@ -266,11 +286,9 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def open_document(c: Candidate, *, dpi: int = 120, max_pages: int | None = None,
-                  max_pixels: int = DEFAULT_MAX_PIXELS, max_file_bytes: int = 1 << 30,
-                  with_text: bool = False) -> Document:
-    """Open, validate and hash a document; page 1 is rendered here so that a file whose pages
-    cannot be read fails at once with its reason."""
+def file_digest(c: Candidate, max_file_bytes: int = 1 << 30) -> str:
+    """The SHA-256 of a document's bytes, after the checks that need no decoding (readable, not
+    empty, not over max_file_bytes): what decides whether it is already done."""
     try:
         size = os.stat(c.path).st_size
     except OSError as e:
@@ -280,9 +298,18 @@ def open_document(c: Candidate, *, dpi: int = 120, max_pages: int | None = None,
     if size > max_file_bytes:
         raise DocumentError(f"file is {size} bytes, over the {max_file_bytes}-byte limit", "too_large")
     try:
-        digest = _sha256_file(c.path)
+        return _sha256_file(c.path)
     except OSError as e:
         raise DocumentError(f"cannot read file: {e.strerror}", "unreadable") from None
+
+
+def open_document(c: Candidate, *, dpi: int = 120, max_pages: int | None = None,
+                  max_pixels: int = DEFAULT_MAX_PIXELS, max_file_bytes: int = 1 << 30,
+                  with_text: bool = False, digest: str | None = None) -> Document:
+    """Open, validate and hash a document (digest: file_digest's, when the caller has it); page 1
+    is rendered here so that a file whose pages cannot be read fails at once with its reason."""
+    if digest is None:
+        digest = file_digest(c, max_file_bytes)
     doc = _open_pdf(c, digest, dpi, max_pages, max_pixels, with_text) if c.doc_type == "pdf" else \
         _open_image(c, digest, max_pages, max_pixels)
     try:

@@ -73,11 +73,12 @@ def normalize_amount(text: str | None) -> str | None:
     whole = re.sub(r"[.,]", "", whole)
     if not whole.isdigit() and whole != "":
         return None
+    if len(whole) > 24:  # beyond any amount (and beyond quantize's default 28-digit precision)
+        return None
     try:
-        value = Decimal(f"{whole or '0'}.{frac or '0'}")
+        value = Decimal(f"{whole or '0'}.{frac or '0'}").quantize(Decimal("0.01"))
     except InvalidOperation:
         return None
-    value = value.quantize(Decimal("0.01"))
     return f"{'-' if neg and value != 0 else ''}{value}"
 
 

@@ -116,7 +116,16 @@ def build_prompt(num_pages: int, question: str, anchor_text: str | None = None) 
 
 
 def parse_answer(qtype: str, text: str) -> tuple[str | None, str | None]:
-    """(parsed value as a string, error). None value with no error means the answer was 'none'."""
+    """(parsed value as a string, error). None value with no error means the answer was 'none'.
+    Never raises: an answer that breaks a parser (JSON nested past the recursion limit, say) is a
+    parse error of that answer."""
+    try:
+        return _parse(qtype, text)
+    except (ValueError, ArithmeticError, RecursionError, TypeError) as e:
+        return None, f"unparseable answer ({type(e).__name__})"
+
+
+def _parse(qtype: str, text: str) -> tuple[str | None, str | None]:
     t = text.strip()
     if qtype != "json" and t.lower().rstrip(".") in NONE_ANSWERS:
         return None, None

@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # error kinds that say nothing about the file's bytes: such a document is tried again by the next
-# run instead of being taken as done
-RETRY_KINDS = frozenset({"internal", "engine"})
+# run instead of being taken as done (an engine error, such as a prompt over max_model_len, comes
+# back with the same bytes and settings: not retried)
+RETRY_KINDS = frozenset({"internal"})
 
 
 @dataclass
@@ -22,6 +23,7 @@ class Reconciliation:
     removed: dict[str, str | None] = field(default_factory=dict)  # key -> its root, gone from the folder
     renamed_from: dict[tuple[str, str], list[dict]] = field(default_factory=dict)  # (hash, config) -> rows
     missing_roots: set[str] = field(default_factory=set)  # keys found with no root recorded
+    other_root: dict[str, str] = field(default_factory=dict)  # key found -> the other root OUT holds it from
 
     def take_rename(self, sha: str, cfg: str) -> list[dict] | None:
         """The rows of a removed document with these bytes and configuration (taken once)."""
@@ -41,8 +43,11 @@ def reconcile(rows: list[dict], found: dict[str, str], searched_roots: set[str],
         if key in found:
             if first.get("root") is None:
                 r.missing_roots.add(key)
+            elif first["root"] != found[key]:
+                r.other_root[key] = first["root"]
+                continue  # another file: not done, whatever its hash
             if first["doc_sha256"] is not None and first["doc_status"] != "skipped" and \
-                    first.get("error_kind") not in RETRY_KINDS:
+                    not any(row.get("error_kind") in RETRY_KINDS for row in doc_rows):
                 r.done.add((key, first["doc_sha256"], first["config_fingerprint"]))
             continue
         root = first.get("root")

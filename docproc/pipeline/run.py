@@ -28,11 +28,12 @@ from typing import Callable
 
 from docproc.errors import EnvironmentFault, OutputUnwritable
 from docproc.pipeline.engine_setup import PROMPT_VERSION, EngineSetup
-from docproc.pipeline.ingest import Candidate, Document, DocumentError, discover, open_document
+from docproc.pipeline.ingest import (Candidate, Document, DocumentError, discover, file_digest, open_document,
+                                     searched_roots)
 from docproc.pipeline.queries import QuerySet, build_prompt, load_queries, parse_answer
 from docproc.pipeline.reconcile import Reconciliation, reconcile
 from docproc.pipeline.runstore import REMOVED, RunStore
-from docproc.pipeline.schema import document_json
+from docproc.pipeline.schema import document_json, to_table
 from docproc.pipeline.settings import RunSettings, RunTotals
 from docproc.pipeline.signals import EXIT_INTERRUPTED, RunInterrupted, signals_raise
 
@@ -123,28 +124,26 @@ class Pipeline(EngineSetup):
         t_start = time.perf_counter()
         self.store.lock()  # LockedError, OutputUnwritable: nothing started, no manifest
         status, fault, exit_code = "completed", None, None
-        self._part = self.store.next_part()
-        self._rows_pending: list[dict] = []
-        self._docs_pending: list[tuple[str, list[dict]]] = []
+        self._pending: list[tuple[str, list[dict], bool]] = []  # (key, rows, write its JSON)
         try:
-            with signals_raise():
+            with signals_raise() as signals:
                 try:
+                    self._part = self.store.next_part()
                     self._process()
                 except RunInterrupted as e:
+                    signals.calm()
                     status, exit_code = "interrupted", EXIT_INTERRUPTED.get(e.signum, 128 + e.signum)
                     fault = {"kind": "signal", "message": f"stopped by {e}"}
-                    # the batch in flight is dropped; documents it had finished are written
-                    self._finish_store(completed=False)
+                    self._wind_down()  # the batch in flight is dropped; documents it had finished are written
                 except EnvironmentFault as e:
+                    signals.calm()
                     status, exit_code = "failed", e.exit_code
                     fault = {"kind": e.kind, "message": str(e)}
                     if self.s.debug:
                         traceback.print_exc()
                     if not isinstance(e, OutputUnwritable):  # documents finished so far are kept
-                        try:
-                            self._finish_store(completed=False)
-                        except OutputUnwritable:
-                            pass
+                        self._wind_down()
+                signals.calm()
                 manifest = self._manifest(started, time.perf_counter() - t_start, status, fault, exit_code)
                 try:
                     self.store.write_manifest(self.run_id, manifest)
@@ -156,6 +155,14 @@ class Pipeline(EngineSetup):
                 return manifest
         finally:
             self.store.unlock()
+
+    def _wind_down(self) -> None:
+        """After a signal or a fault: write what is finished (removals wait for a whole run)."""
+        try:
+            self._flush()
+            self._consolidate()
+        except OutputUnwritable:
+            pass
 
     def _process(self) -> None:
         self.check_models()
@@ -174,25 +181,26 @@ class Pipeline(EngineSetup):
                 self._file_row(cand, None, "error" if cand.is_error else "skipped", cand.skip_reason, cand.kind)
                 continue
             t0 = time.perf_counter()
+            sha = None
             try:
-                doc = open_document(cand, dpi=self.s.dpi, max_pages=self.s.max_pages, with_text=self.s.anchor_text)
+                sha = file_digest(cand)  # before opening: a document already done is not rendered
+                if not self.s.force and (cand.rel, sha, self.cfg) in self._plan.done:
+                    self.totals.already_done += 1
+                    self.report("document", {"path": cand.rel, "status": "already done"})
+                    continue
+                moved = None if self.s.force else self._plan.take_rename(sha, self.cfg)
+                if moved is not None:
+                    self._move(cand, moved)
+                    continue
+                doc = open_document(cand, dpi=self.s.dpi, max_pages=self.s.max_pages, with_text=self.s.anchor_text,
+                                    digest=sha)
             except (EnvironmentFault, RunInterrupted):
                 raise
             except Exception as e:  # noqa: BLE001 -- the per-document boundary
-                self._document_failed(cand, None, e)
+                self._document_failed(cand, sha, e)
                 continue
             finally:
                 self.stage_seconds["open_render_hash"] += time.perf_counter() - t0
-            if not self.s.force and (cand.rel, doc.sha256, self.cfg) in self._plan.done:
-                doc.close()
-                self.totals.already_done += 1
-                self.report("document", {"path": cand.rel, "status": "already done"})
-                continue
-            moved = None if self.s.force else self._plan.take_rename(doc.sha256, self.cfg)
-            if moved is not None:
-                doc.close()
-                self._move(cand, moved)
-                continue
             state = _DocState(doc)
             try:
                 for window in self._windows(state):
@@ -218,32 +226,46 @@ class Pipeline(EngineSetup):
         if batch:
             self._run_batch(batch)
         self._flush()
-        self._finish_store(completed=True)
+        self._remove_gone()
+        self._consolidate()
 
     def _reconcile(self, candidates: list[Candidate]) -> None:
         """What the stored rows say against what discovery found (docproc.pipeline.reconcile)."""
         rows = self.store.current().to_pylist()
         found = {c.rel: c.root for c in candidates}
         unlisted = ["" if c.rel == "./" else c.rel for c in candidates if c.kind == "unlistable_folder"]
-        self._plan = reconcile(rows, found, {c.root for c in candidates}, unlisted)
+        self._plan = reconcile(rows, found, searched_roots(self.s.inputs), unlisted)
         self._roots = found
+        if self._plan.other_root:
+            first = min(self._plan.other_root)
+            self.report("warning", {"message": (
+                f"{len(self._plan.other_root)} document(s) of this run have the path of a document that OUT holds "
+                f"from another input root (first: {first!r} from {self._plan.other_root[first]}); this run's rows "
+                f"replace those. Give one --out per input root, or give the roots to one run (their paths then "
+                f"start with each root's name)")})
 
-    def _finish_store(self, completed: bool) -> None:
-        """Tombstones for removed documents (their JSON files deleted), then results.parquet."""
-        self._flush()
+    def _remove_gone(self) -> None:
+        """Documents whose files are gone from a searched root: JSON files first (a crash between
+        the two steps leaves rows the next run removes again, never a JSON file without rows),
+        then one tombstone each. A JSON file that is also a live document's is kept."""
         removed = self._plan.removed
-        if removed:
-            self._rows_pending = [{"run_id": self.run_id, "path": k, "root": root, "doc_status": REMOVED,
-                                   "status": REMOVED, "config_fingerprint": self.cfg or ""} for k, root in removed.items()]
-            self._docs_pending = []
-            self._flush()
-            for k in removed:
+        if not removed:
+            return
+        live = {self.store.json_path(k) for k in self._roots}
+        for k in removed:
+            if self.store.json_path(k) not in live:
                 self.store.remove_document_json(k)
-            self.totals.removed = len(removed)
-            self._plan.removed = {}
+        self._pending.append(("", [{"run_id": self.run_id, "path": k, "root": root, "doc_status": REMOVED,
+                                    "status": REMOVED, "config_fingerprint": self.cfg or ""}
+                                   for k, root in removed.items()], False))
+        self._flush()
+        self.totals.removed = len(removed) - self.totals.moved  # a rename is a move, not a removal
+        self._plan.removed = {}
+
+    def _consolidate(self) -> None:
         t0 = time.perf_counter()
-        if "parquet" in self.s.formats:
-            self.store.consolidate(fill_roots={k: self._roots[k] for k in self._plan.missing_roots})
+        self.store.consolidate(fill_roots={k: self._roots[k] for k in self._plan.missing_roots},
+                               results="parquet" in self.s.formats)
         self.stage_seconds["write"] += time.perf_counter() - t0
 
     def _windows(self, state: _DocState):
@@ -275,31 +297,44 @@ class Pipeline(EngineSetup):
 
     def _run_batch(self, batch: list[_Window]) -> None:
         """Run a batch; if the engine raises, run it again document by document so that only the
-        documents it fails on get error rows."""
+        documents it fails on get error rows. Whatever turning one document's outputs into rows
+        raises fails that document alone (never a second engine run)."""
         try:
-            self._generate(batch)
+            outs = self._generate(batch)
         except (EnvironmentFault, RunInterrupted):
             raise
         except Exception as e:  # noqa: BLE001 -- one document's request broke the engine step
             states = list({id(w.doc): w.doc for w in batch}.values())
-            if len(states) == 1:
-                state = states[0]
-                state.failure = ("internal", f"{type(e).__name__}: {e}")
-                if self.s.debug:
-                    traceback.print_exc()
-                state.windows_done += sum(1 for w in batch if w.doc is state)
-                if state.finished_adding and state.windows_done == state.windows_total:
-                    self._finish_document(state)
-                self._flush()
+            if len(states) > 1:
+                for state in states:
+                    self._run_batch([w for w in batch if w.doc is state])
                 return
-            for state in states:
-                self._run_batch([w for w in batch if w.doc is state])
+            states[0].failure = ("internal", f"{type(e).__name__}: {e}")
+            if self.s.debug:
+                traceback.print_exception(e)
+            outs = None
+        for i, w in enumerate(batch):
+            if outs is not None and w.doc.failure is None:
+                try:
+                    self._answers(w, outs[i * len(self.queries.queries): (i + 1) * len(self.queries.queries)])
+                except Exception as e:  # noqa: BLE001 -- the per-document boundary, after the engine
+                    w.doc.failure = ("internal", f"{type(e).__name__}: {e}")
+                    if self.s.debug:
+                        traceback.print_exception(e)
+            w.doc.windows_done += 1
+        for state in {id(w.doc): w.doc for w in batch}.values():
+            if state.finished_adding and state.windows_done == state.windows_total:
+                self._finish_document(state)
+        self.report("batch", {"totals": asdict(self.totals), "unique_pages": len(self.page_hashes),
+                              "engine_seconds": self.stage_seconds["engine"]})
+        self._flush()
 
-    def _generate(self, batch: list[_Window]) -> None:
+    def _generate(self, batch: list[_Window]) -> list:
+        """The engine's outputs for every (window, query) of the batch, in that order."""
         from docproc import SamplingParams
 
         llm = self._engine()
-        prompts, params, meta = [], [], []
+        prompts, params = [], []
         for w in batch:  # a document's queries stay together: its prefix is computed once
             images = [p.image for p in w.pages]
             uuids = [p.sha256 for p in w.pages]
@@ -308,19 +343,30 @@ class Pipeline(EngineSetup):
                 prompts.append({"prompt": build_prompt(len(images), q.question, anchor),
                                 "multi_modal_data": {"image": images}, "multi_modal_uuids": {"image": uuids}})
                 params.append(SamplingParams(temperature=0.0, max_tokens=q.max_tokens))
-                meta.append((w, q))
         t0 = time.perf_counter()
         try:
-            outs = llm.generate(prompts, params)
+            return llm.generate(prompts, params)
         finally:
             self.stage_seconds["engine"] += time.perf_counter() - t0
-        for (w, q), out in zip(meta, outs):
+
+    def _answers(self, w: _Window, outs: list) -> None:
+        """One window's outputs (one per query) as rows of its document, counted in the totals."""
+        rows = []
+        for q, out in zip(self.queries.queries, outs):
             m = out.metrics
             row = {"query": q.name, "query_type": q.type, "answer": out.outputs[0].text,
                    "prompt_tokens": m.num_prompt_tokens, "cached_tokens": m.num_cached_tokens,
                    "generated_tokens": m.num_generated_tokens, "draft_proposed": m.draft_proposed,
                    "draft_accepted": m.draft_accepted, "draft_verifications": m.draft_verifications,
                    "latency_s": round(m.total_time, 4)}
+            if out.error:
+                row.update(value=None, status="error", error=out.error, error_kind="engine")
+            else:
+                value, err = parse_answer(q.type, out.outputs[0].text)
+                row.update(value=value, status="parse_error" if err else ("ok" if value is not None else "empty"),
+                           error=err)
+            rows.append((q, m, row))
+        for q, m, row in rows:  # counted only once every row of the window is made
             self.totals.requests += 1
             self.totals.prompt_tokens += m.num_prompt_tokens
             self.totals.cached_tokens += m.num_cached_tokens
@@ -328,21 +374,7 @@ class Pipeline(EngineSetup):
             self.totals.draft_proposed += m.draft_proposed
             self.totals.draft_accepted += m.draft_accepted
             self.totals.draft_verifications += m.draft_verifications
-            if out.error:
-                row.update(value=None, status="error", error=out.error, error_kind="engine")
-            else:
-                value, err = parse_answer(q.type, out.outputs[0].text)
-                row.update(value=value, status="parse_error" if err else ("ok" if value is not None else "empty"),
-                           error=err)
             w.doc.answers.setdefault(q.name, []).append((w.index, row))
-        for w in batch:
-            w.doc.windows_done += 1
-        for state in {id(w.doc): w.doc for w in batch}.values():
-            if state.finished_adding and state.windows_done == state.windows_total:
-                self._finish_document(state)
-        self.report("batch", {"totals": asdict(self.totals), "unique_pages": len(self.page_hashes),
-                              "engine_seconds": self.stage_seconds["engine"]})
-        self._flush()
 
     def _finish_document(self, state: _DocState) -> None:
         doc = state.doc
@@ -381,8 +413,7 @@ class Pipeline(EngineSetup):
                 r["error"] = (r["error"] + "; " if r["error"] else "") + \
                     f"only the first {doc.num_pages} of {doc.num_pages_total} pages were read (--max-pages)"
         doc.close()
-        self._docs_pending.append((doc.candidate.rel, full))
-        self._rows_pending.extend(full)
+        self._pending.append((doc.candidate.rel, full, True))
         self.report("document", {"path": doc.candidate.rel, "status": status, "pages": doc.num_pages})
 
     def _document_failed(self, cand: Candidate, sha: str | None, e: Exception) -> None:
@@ -403,59 +434,57 @@ class Pipeline(EngineSetup):
         row = {"run_id": self.run_id, "path": cand.rel, "root": cand.root, "doc_sha256": sha, "doc_status": status,
                "pages": None, "query": None, "status": status, "error": error, "error_kind": kind,
                "config_fingerprint": self.cfg}
-        self._docs_pending.append((cand.rel, [row]))
-        self._rows_pending.append(row)
+        self._pending.append((cand.rel, [row], True))
         self.report("document", {"path": cand.rel, "status": status, "error": error, "error_kind": kind})
 
     def _move(self, cand: Candidate, old_rows: list[dict]) -> None:
         """A renamed file: the removed document's rows under the new key, the model not run."""
         rows = [{**r, "path": cand.rel, "root": cand.root} for r in old_rows]
         self.totals.moved += 1
-        self._docs_pending.append((cand.rel, rows))
-        self._rows_pending.extend(rows)
+        self._pending.append((cand.rel, rows, True))
         self.report("document", {"path": cand.rel, "status": "moved", "from": old_rows[0]["path"]})
 
     def _flush(self) -> None:
-        if not self._rows_pending:
+        """Write the finished documents: their JSON files first, then one part with all their rows
+        (a document is "done" only once its part exists). A document whose rows or JSON cannot be
+        made is written as one error row instead (the write stage's per-document boundary)."""
+        if not self._pending:
             return
         t0 = time.perf_counter()
-        # JSON first, the part last: a document is "done" only once its part exists
-        if "json" in self.s.formats:
-            for rel, rows in self._docs_pending:
+        rows_out = []
+        for rel, rows, write_json in self._pending:
+            try:
+                to_table(rows)  # cheap, and it is what the part will take
+                doc = document_json(rows) if write_json and "json" in self.s.formats else None
+            except Exception as e:  # noqa: BLE001
+                rows = [self._unwritable(rel, rows, e)]
                 try:
-                    doc = document_json(rows)
-                except Exception as e:  # noqa: BLE001 -- the write stage's per-document boundary
+                    doc = document_json(rows) if write_json and "json" in self.s.formats else None
+                except Exception:  # noqa: BLE001 -- the table row stands on its own
                     doc = None
-                    self._replace_with_error(rel, rows, e)
-                if doc is not None:
-                    self.store.write_document_json(rel, doc)
-        self.store.write_part(self._part, self._rows_pending)
+            if doc is not None:
+                self.store.write_document_json(rel, doc)
+            rows_out.extend(rows)
+        self.store.write_part(self._part, rows_out)
         self._part += 1
-        self._rows_pending, self._docs_pending = [], []
+        self._pending = []
         self.stage_seconds["write"] += time.perf_counter() - t0
 
-    def _replace_with_error(self, rel: str, rows: list[dict], e: Exception) -> None:
-        """A document whose JSON could not be made: its rows in this part become one error row."""
+    def _unwritable(self, rel: str, rows: list[dict], e: Exception) -> dict:
+        """The error row that replaces a document's rows when they cannot be written."""
         first = rows[0]
-        error = {"run_id": self.run_id, "path": rel, "root": first.get("root"), "doc_sha256": first.get("doc_sha256"),
-                 "doc_status": "error", "pages": None, "query": None, "status": "error",
-                 "error": f"{type(e).__name__}: {e}", "error_kind": "internal", "config_fingerprint": self.cfg}
-        ids = {id(r) for r in rows}
-        self._rows_pending = [r for r in self._rows_pending if id(r) not in ids] + [error]
         was = first.get("doc_status")
         if was in ("ok", "partial"):
             setattr(self.totals, was, getattr(self.totals, was) - 1)
         if was != "error":
             self.totals.errors += 1
-        self.failures.append({"path": rel, "kind": "internal", "error": error["error"]})
+        message = f"{type(e).__name__}: {e}"
+        self.failures.append({"path": rel, "kind": "internal", "error": message})
         if self.s.debug:
             traceback.print_exception(e)
-        try:
-            self.store.write_document_json(rel, document_json([error]))
-        except OutputUnwritable:
-            raise
-        except Exception:  # noqa: BLE001 -- the table row stands on its own
-            pass
+        return {"run_id": self.run_id, "path": rel, "root": first.get("root"), "doc_sha256": first.get("doc_sha256"),
+                "doc_status": "error", "pages": None, "query": None, "status": "error", "error": message,
+                "error_kind": "internal", "config_fingerprint": self.cfg}
 
     def _manifest(self, started: str, seconds: float, status: str, fault: dict | None,
                   exit_code: int | None) -> dict:

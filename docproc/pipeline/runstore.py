@@ -94,6 +94,7 @@ def _atomic(path: Path, write, mode: int | None) -> None:
 
 
 _HASHED = re.compile(r"~[0-9a-f]{12}$")
+_PART_NAME = re.compile(r"part-\d{8}" + re.escape(PART_SUFFIX))
 
 
 def _plain_component(part: str, is_dir: bool) -> bool:
@@ -181,11 +182,14 @@ class RunStore:
 
     # ---- parts -----------------------------------------------------------------------------
     def _part_files(self) -> list[Path]:
-        return sorted(self.parts_dir.glob(f"part-*{PART_SUFFIX}")) if self.parts_dir.is_dir() else []
+        """The parts, oldest first (a file of another name in the folder is not one)."""
+        if not self.parts_dir.is_dir():
+            return []
+        return sorted(f for f in self.parts_dir.iterdir() if _PART_NAME.fullmatch(f.name))
 
     def next_part(self) -> int:
         files = self._part_files()
-        return int(files[-1].stem.split("-")[1]) + 1 if files else 1
+        return int(files[-1].name[5:13]) + 1 if files else 1
 
     def write_part(self, part: int, rows: list[dict]) -> None:
         for r in rows:
@@ -200,7 +204,8 @@ class RunStore:
         tables = []
         for f in self._part_files():
             try:
-                tables.append(pq.read_table(f, schema=RESULT_SCHEMA))
+                with open(f, "rb") as fh:  # a Python file: Arrow takes no path that is not UTF-8
+                    tables.append(pq.read_table(fh, schema=RESULT_SCHEMA))
             except (pa.ArrowInvalid, OSError):
                 continue  # a part is only ever renamed into place complete; ignore foreign files
         return pa.concat_tables(tables) if tables else RESULT_SCHEMA.empty_table()
@@ -227,11 +232,12 @@ class RunStore:
                 table = table.take(pa.array(keep, type=pa.int64()))
         return table
 
-    def consolidate(self, fill_roots: dict[str, str] | None = None) -> pa.Table:
-        """Write results.parquet, then compact the parts into one (the newest number, so rows
-        read twice after a crash between the two steps still resolve to one copy). Old parts go
-        oldest first, so that a tombstone outlives the rows it removes. fill_roots: key -> root
-        for rows stored before roots were recorded."""
+    def consolidate(self, fill_roots: dict[str, str] | None = None, results: bool = True) -> pa.Table:
+        """Write results.parquet (results=False: only where one exists already, so that it never
+        goes stale), then compact the parts into one (the newest number, so rows read twice after
+        a crash between the two steps still resolve to one copy). Old parts go oldest first, so
+        that a tombstone outlives the rows it removes. fill_roots: key -> root for rows stored
+        before roots were recorded."""
         table = self.current().sort_by([("path", "ascending"), ("part", "ascending")])
         if fill_roots:
             roots = [r if r is not None else fill_roots.get(p) for p, r in
@@ -239,7 +245,8 @@ class RunStore:
             table = table.set_column(table.schema.get_field_index("root"), RESULT_SCHEMA.field("root"),
                                      pa.array(roots, type=pa.string()))
         try:
-            atomic_write_table(self.out / "results.parquet", table)
+            if results or (self.out / "results.parquet").exists():
+                atomic_write_table(self.out / "results.parquet", table)
             old = self._part_files()
             if len(old) > 1:
                 part = self.next_part()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from docproc.multimodal import safe_text
+
 RESULT_SCHEMA = pa.schema([
     pa.field("run_id", pa.string(), nullable=False),
     pa.field("path", pa.string(), nullable=False),  # the document's key: relative to its input root
@@ -38,8 +40,14 @@ RESULT_SCHEMA = pa.schema([
 COLUMNS = [f.name for f in RESULT_SCHEMA]
 
 
+def _cell(v):
+    return safe_text(v) if isinstance(v, str) else v
+
+
 def to_table(rows: list[dict]) -> pa.Table:
-    return pa.Table.from_pylist([{c: r.get(c) for c in COLUMNS} for r in rows], schema=RESULT_SCHEMA)
+    """Rows as the schema's table; text that UTF-8 cannot store (a non-UTF-8 name carried into a
+    message) is written with backslash escapes."""
+    return pa.Table.from_pylist([{c: _cell(r.get(c)) for c in COLUMNS} for r in rows], schema=RESULT_SCHEMA)
 
 
 def document_json(rows: list[dict]) -> dict:
@@ -54,4 +62,13 @@ def document_json(rows: list[dict]) -> dict:
         doc["errors"] = errors
     if first.get("error_kind") and first["query"] is None:
         doc["error_kind"] = first["error_kind"]
-    return doc
+    return _clean(doc)
+
+
+def _clean(obj):
+    """The JSON file's content with all text safe for UTF-8 (see to_table)."""
+    if isinstance(obj, dict):
+        return {_cell(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clean(v) for v in obj]
+    return _cell(obj)

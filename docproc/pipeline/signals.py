@@ -17,8 +17,9 @@ class RunInterrupted(BaseException):
 
 
 class signals_raise:
-    """While the run goes, SIGTERM and SIGINT raise RunInterrupted in the main thread (once:
-    a second signal during the wind-down is ignored, so the manifest gets written)."""
+    """While the run goes, SIGTERM and SIGINT raise RunInterrupted in the main thread, once: from
+    the first signal, or from calm() (the run winding down after a fault or at its end), they are
+    ignored, so that the manifest gets written; the handlers before are restored on exit."""
 
     def __enter__(self):
         self.saved = {}
@@ -29,9 +30,13 @@ class signals_raise:
         return self
 
     def _raise(self, signum, frame):
+        self.calm()
+        raise RunInterrupted(signum)
+
+    def calm(self) -> None:
+        """From now on the signals are ignored: the run is winding down (a manifest to write)."""
         for sig in self.saved:
             signal.signal(sig, signal.SIG_IGN)
-        raise RunInterrupted(signum)
 
     def __exit__(self, *exc):
         for sig, handler in self.saved.items():

@@ -25,7 +25,9 @@ def per_query(out: Path, run_id: str | None) -> dict:
     if not path.is_file():
         return {}
     acc: dict[str, dict] = defaultdict(lambda: defaultdict(float))
-    for r in pq.read_table(path).to_pylist():
+    with open(path, "rb") as f:  # a Python file: Arrow takes no path that is not UTF-8
+        rows = pq.read_table(f).to_pylist()
+    for r in rows:
         if r["query"] is None or (run_id and r["run_id"] != run_id):
             continue
         a = acc[r["query"]]
