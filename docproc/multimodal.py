@@ -1,11 +1,39 @@
-"""Torch-free image pieces that the pipeline and the engine share: how a file's pixels become the
-RGB page a person sees, the pixel hash that keys the caches, and the padding that brings any page
-within the vision tower's aspect-ratio limit."""
+"""Torch-free pieces that the pipeline, the engine and the models share: the image placeholder of
+a prompt, an image's span of tokens in a sequence, how a file's pixels become the RGB page a
+person sees, the pixel hash that keys the caches, and the padding that brings any page within
+the vision tower's aspect-ratio limit."""
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 from PIL import Image, ImageOps
+
+IMAGE_PAD = "<|image_pad|>"  # one per image in a prompt; the engine expands it by the image's grid
+IMAGE_PLACEHOLDER = f"<|vision_start|>{IMAGE_PAD}<|vision_end|>"  # an image in Qwen2-VL's chat format
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """One image's run of pad tokens inside a sequence."""
+
+    offset: int  # index of the first image-pad token in token_ids
+    num_tokens: int  # = t * (h / merge) * (w / merge)
+    content_hash: str  # hex SHA-256 of the decoded pixels (and size); keys prefix and encoder caches
+    grid_thw: tuple[int, int, int]  # patch grid before merging
+    merge_size: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.num_tokens
+
+    @property
+    def position_span(self) -> int:
+        """How far M-RoPE's text position advances over this image (transformers' get_rope_index)."""
+        _, h, w = self.grid_thw
+        return max(h, w) // self.merge_size
+
+
 
 # Qwen2-VL's image processor refuses pages whose long side is more than 200 times the short one
 MAX_ASPECT_RATIO = 200

@@ -11,8 +11,7 @@ the reduction order of the norm's mean).
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+from kernels._triton import tl, triton
 
 from kernels import pdl
 

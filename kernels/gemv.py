@@ -19,8 +19,7 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
-import triton.language as tl
+from kernels._triton import tl, triton
 
 from kernels import pdl
 from kernels.fused import silu_times

@@ -20,8 +20,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
+from kernels._triton import tl, triton
 
 from kernels import pdl
 

@@ -42,9 +42,7 @@ import functools
 import os
 
 import torch
-import triton
-import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from kernels._triton import gdc_launch_dependents, gdc_wait, tl, triton
 
 # On unless DOCPROC_PDL=0: see "Status" in the module docstring.
 ENABLED = os.environ.get("DOCPROC_PDL", "1") != "0"

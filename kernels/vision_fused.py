@@ -12,8 +12,7 @@ multiply-add, one rounding to the model dtype at the end), so its output equals 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+from kernels._triton import tl, triton
 
 
 # ---- torch references -----------------------------------------------------------------------------

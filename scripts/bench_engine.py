@@ -548,7 +548,8 @@ def paired(plain_s: list[float], spec_s: list[float]) -> dict:
     ratios = sorted(p / q for p, q in zip(plain_s, spec_s))
     return {"speedup": round(min(plain_s) / min(spec_s), 3),
             "speedup_paired_median": round(statistics.median(ratios), 3),
-            "speedup_paired_range": [round(ratios[0], 3), round(ratios[-1], 3)]}
+            "speedup_paired_range": [round(ratios[0], 3), round(ratios[-1], 3)],
+            "paired_seconds": [[round(p, 6), round(q, 6)] for p, q in zip(plain_s, spec_s)]}
 
 
 def part_c(folder: Path, draft: Path, args, env: dict) -> dict:

@@ -4,9 +4,12 @@ at one KV budget FP4 holds more running sequences than fp32, and 4 queries per p
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,14 +53,18 @@ def test_bench_engine_small_on_cpu(tmp_path):
     assert {x["k"] for x in runs} == {4, "auto"} and all("analytic_speedup" not in x for x in runs if x["k"] == "auto")
     assert all(x["analytic_speedup"] > 0 and x["cost_ratio_c"] > 0 for x in runs if x["k"] == 4)
     # the adaptive policy's beliefs around each (batch, a): fixed K reports fixed; costs measured after the runs
-    assert all(x["policy_before"]["fixed"] == (x["k"] == 4) and x["catch_up_skips"] >= 0 for x in runs)
+    assert all(x["policy_before"]["fixed"] == (x["k"] == 4) for x in runs)
     assert all(x["policy_after"]["target_step_s"] > 0 for x in runs if x["k"] == "auto")
-    # plain and speculative passes alternate: per-pair ratios, their median inside their range
-    assert all(x["speedup_paired_range"][0] <= x["speedup_paired_median"] <= x["speedup_paired_range"][1]
-               and x["baseline_seconds"] > 0 for x in runs)
+    # plain and speculative passes alternate: the median and range are those of the per-pair ratios,
+    # and the best plain pass is the baseline
+    for x in runs:
+        ratios = sorted(p / q for p, q in x["paired_seconds"])
+        assert len(ratios) >= 2 and x["speedup_paired_median"] == pytest.approx(statistics.median(ratios), abs=1e-3)
+        assert x["speedup_paired_range"] == pytest.approx([ratios[0], ratios[-1]], abs=1e-3)
+        assert x["baseline_seconds"] == pytest.approx(min(p for p, _ in x["paired_seconds"]), abs=1e-3)
     d = r["d_memory"]
     assert d["fp4_q1"]["num_blocks"] > 3 * d["fp32_q1"]["num_blocks"]
-    assert d["fp32_q1"]["capacity_bound"] and d["fp32_q1"]["preemptions"] >= 0
+    assert d["fp32_q1"]["capacity_bound"] and d["fp32_q1"]["max_running"] < d["fp32_q1"]["requests"]
     assert d["fp4_q1"]["max_running"] > d["fp32_q1"]["max_running"]
     assert d["fp32_q4"]["max_running"] > d["fp32_q1"]["max_running"]
     assert d["fp4_q1"]["tokens_per_s"] > 0 and d["fp4_vs_fp32_q1_tokens_per_s"] > 0

@@ -100,7 +100,10 @@ def test_full_run_then_incremental_then_force(docs, qwen2_vl_dir, tmp_path):
     ev = run_cli("eval", out, "--truth", docs.parent / "truth.jsonl", "--json")
     assert ev.exit_code == 0
     res_eval = json.loads(ev.output)
-    assert 0.0 <= res_eval["overall_exact_match"] <= 1.0 and res_eval["documents"] == 5
+    assert res_eval["documents"] == 5 and all(v["n"] == 5 for v in res_eval["per_field"].values())
+    fields = res_eval["per_field"].values()  # overall: every (document, field) cell counted once
+    assert res_eval["overall_exact_match"] == pytest.approx(
+        sum(v["exact_match"] * v["n"] for v in fields) / sum(v["n"] for v in fields))
 
 
 def test_second_run_on_a_locked_folder_exits_75(docs, qwen2_vl_dir, tmp_path):

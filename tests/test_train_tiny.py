@@ -44,8 +44,11 @@ def test_micro_training_pipeline(tmp_path):
     from transformers import Qwen2VLForConditionalGeneration
 
     for role in ("target", "draft"):
-        m = Qwen2VLForConditionalGeneration.from_pretrained(str(dest / role))
-        assert m.dtype == torch.bfloat16 or m.dtype == torch.float32
+        from safetensors import safe_open
+
+        for f in (dest / role).glob("*.safetensors"):  # exported in bf16, every tensor
+            with safe_open(str(f), "pt") as st:
+                assert {st.get_slice(k).get_dtype() for k in st.keys()} == {"BF16"}
         assert all(f.stat().st_size < 16 << 20 for f in (dest / role).glob("*.safetensors"))
     t = {k: v for k, v in Qwen2VLForConditionalGeneration.from_pretrained(str(dest / "target")).model.visual
          .state_dict().items() if not k.startswith("merger.")}

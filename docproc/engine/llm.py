@@ -211,6 +211,11 @@ class LLM:
                 self.runner.prefetcher.drop()  # pixels of requests that failed before their encode
         return results  # type: ignore[return-value]
 
+    def model_fingerprint(self) -> dict:
+        """The target's weights as two short hashes: its language model and its vision tower."""
+        m = self.runner.model
+        return {"text": m.text_fingerprint, "vision": m.vision_fingerprint}
+
     def count_image_tokens(self, image) -> int:
         """The tokens an image (a PIL image) takes in a prompt, as the engine will expand it."""
         return self.processor.num_tokens(self.processor.grid_thw(image))

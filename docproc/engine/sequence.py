@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import itertools
 from array import array
-from dataclasses import dataclass
 from enum import Enum
 
+from docproc.multimodal import ImageSpan  # noqa: F401 -- defined there (models use it too), named here
 from docproc.outputs import SpecStats
 
 
@@ -13,27 +13,6 @@ class SequenceStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass(frozen=True)
-class ImageSpan:
-    """One image's run of pad tokens inside a sequence."""
-
-    offset: int  # index of the first image-pad token in token_ids
-    num_tokens: int  # = t * (h / merge) * (w / merge)
-    content_hash: str  # hex SHA-256 of the decoded pixels (and size); keys prefix and encoder caches
-    grid_thw: tuple[int, int, int]  # patch grid before merging
-    merge_size: int
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.num_tokens
-
-    @property
-    def position_span(self) -> int:
-        """How far M-RoPE's text position advances over this image (transformers' get_rope_index)."""
-        _, h, w = self.grid_thw
-        return max(h, w) // self.merge_size
 
 
 class Sequence:

@@ -16,11 +16,8 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from docproc.engine.sequence import ImageSpan
 from docproc.models.loader import CheckpointError
-from docproc.multimodal import fit_aspect, padded_size, pixel_hash, to_rgb
-
-IMAGE_PAD = "<|image_pad|>"
+from docproc.multimodal import IMAGE_PAD, ImageSpan, fit_aspect, padded_size, pixel_hash, to_rgb
 
 
 class PromptError(ValueError):

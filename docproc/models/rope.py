@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from docproc.engine.sequence import ImageSpan
+from docproc.multimodal import ImageSpan
 
 
 def mrope_positions(images: list[ImageSpan], start: int, end: int, device=None) -> torch.Tensor:

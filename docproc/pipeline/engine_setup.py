@@ -47,9 +47,8 @@ class EngineSetup:
         inputs and outputs, the query set, the prompt version, docproc's version and whether CUDA
         is there (`auto` choices depend on it). None when a folder is missing (loading it will say
         why)."""
-        import torch
-
         from docproc import __version__
+        from docproc.engine.device import cuda_available
 
         stamps = {}
         for name, folder in (("model", self.s.model), ("draft", self.s.draft)):
@@ -62,7 +61,7 @@ class EngineSetup:
                                   for f in root.rglob("*") if f.is_file() for st in [f.stat()])
         settings = {k: v for k, v in asdict(self.s).items() if k not in ("inputs", "out", "force", "formats", "debug")}
         payload = {"files": stamps, "settings": settings, "queries": self.queries.fingerprint,
-                   "prompt": PROMPT_VERSION, "docproc": __version__, "cuda": torch.cuda.is_available(),
+                   "prompt": PROMPT_VERSION, "docproc": __version__, "cuda": cuda_available(),
                    "rules": FINGERPRINT_RULES}
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -122,8 +121,7 @@ class EngineSetup:
     def model_fingerprint(self) -> dict:
         if self.llm is None and self._cached_model:
             return dict(self._cached_model)
-        m = self._engine().runner.model
-        return {"text": m.text_fingerprint, "vision": m.vision_fingerprint}
+        return self._engine().model_fingerprint()
 
     def config_fingerprint(self) -> str:
         info = self._engine().cache_info()

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from docproc.multimodal import IMAGE_PLACEHOLDER
 from docproc.pipeline.normalize import normalize_amount, normalize_date
 
 QUERY_TYPES = ("string", "number", "date", "json")
 NONE_ANSWERS = {"", "none", "null", "n/a", "na", "-"}
 SYSTEM_PROMPT = "You read business documents and answer questions about them exactly as printed."
-IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 class QueryFileError(ValueError):

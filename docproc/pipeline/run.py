@@ -488,12 +488,12 @@ class Pipeline(EngineSetup):
 
     def _manifest(self, started: str, seconds: float, status: str, fault: dict | None,
                   exit_code: int | None) -> dict:
-        import torch
+        from docproc.engine.device import peak_gpu_memory
 
         self.totals.unique_pages = len(self.page_hashes)
         t = self.totals
         info = self.llm.cache_info() if self.llm is not None else {}
-        peak_gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+        peak_gpu = peak_gpu_memory()
         return {
             "run_id": self.run_id, "started_at": started, "finished_at": _now(), "seconds": round(seconds, 3),
             # completed | interrupted (a signal) | failed (a fault of the environment: see fault)

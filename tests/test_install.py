@@ -1,0 +1,38 @@
+"""What a CPU-only install gets: no Triton needed to run, and a command line that starts without
+loading torch."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NO_TRITON = "import sys; sys.modules['triton'] = None\n"  # `import triton` raises ImportError
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp4"])
+def test_the_cpu_engine_runs_without_triton(qwen2_vl_dir, kv):
+    code = NO_TRITON + (
+        "import os; os.environ.pop('TRITON_INTERPRET', None)\n"
+        "from docproc import LLM, SamplingParams\n"
+        "import kernels._triton as t; assert not t.HAVE_TRITON\n"
+        f"llm = LLM({str(qwen2_vl_dir)!r}, device='cpu', kv_cache_dtype={kv!r})\n"
+        "out = llm.generate(['the quick brown fox'], SamplingParams(max_tokens=5, ignore_eos=True))\n"
+        "print(len(out[0].outputs[0].token_ids))\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "5"
+
+
+def test_the_command_line_starts_without_torch():
+    code = ("import sys\nfrom typer.testing import CliRunner\nfrom docproc.cli import app\n"
+            "for argv in (['--help'], ['run', '--help'], ['stats', '--help'], ['eval', '--help']):\n"
+            "    assert CliRunner().invoke(app, argv).exit_code == 0, argv\n"
+            "print('torch' in sys.modules, 'triton' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["False", "False"]
