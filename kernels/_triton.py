@@ -40,4 +40,18 @@ except ImportError:
     tl = _NotInstalled("triton.language")
     gdc_launch_dependents = gdc_wait = _NotInstalled("gdc")
 
-__all__ = ["HAVE_TRITON", "triton", "tl", "gdc_launch_dependents", "gdc_wait"]
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (its `interpret` knob): CUDA-only features
+    (PDL, Gluon) are then off."""
+    if not HAVE_TRITON:
+        return False
+    try:
+        from triton import knobs
+    except ImportError:  # Triton < 3.4 has no knobs: no interpreter check, CUDA features stay on
+        return False
+    return bool(getattr(knobs.runtime, "interpret", False))
+
+
+__all__ = ["HAVE_TRITON", "triton", "tl", "gdc_launch_dependents", "gdc_wait", "interpreting"]

@@ -1,9 +1,9 @@
-"""FP4 decode attention in Gluon (issue #5): one query token per sequence, head_dim 128, the
+"""FP4 decode attention in Gluon: one query token per sequence, head_dim 128, the
 kernels/fp4.py cache read straight into the tensor cores' operand registers.
 
 Why Gluon: the Triton kernel (`_paged_attn_fp4_kernel`) decodes a tile into a blocked layout and
 the compiler moves it through shared memory to the MMA operand layout (39 barriers and ~2,900
-instructions per 128-key tile, a third of the issue rate; BENCHMARKS, nineteenth session). Here the
+instructions per 128-key tile, a third of the issue rate; BENCHMARKS.md). Here the
 layouts are chosen so that no decoded value leaves its thread:
 
 - Each of the 4 warps owns 32 of each step's 128 keys and keeps its own online softmax (max, sum,
@@ -20,7 +20,7 @@ layouts are chosen so that no decoded value leaves its thread:
   may be permuted too, so logical dim 8 j + g is code byte 8 g + j: 8 consecutive bytes of each of
   its keys (8-byte loads). A bf16x2 register pairs two keys (p = 0, 1) of one dim: a PRMT pairs
   their bytes and the decode takes the two keys' scales as its pair.
-- Addressing (twenty-first session): a kernels/fp4.FP4PagedLayer block is one page holding all its
+- Addressing: a kernels/fp4.FP4PagedLayer block is one page holding all its
   segments, so the kernel takes the page base and, as constants of the pool (page_geometry), each
   segment's offset and its strides per token and KV head. Per step a thread computes one page
   pointer per block (two for 16-key blocks) and one 64-bit add per segment; no load is masked
@@ -33,10 +33,9 @@ layouts are chosen so that no decoded value leaves its thread:
   values), exact, where a float32 detour took 6 instructions a scale.
 The per-pair decode is kernels/paged_attention.py's (_fp4_pair_steps: exact, equal to the float32
 decode bit for bit). Key outlier slots: a gather of q; value slots are not read (the kernel's
-docstring says why not and who reads them). Measurements: BENCHMARKS.md, twentieth and
-twenty-first sessions (Triton 3.6, sm_90: 1,161 SASS instructions per 128-key step with 2 key
-slots, 959 without; the twentieth session's kernel took 1,529 and 1,180) and twenty-third (the next
-step's loads issued first: 1,220 and 998, 1-7% faster).
+docstring says why not and who reads them). Compiled for sm_90 with Triton 3.6: 1,220 SASS
+instructions per 128-key step with 2 key slots, 998 without (scripts/gluon_fp4_probe.py --kernel);
+speed and its limits: BENCHMARKS.md and docs/fp4.md.
 
 Torch reference: kernels/paged_attention.paged_attention_ref over FP4PagedLayer.gather, as for the
 Triton kernel; tests/test_kernels.py (test_fp4_gluon_*: CUDA only, Gluon has no interpreter; the
@@ -44,7 +43,6 @@ compiled form's SASS is checked without a GPU).
 """
 from __future__ import annotations
 
-import os
 import time
 
 import torch
@@ -53,6 +51,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from kernels import paged_attention
+from kernels._triton import interpreting
 from kernels.paged_attention import LOG2E, UNSPECIALIZED, TilePlan, _fp4_pair_steps
 
 WARPS = gl.constexpr(4)
@@ -107,13 +107,6 @@ def _scale_pairs_ptx() -> str:
     lines += [t.format(r="x", out="$0") for t in _TO_SCALE] + [t.format(r="y", out="$1") for t in _TO_SCALE]
     return "\n".join(lines + ["}"])
 
-
-# The decode ablation (bench_kernels --gluon-free-decode, timing only: the values are wrong): one
-# instruction per output register in place of each decode, the same operands read, so that the
-# loads, MMAs and softmax stay and the difference is what the decode costs.
-KEY_DECODE_FREE = gl.constexpr("xor.b32 $0, $4, $8; add.u32 $1, $4, $8; xor.b32 $2, $4, $12; add.u32 $3, $4, $12;")
-VALUE_DECODE_FREE = gl.constexpr("xor.b32 $0, $4, $12; xor.b32 $1, $5, $12; xor.b32 $2, $4, $13; xor.b32 $3, $5, $13;")
-ABLATE_DECODE = False  # set by scripts/bench_kernels.py for its ablation rows only
 
 SCALE_SPLATS = gl.constexpr(_scale_splats_ptx())
 SCALE_PAIRS = gl.constexpr(_scale_pairs_ptx())
@@ -272,7 +265,6 @@ def _fp4_decode_kernel(
     PAGE: gl.constexpr, KC: gl.constexpr, KS: gl.constexpr, KI: gl.constexpr, KV: gl.constexpr,
     VC: gl.constexpr, VS: gl.constexpr, C_S: gl.constexpr, C_H: gl.constexpr, S_S: gl.constexpr,
     S_H: gl.constexpr, I_S: gl.constexpr, I_H: gl.constexpr, O_S: gl.constexpr, O_H: gl.constexpr,
-    FREE_DECODE: gl.constexpr = False, EARLY_LOADS: gl.constexpr = True,
 ):
     """One program: (tile = sequence, KV head, split); GROUP <= 8 query heads. Partials as
     _paged_attn_fp4_kernel writes them (BLOCK_M 16). S = q K^T takes the MMA's 16 rows (8 of them
@@ -325,16 +317,12 @@ def _fp4_decode_kernel(
     ids = _ids(start + BLOCK_N, stop, table_ptr, seq, s_table, BS_LOG2)
     for n0 in range(start, stop, BLOCK_N):
         kw, ke_lo, ke_hi, vw, ve_lo, ve_hi, oidx, oval = nxt
-        if EARLY_LOADS:
-            # a block of its own (the condition always holds), so that ptxas issues the next step's
-            # loads at the top of this one: left in one block with the arithmetic, it sank them to
-            # 64-84% of the step, where DRAM's latency was no longer hidden
-            if n0 >= start:
-                nxt = _fetch(n0 + BLOCK_N, ids, page_ptr, kvh, PAGE, KC, KS, KI, KV, VC, VS, C_S, C_H, S_S, S_H, I_S,
-                             I_H, O_S, O_H, BS_LOG2, NUM_OUTLIERS)
-        else:
-            nxt = _fetch(n0 + BLOCK_N, ids, page_ptr, kvh, PAGE, KC, KS, KI, KV, VC, VS, C_S, C_H, S_S, S_H, I_S, I_H,
-                         O_S, O_H, BS_LOG2, NUM_OUTLIERS)
+        # a block of its own (the condition always holds), so that ptxas issues the next step's
+        # loads at the top of this one: left in one block with the arithmetic, it sinks them to
+        # 64-84% of the step, where DRAM's latency is no longer hidden
+        if n0 >= start:
+            nxt = _fetch(n0 + BLOCK_N, ids, page_ptr, kvh, PAGE, KC, KS, KI, KV, VC, VS, C_S, C_H, S_S, S_H, I_S,
+                         I_H, O_S, O_H, BS_LOG2, NUM_OUTLIERS)
         ids = _ids(n0 + 2 * BLOCK_N, stop, table_ptr, seq, s_table, BS_LOG2)
         bk = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, K_BYTES)))))
         bk = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(bk, 0), 1), 2), 4)
@@ -342,7 +330,7 @@ def _fp4_decode_kernel(
         ks_lo, ks_hi = gl.inline_asm_elementwise(SCALE_SPLATS, "=r,=r,r,r", [ke_lo.to(gl.int32), ke_hi.to(gl.int32)],
                                                  dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
         k_lo, k_hi = gl.inline_asm_elementwise(
-            KEY_DECODE_FREE if FREE_DECODE else KEY_DECODE, "=r,=r,=r,=r" + ",r" * 12,
+            KEY_DECODE, "=r,=r,=r,=r" + ",r" * 12,
             [kw5, gl.expand_dims(gl.expand_dims(ks_lo, 2), 3), gl.expand_dims(gl.expand_dims(ks_hi, 2), 3)],
             dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
         k_lo = gl.reshape(k_lo, [WARPS, 4, 16, KEYS])
@@ -384,7 +372,7 @@ def _fp4_decode_kernel(
         vs_pairs = gl.inline_asm_elementwise(SCALE_PAIRS, "=r,=r,r,r,r,r", [ve_lo.to(gl.int32), ve_hi.to(gl.int32)],
                                              dtype=gl.int32, is_pure=True, pack=2)
         v_lo, v_hi = gl.inline_asm_elementwise(
-            VALUE_DECODE_FREE if FREE_DECODE else VALUE_DECODE, "=r,=r,=r,=r" + ",r" * 12,
+            VALUE_DECODE, "=r,=r,=r,=r" + ",r" * 12,
             [vw5, sel, gl.expand_dims(gl.expand_dims(gl.convert_layout(vs_pairs, SV3, assert_trivial=True), 3), 4)],
             dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
         v_lo = gl.reshape(v_lo, [WARPS, KEYS, 8, 8])
@@ -431,7 +419,7 @@ def _fp4_decode_kernel(
 def _why_not(device, dtype: torch.dtype, head_dim: int, group: int, key_slots: int, value_slots: int) -> str | None:
     """The conditions that depend on the engine alone (not on a step): None if they hold."""
     device = torch.device(device)
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if device.type != "cuda" or interpreting():
         return "not a CUDA device (Gluon has no interpreter)"
     if torch.cuda.get_device_capability(device)[0] < 8:
         return "needs sm_80 or newer (bf16 mma)"
@@ -451,9 +439,10 @@ def _why_not(device, dtype: torch.dtype, head_dim: int, group: int, key_slots: i
 def engine_can_use(group: int, head_dim: int, key_slots: int, value_slots: int, compute_dtype: torch.dtype,
                    device) -> bool:
     """Whether an engine's FP4 decode steps will run this kernel (supported() for its calls), so
-    that its plans take this kernel's split count. DOCPROC_FP4_GLUON=0 turns it off."""
-    return (os.environ.get("DOCPROC_FP4_GLUON", "1") != "0"
-            and _why_not(device, compute_dtype, head_dim, group, key_slots, value_slots) is None)
+    that its plans take this kernel's split count. Never with paged_attention.FP4_GLUON off
+    (EngineConfig.fp4_gluon)."""
+    return paged_attention.FP4_GLUON and _why_not(device, compute_dtype, head_dim, group, key_slots,
+                                                  value_slots) is None
 
 
 def supported(q: torch.Tensor, plan: TilePlan, fp4_k: tuple, fp4_v: tuple) -> str | None:
@@ -475,9 +464,8 @@ def launch(q: torch.Tensor, out: torch.Tensor, part_acc: torch.Tensor, part_ml: 
     """The split kernel (or the whole attention, unsplit); kernels/paged_attention.paged_attention
     owns the partial buffers and the merge. maxnreg: a register cap (None: the compiler's choice,
     250 registers with key slots and 237 without for sm_90 with Triton 3.6, so 2 programs an SM).
-    A cap of 168 (3 programs an SM) was not faster on the H200 in the twenty-first session (202
-    registers uncapped then) and about 2x slower in the twenty-third with the loads issued first,
-    so it is not the default."""
+    A cap of 168 (3 programs an SM) is about 2x slower on the H200 with the loads issued first, so
+    it is not the default."""
     kc, _, _, _, khs = fp4_k
     _, _, _, _, vhs = fp4_v
     n_kv = kc.shape[2]
@@ -490,15 +478,8 @@ def launch(q: torch.Tensor, out: torch.Tensor, part_acc: torch.Tensor, part_ml: 
         scale * LOG2E, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), plan.block_table.stride(0),
         GROUP=group, SPLIT=splits > 1, BS_LOG2=kc.shape[1].bit_length() - 1, NUM_OUTLIERS=fp4_k[2].shape[-1],
-        FREE_DECODE=ABLATE_DECODE, EARLY_LOADS=early_loads(),
         **page_geometry(fp4_k, fp4_v), num_warps=WARPS, **({"maxnreg": maxnreg} if maxnreg else {}),
     ))
-
-
-def early_loads() -> bool:
-    """Whether launches issue the next step's loads in a block of their own (DOCPROC_FP4_EARLY_LOADS=0:
-    the earlier form, for comparisons)."""
-    return os.environ.get("DOCPROC_FP4_EARLY_LOADS", "1") != "0"
 
 
 _GEOMETRY: dict = {}  # page_geometry's answers by the views' addresses, strides and shapes

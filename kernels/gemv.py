@@ -3,8 +3,7 @@ projection with SiLU(gate) x up computed on the fly from the gate/up product (no
 no intermediate tensor).
 
 Why: a batch-1 decode step is the weights read once from memory. cuBLAS's kernels for one row
-read the 7B layers at ~0.87 of the copy bandwidth (H200 profile, BENCHMARKS "Fourteenth
-session") and add a split-K reduction kernel to some of them; each kernel in a CUDA graph also
+read the 7B layers at ~0.87 of the copy bandwidth (H200 profile, BENCHMARKS.md) and add a split-K reduction kernel to some of them; each kernel in a CUDA graph also
 costs a few microseconds of its own. Here each program owns BLOCK_N output columns, streams their
 rows of W along K in (BLOCK_N, BLOCK_K) tiles (16-byte loads, many programs per SM to keep enough
 bytes in flight), multiplies in float32 and reduces once at the end: no split-K pass.
@@ -16,20 +15,17 @@ so the down projection sees the same bf16 input either way.
 """
 from __future__ import annotations
 
-import os
-
 import torch
+
 from kernels._triton import tl, triton
 
 from kernels import pdl
 from kernels.fused import silu_times
 
-# the model's one-row products go through gemv() on CUDA (DOCPROC_GEMV=0: cuBLAS for all, to compare)
-ENABLED = os.environ.get("DOCPROC_GEMV", "1") != "0"
-# products of 2..ROWS_MAX rows (a speculative verify step's window, small decode batches) go through
-# gemm_rows(); 1 (the default) leaves them to cuBLAS until the device says which is faster
-# (scripts/bench_gemv.py --rows)
-ROWS_MAX = min(16, max(1, int(os.environ.get("DOCPROC_GEMV_ROWS", "1"))))
+# the model's one-row products go through gemv() on CUDA; the engine sets it from its configuration
+# (EngineConfig.one_row_kernels; off: cuBLAS for every product). Products of two or more rows go to
+# cuBLAS: a tensor-core kernel over the same streamed tiles measured 2.0-2.8x slower at 5 rows.
+ENABLED = True
 
 
 # ---- torch reference --------------------------------------------------------------------------------
@@ -98,8 +94,8 @@ def _gemv_kernel(
         # The wait must precede x's loads on every path in the compiled code, so it is not put
         # inside the loop's first iteration (Triton and LLVM may move loads above a conditional
         # wait); tests/test_pdl.py checks the PTX. The long-K gated down projection (7B) lets the
-        # next kernel launch only after its loop: on entry it was 11% slower on the H200
-        # (BENCHMARKS "Sixteenth session").
+        # next kernel launch only after its loop: on entry it is 11% slower on the H200
+        # (BENCHMARKS.md).
         w = _w_tile(rows, k, K, nmask, EVEN_K)
         pdl.start(PDL)
         pdl.wait(PDL)
@@ -121,7 +117,7 @@ def _gemv_kernel(
 
 def default_config(n: int, k: int, gated: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for an (n, k) weight, from scripts/bench_gemv.py on the H200
-    (BENCHMARKS "Fifteenth session": each product type over all 28 layers, 5 configurations):
+    (each product type over all 28 layers, 5 configurations; BENCHMARKS.md):
     - wide outputs (gate|up, the LM head: n >= 8k): 8 x 512, 4 warps;
     - the gated down projection: 4 x 512, 4 warps at 7B (k = 18,944), 8 x 1,024, 8 warps at 2B
       (k = 8,960): the SiLU recomputed per program weighs more against fewer, shorter rows;
@@ -150,103 +146,19 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 # ---- a few rows: the tensor cores over the same streamed weight tiles ------------------------------
-@triton.jit
-def _rows_tile(x_ptr, w, kk, K, m, mmask, sx, GATED: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-               dt: tl.constexpr):
-    """W tile (BLOCK_N, BLOCK_K) x x^T tile (BLOCK_K, 16) on the tensor cores."""
-    if EVEN_K:
-        xmask = mmask[None, :]
-    else:
-        xmask = mmask[None, :] & (kk < K)[:, None]
-    xo = x_ptr + m[None, :] * sx + kk[:, None]  # (BLOCK_K, 16)
-    if GATED:
-        g = tl.load(xo, mask=xmask, other=0.0).to(tl.float32)
-        u = tl.load(xo + K, mask=xmask, other=0.0).to(tl.float32)
-        xt = silu_times(g, u, dt)
-    else:
-        xt = tl.load(xo, mask=xmask, other=0.0)
-    if IEEE:
-        return tl.dot(w, xt, input_precision="ieee")
-    return tl.dot(w, xt)
-
-
-@triton.jit
-def _gemm_rows_kernel(
-    # pointers
-    x_ptr, w_ptr, b_ptr, out_ptr,
-    # sizes
-    M, N, K,
-    # strides
-    sx, sw, so,
-    # meta
-    GATED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-):
-    """out^T (BLOCK_N, 16) = W (BLOCK_N, K) x^T (K, 16) for up to 16 rows of x: each program
-    streams BLOCK_N rows of W once for all rows (the weights are the bytes; the tensor cores'
-    padding of the rows to 16 costs nothing that matters)."""
-    pid = tl.program_id(0)
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
-    m = tl.arange(0, 16)
-    mmask = m < M
-    k = tl.arange(0, BLOCK_K)
-    dt = out_ptr.dtype.element_ty
-    rows = w_ptr + n[:, None].to(tl.int64) * sw
-    # The first weight tile before the wait, the loop after it (as in _gemv_kernel). With the wait
-    # inside the loop's first iteration the H200 read stale x (the GPU speculation test in
-    # tests/test_gemv.py failed): the compiled code loaded x ahead of the wait.
-    w = _w_tile(rows, k, K, nmask, EVEN_K)
-    pdl.start(PDL)
-    pdl.wait(PDL)
-    acc = _rows_tile(x_ptr, w, k, K, m, mmask, sx, GATED, EVEN_K, IEEE, dt)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        kk = k0 + k
-        w = _w_tile(rows, kk, K, nmask, EVEN_K)
-        acc += _rows_tile(x_ptr, w, kk, K, m, mmask, sx, GATED, EVEN_K, IEEE, dt)
-    pdl.end(PDL)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptr + m[None, :] * so + n[:, None], acc.to(dt), mask=nmask[:, None] & mmask[None, :])
-
-
-def rows_config(n: int, k: int, gated: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for gemm_rows: not yet tuned on a device."""
-    return 16, 256, 4, 4
-
-
-def gemm_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
-              config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """As gemv_ref for 1-16 rows of x, (M, K) or (M, 2K) when gated, in one kernel."""
-    n, k = weight.shape
-    mrows = x.shape[0]
-    assert x.dim() == 2 and 1 <= mrows <= 16 and x.shape[1] == (2 * k if gated else k) and x.stride(-1) == 1
-    assert weight.stride(1) == 1 and x.dtype == weight.dtype
-    block_n, block_k, warps, stages = config or rows_config(n, k, gated)
-    out = torch.empty(mrows, n, dtype=x.dtype, device=x.device)
-    _gemm_rows_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, out, mrows, n, k, x.stride(0), weight.stride(0),
-        out.stride(0), GATED=gated, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages,
-        **pdl.launch(x))
-    return out
-
-
 def use_gemv(x: torch.Tensor) -> bool:
-    """Whether a product with input x takes these kernels: 1 row (or up to ROWS_MAX) on CUDA."""
-    return ENABLED and x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= ROWS_MAX and x.stride(-1) == 1
+    """Whether a product with input x takes this kernel: one row on CUDA."""
+    return ENABLED and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1
 
 
 def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
             gated: bool = False) -> torch.Tensor:
-    """gemv() for one row, gemm_rows() for more (callers check use_gemv first)."""
-    if x.shape[0] == 1:
-        return gemv(x, weight, bias, gated=gated)
-    return gemm_rows(x, weight, bias, gated=gated)
+    """gemv() (callers check use_gemv first)."""
+    return gemv(x, weight, bias, gated=gated)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through these kernels for 1 (to ROWS_MAX) rows on CUDA."""
+    """F.linear, through gemv() for one row on CUDA."""
     if use_gemv(x):
         return product(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)

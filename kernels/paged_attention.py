@@ -13,16 +13,17 @@ splits by log-sum-exp.
 """
 from __future__ import annotations
 
-import math
-import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from kernels._triton import tl, triton
+from kernels._triton import interpreting, tl, triton
 
 from kernels import pdl
+
+FP4_GLUON = True  # FP4 decode tiles through kernels/fp4_gluon.py where it can run; the engine sets it
+#                   from its configuration (EngineConfig.fp4_gluon)
 
 LOG2E = 1.4426950408889634
 TWO_119 = tl.constexpr(2.0 ** 119)
@@ -183,11 +184,10 @@ def _store_tile(out_ptr, part_acc_ptr, part_ml_ptr, acc_lo, acc_hi, m_i, l_i, ti
 # Integer arguments Triton must not specialize on (it compiles a variant for a value of 1 and one
 # for a multiple of 16). The block table's row stride is its width, the longest table of the step:
 # it changes from step to step, so a warm-up at one width would not cover a step at another (one
-# load per key block). The split count is a run-time value too: until the thirteenth session it was
-# a compile-time constant, 7 counts x 4 tile shapes = 28 variants per kernel for warm-up to compile
-# (107 s at engine start on the H200 for the bf16 engine with its draft); now a kernel has one
-# variant per tile shape for unsplit tiles and one for split tiles (SPLIT), 8 in all, and the merge
-# kernel one per tile shape. A split count only enters one division per program and the partials'
+# load per key block). The split count is a run-time value too (as a compile-time constant it made
+# 7 counts x 4 tile shapes = 28 variants per kernel for warm-up to compile, 107 s at engine start on
+# the H200 for the bf16 engine with its draft): a kernel has one variant per tile shape for unsplit
+# tiles and one for split tiles (SPLIT), 8 in all, and the merge kernel one per tile shape. A split count only enters one division per program and the partials'
 # offsets.
 UNSPECIALIZED = ["s_table", "num_splits"]
 
@@ -681,12 +681,12 @@ def warmup_launches(group: int, max_window: int = 64, dense: bool = False,
 
 
 # The dense kernel's decode shape for few (tile, KV head) pairs: 128 keys a step and about two
-# programs an SM. H200, from a CUDA graph, default shape -> wide (us):
-# - eighteenth session (PDL on): 7B, 16k keys, batch 1 26.0 -> 16.6, batch 2 50.0 -> 26.1, batch 4
+# programs an SM. H200, from a CUDA graph, default shape -> wide (us; BENCHMARKS.md):
+# - PDL on: 7B, 16k keys, batch 1 26.0 -> 16.6, batch 2 50.0 -> 26.1, batch 4
 #   52.6 -> 40.9; 4k keys 13.5 -> 8.9, 17.4 -> 10.5, 17.9 -> 13.6; 2B (2 KV heads) batch 8 52.8 ->
 #   41.6 (16k), 96.0 -> 73.2 (32k); from 128 pairs slower (7B batch 32, 16k: 252.7 -> 267.2).
-# - nineteenth session (1k-16k keys, 2-64 pairs, the default shape against the wide one at the same
-#   cells, PDL on and off): the wide shape was faster in 40 of the 44 cells compared (below 4k keys,
+# - 1k-16k keys, 2-64 pairs (the default shape against the wide one at the same
+#   cells, PDL on and off): the wide shape is faster in 40 of the 44 cells compared (below 4k keys,
 #   or above 16 pairs): default / wide up to 1.45 (7B batch 16, 1k keys, PDL off), 1.34 (7B batch 8,
 #   1k, PDL on), 1.00-1.03 at 32 pairs over 16k keys. The four exceptions are 2-4 pairs at 2k keys:
 #   0.97-0.99 with PDL off, and 0.87 at 2B batch 1 with PDL on. At 64 pairs over 16k keys it was
@@ -707,10 +707,10 @@ def dense_wide_decode(num_tiles: int, max_q: int, max_context: int, num_kv_heads
 
 # The dense kernel's decode shape at two KV heads and 9-16 pairs (2B geometry, batch 5-8) over at
 # least 4k keys: 64 keys a step in the default split count (32 there). H200, from a CUDA graph,
-# nineteenth session, 2B batch 8 (16 pairs), this shape against the wide one, PDL on: 4k keys 12.26
+# 2B batch 8 (16 pairs), this shape against the wide one, PDL on: 4k keys 12.26
 # against 13.67 us, 16k 40.43 against 42.04, 32k 70.96 against 73.74 (PDL off, 16k: 41.50 against
 # 41.26); the same pair count at four KV heads (7B batch 4, 16k) was 10% slower than wide (45.63
-# against 41.38), so only two KV heads. Twenty-second session, as the engine plans it: batch 8 at
+# against 41.38), so only two KV heads. As the engine plans it: batch 8 at
 # 8k, 16k, 32k keys 25.1, 40.4, 70.3 us against wide's 25.6, 41.6, 72.9 (SDPA 22.7, 37.0, 66.0);
 # batch 6 (12 pairs) 21.5, 36.0, 62.2 against 23.5, 39.0, 68.1.
 NARROW_BLOCK_N = 64
@@ -740,11 +740,10 @@ def default_num_splits(num_tiles: int, max_context: int, num_sms: int, num_kv_he
     """Key splits: enough programs to fill the chip (about 8 per SM over tiles x KV heads x splits),
     but at least 64 keys per split, a power of two (the counts tuned on the H200), at most 32, or
     64 where even 32 splits leave SMs without a program (a batch of one or two sequences).
-    (Until the seventh session the target was 2 x SMs over tiles alone, which is the same at 4 KV
-    heads, the 7B geometry it was tuned at, and half the programs at 2B's 2 KV heads, whose rows
-    then ran 9-15% behind SDPA. Until the eleventh session a split had at least 256 keys: at 7B,
-    batch 1, replayed from a CUDA graph on the H200, 1k keys took 12.1 us in 4 splits, 7.3 us in
-    16; 4k keys 13.7 us in 16 splits, 10.2 us in 64; SDPA 6.5 and 7.6 us.)
+    (Counting KV heads matters at 2B's 2 KV heads: 2 x SMs over tiles alone left its rows 9-15%
+    behind SDPA. And fewer keys per split pay: at 7B, batch 1, replayed from a CUDA graph on the
+    H200, 1k keys take 12.1 us in 4 splits, 7.3 us in 16; 4k keys 13.7 us in 16 splits, 10.2 us in
+    64; SDPA 6.5 and 7.6 us.)
     wide (dense_wide_decode): about 2 programs an SM of WIDE_BLOCK_N keys a step, a power of two,
     at most MAX_SPLITS, each split at least one step."""
     if wide:
@@ -763,7 +762,7 @@ def plan_tiles(query_start: list[int], context_lens: list[int], block_tables: li
     (dense_decode_block_n) when the split count is left to the default; dense_block_n names its
     keys per step outright (warm-up). fp4_gluon: decode steps (one query token) run the Gluon FP4
     kernel (kernels/fp4_gluon.py), whose split count is the wide shape's, about 2 programs an SM:
-    H200, 7B, from a CUDA graph (twentieth session), batch 8 at 16k keys 56.5 us in 8 splits
+    H200, 7B, from a CUDA graph, batch 8 at 16k keys 56.5 us in 8 splits
     against 75.8 in the default 32 and 64.7 in 16; batch 32 189.1 in 2 against 209.3 in 8."""
     max_q = max(query_start[i + 1] - query_start[i] for i in range(len(context_lens)))
     tokens, block_m = tile_shape(max_q, group)
@@ -800,7 +799,7 @@ def default_fp4_decode(ptx: bool, small_tile: bool, transposed: bool, num_v_outl
     for decode tiles (<= 16 rows, not transposed) the word decode, its row layout without value
     slots (no value select, which costs more in that layout): H200, 7B, 16k keys, 413.7 vs 474.2 us
     at batch 32 and 117.7 vs 134.6 at batch 8 without value slots, 589.1 vs 494.5 and 165.2 vs
-    137.9 with them (seventeenth session); else the byte decode (True)."""
+    137.9 with them; else the byte decode (True)."""
     if not ptx:
         return False
     if small_tile and not transposed:
@@ -812,13 +811,13 @@ def default_fp4_maxnreg(small_tile: bool, block_n: int, num_warps: int, num_stag
     """The FP4 kernel's register cap when the caller names none: 128 a thread for decode tiles in
     the tuned shape (128 keys, 4 warps, 2 stages) on CUDA. Uncapped, the compiler takes 168, so an
     SM holds 3 programs; at 128 (a few spills) shared memory (56 KB a program) allows 4. H200, from
-    a CUDA graph (eighteenth session): 7B, 16k keys, batch 32 484 vs 497 us, batch 8 134-135 vs
+    a CUDA graph: 7B, 16k keys, batch 32 484 vs 497 us, batch 8 134-135 vs
     136-139; 2B batch 32 249 vs 257, batch 8 72-74 vs 86-88; without value slots 375 vs 450 at 7B
     batch 32. With 3 stages the cap was slower (spills in the longer pipeline), so only 2."""
     if not (small_tile and block_n == 128 and num_warps == 4 and num_stages == 2):
         return None
     device = torch.device(device)
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if device.type != "cuda" or interpreting():
         return None
     return 128
 
@@ -827,7 +826,7 @@ def ptx_decode_available(device) -> bool:
     """Whether the FP4 kernel can decode in inline PTX here: a CUDA device of compute capability
     8.0 or newer (bf16x2 FMA), not Triton's interpreter."""
     device = torch.device(device)
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if device.type != "cuda" or interpreting():
         return False
     return torch.cuda.get_device_capability(device)[0] >= 8
 
@@ -855,26 +854,27 @@ def paged_attention(
     maxnreg: int | None = None,  # registers per thread the compiler may use (None: FP4 as tuned, see
     # default_fp4_maxnreg; dense the compiler's choice); 0: no cap
     fp4_gluon: bool | None = None,  # FP4 decode tiles: the Gluon kernel (kernels/fp4_gluon.py); None: where
-    # it can run the call (fp4_gluon.supported) unless DOCPROC_FP4_GLUON=0; True: it must
+    # it can run the call (fp4_gluon.supported) unless FP4_GLUON is off; True: it must
 ) -> torch.Tensor:
     n_tok, n_heads, d = q.shape
     is_fp4 = fp4_k is not None
     # Defaults from bench_kernels on the H200 (7B and 2B geometry, batch 32, 16k keys, one query
     # token): dense 32 keys per step (3.5-4% faster than 64); FP4 128 keys, scores as q K^T with
-    # the PTX decode from 32-bit words (seventeenth session, 7B: 484 us against 571 for the earlier
-    # default, scores as K q^T from bytes, at batch 32; 135 against 160 at batch 8; without value
-    # slots the words as one row per key, below). Tiles of more than 16 rows (prefill chunks, long
-    # windows) were not tuned and keep the earlier choice (dense 64 keys, FP4 q K^T from bytes:
-    # Triton 3.6 does not compile the word decode there, see the assert below).
+    # the PTX decode from 32-bit words (7B: 484 us against 571 for scores as K q^T from bytes, at
+    # batch 32; 135 against 160 at batch 8; without value slots the words as one row per key,
+    # below). Tiles of more than 16 rows (prefill chunks, long windows) are not tuned: dense 64
+    # keys, FP4 q K^T from bytes (Triton 3.6 does not compile the word decode there, see the assert
+    # below).
     # the Gluon kernel unless the caller names a variant of the Triton one
     triton_variant = (block_n is not None or fp4_ptx_decode is not None or fp4_keys_as_rows is not None
                       or fp4_transposed or fp4_k_outlier_select or fp4_v_outlier_dot
                       or (maxnreg is not None and not fp4_gluon))  # with fp4_gluon=True: the Gluon kernel's cap
-    if is_fp4 and (fp4_gluon or (fp4_gluon is None and not triton_variant
-                                 and os.environ.get("DOCPROC_FP4_GLUON", "1") != "0")):
+    if is_fp4 and (fp4_gluon or (fp4_gluon is None and not triton_variant)):
         try:
             from kernels import fp4_gluon as gluon_kernel  # imported only where it may run
             why = gluon_kernel.supported(q, plan, fp4_k, fp4_v)
+            if why is None and fp4_gluon is None and not FP4_GLUON:
+                why = "turned off (EngineConfig.fp4_gluon)"
         except ImportError as e:  # a Triton without Gluon
             why = f"no Gluon in this Triton ({e})"
         assert not (fp4_gluon and why), f"the Gluon FP4 kernel cannot run this call: {why}"

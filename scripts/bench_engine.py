@@ -236,13 +236,6 @@ def part_a(folder: Path, args, env: dict) -> dict:
     no_gemv_tps = without(kernels_gemv) if graphs is not None and kernels_gemv.ENABLED else None
     no_pdl_tps = (without(kernels_pdl) if graphs is not None and kernels_pdl.enabled(torch.zeros(1, device=args.device))
                   else None)
-    # the attention kernel and its merge launched in plain stream order, or letting the next kernel
-    # launch only after their main loops, the other kernels as they are (kernels/pdl.py, ATTENTION)
-    pdl_attention = {}
-    if no_pdl_tps is not None:
-        for mode in ("off", "end"):
-            if mode != kernels_pdl.ATTENTION:
-                pdl_attention[mode] = round(without(kernels_pdl, "ATTENTION", mode), 2)
     eager_tps = None
     if graphs is not None:  # the same engine with its CUDA graphs switched off
         llm.runner.graphs = None
@@ -270,7 +263,6 @@ def part_a(folder: Path, args, env: dict) -> dict:
             "ours_no_overlap_tokens_per_s": round(no_overlap_tps, 2), "overlapped_steps": overlapped,
             "ours_cublas_one_row_tokens_per_s": no_gemv_tps and round(no_gemv_tps, 2),
             "ours_no_pdl_tokens_per_s": no_pdl_tps and round(no_pdl_tps, 2),
-            "pdl_attention": kernels_pdl.ATTENTION, "ours_pdl_attention_tokens_per_s": pdl_attention or None,
             "ours_ttft_s": round(runs[0][1].time_to_first_token, 4),  # the first run: prompt not yet cached
             "transformers_tokens_per_s": hf_tps and round(hf_tps, 2),
             "speedup_vs_transformers": hf_tps and round(ours_tps / hf_tps, 2), "bytes_per_step": step_bytes,

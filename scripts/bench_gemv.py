@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernels.pdl as kernels_pdl  # noqa: E402
 from kernels.fused import add_rms_norm, silu_mul  # noqa: E402
-from kernels.gemv import default_config, gemm_rows, gemv, rows_config  # noqa: E402
+from kernels.gemv import default_config, gemv  # noqa: E402
 from random_models import GEOMETRIES  # noqa: E402
 
 
@@ -92,11 +92,6 @@ def main() -> None:
     ap.add_argument("--geometries", default="7b,2b")
     ap.add_argument("--configs", default="8x512x4,4x512x4,16x256x4,8x1024x8,4x256x2",
                     help="BLOCK_N x BLOCK_K x warps of the Triton GEMV to time")
-    ap.add_argument("--rows", default="1",
-                    help="rows per product: 1 times gemv(); more (up to 16) time gemm_rows() against cuBLAS "
-                         "(2.0-2.8x slower than cuBLAS at 5 rows on the H200: BENCHMARKS, sixteenth session)")
-    ap.add_argument("--rows-configs", default="16x256x4x4,16x128x4x3,32x128x4x4,16x512x4x3,32x256x8x3",
-                    help="BLOCK_N x BLOCK_K x warps x stages of gemm_rows to time")
     ap.add_argument("--chain", action="store_true", help="time the dependent chain, PDL on and off (above)")
     a = ap.parse_args()
     dt = torch.bfloat16
@@ -107,13 +102,9 @@ def main() -> None:
            "copy_bandwidth_GBps": round(bw / 1e9, 1), "geometries": {}}
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     configs = [tuple(int(v) for v in c.split("x")) for c in a.configs.split(",")]
-    rows_configs = [tuple(int(v) for v in c.split("x")) for c in a.rows_configs.split(",")]
-    for geo, rows in ((g, int(r)) for g in a.geometries.split(",") for r in a.rows.split(",")):
-        key = geo if rows == 1 else f"{geo}_rows{rows}"
-        if rows == 1:
-            fn, cfgs, default = gemv, configs, default_config
-        else:
-            fn, cfgs, default = gemm_rows, rows_configs, rows_config
+    for geo in a.geometries.split(","):
+        key, rows = geo, 1
+        fn, cfgs, default = gemv, configs, default_config
         t, h, inter, layers, nqkv, W, w = layer_weights(geo, dt)
         head = w(t["vocab_size"], h)
         x = torch.randn(rows, h, device="cuda", dtype=dt)
@@ -194,7 +185,7 @@ def chain(a, bw: float) -> None:
                     x = gemv(gemv(hh, L["gu"]), L["down"], gated=True)
             return x
 
-        row = {"weight_bytes": nbytes, "kernels_per_layer": 6, "pdl_trigger": kernels_pdl.TRIGGER or "per call site"}
+        row = {"weight_bytes": nbytes, "kernels_per_layer": 6}
         ref = step(True)
         for name, blas, pdl in (("cublas", True, True), ("ours_pdl", False, True), ("ours_no_pdl", False, False)):
             kernels_pdl.ENABLED = pdl

@@ -59,7 +59,6 @@ TUNED = {"bf16": {"block_n": 32, "num_warps": 4, "num_stages": 2},
 KERNEL_PROFILE = False  # --kernel-profile
 BF16_ONLY = False  # --bf16-only
 GLUON = False  # --gluon
-GLUON_FREE_DECODE = False  # --gluon-free-decode
 SWEEP_STAGES = (2, 3, 4)  # --sweep-stages
 
 
@@ -95,32 +94,6 @@ def _sweep_grid(default_splits: int, ctx: int, split_mults, block_ns, stages, ca
             for st in stages:
                 for cap in caps:
                     yield n_sp, bn, st, cap
-
-
-def _with_env(name, value, run):
-    """run() with the environment variable `name` set to `value` (kernels read theirs at launch, so
-    graph captures inside run() take that variant too)."""
-    before = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        return run()
-    finally:
-        if before is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = before
-
-
-def _free_decode(run):
-    """run() with the Gluon FP4 kernel's decode ablated (kernels/fp4_gluon.ABLATE_DECODE: one
-    instruction per decoded register, wrong values): what the rest of the kernel takes."""
-    from kernels import fp4_gluon
-
-    fp4_gluon.ABLATE_DECODE = True
-    try:
-        return run()
-    finally:
-        fp4_gluon.ABLATE_DECODE = False
 
 
 def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_splits: bool = False,
@@ -194,7 +167,7 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
                 splits=n_sp)
     if pdl_ablation:
         # the same plan and kernels launched without programmatic dependent launch (kernels/pdl.py;
-        # DOCPROC_PDL=0 for a whole run): the merge kernel then starts after the attention kernel ends
+        # the engine with pdl=False for a whole run): the merge kernel then starts after the attention kernel ends
         saved, pdl.ENABLED = pdl.ENABLED, False
         try:
             record("ours_bf16_paged_pdl_off", lambda: paged_attention(q, plan_d, d ** -0.5, k_cache=k, v_cache=v,
@@ -285,24 +258,6 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
                 record(f"ours_fp4_gluon_s{n_sp}", lambda: paged_attention(
                     q, plan_x, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, fp4_gluon=True), nv_bytes,
                     {"config": "gluon"}, splits=n_sp)
-                if per_sm == 2:
-                    # the next step's loads left in the arithmetic's block (DOCPROC_FP4_EARLY_LOADS=0)
-                    record(f"ours_fp4_gluon_late_loads_s{n_sp}", lambda: _with_env("DOCPROC_FP4_EARLY_LOADS", "0", lambda: paged_attention(
-                        q, plan_x, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, fp4_gluon=True)), nv_bytes,
-                        {"config": "gluon, loads in the arithmetic's block"}, splits=n_sp)
-                    record(f"ours_fp4_gluon_no_outliers_late_loads_s{n_sp}", lambda: _with_env(
-                        "DOCPROC_FP4_EARLY_LOADS", "0", lambda: paged_attention(
-                            q, plan_x, d ** -0.5, fp4_k=fk0, fp4_v=fv0, fp4_gluon=True)), n0_bytes,
-                        {"config": "gluon, loads in the arithmetic's block"}, splits=n_sp)
-                if per_sm == 2 and GLUON_FREE_DECODE:
-                    # the decode ablation at the engine's split count (timing only: wrong values),
-                    # kernels/fp4_gluon.ABLATE_DECODE
-                    record(f"ours_fp4_gluon_free_decode_s{n_sp}", lambda: _free_decode(lambda: paged_attention(
-                        q, plan_x, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, fp4_gluon=True)), nv_bytes,
-                        {"config": "gluon, decode ablated (wrong values)"}, splits=n_sp)
-                    record(f"ours_fp4_gluon_no_outliers_free_decode_s{n_sp}", lambda: _free_decode(
-                        lambda: paged_attention(q, plan_x, d ** -0.5, fp4_k=fk0, fp4_v=fv0, fp4_gluon=True)),
-                        n0_bytes, {"config": "gluon, decode ablated (wrong values)"}, splits=n_sp)
                 if per_sm == 4:
                     continue
                 # a register cap of 168: 3 programs an SM fit (the kernel takes about 200 registers
@@ -459,9 +414,6 @@ def main() -> None:
     ap.add_argument("--gluon", action="store_true",
                     help="FP4: also time the Gluon decode kernel (no value slots; key slots 2 and none) and the "
                          "Triton kernel over the same views")
-    ap.add_argument("--gluon-free-decode", action="store_true",
-                    help="with --gluon: also time the Gluon kernel with its decode ablated (one instruction per "
-                         "decoded register; wrong values, timing only)")
     ap.add_argument("--sweep-stages", default="2,3,4", help="--config-sweep: pipeline stages to try")
     ap.add_argument("--no-tune", action="store_true",
                     help="skip the tuner (minutes of a device call) and use TUNED, what it picked in every run "
@@ -473,13 +425,12 @@ def main() -> None:
                          "outliers applied by a select instead of a gather of q")
     ap.add_argument("--kernel-profile", action="store_true",
                     help="also record each row's device kernels and their time per call (torch.profiler); "
-                         "run with DOCPROC_PDL=0, else a kernel's time includes its wait for the one before")
+                         "run with PDL off (kernels.pdl.ENABLED = False), else a kernel's time includes its wait for the one before")
     a = ap.parse_args()
-    global KERNEL_PROFILE, BF16_ONLY, SWEEP_STAGES, GLUON, GLUON_FREE_DECODE
+    global KERNEL_PROFILE, BF16_ONLY, SWEEP_STAGES, GLUON
     KERNEL_PROFILE = a.kernel_profile
     BF16_ONLY = a.bf16_only
     GLUON = a.gluon
-    GLUON_FREE_DECODE = a.gluon_free_decode
     SWEEP_STAGES = tuple(map(int, a.sweep_stages.split(",")))
     t0 = time.time()
     bw = copy_bandwidth()

@@ -1,8 +1,7 @@
 """Compile-only SASS report for the Gluon FP4 decode (issue #5), for sm_90, without a GPU: the
 numbers are instruction counts, not times.
 
-    python scripts/gluon_fp4_probe.py --kernel [--json] [--free-decode]   # kernels/fp4_gluon.py's kernel
-                                                            # (--free-decode: its timing-only decode ablation)
+    python scripts/gluon_fp4_probe.py --kernel [--json]   # kernels/fp4_gluon.py's kernel
     python scripts/gluon_fp4_probe.py                       # the nineteenth session's probe (below)
     PYTHONPATH=/tmp/t36 python scripts/gluon_fp4_probe.py   # Triton 3.6 (the device's) unpacked there
 
@@ -87,7 +86,7 @@ def probe(q_ptr, codes_ptr, scales_ptr, out_ptr, n_keys, BLOCK_N: gl.constexpr, 
     gl.store(out_ptr + gl.expand_dims(ro, 1) * BLOCK_N + gl.expand_dims(ns, 0), s)
 
 
-def kernel_report(key_slots: int = 2, group: int = 7, block_size: int = 16, free_decode: bool = False) -> dict:
+def kernel_report(key_slots: int = 2, group: int = 7, block_size: int = 16) -> dict:
     """kernels/fp4_gluon.py's kernel compiled for sm_90: its key loop's SASS mix and resources."""
     import inspect
 
@@ -112,7 +111,6 @@ def kernel_report(key_slots: int = 2, group: int = 7, block_size: int = 16, free
     aligned = [i for i, n in enumerate(names) if n.endswith("_ptr")]
     src = GluonASTSource(g._fp4_decode_kernel, sig,
                          constexprs={"GROUP": group, "SPLIT": True, "BS_LOG2": block_size.bit_length() - 1, "NUM_OUTLIERS": key_slots,
-                                     "FREE_DECODE": free_decode, "EARLY_LOADS": g.early_loads(),
                                      **geometry},
                          attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
@@ -136,7 +134,7 @@ def main():
 
         slots = int(sys.argv[sys.argv.index("--key-slots") + 1]) if "--key-slots" in sys.argv else 2
         bs = int(sys.argv[sys.argv.index("--block-size") + 1]) if "--block-size" in sys.argv else 16
-        rep = kernel_report(slots, block_size=bs, free_decode="--free-decode" in sys.argv)
+        rep = kernel_report(slots, block_size=bs)
         if "--json" in sys.argv:
             print(json.dumps(rep))
         else:

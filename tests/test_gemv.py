@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernels.fused import silu_mul_ref
-from kernels.gemv import gemm_rows, gemv, gemv_ref
+from kernels.gemv import gemv, gemv_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -37,30 +37,6 @@ def test_gemv_matches_reference(n, k, bias, gated, config):
                                gemv_ref(x, wide[:, 8: 8 + k], b, gated=gated), rtol=tol, atol=tol * k ** 0.5)
 
 
-@pytest.mark.parametrize("m,n,k,bias,gated", [
-    (2, 40, 96, True, False),   # several K tiles, bias
-    (5, 37, 80, False, False),  # a verify window; N and K not multiples of the tile
-    (16, 24, 64, False, True),  # all 16 rows, gated
-    (3, 19, 70, True, True),    # gated, ragged K, bias
-])
-def test_gemm_rows_matches_reference(m, n, k, bias, gated):
-    g = torch.Generator().manual_seed(m * 7 + n * 1000 + k)
-    dtype = torch.float32 if DEV == "cpu" else torch.bfloat16
-    x = torch.randn(m, 2 * k if gated else k, generator=g).to(DEV, dtype)
-    w = torch.randn(n, k, generator=g).to(DEV, dtype)
-    b = torch.randn(n, generator=g).to(DEV, dtype) if bias else None
-    got = gemm_rows(x, w, b, gated=gated, config=(16, 32, 4, 1))
-    want = torch.cat([gemv_ref(x[i: i + 1], w, b, gated=gated) for i in range(m)])
-    assert got.shape == (m, n) and got.dtype == dtype
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got, want, rtol=tol, atol=tol * k ** 0.5)
-    # rows of a wider input (stride along M > K) and one row through the same kernel
-    wide = torch.randn(m, x.shape[1] + 8, generator=g).to(DEV, dtype)[:, 8:]
-    torch.testing.assert_close(gemm_rows(wide, w, b, gated=gated, config=(16, 32, 4, 1)),
-                               torch.cat([gemv_ref(wide[i: i + 1], w, b, gated=gated) for i in range(m)]),
-                               rtol=tol, atol=tol * k ** 0.5)
-
-
 @pytest.mark.gpu
 def test_engine_decodes_the_same_with_the_one_row_kernels(qwen2_vl_dir, monkeypatch):
     """Batch-1 decode (CUDA graphs) with every one-row product through kernels/gemv.py, and with
@@ -72,36 +48,12 @@ def test_engine_decodes_the_same_with_the_one_row_kernels(qwen2_vl_dir, monkeypa
     sp = SamplingParams(max_tokens=24, ignore_eos=True)
     got = {}
     for on in (False, True):
-        monkeypatch.setattr(kg, "ENABLED", on)
         calls = []
         real = kg._gemv_kernel.run
         monkeypatch.setattr(kg._gemv_kernel, "run", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
-        llm = LLM(str(qwen2_vl_dir), device="cuda", dtype="float32", kv_cache_memory_bytes=64 << 20)
+        llm = LLM(str(qwen2_vl_dir), device="cuda", dtype="float32", kv_cache_memory_bytes=64 << 20,
+                  one_row_kernels=on)
         got[on] = llm.generate([req], sp)[0].outputs[0].token_ids
         assert bool(calls) == on
         monkeypatch.undo()
     assert got[True] == got[False]
-
-
-@pytest.mark.gpu
-def test_verify_windows_through_gemm_rows_give_the_plain_tokens(qwen2_vl_dir, monkeypatch):
-    """With up to 16 rows through gemm_rows (DOCPROC_GEMV_ROWS=16: the verify step's K + 1 rows
-    and small batches), speculation still gives plain greedy decoding's tokens (float32)."""
-    import kernels.gemv as kg
-    from docproc import LLM, SamplingParams
-
-    req = {"prompt": "<|im_start|>user\nthe quick brown fox"}
-    sp = SamplingParams(max_tokens=24, ignore_eos=True)
-    monkeypatch.setattr(kg, "ENABLED", False)
-    want = LLM(str(qwen2_vl_dir), device="cuda", dtype="float32",
-               kv_cache_memory_bytes=64 << 20).generate([req, req], sp)
-    monkeypatch.setattr(kg, "ENABLED", True)
-    monkeypatch.setattr(kg, "ROWS_MAX", 16)
-    calls = []
-    real = kg._gemm_rows_kernel.run
-    monkeypatch.setattr(kg._gemm_rows_kernel, "run", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
-    llm = LLM(str(qwen2_vl_dir), device="cuda", dtype="float32", kv_cache_memory_bytes=64 << 20,
-              speculative_model=str(qwen2_vl_dir), num_speculative_tokens=4)
-    got = llm.generate([req, req], sp)
-    assert calls
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

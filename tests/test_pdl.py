@@ -9,19 +9,13 @@ import kernels.pdl as pdl
 
 
 def test_pdl_launch_arguments(monkeypatch):
-    """Off on CPU and when turned off; on CUDA sm_90+ the trigger placement per call site, or
-    forced by DOCPROC_PDL_TRIGGER's value (pdl.TRIGGER)."""
-    monkeypatch.setattr(pdl, "TRIGGER", "")
+    """Off on CPU and when turned off; on CUDA sm_90+ the trigger placement of each call site."""
     monkeypatch.setattr(pdl, "ENABLED", True)
     if _hopper():
         x = torch.zeros(1, device="cuda")
         assert pdl.launch(x) == {"PDL": 1, "launch_pdl": True}
         assert pdl.launch(x, early=False) == {"PDL": 2, "launch_pdl": True}
-        monkeypatch.setattr(pdl, "TRIGGER", "end")
-        assert pdl.launch(x)["PDL"] == 2
-        monkeypatch.setattr(pdl, "TRIGGER", "start")
-        assert pdl.launch(x, early=False)["PDL"] == 1
-        monkeypatch.undo()
+        assert pdl.attention_launch(x) == {"PDL": 1, "launch_pdl": True}
     assert pdl.launch(torch.zeros(1)) == {"PDL": 0}
     assert not pdl.enabled(torch.zeros(1)) and not pdl.enabled_on("cpu")
     if _hopper():
@@ -34,11 +28,14 @@ def test_pdl_launch_arguments(monkeypatch):
 
 def test_engine_reports_whether_it_launches_with_pdl(qwen2_vl_dir, monkeypatch):
     """cache_info()["pdl"] (and so a run's manifest) says whether the decode kernels use PDL: never
-    on CPU, even where it is not turned off."""
+    on CPU, even where it is not turned off; the engine's pdl option sets the kernels' switch."""
     from docproc.engine.llm import LLM
 
-    monkeypatch.setattr(pdl, "ENABLED", True)
-    assert LLM(str(qwen2_vl_dir), device="cpu").cache_info()["pdl"] is False
+    assert LLM(str(qwen2_vl_dir), device="cpu").cache_info()["pdl"] is False and pdl.ENABLED
+    LLM(str(qwen2_vl_dir), device="cpu", pdl=False)
+    assert not pdl.ENABLED
+    LLM(str(qwen2_vl_dir), device="cpu")
+    assert pdl.ENABLED
 
 
 def _hopper() -> bool:
@@ -48,7 +45,7 @@ def _hopper() -> bool:
 def _chain(x, r, W, h):
     """A decode step's layer kernels without attention, each reading the one before."""
     from kernels.fused import add_rms_norm
-    from kernels.gemv import gemm_rows, gemv
+    from kernels.gemv import gemv
 
     for L in W:
         hh, r = add_rms_norm(x, r, L["n1"], 1e-6)
@@ -56,7 +53,7 @@ def _chain(x, r, W, h):
         o = gemv(qkv[:, :h], L["o"])
         hh, r = add_rms_norm(o, r, L["n2"], 1e-6)
         x = gemv(gemv(hh, L["gu"]), L["down"], gated=True)
-        x = gemm_rows(torch.cat([x, r]), L["o"])[:1]  # the rows kernel too (cat: a torch kernel between)
+        x = gemv(torch.cat([x, r])[:1].contiguous(), L["o"])  # a torch kernel (cat) between two of ours
     return x
 
 
@@ -70,7 +67,8 @@ def test_pdl_chain_in_a_graph_matches_plain_order(monkeypatch, trigger):
     g = torch.Generator(device="cuda").manual_seed(0)
     h, inter, layers = 512, 1408, 6
     dt = torch.bfloat16
-    monkeypatch.setattr(pdl, "TRIGGER", trigger)
+    real = pdl.launch  # every kernel's trigger at the start, or every one at the end
+    monkeypatch.setattr(pdl, "launch", lambda t, early=True: real(t, early=trigger == "start"))
     monkeypatch.setattr(pdl, "ENABLED", True)
 
     def w(n, k):
@@ -108,31 +106,26 @@ def test_pdl_chain_in_a_graph_matches_plain_order(monkeypatch, trigger):
 def test_engine_decodes_the_same_with_and_without_pdl(qwen2_vl_dir, monkeypatch):
     """Batch-1 decode from CUDA graphs in bf16 (only our kernels after the prompt): identical tokens
     with every step kernel launched with PDL and without. Speculation (a batch of two, K = 3,
-    verify windows through cuBLAS and gemm_rows) in float32, where it must give plain decoding's
+    verify windows through cuBLAS) in float32, where it must give plain decoding's
     tokens: bf16 speculation is not compared across engines, as its verify products may round
     differently from one engine to the next (cuBLAS's choice of kernel)."""
-    import kernels.gemv as kg
     from docproc import LLM, SamplingParams
 
     reqs = [{"prompt": "<|im_start|>user\nthe quick brown fox"}, {"prompt": "<|im_start|>user\nnumbers 1 2 3"}]
     sp = SamplingParams(max_tokens=24, ignore_eos=True)
     one = {}
     for on in (False, True):
-        monkeypatch.setattr(pdl, "ENABLED", on)
         launched = []
         real = pdl.launch
         monkeypatch.setattr(pdl, "launch", lambda t, early=True: (launched.append(1), real(t, early))[1])
-        llm = LLM(str(qwen2_vl_dir), device="cuda", dtype="bfloat16", kv_cache_memory_bytes=64 << 20)
+        llm = LLM(str(qwen2_vl_dir), device="cuda", dtype="bfloat16", kv_cache_memory_bytes=64 << 20, pdl=on)
         assert llm.cache_info()["step_graphs"]
         one[on] = llm.generate(reqs[:1], sp)[0].outputs[0].token_ids
         assert launched
         monkeypatch.undo()
     assert one[True] == one[False], "bf16 batch-1 decode"
-    monkeypatch.setattr(pdl, "ENABLED", False)
     plain = [o.outputs[0].token_ids for o in LLM(str(qwen2_vl_dir), device="cuda", dtype="float32",
-                                                 kv_cache_memory_bytes=64 << 20).generate(reqs, sp)]
-    monkeypatch.setattr(pdl, "ENABLED", True)
-    monkeypatch.setattr(kg, "ROWS_MAX", 16)  # the verify windows through gemm_rows, a PDL kernel too
+                                                 kv_cache_memory_bytes=64 << 20, pdl=False).generate(reqs, sp)]
     spec = LLM(str(qwen2_vl_dir), device="cuda", dtype="float32", kv_cache_memory_bytes=64 << 20,
                speculative_model=str(qwen2_vl_dir), num_speculative_tokens=3)
     assert [o.outputs[0].token_ids for o in spec.generate(reqs, sp)] == plain, "float32 speculation with PDL"
@@ -232,8 +225,8 @@ def _loads_before_wait(ptx: str, arg_names: list[str]) -> list[set[str]]:
 def test_pdl_kernels_wait_before_reading_activations(pdl_mode):
     """Each PDL kernel as compiled for sm_90: every global load ahead of its wait reads a weight
     argument (the one-row products' first weight tile, the norm's weight), nothing an earlier kernel
-    writes. Triton's software pipelining can hoist a loop's loads ahead of a wait placed inside it;
-    gemm_rows did that (its x loads), so the check is on the compiled form, not the source. Runs in
+    writes. Triton's software pipelining can hoist a loop's loads ahead of a wait placed inside it,
+    so the check is on the compiled form, not the source. Runs in
     a subprocess: the suite's Triton interpreter (TRITON_INTERPRET=1) does not compile."""
     import os
     import subprocess
@@ -247,7 +240,7 @@ def test_pdl_kernels_wait_before_reading_activations(pdl_mode):
     res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
                          timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "checked 7 kernels" in res.stdout
+    assert "checked 6 kernels" in res.stdout
 
 
 def _check_load_order(pdl_mode: int) -> None:
@@ -259,8 +252,6 @@ def _check_load_order(pdl_mode: int) -> None:
     cases = [  # kernel, compile-time arguments, the pointers it may read before the wait, stages
         (gemv._gemv_kernel, dict(GATED=False, HAS_BIAS=True, BLOCK_N=4, BLOCK_K=512, EVEN_K=True), {"w_ptr"}, 3),
         (gemv._gemv_kernel, dict(GATED=True, HAS_BIAS=False, BLOCK_N=8, BLOCK_K=256, EVEN_K=False), {"w_ptr"}, 3),
-        (gemv._gemm_rows_kernel, dict(GATED=True, HAS_BIAS=True, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, IEEE=False),
-         {"w_ptr"}, 4),
         (fused._add_rms_norm_kernel, dict(HAS_RES=True, BLOCK=1024), {"w_ptr"}, 3),
         (fused._rotary_store_kernel, dict(HALF=64, BLOCK_H=32, BLOCK_KV=4), set(), 3),
         (pa._paged_attn_kernel, dict(GROUP=7, TOKENS=1, BLOCK_M=16, BLOCK_N=32, HALF=64, SPLIT=True, DOT_FP32=False),

@@ -81,6 +81,9 @@ class LLM:
         image_prefetch_workers: int | None = None,
         fp4_value_slots: int | None = None,
         overlap_decode: bool = True,
+        one_row_kernels: bool = True,
+        pdl: bool = True,
+        fp4_gluon: bool = True,
     ) -> None:
         cache = CacheConfig(kv_cache_dtype=kv_cache_dtype, block_size=block_size,
                             enable_prefix_caching=enable_prefix_caching,
@@ -90,7 +93,8 @@ class LLM:
         self.config = EngineConfig(model=str(model), device=device, dtype=dtype,
                                    max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                    max_model_len=max_model_len, seed=seed, cache=cache,
-                                   enforce_eager=enforce_eager, image_prefetch_workers=image_prefetch_workers)
+                                   enforce_eager=enforce_eager, image_prefetch_workers=image_prefetch_workers,
+                                   one_row_kernels=one_row_kernels, pdl=pdl, fp4_gluon=fp4_gluon)
         self.speculator = None
         draft_runner = None
         if speculative_model is not None:
@@ -101,6 +105,7 @@ class LLM:
             draft_cfg = EngineConfig(model=str(speculative_model), device=device, dtype=dtype,
                                      max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                      max_model_len=max_model_len, seed=seed + 1, enforce_eager=enforce_eager,
+                                     one_row_kernels=one_row_kernels, pdl=pdl, fp4_gluon=fp4_gluon,
                                      cache=CacheConfig(
                                          kv_cache_dtype=kv_cache_dtype, block_size=block_size,
                                          enable_prefix_caching=enable_prefix_caching,

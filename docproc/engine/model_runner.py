@@ -46,6 +46,17 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def apply_kernel_choices(config: EngineConfig) -> None:
+    """The configuration's kernel choices, into the kernels' modules (they hold them per process)."""
+    import kernels.gemv
+    import kernels.paged_attention
+    import kernels.pdl
+
+    kernels.gemv.ENABLED = config.one_row_kernels
+    kernels.pdl.ENABLED = config.pdl
+    kernels.paged_attention.FP4_GLUON = config.fp4_gluon
+
+
 def resolve_step_graphs(config: EngineConfig, device: torch.device) -> str | None:
     """How small steps run: "capture" (CUDA graphs), "static" (the graphs' padded static-buffer
     path run eagerly, with the Triton kernels: tests on CPU under TRITON_INTERPRET) or None."""
@@ -108,6 +119,7 @@ class ModelRunner:
         speculative pair sizes its two pools together)."""
         self.config = config
         self.device = resolve_device(config.device)
+        apply_kernel_choices(config)
         from docproc.models.loader import read_config
 
         hf_config = read_config(config.model)

@@ -307,8 +307,8 @@ class AdaptiveK:
         # only the prior, so a "no" is a guess. If every draft being accepted would repay the
         # catch-up, answer None: the engine lets one page go (as while costs are unmeasured), and
         # its verifications replace the prior. Without this a prior that barely fails keeps the
-        # draft out for good, since probes are spaced by their price (call 3 of BENCHMARKS'
-        # sixteenth session bypassed every step at a = 0.9).
+        # draft out for good, since probes are spaced by their price (a 7B/2B run at a = 0.9
+        # bypassed every step so: BENCHMARKS.md, part c with the acceptance reset).
         return None if repays(1.0) else False
 
     def observe(self, seq_id: int, k: int, accepted: int) -> None:

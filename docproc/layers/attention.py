@@ -182,7 +182,7 @@ class FP4Attention(_Backend):
                              f"use kv_cache_dtype bf16")
         self.compute_dtype = compute_dtype
         self.num_outliers = num_outliers
-        # value slots: none unless asked for (twentieth session): they showed no quality gain on the
+        # value slots: none unless asked for: they showed no quality gain on the
         # bundled pair (0.9367 field exact match without, 0.9358 with) and values, unlike keys, are
         # not known for large fixed channels; the Gluon decode kernel, 2.5x the Triton kernel's
         # speed on the H200, reads caches without them only
