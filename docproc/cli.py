@@ -29,10 +29,17 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 WIDE_OUTPUT = 200
 
 
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """A reader that went away (`| head`): raise, for the command to finish with its own exit
+        code (Rich's default exits 1, whatever the run's outcome)."""
+        raise BrokenPipeError
+
+
 def _console(stderr: bool = False) -> Console:
-    console = Console(stderr=stderr)
+    console = _Console(stderr=stderr)
     if not console.is_terminal and "COLUMNS" not in os.environ:
-        console = Console(stderr=stderr, width=WIDE_OUTPUT)
+        console = _Console(stderr=stderr, width=WIDE_OUTPUT)
     return console
 
 
@@ -173,10 +180,13 @@ def run(
         raise typer.Exit(EXIT_INTERNAL)
     finally:
         pipeline.report.close()
-    if log_json:
-        print(json.dumps({"event": "end", **manifest}), flush=True)
-    elif not quiet:
-        _summary(manifest)
+    try:
+        if log_json:
+            print(json.dumps({"event": "end", **manifest}), flush=True)
+        elif not quiet:
+            _summary(manifest)
+    except BrokenPipeError:  # stdout closed (`| head`): the run is done and recorded all the same
+        _stdout_gone()
     if manifest["status"] == "failed":
         error(manifest["fault"]["message"])
     elif manifest["status"] == "interrupted":
@@ -348,6 +358,14 @@ def eval_cmd(
     for g, v in res["by_format"].items():
         t.add_row(f"[dim]all fields, {g}[/dim]", f"{v['exact_match']:.1%}", "", str(v["n"]))
     out_console.print(t)
+
+
+def _stdout_gone() -> None:
+    """Send what is left for stdout to /dev/null, so that the interpreter's last flush does not
+    fail a run whose reader went away."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def main() -> None:

@@ -444,3 +444,63 @@ def test_an_unexpected_exception_fails_only_its_document(run, qwen2_vl_dir, tmp_
     res = run(root, "--out", out)
     assert res.exit_code == 0 and by_path(out)["bad.png"]["doc_status"] == "ok"
     assert manifest(out)["totals"]["already_done"] == 2
+
+
+def test_the_same_file_under_another_key_and_the_older_layout(run, tmp_path):
+    """A file of a processed folder given alone keeps one set of rows (no second model run, no
+    warning); skipped files are not rewritten by every run; an output folder of the older layout
+    (parts in OUT/parts, rows without roots) is read by stats before any run, and its deleted
+    documents leave results.parquet once a run adopts it; a parquet-only run leaves no stale JSON."""
+    root = tmp_path / "in"
+    page(root / "one.png")
+    page(root / "sub" / "two.png", colour=(90, 90, 90))
+    (root / "notes.txt").write_text("not a document")
+    out = tmp_path / "out"
+    assert run(root, "--out", out).exit_code == 0
+    res = run(root / "one.png", "--out", out)
+    assert res.exit_code == 0 and "another input root" not in res.output
+    assert manifest(out)["totals"]["requests"] == 0  # the same file: already done
+    res = run(root / "sub" / "two.png", "--out", out)
+    assert res.exit_code == 0 and manifest(out)["totals"]["requests"] == 0
+    keys = sorted(by_path(out))
+    assert keys == ["notes.txt", "one.png", "two.png"]  # sub/two.png moved to its new key, not doubled
+    before = {r["path"]: r["run_id"] for r in table(out)}
+    assert run(root, "--out", out).exit_code == 0
+    assert {r["path"]: r["run_id"] for r in table(out)}["notes.txt"] == before["notes.txt"]  # not rewritten
+
+    # the older layout: parts in OUT/parts, no roots recorded
+    old = tmp_path / "old"
+    assert run(root, "--out", old).exit_code == 0
+    store = RunStore(old)
+    rows = table(old)
+    for r in rows:
+        r["root"] = None
+    (old / "parts").mkdir()
+    runstore.atomic_write_table(old / "parts" / "part-00000001.parquet", runstore.to_table(rows))
+    for f in store.parts_dir.iterdir():
+        f.unlink()
+    (root / "notes.txt").unlink()
+    (root / "bad.jpg").write_bytes(b"not a jpeg")
+    listed = json.loads(cli.invoke(app, ["stats", str(old), "--failures", "--json"]).output)
+    assert listed == []  # read before any run moved the parts (no failures in them)
+    assert run(root, "--out", old, extra=["--format", "parquet"]).exit_code == 1
+    assert "notes.txt" not in by_path(old) and by_path(old)["bad.jpg"]["doc_status"] == "error"
+    assert not (old / "parts").exists() and not (old / "json" / "notes.txt.json").exists()
+    assert not (old / "json" / "bad.jpg.json").exists()  # parquet only: no JSON, none left stale
+
+
+def test_a_reader_that_goes_away_stops_nothing(qwen2_vl_dir, queries, tmp_path):
+    """`docproc run ... --log-json | head -1`: the run finishes, with its manifest and exit code."""
+    root = tmp_path / "in"
+    for i in range(3):
+        page(root / f"p{i}.png", colour=(100 + 40 * i,) * 3)
+    out = tmp_path / "out"
+    for extra in (["--log-json"], []):
+        proc = subprocess.Popen([sys.executable, "-m", "docproc", "run", str(root), "--out", str(out), "--model",
+                                 str(qwen2_vl_dir), "--device", "cpu", "--queries", str(queries), "--force", *extra],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc.stdout.close()  # the reader is gone before the first line
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=300) == 0, err
+        assert "Traceback" not in err and manifest(out)["status"] == "completed"
+        assert len(table(out)) == 3

@@ -28,8 +28,8 @@ from typing import Callable
 
 from docproc.errors import EnvironmentFault, OutputUnwritable
 from docproc.pipeline.engine_setup import PROMPT_VERSION, EngineSetup
-from docproc.pipeline.ingest import (Candidate, Document, DocumentError, discover, file_digest, open_document,
-                                     searched_roots)
+from docproc.pipeline.ingest import (Candidate, Document, DocumentError, discover, display_name, file_digest,
+                                     open_document, searched_roots)
 from docproc.pipeline.queries import QuerySet, build_prompt, load_queries, parse_answer
 from docproc.pipeline.reconcile import Reconciliation, reconcile
 from docproc.pipeline.runstore import REMOVED, RunStore
@@ -77,6 +77,21 @@ def _within(path: str, folder: str) -> bool:
 Reporter = Callable[[str, dict], None]  # (event, data): "start", "document", "batch", "warning", "end"
 
 
+def _quiet_on_failure(reporter: Reporter) -> Reporter:
+    """The reporter, silenced for the rest of the run by its first failure (a closed stdout under
+    --log-json, a progress display that breaks): what it shows must never stop the work."""
+    broken = []
+
+    def report(event: str, data: dict) -> None:
+        if not broken:
+            try:
+                reporter(event, data)
+            except Exception:  # noqa: BLE001 -- display only
+                broken.append(True)
+    report.close = getattr(reporter, "close", lambda: None)  # type: ignore[attr-defined]
+    return report
+
+
 def _now() -> str:
     # microseconds: runs that start within one second (cron, tests) must still order
     return datetime.now(timezone.utc).isoformat(timespec="microseconds")
@@ -91,7 +106,7 @@ class Pipeline(EngineSetup):
         self.store = RunStore(settings.out)
         self.queries: QuerySet = load_queries(settings.queries)
         self.llm = llm
-        self.report = reporter or (lambda event, data: None)
+        self.report = _quiet_on_failure(reporter or (lambda event, data: None))
         self.run_id = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ") + "-" + uuid.uuid4().hex[:6]
         self.totals = RunTotals()
         self.stage_seconds = {"discover": 0.0, "open_render_hash": 0.0, "engine": 0.0, "write": 0.0,
@@ -178,6 +193,8 @@ class Pipeline(EngineSetup):
             if cand.skip_reason:  # discovery's own outcome: a skip, or a folder it could not list
                 if not cand.is_error:
                     self.totals.skipped += 1
+                    if not self.s.force and self._plan.skipped.get(cand.rel, False) == cand.skip_reason:
+                        continue  # recorded so already: not written again
                 self._file_row(cand, None, "error" if cand.is_error else "skipped", cand.skip_reason, cand.kind)
                 continue
             t0 = time.perf_counter()
@@ -234,7 +251,10 @@ class Pipeline(EngineSetup):
         rows = self.store.current().to_pylist()
         found = {c.rel: c.root for c in candidates}
         unlisted = ["" if c.rel == "./" else c.rel for c in candidates if c.kind == "unlistable_folder"]
-        self._plan = reconcile(rows, found, searched_roots(self.s.inputs), unlisted)
+        files = {display_name(os.path.realpath(c.path)): c.rel for c in candidates if not c.skip_reason}
+        roots = searched_roots(self.s.inputs)
+        self._plan = reconcile(rows, found, roots, unlisted, files=files,
+                               default_root=next(iter(roots)) if len(roots) == 1 else None)
         self._roots = found
         if self._plan.other_root:
             first = min(self._plan.other_root)
@@ -464,6 +484,8 @@ class Pipeline(EngineSetup):
                     doc = None
             if doc is not None:
                 self.store.write_document_json(rel, doc)
+            elif write_json:  # --format without json: an earlier run's file would now be stale
+                self.store.remove_document_json(rel)
             rows_out.extend(rows)
         self.store.write_part(self._part, rows_out)
         self._part += 1

@@ -95,6 +95,7 @@ def _atomic(path: Path, write, mode: int | None) -> None:
 
 _HASHED = re.compile(r"~[0-9a-f]{12}$")
 _PART_NAME = re.compile(r"part-\d{8}" + re.escape(PART_SUFFIX))
+_OLD_PART_NAME = re.compile(r"part-\d{8}\.parquet")
 
 
 def _plain_component(part: str, is_dir: bool) -> bool:
@@ -167,8 +168,9 @@ class RunStore:
         if not old.is_dir():
             return
         self.parts_dir.mkdir(parents=True, exist_ok=True)
-        for f in sorted(old.glob("part-*.parquet")):
-            os.replace(f, self.parts_dir / (f.stem + PART_SUFFIX))
+        for f in sorted(old.iterdir()):
+            if _OLD_PART_NAME.fullmatch(f.name):
+                os.replace(f, self.parts_dir / (f.stem + PART_SUFFIX))
         try:
             old.rmdir()
         except OSError:
@@ -181,14 +183,19 @@ class RunStore:
             self._lock_fd = None
 
     # ---- parts -----------------------------------------------------------------------------
-    def _part_files(self) -> list[Path]:
-        """The parts, oldest first (a file of another name in the folder is not one)."""
-        if not self.parts_dir.is_dir():
-            return []
-        return sorted(f for f in self.parts_dir.iterdir() if _PART_NAME.fullmatch(f.name))
+    def part_files(self) -> list[Path]:
+        """The parts, oldest first (a file of another name in the folder is not one); those of the
+        older layout (OUT/parts) too, until a run moves them into the state."""
+        files = []
+        if self.parts_dir.is_dir():
+            files += [f for f in self.parts_dir.iterdir() if _PART_NAME.fullmatch(f.name)]
+        old = self.out / "parts"
+        if old.is_dir():
+            files += [f for f in old.iterdir() if _OLD_PART_NAME.fullmatch(f.name)]
+        return sorted(files, key=lambda f: f.name)
 
     def next_part(self) -> int:
-        files = self._part_files()
+        files = self.part_files()
         return int(files[-1].name[5:13]) + 1 if files else 1
 
     def write_part(self, part: int, rows: list[dict]) -> None:
@@ -202,7 +209,7 @@ class RunStore:
 
     def read_all(self) -> pa.Table:
         tables = []
-        for f in self._part_files():
+        for f in self.part_files():
             try:
                 with open(f, "rb") as fh:  # a Python file: Arrow takes no path that is not UTF-8
                     tables.append(pq.read_table(fh, schema=RESULT_SCHEMA))
@@ -247,7 +254,7 @@ class RunStore:
         try:
             if results or (self.out / "results.parquet").exists():
                 atomic_write_table(self.out / "results.parquet", table)
-            old = self._part_files()
+            old = self.part_files()
             if len(old) > 1:
                 part = self.next_part()
                 compacted = table.set_column(table.schema.get_field_index("part"), "part",

@@ -72,7 +72,7 @@ def list_failures(out: str | Path) -> list[dict]:
     reason: the state's current rows, so it holds also when results.parquet was not written."""
     out = Path(out)
     store = RunStore(out)
-    if not store.parts_dir.is_dir() and not (out / "results.parquet").is_file():
+    if not store.part_files() and not (out / "results.parquet").is_file():
         raise FileNotFoundError(f"no results in {out}: run `docproc run ... --out {out}` first")
     docs: dict[str, dict] = {}
     for r in store.current().to_pylist():
