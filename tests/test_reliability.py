@@ -219,14 +219,21 @@ def test_the_folder_is_the_truth_removed_and_renamed_files(run, tmp_path):
     page(tmp_path / "other" / "z.png")
     assert run(tmp_path / "other", "--out", out).exit_code == 0
     assert sorted(by_path(out)) == ["b_renamed.png", "c.png", "z.png"]
-    # ... but a root emptied of files is searched all the same, and the same path from another
-    # root is said out loud, not replaced in silence
+    # a root with no files left at all (an unmounted share?) keeps its rows, said out loud; with
+    # one file left the others are removed; json-only runs keep results.parquet current
+    page(tmp_path / "other" / "y.png", colour=(70, 70, 70))
+    assert run(tmp_path / "other", "--out", out).exit_code == 0
     (tmp_path / "other" / "z.png").unlink()
+    (tmp_path / "other" / "y.png").rename(tmp_path / "y.png")
+    res = run(tmp_path / "other", "--out", out, extra=["--format", "json"])
+    assert res.exit_code == 0 and "holds no files now" in res.output
+    assert manifest(out)["totals"]["removed"] == 0 and "z.png" in by_path(out)
+    (tmp_path / "y.png").rename(tmp_path / "other" / "y.png")
     assert run(tmp_path / "other", "--out", out, extra=["--format", "json"]).exit_code == 0
     assert manifest(out)["totals"]["removed"] == 1
-    assert sorted(by_path(out)) == ["b_renamed.png", "c.png"]  # results.parquet kept current with json only
+    assert sorted(by_path(out)) == ["b_renamed.png", "c.png", "y.png"]  # results.parquet kept current with json only
     page(tmp_path / "third" / "c.png", colour=(10, 10, 10))
-    res = run(tmp_path / "third", "--out", out)
+    res = run(tmp_path / "third", "--out", out)  # the same path from another root: said, not silent
     assert res.exit_code == 0 and "from another input root" in res.output
     assert by_path(out)["c.png"]["root"] == str((tmp_path / "third").resolve())
 

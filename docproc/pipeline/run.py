@@ -253,8 +253,17 @@ class Pipeline(EngineSetup):
         unlisted = ["" if c.rel == "./" else c.rel for c in candidates if c.kind == "unlistable_folder"]
         files = {display_name(os.path.realpath(c.path)): c.rel for c in candidates if not c.skip_reason}
         roots = searched_roots(self.s.inputs)
-        self._plan = reconcile(rows, found, roots, unlisted, files=files,
+        # a root with no file at all whose documents OUT holds is more likely an unmounted share or
+        # a failed sync than a folder emptied on purpose: its rows stay (said below)
+        empty = {r for r in roots if r not in {c.root for c in candidates}}
+        stored = {row.get("root") for row in rows}
+        kept = empty & stored
+        self._plan = reconcile(rows, found, roots - kept, unlisted, files=files,
                                default_root=next(iter(roots)) if len(roots) == 1 else None)
+        for root in sorted(kept):
+            self.report("warning", {"message": (
+                f"input {root} holds no files now, but OUT has documents from it: they are kept (an "
+                f"unmounted or emptied folder?); a run that finds any file there removes the ones gone")})
         self._roots = found
         if self._plan.other_root:
             first = min(self._plan.other_root)
