@@ -194,7 +194,8 @@ class Pipeline(EngineSetup):
                 if not cand.is_error:
                     self.totals.skipped += 1
                     if not self.s.force and self._plan.skipped.get(cand.rel, False) == cand.skip_reason:
-                        continue  # recorded so already: not written again
+                        self.report("document", {"path": cand.rel, "status": "skipped"})  # recorded so already
+                        continue
                 self._file_row(cand, None, "error" if cand.is_error else "skipped", cand.skip_reason, cand.kind)
                 continue
             t0 = time.perf_counter()
