@@ -78,3 +78,27 @@ class EngineConfig:
             raise ValueError(f"image_prefetch_workers must be >= 0, got {self.image_prefetch_workers}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+SPEC_DRAFT_VISION = ("auto", "own", "none")
+
+
+@dataclass
+class SpecConfig:
+    """Speculative decoding: the draft model and how many tokens it proposes per step.
+    num_speculative_tokens is a number (a fixed K, 1..15) or "auto" (the adaptive policy picks K
+    in 0..8 every step). draft_vision: "own" (the draft encodes pages with its vision tower),
+    "none" (the draft reads the text only) or "auto" (own, sharing the target's vision trunk
+    where both towers have the same one)."""
+
+    model: str
+    num_speculative_tokens: int | str = 4
+    draft_vision: str = "auto"
+
+    def __post_init__(self) -> None:
+        from docproc.engine.spec.policy import parse_spec_k  # (pure arithmetic: no torch)
+
+        self.k_max, self.adaptive = parse_spec_k(self.num_speculative_tokens)
+        if self.draft_vision not in SPEC_DRAFT_VISION:
+            raise ValueError(f"draft_vision must be auto, own or none, got {self.draft_vision!r}")
+

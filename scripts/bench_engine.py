@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import kernels.gemv as kernels_gemv  # noqa: E402
 import kernels.pdl as kernels_pdl  # noqa: E402
 from docproc import LLM, SamplingParams  # noqa: E402
-from docproc.engine.speculative import expected_tokens  # noqa: E402
+from docproc.engine.spec.policy import expected_tokens  # noqa: E402
 from docproc.pipeline.queries import build_prompt  # noqa: E402
 from random_models import make_model, share_vision_trunk  # noqa: E402
 
@@ -220,9 +220,9 @@ def part_a(folder: Path, args, env: dict) -> dict:
     runs = [decode_tps() for _ in range(3)]  # the best of three: noise only slows
     ours_tps, m = max(runs, key=lambda r: r[0])
     # the same engine reading every step's tokens before launching the next (no overlapped decode)
-    llm.overlap_decode = False
+    llm.overlap.enabled = False
     no_overlap_tps = max(decode_tps()[0] for _ in range(3))
-    llm.overlap_decode = True
+    llm.overlap.enabled = True
     overlapped = llm.num_overlapped_steps
     def without(module, attr: str = "ENABLED", value=False) -> float:
         """tokens/s with module.ENABLED off (or `attr` set to `value`); then as before again, graphs
@@ -435,12 +435,12 @@ def part_b(folder: Path, args, env: dict) -> dict:
                   "overlapped_steps": llm.num_overlapped_steps}
         if args.overlap_ablation:  # once more on fresh pages, every step's tokens read before the next
             reqs3 = [request(4000 + i, QUESTIONS[j % len(QUESTIONS)], args) for i in range(d) for j in range(q)]
-            llm.overlap_decode = False
+            llm.overlap.enabled = False
             t3 = time.perf_counter()
             llm.generate(reqs3, sp)
             sync(args.device)
             dt3 = time.perf_counter() - t3
-            llm.overlap_decode = True
+            llm.overlap.enabled = True
             second["no_overlap"] = {"seconds": round(dt3, 3), "pages_per_s": round(d / dt3, 3)}
         m = outs[0].metrics
         grid = llm.processor.grid_thw(reqs[0]["multi_modal_data"]["image"][0])
@@ -512,10 +512,10 @@ class ControlledAcceptance:
     continuations, the step costs are the real ones, and the emitted tokens are the target's."""
 
     def __init__(self, a: float, seed: int) -> None:
-        import docproc.engine.llm as engine_llm
+        import docproc.engine.spec.rejection as rejection
 
-        self.mod, self.real, self.a, self.rng = engine_llm, engine_llm.accept_greedy, a, random.Random(seed)
-        engine_llm.accept_greedy = self.accept
+        self.mod, self.real, self.a, self.rng = rejection, rejection.accept_greedy, a, random.Random(seed)
+        rejection.accept_greedy = self.accept
 
     def accept(self, top, draft_tokens):
         toks = [top[i] if self.rng.random() < self.a else -1 for i in range(len(draft_tokens))]
@@ -567,7 +567,7 @@ def part_c(folder: Path, draft: Path, args, env: dict) -> dict:
         for b, reqs in batches.items():
             llm.generate(reqs, SamplingParams(max_tokens=2, ignore_eos=True))  # prompts cached, as for plain
             for a, chain in ((a, chain) for a in args.accept for chain in args.spec_chain):
-                # greedy draft rounds chained on the device (Speculator.chain_greedy) or one sync per
+                # greedy draft rounds chained on the device (Proposer.chain_greedy) or one sync per
                 # round: the same engine, switched, so the two are compared on one machine
                 llm.speculator.chain_greedy = chain == "on"
                 chained_before = llm.spec_info()["draft_chained_rounds"]

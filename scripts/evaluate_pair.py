@@ -127,7 +127,7 @@ def speed(args, docs: Path) -> dict:
         for llm in llms.values():
             llm.generate(reqs, params)  # fills the prefix cache (and warms up; the policy keeps what it measured)
             if llm.speculator is not None:
-                from docproc.engine.speculative import SpecStats
+                from docproc.outputs import SpecStats
 
                 llm.speculator.stats = SpecStats()  # the timed passes' figures only
         times: dict[str, list[float]] = {name: [] for name in llms}

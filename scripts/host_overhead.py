@@ -148,7 +148,7 @@ def device_run(args) -> None:
             wrap(llm, "step", "step_s", "steps")
             wrap(llm.runner, "execute", "execute_s")
             if llm.speculator is not None:
-                wrap(llm, "_spec_step", "spec_step_s", "spec_steps")
+                wrap(llm.verifier, "step", "spec_step_s", "spec_steps")
         best: dict[str, dict] = {}
         for _ in range(args.repeats):
             for name, llm in llms.items():

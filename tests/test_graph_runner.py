@@ -240,7 +240,7 @@ def test_overlapped_decode_gives_the_plain_tokens_and_stops(qwen2_vl_dir, monkey
     assert got_hashes <= want_hashes  # every committed block keyed by real tokens only
     # the same steps and tokens counted (a stopped sequence's row in the step in flight is not)
     assert (llm.num_steps, llm.num_step_tokens) == (plain_llm.num_steps, plain_llm.num_step_tokens)
-    assert llm._pending is None and llm.block_manager.num_free_blocks == plain_llm.block_manager.num_free_blocks
+    assert llm.overlap.pending is None and llm.block_manager.num_free_blocks == plain_llm.block_manager.num_free_blocks
     # greedy overlapped = plain greedy (the same run as `plain`, EOS ignored)
     _, again = overlap_run(qwen2_vl_dir, monkeypatch, True, base)
     assert [o.outputs[0].token_ids for o in again] == toks
@@ -286,6 +286,6 @@ def test_cuda_overlapped_decode_matches_plain_steps(qwen2_vl_dir, kv):
         runs[overlap] = ([o.outputs[0].token_ids for o in first],
                          [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs])
         assert (llm.num_overlapped_steps > 20) == overlap
-        assert llm._pending is None
+        assert llm.overlap.pending is None
     assert runs[True] == runs[False]
     assert runs[True][1][0][1] == "stop"

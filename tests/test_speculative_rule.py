@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from docproc.engine.speculative import (AdaptiveK, accept_greedy, accept_sampled, best_k, expected_tokens)
+from docproc.engine.spec.policy import AdaptiveK, best_k, expected_tokens
+from docproc.engine.spec.rejection import accept_greedy, accept_sampled
 
 
 def chi_square_p(observed: torch.Tensor, expected: torch.Tensor) -> float:
@@ -106,7 +107,7 @@ def test_the_step_choice_fast_path_agrees_with_scoring_every_k():
     least the highest acceptance (then no K pays for anyone): its choice must be the full one."""
     import random
 
-    from docproc.engine.speculative import best_step_k
+    from docproc.engine.spec.policy import best_step_k
 
     rng = random.Random(5)
     for trial in range(300):
@@ -267,7 +268,7 @@ def test_overlapped_plain_steps_raise_the_bar_for_drafting():
     work in them): the policy compares drafting with what plain decoding really costs. A draft
     that pays against the line's plain step (c = 0.3, a = 0.7: E(0.7, 2)/(1 + 2 x 0.3) = 1.37)
     stops paying when plain steps take half the line's time, and pays again at a = 0.95."""
-    from docproc.engine.speculative import best_step_k
+    from docproc.engine.spec.policy import best_step_k
 
     assert best_step_k([0.7], 0.3, 4) > 0 and best_step_k([0.7], 0.3, 4, plain=0.5) == 0
     assert best_step_k([0.95], 0.3, 4, plain=0.5) > 0
@@ -369,3 +370,23 @@ def test_a_request_explores_a_catch_up_that_only_the_unobserved_prior_rules_out(
     assert pol.worth_catching_up(2, **ask) is False  # a new one is priced at the global estimate (0.73)
     pol.reset_acceptance()
     assert pol.worth_catching_up(2, **ask) is None
+
+
+def test_batched_acceptance_equals_each_window_alone():
+    """accept_sampled_batch reads every window in one transfer; with a generator per window each
+    result is the one that window gets alone, windows of different k side by side."""
+    from docproc.engine.spec.rejection import Window, accept_sampled_batch
+
+    g = torch.Generator().manual_seed(1)
+    shapes = [(3, 12), (1, 12), (5, 12)]
+    ps = [torch.softmax(torch.randn(k + 1, v, generator=g) * 2, -1) for k, v in shapes]
+    qs = [torch.softmax(torch.randn(k, v, generator=g) * 2, -1) for k, v in shapes]
+    drafts = [torch.multinomial(q, 1, generator=g).view(-1).tolist() for q in qs]
+    for seed in range(20):
+        batch = accept_sampled_batch([Window(p, q, d, torch.Generator().manual_seed(seed + i))
+                                      for i, (p, q, d) in enumerate(zip(ps, qs, drafts))])
+        alone = [accept_sampled(p, q, d, torch.Generator().manual_seed(seed + i))
+                 for i, (p, q, d) in enumerate(zip(ps, qs, drafts))]
+        assert batch == alone
+        for (out, acc), d in zip(batch, drafts):
+            assert len(out) == acc + 1 and out[:acc] == d[:acc]

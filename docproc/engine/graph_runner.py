@@ -237,7 +237,7 @@ class GraphRunner:
                 query_start.append(r)
                 context_lens.append(end)
                 continue
-            tok = seq.token_ids[start:end]
+            tok = c.input_ids()
             ids[base: base + num] = tok if clamp is None else [min(x, clamp) for x in tok]
             pos[:, base: base + num] = np.arange(start + delta, end + delta)
             bt = seq.block_table

@@ -345,7 +345,7 @@ class ModelRunner:
         for s in scheduled:
             seq, start, end = s.seq, s.start, s.end
             row0 = len(ids)
-            ids.extend(seq.token_ids[start:end])
+            ids.extend(s.input_ids())
             positions.append(mrope_positions(seq.images, start, end))
             table = seq.block_table
             slots.extend(table[t // bs] * bs + t % bs for t in range(start, end))

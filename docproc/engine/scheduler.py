@@ -34,6 +34,9 @@ class ScheduledSeq:
         """True once this step computes the last known token: its logits give the next one."""
         return self.end == len(self.seq)
 
+    def input_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start: self.end]
+
 
 @dataclass
 class SchedulerOutput:
@@ -158,13 +161,14 @@ class Scheduler:
         self.max_running = max(self.max_running, len(self.running))
         return out
 
-    def schedule_continuation(self, seqs: list[Sequence], placeholder: int) -> SchedulerOutput | None:
+    def schedule_continuation(self, seqs: list[Sequence]) -> SchedulerOutput | None:
         """The decode step after a launched one whose tokens are not read yet, for the same
-        sequences (the engine's overlapped decode): each sequence counts the launched step's token
-        as computed and gets `placeholder` in its place, to be replaced when it is read. None,
-        changing nothing, if the pool lacks the blocks (that step takes the plain path, which may
-        preempt) or the token budget is too small. A block that the placeholder completes is not
-        committed (its hash would key the placeholder): the next commit covers it."""
+        sequences (the engine's overlapped decode, engine/overlap.py): each sequence counts the
+        launched step's token as computed and gets a slot for the token after it; the caller puts
+        a placeholder for the unread token in the sequence. None, changing nothing, if the pool
+        lacks the blocks (that step takes the plain path, which may preempt) or the token budget
+        is too small. A block that the unread token completes is not committed (its hash would
+        key the placeholder): the next commit covers it."""
         bm = self.block_manager
         bs = bm.block_size
         if len(seqs) > self.max_num_batched_tokens:
@@ -175,8 +179,7 @@ class Scheduler:
         out = SchedulerOutput()
         for seq in seqs:
             seq.num_computed_tokens = len(seq)
-            seq.token_ids.append(placeholder)
-            n = len(seq)
+            n = len(seq) + 1  # with the unread token
             if n + self.lookahead > len(seq.block_table) * bs:
                 bm.append_slots(seq, n + self.lookahead)
             if (n - 1) // bs > len(seq.block_hashes):
@@ -186,10 +189,10 @@ class Scheduler:
         return out
 
     def undo_continuation(self, seqs: list[Sequence]) -> None:
-        """Take back schedule_continuation (the step could not be launched); blocks it added stay
-        in the tables, where the next step would put them anyway."""
+        """Take back schedule_continuation (the step could not be launched; the caller has taken
+        its placeholders out again); blocks it added stay in the tables, where the next step
+        would put them anyway."""
         for seq in seqs:
-            seq.token_ids.pop()
             seq.num_computed_tokens = len(seq) - 1
 
     def finish(self, seq: Sequence, reason: str) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 from array import array
+from dataclasses import dataclass
 from enum import Enum
 
 from docproc.multimodal import ImageSpan  # noqa: F401 -- defined there (models use it too), named here
@@ -53,7 +54,7 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.num_encoded_images = 0
         self.spec_stats = SpecStats()  # speculative decoding figures of this request
-        self.draft = None  # the draft model's view of this sequence (engine/draft.py)
+        self.draft = None  # the draft model's view of this sequence (engine/spec/draft.py)
         # Opaque payloads owned by the engine layers above: the decoded images (one per span),
         # the request's sampling parameters and its random generator.
         self.mm_inputs: list = []
@@ -90,6 +91,29 @@ class Sequence:
 
     def block_key(self, block_index: int, block_size: int) -> bytes:
         return block_key(self.token_ids, self.images, block_index, block_size)
+
+
+@dataclass
+class Chunk:
+    """Positions start..end of a (draft) sequence to compute: what ModelRunner.forward takes.
+    `window` holds tokens past the sequence's end (a speculative step's proposals, scored by the
+    target beside the sequence, never appended to it): end may reach len(seq) + len(window)."""
+
+    seq: object
+    start: int
+    end: int
+    window: tuple[int, ...] = ()
+
+    @property
+    def num_new_tokens(self) -> int:
+        return self.end - self.start
+
+    def input_ids(self) -> list[int]:
+        ids = self.seq.token_ids
+        n = len(ids)
+        if self.end <= n:
+            return ids[self.start: self.end]
+        return ids[self.start:] + list(self.window[: self.end - n])
 
 
 def block_key(token_ids: list[int], images: list[ImageSpan], block_index: int, block_size: int) -> bytes:

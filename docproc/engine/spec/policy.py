@@ -1,26 +1,28 @@
-"""Speculative decoding: the acceptance rule and the adaptive choice of K.
+"""The adaptive choice of K (how many tokens the draft proposes per step).
 
-Acceptance (Leviathan et al. / Chen et al.): the draft proposed d_1..d_k with probabilities q_i;
-the target scored the same k + 1 positions in one forward, giving p_1..p_{k+1}. For i = 1..k,
-accept d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection emit a token drawn
-from norm(max(0, p_i - q_i)) and stop; if all k are accepted emit a bonus token drawn from
-p_{k+1}. Every emitted token is then distributed exactly as the target's own sampling would be.
-Greedy requests are the special case of one-hot p and q: the longest prefix of drafts equal to
-the target's argmax, then the target's argmax.
-
-Choice of K: with per-token acceptance rate a, k drafts yield E(a, k) = (1 - a^(k+1)) / (1 - a)
-tokens per verification; a step costs 1 + k (c + r) target-step units, c = draft step / target
-step, r = the target's extra cost per verified position. AdaptiveK picks one k in 0..k_max per
-engine step, for the whole batch (the draft's k forwards are paid by every sequence of the step);
-k = 0 means decode without the draft, re-probing with k = 1 now and then.
+With per-token acceptance rate a, k drafts yield E(a, k) = (1 - a^(k+1)) / (1 - a) tokens per
+verification; a step costs 1 + k (c + r) target-step units, c = draft step / target step, r = the
+target's extra cost per verified position. AdaptiveK picks one k in 0..k_max per engine step, for
+the whole batch (the draft's k forwards are paid by every sequence of the step); k = 0 means
+decode without the draft, re-probing with k = 1 now and then. This module is pure arithmetic over
+measured times (no torch).
 """
 from __future__ import annotations
 
 from collections import deque
 
-import torch
 
-from docproc.outputs import SpecStats  # noqa: F401  (the figures live with the outputs: no torch)
+def parse_spec_k(value: int | str) -> tuple[int, bool]:
+    """num_speculative_tokens: a number (fixed K) or "auto" (adaptive, K up to 8)."""
+    if isinstance(value, str):
+        if value == "auto":
+            return 8, True
+        if not value.isdigit():
+            raise ValueError(f"num_speculative_tokens must be a number or 'auto', got {value!r}")
+        value = int(value)
+    if not 1 <= value <= 15:
+        raise ValueError(f"num_speculative_tokens must be between 1 and 15, got {value}")
+    return value, False
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -48,40 +50,6 @@ def best_k(a: float, c: float, k_max: int, r: float = 0.0) -> int:
     position, both relative to a decode step of the target (r ~ 0 where decode is memory-bound, as
     on a GPU; r ~ 1 where the target's step time grows with its tokens, as on a CPU)."""
     return best_step_k([a], c + r, k_max)
-
-
-def accept_greedy(top: list[int], draft_tokens: list[int]) -> tuple[list[int], int]:
-    """top: the target's argmax at the k + 1 verified positions. Returns (emitted tokens, number
-    of drafts accepted)."""
-    j = 0
-    while j < len(draft_tokens) and draft_tokens[j] == top[j]:
-        j += 1
-    return draft_tokens[:j] + [top[j]], j
-
-
-def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    # the exponential trick, as in the sampler: argmax(p / E), E ~ Exp(1)
-    e = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / e).argmax())
-
-
-def accept_sampled(p: torch.Tensor, q: torch.Tensor, draft_tokens: list[int],
-                   generator: torch.Generator | None) -> tuple[list[int], int]:
-    """p: (k + 1, V) target probabilities, q: (k, V) draft probabilities of the proposals.
-    Returns (emitted tokens, number of drafts accepted)."""
-    out: list[int] = []
-    for i, d in enumerate(draft_tokens):
-        u = torch.rand((), generator=generator, device=p.device).item()
-        pd, qd = p[i, d].item(), q[i, d].item()
-        if qd > 0 and u < min(1.0, pd / qd):
-            out.append(d)
-            continue
-        residual = (p[i] - q[i]).clamp_min(0)
-        total = residual.sum()
-        out.append(_draw(residual / total if total > 0 else p[i], generator))
-        return out, i
-    out.append(_draw(p[len(draft_tokens)], generator))
-    return out, len(draft_tokens)
 
 
 class _Line:
@@ -200,7 +168,7 @@ class AdaptiveK:
         self._probe_extra: deque[float] = deque(maxlen=5)  # the last probes' extra seconds
         self._probe_floor = 0.0  # bypassed steps between probes that keep them within budget
         # bypassed steps that overlap (the engine queues the next one before reading the tokens
-        # of the one in flight: LLM._overlap_step) cost less than the target's line says, which
+        # of the one in flight: engine/overlap.py) cost less than the target's line says, which
         # is fitted to steps with the host's work in them (verifications always are): their time
         # over the line's, the median of the last 16 (1.0 until one is seen)
         self._overlap: deque[float] = deque(maxlen=16)

@@ -1,6 +1,6 @@
 """The draft side of a speculative step: keep the draft's cache in step with each sequence, and
 propose up to K tokens per decoding sequence (K forward passes of the draft, batched over
-sequences). Verification and acceptance happen in LLM._spec_step with the target's logits."""
+sequences). The target scores and accepts them in verifier.py."""
 from __future__ import annotations
 
 import time
@@ -9,51 +9,12 @@ from dataclasses import dataclass
 import torch
 
 from docproc.engine.block_manager import BlockManager
-from docproc.engine.draft import DraftView, draft_prompt, tokenizer_hash
 from docproc.engine.model_runner import ModelRunner, inference
 from docproc.engine.sampler import probabilities
-from docproc.engine.sequence import Sequence
-from docproc.engine.speculative import AdaptiveK, SpecStats
-
-
-def parse_spec_k(value: int | str) -> tuple[int, bool]:
-    """num_speculative_tokens: a number (fixed K) or "auto" (adaptive, K up to 8)."""
-    if isinstance(value, str):
-        if value == "auto":
-            return 8, True
-        if not value.isdigit():
-            raise ValueError(f"num_speculative_tokens must be a number or 'auto', got {value!r}")
-        value = int(value)
-    if not 1 <= value <= 15:
-        raise ValueError(f"num_speculative_tokens must be between 1 and 15, got {value}")
-    return value, False
-
-
-def check_tokenizers(target: str, draft: str) -> None:
-    """The draft must encode text exactly as the target does; checked before any weights load."""
-    from transformers import AutoTokenizer
-
-    from docproc.models.loader import check_folder
-
-    for folder in (target, draft):
-        check_folder(folder)  # a missing folder is named as such, not looked up on a model hub
-    hashes = [tokenizer_hash(AutoTokenizer.from_pretrained(str(p), local_files_only=True)) for p in (target, draft)]
-    if hashes[0] != hashes[1]:
-        raise ValueError(f"draft tokenizer differs from target (vocab hash {hashes[1]} vs {hashes[0]}): "
-                         f"pick a draft trained with the same tokenizer")
-
-
-@dataclass
-class Chunk:
-    """A run of tokens of a (draft) sequence to compute: what ModelRunner.forward takes."""
-
-    seq: object
-    start: int
-    end: int
-
-    @property
-    def num_new_tokens(self) -> int:
-        return self.end - self.start
+from docproc.engine.sequence import Chunk, Sequence
+from docproc.engine.spec.draft import DraftView, draft_prompt
+from docproc.engine.spec.policy import AdaptiveK
+from docproc.outputs import SpecStats
 
 
 @dataclass
@@ -62,7 +23,7 @@ class Proposal:
     probs: torch.Tensor | None  # (k, V) draft distributions the tokens were drawn from; None if greedy
 
 
-class Speculator:
+class Proposer:
     def __init__(self, runner: ModelRunner, k_max: int, adaptive: bool, vision: str, image_token_id: int,
                  enable_prefix_caching: bool, target_vocab: int | None = None) -> None:
         self.runner = runner
@@ -84,7 +45,7 @@ class Speculator:
         self.chain_greedy = True
         self.num_chained_rounds = 0  # proposal rounds whose input token stayed on the device
         self.draft_seconds = 0.0
-        self._timed_kinds: set[str] = set()  # forward kinds run once already (later ones are timed)
+        self.timed_kinds: set[str] = set()  # forward kinds run once already (later ones are timed)
         self.num_catch_up_skips = 0  # sequence-steps not drafted because the catch-up would not pay
         # pages whose tokens the draft has computed (its prefix cache holds them unless evicted):
         # a new query of such a page catches up only its own text
@@ -221,7 +182,7 @@ class Speculator:
             n_chained = chain_count if chain else 0
             if n_chained:
                 t_fwd, captures = chain_t0, chain_captures
-            if runner.num_graph_captures == captures and kind in self._timed_kinds:
+            if runner.num_graph_captures == captures and kind in self.timed_kinds:
                 if kind == "decode":
                     per = (time.perf_counter() - t_fwd) / (n_chained + 1)
                     for _ in range(n_chained + 1):
@@ -229,7 +190,7 @@ class Speculator:
                 else:
                     self.policy.observe_draft_prefill(sum(c.num_new_tokens for c in chunks),
                                                       time.perf_counter() - t_fwd)
-            self._timed_kinds.add(kind)
+            self.timed_kinds.add(kind)
             for i, ((seq, v), tok) in enumerate(zip(live, tokens)):
                 v.num_computed_tokens = len(v)
                 v.proposals.append(tok)

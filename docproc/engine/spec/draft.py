@@ -81,3 +81,17 @@ def tokenizer_hash(tokenizer) -> str:
     added = sorted((str(k), v) for k, v in tokenizer.get_added_vocab().items())
     payload = json.dumps({"vocab": vocab, "special": specials, "added": added}, ensure_ascii=False)
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+def check_tokenizers(target: str, draft: str) -> None:
+    """The draft must encode text exactly as the target does; checked before any weights load."""
+    from transformers import AutoTokenizer
+
+    from docproc.models.loader import check_folder
+
+    for folder in (target, draft):
+        check_folder(folder)  # a missing folder is named as such, not looked up on a model hub
+    hashes = [tokenizer_hash(AutoTokenizer.from_pretrained(str(p), local_files_only=True)) for p in (target, draft)]
+    if hashes[0] != hashes[1]:
+        raise ValueError(f"draft tokenizer differs from target (vocab hash {hashes[1]} vs {hashes[0]}): "
+                         f"pick a draft trained with the same tokenizer")

@@ -1,0 +1,123 @@
+"""A request's way through the engine, host side: prompt -> Sequence, stop rules, Sequence ->
+RequestOutput."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from docproc.engine.sequence import Sequence
+from docproc.models.processor import PromptError
+from docproc.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from docproc.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+def eos_token_ids(folder: str | Path, hf_config, tokenizer) -> set[int]:
+    """EOS ids from generation_config.json, else the model config, else the tokenizer."""
+    ids: Any = None
+    gen = Path(folder) / "generation_config.json"
+    if gen.is_file():
+        ids = json.loads(gen.read_text()).get("eos_token_id")
+    if ids is None:
+        tc = getattr(hf_config, "text_config", None)
+        ids = getattr(hf_config, "eos_token_id", None) or getattr(tc, "eos_token_id", None)
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return set()
+    return {int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])}
+
+
+def make_sequence(processor, prompt: PromptType, sp: SamplingParams, request_id: str, max_model_len: int,
+                  images_memo: dict | None = None) -> Sequence:
+    """Tokenize the prompt, expand its image placeholders by each image's grid and load the
+    images (PromptError for a prompt the engine cannot take)."""
+    if isinstance(prompt, str):
+        text, token_ids, images, uuids = prompt, None, [], None
+    elif isinstance(prompt, dict):
+        text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+        images = (prompt.get("multi_modal_data") or {}).get("image", [])
+        if not isinstance(images, (list, tuple)):
+            images = [images]
+        uuids = (prompt.get("multi_modal_uuids") or {}).get("image")
+    else:
+        raise PromptError(f"a prompt must be a string or a dict, got {type(prompt).__name__}")
+    ids, spans, loaded = processor.process(text, token_ids, list(images), uuids, images_memo)
+    if len(ids) >= max_model_len:
+        raise PromptError(
+            f"prompt is {len(ids)} tokens (images expanded) but max_model_len is {max_model_len}: "
+            f"shorten it, lower the image max_pixels, or raise max_model_len"
+        )
+    seq = Sequence(ids, spans, max_tokens=min(sp.max_tokens, max_model_len - len(ids)),
+                   request_id=request_id, arrival_time=time.perf_counter())
+    seq.mm_inputs = loaded
+    seq.sampling = sp
+    return seq
+
+
+def stop_reason(seq: Sequence, token: int, eos_ids: set[int], tokenizer, max_model_len: int) -> str | None:
+    """"stop" (EOS, or a stop string in the text), "length" (max_tokens, max_model_len) or None;
+    what stopped it goes to seq.stop_reason."""
+    sp: SamplingParams = seq.sampling
+    if not sp.ignore_eos and token in eos_ids:
+        seq.stop_reason = token
+        return "stop"
+    if sp.stop:
+        text = tokenizer.decode(seq.generated_token_ids, skip_special_tokens=True)
+        for s in sp.stop:
+            if s in text:
+                seq.stop_reason = s
+                return "stop"
+    if seq.num_generated_tokens >= seq.max_tokens or len(seq) >= max_model_len:
+        return "length"
+    return None
+
+
+def output_text(seq: Sequence, tokenizer) -> str:
+    text = tokenizer.decode(seq.generated_token_ids, skip_special_tokens=True)
+    if isinstance(seq.stop_reason, str) and seq.finish_reason == "stop":
+        text = text[: text.find(seq.stop_reason)]
+    return text
+
+
+def prompt_text(prompt: PromptType) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return (prompt.get("prompt") or "") if isinstance(prompt, dict) else ""
+
+
+def request_output(seq: Sequence, prompt: PromptType, tokenizer) -> RequestOutput:
+    if seq.finish_reason == "error":
+        return error_output(seq.request_id, prompt, seq.token_ids[: seq.num_prompt_tokens], str(seq.stop_reason))
+    end = seq.finish_time or time.perf_counter()
+    st = seq.spec_stats
+    metrics = RequestMetrics(
+        num_prompt_tokens=seq.num_prompt_tokens,
+        num_cached_tokens=seq.num_cached_tokens,
+        num_generated_tokens=seq.num_generated_tokens,
+        num_images=len(seq.images),
+        num_encoded_images=seq.num_encoded_images,
+        num_preemptions=seq.num_preemptions,
+        draft_proposed=st.proposed,
+        draft_accepted=st.accepted,
+        draft_verifications=st.verifications,
+        draft_bypassed_steps=st.bypassed_steps,
+        draft_accepted_length_histogram=dict(sorted(st.accepted_hist.items())),
+        draft_k_histogram=dict(sorted(st.k_hist.items())),
+        time_to_first_token=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
+        total_time=end - seq.arrival_time,
+        finish_reason=seq.finish_reason,
+    )
+    completion = CompletionOutput(0, output_text(seq, tokenizer), seq.generated_token_ids, seq.finish_reason,
+                                  seq.stop_reason)
+    seq.mm_inputs = []
+    return RequestOutput(seq.request_id, prompt_text(prompt), seq.token_ids[: seq.num_prompt_tokens], [completion],
+                         metrics)
+
+
+def error_output(request_id: str, prompt: PromptType, prompt_ids: list[int], error: str) -> RequestOutput:
+    return RequestOutput(request_id, prompt_text(prompt), prompt_ids, [CompletionOutput(0, "", [], "error")],
+                         RequestMetrics(num_prompt_tokens=len(prompt_ids), finish_reason="error"), error=error)

@@ -1,0 +1,187 @@
+"""The target's side of a speculative step: choose each decoding sequence's window, have the
+proposer fill it, score every window (the sequence's last token plus its proposals, kept beside
+the sequence in Chunk.window) and the step's prefill chunks in one target forward, and accept
+with rejection.py's rule.
+
+A window's K/V is written into slots the sequence reserves past its end; after acceptance the
+sequence holds its emitted tokens and the block table is cut back to them (a length change: the
+rejected positions' K/V is overwritten by later steps).
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from docproc.engine.sampler import probabilities
+from docproc.engine.sequence import Chunk, Sequence
+from docproc.engine.spec import rejection
+
+if TYPE_CHECKING:
+    from docproc.engine.llm import LLM
+    from docproc.engine.scheduler import SchedulerOutput
+
+
+class Verifier:
+    def __init__(self, engine: LLM) -> None:
+        self.engine = engine
+
+    def step(self, out: SchedulerOutput, k_step: int) -> list[Sequence]:
+        """One step with speculation (k_step > 0). A probe's cost (the policy's `probing`) sets
+        how often probes may come: it is not timed when it captured a CUDA graph or ran a draft
+        forward of a new kind (one-off costs)."""
+        spec = self.engine.speculator
+        if not spec.policy.probing:
+            return self._step(out, k_step)
+        before = (self.engine.runner.num_graph_captures, spec.runner.num_graph_captures, len(spec.timed_kinds))
+        t0 = time.perf_counter()
+        done = self._step(out, k_step)
+        if before == (self.engine.runner.num_graph_captures, spec.runner.num_graph_captures, len(spec.timed_kinds)):
+            spec.policy.observe_probe(time.perf_counter() - t0)
+        return done
+
+    def _windows(self, out: SchedulerOutput, k_step: int) -> list[tuple[Sequence, int]]:
+        """(sequence, k) for every decoding sequence that drafts this step, its target slots
+        reserved. A sequence drafts fewer than k_step where max_tokens, max_model_len or the
+        pool's room ends sooner, and none where the policy prices its draft's catch-up (every
+        token the draft has not computed: a new page, or what it skipped while bypassed) above
+        what drafting would save, or where a probe drafts for another sequence."""
+        eng = self.engine
+        spec, bm = eng.speculator, eng.block_manager
+        catch_up: dict[int, tuple[int, tuple | None]] = {}
+        pages: dict[tuple, int] = {}  # sequences this step whose draft would prefill the same page
+        explore = None  # while the catch-up cost is unmeasured: the one page this step may prefill
+        probe_only = None  # a probe drafts for one sequence: the one with least to catch up
+        decoding = [s.seq for s in out.scheduled if s.num_new_tokens == 1 and s.needs_sample]
+        if not spec.policy.fixed:
+            for seq in decoding:
+                catch_up[seq.seq_id] = spec.catch_up(seq)
+                page = catch_up[seq.seq_id][1]
+                if page is not None:
+                    pages[page] = pages.get(page, 0) + 1
+            if spec.policy.probing and catch_up:
+                probe_only = min(catch_up, key=lambda sid: catch_up[sid][0])
+        work = []
+        for seq in decoding:
+            k = min(k_step, seq.max_tokens - seq.num_generated_tokens - 1,
+                    eng.max_model_len - len(seq) - 1, eng.scheduler.lookahead)
+            # the window needs target slots; a prompt's last token (not a decode step) may lack them
+            if k > 0 and not bm.can_append(seq, len(seq) + k):
+                k = 0
+            if probe_only is not None and seq.seq_id != probe_only:
+                k = 0
+            if k > 0 and seq.seq_id in catch_up:
+                tokens, page = catch_up[seq.seq_id]
+                share = spec.page_share(page, pages[page]) if page is not None else 1
+                sp = seq.sampling
+                exact = sp.ignore_eos and not sp.stop and not getattr(sp, "stop_token_ids", None)
+                worth = spec.policy.worth_catching_up(seq.seq_id, k, tokens, share, seq.num_generated_tokens,
+                                                      left=seq.max_tokens - seq.num_generated_tokens, exact=exact)
+                if worth is None:  # unmeasured: one page (its queries together) to measure it
+                    explore = explore or page or (seq.seq_id,)
+                    worth = explore in (page, (seq.seq_id,))
+                if not worth:
+                    k = 0
+                    spec.num_catch_up_skips += 1
+            if k > 0:
+                bm.append_slots(seq, len(seq) + k)
+                work.append((seq, k))
+            else:
+                spec.stats.bypassed_steps += 1
+                seq.spec_stats.bypassed_steps += 1
+        return work
+
+    def _step(self, out: SchedulerOutput, k_step: int) -> list[Sequence]:
+        eng = self.engine
+        spec, runner = eng.speculator, eng.runner
+        t_draft = spec.draft_seconds
+        proposals = spec.propose(self._windows(out, k_step))
+        t_draft = spec.draft_seconds - t_draft
+        chunks, props = [], []
+        for s in out.scheduled:
+            prop = proposals.get(s.seq.seq_id)
+            if prop is not None and prop.tokens:
+                chunks.append(Chunk(s.seq, s.start, len(s.seq) + len(prop.tokens), tuple(prop.tokens)))
+                props.append(prop)
+            else:
+                chunks.append(Chunk(s.seq, s.start, s.end))
+                props.append(None)
+        t0 = time.perf_counter()
+        captures = runner.num_graph_captures
+        hidden, meta = runner.forward(chunks)
+        # one logits call for the whole step: every verified window and every sequence that
+        # samples its next token the plain way
+        spans: list[tuple[int, int] | None] = []
+        rows: list[int] = []
+        for i, (c, prop) in enumerate(zip(chunks, props)):
+            lo, hi = meta.query_start[i], meta.query_start[i + 1]
+            if prop is not None:
+                spans.append((len(rows), hi - lo))
+                rows.extend(range(lo, hi))
+            elif c.end == len(c.seq):  # prefill finished, or decoding without a draft this step
+                spans.append((len(rows), 1))
+                rows.append(hi - 1)
+            else:
+                spans.append(None)
+        logits = runner.logits(hidden, rows) if rows else None  # (len(rows), V) fp32
+        srows = [runner.sampling_row(c.seq) for c in chunks]
+        emitted = self._accept(chunks, props, spans, srows, logits)
+        now = time.perf_counter()
+        finished: list[Sequence] = []
+        for i, (c, prop) in enumerate(zip(chunks, props)):
+            seq = c.seq
+            if prop is not None:
+                tokens, accepted = emitted[i]
+                k = len(prop.tokens)
+                committed_before = seq.draft.num_committed if seq.draft else 0
+                spec.stats.record(k, accepted)
+                spec.policy.observe(seq.seq_id, k, accepted)
+                seq.spec_stats.record(k, accepted)
+                spec.after_verify(seq, committed_before, k, accepted)
+                done = False
+                for tok in tokens:  # EOS, stop strings and max_tokens apply inside the run
+                    if eng.append_token(seq, tok, now):
+                        done = True
+                        break
+                if done:
+                    finished.append(seq)
+                else:
+                    seq.num_computed_tokens = len(seq) - 1
+                    eng.block_manager.truncate(seq, len(seq))
+            else:
+                seq.num_computed_tokens = c.end
+                if i in emitted and eng.append_token(seq, emitted[i][0][0], now):
+                    finished.append(seq)
+        t_target = time.perf_counter() - t0
+        # decode/verify steps only (prefill chunks would skew the line), and none that captured a graph
+        if runner.num_graph_captures == captures:
+            spec.policy.observe_any_step(meta.num_tokens, t_target)
+            if len(out.decoding) == len(out.scheduled):
+                spec.policy.observe_step(meta.num_tokens, t_target)
+        eng.count_step(meta.num_tokens, t_target + t_draft, False)  # a speculative step: not plain decode
+        return finished
+
+    def _accept(self, chunks, props, spans, srows, logits) -> dict[int, tuple[list[int], int]]:
+        """Chunk index -> (emitted tokens, drafts accepted) for every verified window and every
+        row that samples the plain way (one token, 0 accepted). The host waits for the device
+        once for the plain rows and greedy windows together, once for the sampled windows."""
+        runner = self.engine.runner
+        result: dict[int, tuple[list[int], int]] = {}
+        plain = [i for i, p in enumerate(props) if p is None and spans[i] is not None]
+        if plain:
+            picked = runner.sampler(logits[[spans[i][0] for i in plain]], [srows[i] for i in plain]).tolist()
+            result.update((i, ([t], 0)) for i, t in zip(plain, picked))
+        greedy = [i for i, p in enumerate(props) if p is not None and srows[i].temperature == 0]
+        if greedy:
+            top = logits.argmax(-1).tolist()
+            for i in greedy:
+                r0, k = spans[i][0], len(props[i].tokens)
+                result[i] = rejection.accept_greedy(top[r0: r0 + k + 1], props[i].tokens)
+        sampled = [i for i, p in enumerate(props) if p is not None and srows[i].temperature != 0]
+        windows = []
+        for i in sampled:
+            r0, k = spans[i][0], len(props[i].tokens)
+            p = probabilities(logits[r0: r0 + k + 1], [srows[i]] * (k + 1))
+            windows.append(rejection.Window(p, props[i].probs, props[i].tokens,
+                                            chunks[i].seq.generator or runner.sampler.generator))
+        result.update(zip(sampled, rejection.accept_sampled_batch(windows)))
+        return result
