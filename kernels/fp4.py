@@ -357,3 +357,24 @@ class FP4PagedLayer:
     def bytes_per_token(self) -> int:
         """What this layer's pool holds per token, K and V, from the allocation itself."""
         return self.page_bytes // self.block_size
+
+
+# ---- the decode in PTX (text for inline assembly: Triton's and Gluon's FP4 kernels) ---------------
+def fp4_pair_steps(word: str, scales: tuple[str, str, str, str], outs: list[str]) -> list[str]:
+    """The decode's PTX for one 32-bit word of codes (`word`): two PRMTs spread bytes 0-1 and 2-3
+    into the low byte of each 16-bit lane; then per pair of values (low nibbles of bytes 0-1, 2-3,
+    high nibbles of 0-1, 2-3) an AND, one IMAD placing the magnitude at bits 6-8 and the sign at
+    15, an AND, and a bf16x2 FMA by that pair's scale register. `outs` names the bf16x2 result per
+    pair (or "{lo, hi}" pairs of 16-bit outputs, written through a scratch register y)."""
+    lines = [f"prmt.b32 t01, {word}, 0, 0x4140;",  # bytes 0, 1 -> the low byte of each 16-bit lane
+             f"prmt.b32 t23, {word}, 0, 0x4342;"]  # bytes 2, 3
+    # (lanes, nibble mask, multiplier placing magnitude at bits 6-8 and sign at 15)
+    for out, (src, mask, mul), scale in zip(outs, (("t01", "0x000F000F", "0x1040"), ("t23", "0x000F000F", "0x1040"),
+                                                   ("t01", "0x00F000F0", "0x104"), ("t23", "0x00F000F0", "0x104")),
+                                            scales):
+        lines += [f"and.b32 x, {src}, {mask};", f"mul.lo.u32 x, x, {mul};", "and.b32 x, x, 0x81C081C0;"]
+        if out.startswith("{"):
+            lines += [f"fma.rn.bf16x2 y, x, {scale}, z;", f"mov.b32 {out}, y;"]
+        else:
+            lines += [f"fma.rn.bf16x2 {out}, x, {scale}, z;"]
+    return lines

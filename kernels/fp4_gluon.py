@@ -31,7 +31,7 @@ layouts are chosen so that no decoded value leaves its thread:
 - Scales: an E4M3 byte shifted left by 4 is a bf16 of the scale x 2^-120 (subnormal scales too);
   two bf16x2 multiplies by 2^119 make the decode's operand (SCALE_SPLATS for keys, SCALE_PAIRS for
   values), exact, where a float32 detour took 6 instructions a scale.
-The per-pair decode is kernels/paged_attention.py's (_fp4_pair_steps: exact, equal to the float32
+The per-pair decode is kernels/fp4.py's (fp4_pair_steps: exact, equal to the float32
 decode bit for bit). Key outlier slots: a gather of q; value slots are not read (the kernel's
 docstring says why not and who reads them). Compiled for sm_90 with Triton 3.6: 1,220 SASS
 instructions per 128-key step with 2 key slots, 998 without (scripts/gluon_fp4_probe.py --kernel);
@@ -51,9 +51,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from kernels import paged_attention
+from kernels import attention_plan
 from kernels._triton import interpreting
-from kernels.paged_attention import LOG2E, UNSPECIALIZED, TilePlan, _fp4_pair_steps
+from kernels.attention_plan import LOG2E, UNSPECIALIZED, TilePlan
+from kernels.fp4 import fp4_pair_steps
 
 WARPS = gl.constexpr(4)
 KEYS = gl.constexpr(32)  # keys per warp per step
@@ -65,9 +66,9 @@ HALF = gl.constexpr(HEAD_DIM // 2)
 def _key_decode_ptx() -> str:
     """pack=4 over (word, its byte b = 0..3): one 32-bit word of key codes ($4; $5-$7 are copies)
     and the lo and hi groups' scales as bf16x2 splats ($8, $12; the rest copies) -> the 4 bytes'
-    low-nibble values ($0, $1) and high-nibble values ($2, $3), bf16 pairs: kernels/paged_attention.py's steps."""
+    low-nibble values ($0, $1) and high-nibble values ($2, $3), bf16 pairs: kernels/fp4.py's steps."""
     return "\n".join(["{", ".reg .b32 t01, t23, x, y, z;", "mov.b32 z, 0x80008000;"]
-                     + _fp4_pair_steps("$4", ("$8", "$8", "$12", "$12"), ["$0", "$1", "$2", "$3"]) + ["}"])
+                     + fp4_pair_steps("$4", ("$8", "$8", "$12", "$12"), ["$0", "$1", "$2", "$3"]) + ["}"])
 
 
 def _value_decode_ptx() -> str:
@@ -79,7 +80,7 @@ def _value_decode_ptx() -> str:
     bytes are masked off by the steps)."""
     lines = ["{", ".reg .b32 t01, t23, x, y, z, s;", "mov.b32 z, 0x80008000;",
              "prmt.b32 t01, $4, $5, $8;", "add.u32 s, $8, 0x1111;", "prmt.b32 t23, $4, $5, s;"]
-    steps = _fp4_pair_steps("$4", ("$12", "$12", "$13", "$13"), ["$0", "$1", "$2", "$3"])[2:]  # t01, t23 made above
+    steps = fp4_pair_steps("$4", ("$12", "$12", "$13", "$13"), ["$0", "$1", "$2", "$3"])[2:]  # t01, t23 made above
     return "\n".join(lines + steps + ["}"])
 
 
@@ -439,9 +440,9 @@ def _why_not(device, dtype: torch.dtype, head_dim: int, group: int, key_slots: i
 def engine_can_use(group: int, head_dim: int, key_slots: int, value_slots: int, compute_dtype: torch.dtype,
                    device) -> bool:
     """Whether an engine's FP4 decode steps will run this kernel (supported() for its calls), so
-    that its plans take this kernel's split count. Never with paged_attention.FP4_GLUON off
+    that its plans take this kernel's split count. Never with attention_plan.FP4_GLUON off
     (EngineConfig.fp4_gluon)."""
-    return paged_attention.FP4_GLUON and _why_not(device, compute_dtype, head_dim, group, key_slots,
+    return attention_plan.FP4_GLUON and _why_not(device, compute_dtype, head_dim, group, key_slots,
                                                   value_slots) is None
 
 

@@ -13,19 +13,16 @@ splits by log-sum-exp.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from kernels._triton import interpreting, tl, triton
 
-from kernels import pdl
+from kernels import attention_plan, pdl
+from kernels.fp4 import fp4_pair_steps
+from kernels.attention_plan import LOG2E, UNSPECIALIZED, TilePlan, merge_shape
 
-FP4_GLUON = True  # FP4 decode tiles through kernels/fp4_gluon.py where it can run; the engine sets it
-#                   from its configuration (EngineConfig.fp4_gluon)
-
-LOG2E = 1.4426950408889634
 TWO_119 = tl.constexpr(2.0 ** 119)
 
 
@@ -181,15 +178,6 @@ def _store_tile(out_ptr, part_acc_ptr, part_ml_ptr, acc_lo, acc_hi, m_i, l_i, ti
         tl.store(part_ml_ptr + base * 2 * BLOCK_M + BLOCK_M + r, l_i, mask=row_ok)
 
 
-# Integer arguments Triton must not specialize on (it compiles a variant for a value of 1 and one
-# for a multiple of 16). The block table's row stride is its width, the longest table of the step:
-# it changes from step to step, so a warm-up at one width would not cover a step at another (one
-# load per key block). The split count is a run-time value too (as a compile-time constant it made
-# 7 counts x 4 tile shapes = 28 variants per kernel for warm-up to compile, 107 s at engine start on
-# the H200 for the bf16 engine with its draft): a kernel has one variant per tile shape for unsplit
-# tiles and one for split tiles (SPLIT), 8 in all, and the merge kernel one per tile shape. A split count only enters one division per program and the partials'
-# offsets.
-UNSPECIALIZED = ["s_table", "num_splits"]
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED)
@@ -241,31 +229,11 @@ def _paged_attn_kernel(
                 row_ok, d, so_t, so_h, num_splits, BLOCK_M, HALF, SPLIT)
 
 
-def _fp4_pair_steps(word: str, scales: tuple[str, str, str, str], outs: list[str]) -> list[str]:
-    """The decode's PTX for one 32-bit word of codes (`word`): two PRMTs spread bytes 0-1 and 2-3
-    into the low byte of each 16-bit lane; then per pair of values (low nibbles of bytes 0-1, 2-3,
-    high nibbles of 0-1, 2-3) an AND, one IMAD placing the magnitude at bits 6-8 and the sign at
-    15, an AND, and a bf16x2 FMA by that pair's scale register. `outs` names the bf16x2 result per
-    pair (or "{lo, hi}" pairs of 16-bit outputs, written through a scratch register y)."""
-    lines = [f"prmt.b32 t01, {word}, 0, 0x4140;",  # bytes 0, 1 -> the low byte of each 16-bit lane
-             f"prmt.b32 t23, {word}, 0, 0x4342;"]  # bytes 2, 3
-    # (lanes, nibble mask, multiplier placing magnitude at bits 6-8 and sign at 15)
-    for out, (src, mask, mul), scale in zip(outs, (("t01", "0x000F000F", "0x1040"), ("t23", "0x000F000F", "0x1040"),
-                                                   ("t01", "0x00F000F0", "0x104"), ("t23", "0x00F000F0", "0x104")),
-                                            scales):
-        lines += [f"and.b32 x, {src}, {mask};", f"mul.lo.u32 x, x, {mul};", "and.b32 x, x, 0x81C081C0;"]
-        if out.startswith("{"):
-            lines += [f"fma.rn.bf16x2 y, x, {scale}, z;", f"mov.b32 {out}, y;"]
-        else:
-            lines += [f"fma.rn.bf16x2 {out}, x, {scale}, z;"]
-    return lines
-
-
 def _fp4_decode_ptx() -> str:
     """The PTX of _fp4_decode_bf16x2, one instance per 4 code bytes ($4) and their scales ($5-$8, bf16
     pairs): outputs $0, $1 (low nibbles' values of bytes 0-1, 2-3) and $2, $3 (high nibbles')."""
     return "\n".join(["{", ".reg .b32 t01, t23, x, z;", "mov.b32 z, 0x80008000;"]
-                     + _fp4_pair_steps("$4", ("$5", "$6", "$7", "$8"), ["$0", "$1", "$2", "$3"]) + ["}"])
+                     + fp4_pair_steps("$4", ("$5", "$6", "$7", "$8"), ["$0", "$1", "$2", "$3"]) + ["}"])
 
 
 FP4_DECODE_PTX = tl.constexpr(_fp4_decode_ptx())
@@ -294,7 +262,7 @@ def _fp4_word_decode_ptx() -> str:
     pairs of its low ($9) and high ($10) group in; eight bf16 out, dims j..j+3 ($0-$3) and
     D/2 + j.. ($4-$7). The per-pair steps are _fp4_decode_ptx's."""
     return "\n".join(["{", ".reg .b32 t01, t23, x, y, z;", "mov.b32 z, 0x80008000;"]
-                     + _fp4_pair_steps("$8", ("$9", "$9", "$10", "$10"),
+                     + fp4_pair_steps("$8", ("$9", "$9", "$10", "$10"),
                                        ["{$0, $1}", "{$2, $3}", "{$4, $5}", "{$6, $7}"]) + ["}"])
 
 
@@ -392,48 +360,18 @@ def _fp4_tile_bytes(codes_ptr, scales_ptr, row_c, row_s, nmask, GH: tl.constexpr
 
 
 @triton.jit
-def _fp4_tile_t(codes_ptr, scales_ptr, row_c, row_s, nmask, GH: tl.constexpr, BLOCK_N: tl.constexpr,
-                PTX: tl.constexpr = False):
-    """_fp4_tile transposed: the halves as (D/2, BLOCK_N), dims along rows, so that decoded values
-    can be the row operand of the P V product (out^T = V^T P^T) without a transpose."""
-    g = tl.arange(0, GH)
-    j = tl.arange(0, 16)
-    c = tl.load(codes_ptr + row_c[None, None, :] + (g[:, None, None] * 16 + j[None, :, None]),
-                mask=nmask[None, None, :], other=0)
-    s_lo = tl.load(scales_ptr + row_s[None, :] + g[:, None], mask=nmask[None, :], other=0).to(tl.int32)
-    s_hi = tl.load(scales_ptr + row_s[None, :] + GH + g[:, None], mask=nmask[None, :], other=0).to(tl.int32)
-    s_lo = (s_lo << 20).to(tl.float32, bitcast=True) * TWO_119 * TWO_119
-    s_hi = (s_hi << 20).to(tl.float32, bitcast=True) * TWO_119 * TWO_119
-    if PTX:
-        r_lo, r_hi = _fp4_decode_bf16x2(c, s_lo.to(tl.bfloat16)[:, None, :], s_hi.to(tl.bfloat16)[:, None, :])
-        lo = tl.reshape(r_lo, [GH * 16, BLOCK_N])
-        hi = tl.reshape(r_hi, [GH * 16, BLOCK_N])
-    else:
-        c = c.to(tl.int32)
-        r_lo = (((c & 7) << 22) | ((c & 8) << 28)).to(tl.float32, bitcast=True)
-        r_hi = (((c & 0x70) << 18) | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
-        lo = tl.reshape(r_lo * s_lo[:, None, :], [GH * 16, BLOCK_N])
-        hi = tl.reshape(r_hi * s_hi[:, None, :], [GH * 16, BLOCK_N])
-    return lo, hi
-
-
-@triton.jit
 def _replace_outliers(lo, hi, idx_ptr, val_ptr, row_o, row_v, nmask, d, inv_unit, HALF: tl.constexpr,
-                      NUM_OUTLIERS: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """A decoded tile's halves (BLOCK_N, HALF), or (HALF, BLOCK_N) if TRANSPOSED, with each outlier
-    slot's value (x inv_unit, the tile's units) put in place of its element, whose own code is 0.
-    An unused slot (0, 0.0) must not touch channel 0."""
+                      NUM_OUTLIERS: tl.constexpr):
+    """A decoded tile's halves (BLOCK_N, HALF) with each outlier slot's value (x inv_unit, the
+    tile's units) put in place of its element, whose own code is 0. An unused slot (0, 0.0) must
+    not touch channel 0."""
     for o in tl.static_range(NUM_OUTLIERS):
         idx = tl.load(idx_ptr + row_o + o, mask=nmask, other=0).to(tl.int32)
         val = tl.load(val_ptr + row_v + o, mask=nmask, other=0.0).to(tl.float32)
         idx = tl.where(val != 0.0, idx, -1)
         w = (val * inv_unit).to(lo.dtype)
-        if TRANSPOSED:
-            lo = tl.where(d[:, None] == idx[None, :], w[None, :], lo)
-            hi = tl.where(d[:, None] + HALF == idx[None, :], w[None, :], hi)
-        else:
-            lo = tl.where(d[None, :] == idx[:, None], w[:, None], lo)
-            hi = tl.where(d[None, :] + HALF == idx[:, None], w[:, None], hi)
+        lo = tl.where(d[None, :] == idx[:, None], w[:, None], lo)
+        hi = tl.where(d[None, :] + HALF == idx[:, None], w[:, None], hi)
     return lo, hi
 
 
@@ -454,16 +392,12 @@ def _paged_attn_fp4_kernel(
     # meta
     GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HALF: tl.constexpr, SPLIT: tl.constexpr, NUM_OUTLIERS: tl.constexpr, DOT_FP32: tl.constexpr,
-    KEYS_AS_ROWS: tl.constexpr, PTX_DECODE: tl.constexpr, TRANSPOSED: tl.constexpr = False,
-    K_OUTLIER_SELECT: tl.constexpr = False, V_OUTLIER_DOT: tl.constexpr = False,
-    NUM_V_OUTLIERS: tl.constexpr = 0,
+    PTX_DECODE: tl.constexpr, NUM_V_OUTLIERS: tl.constexpr = 0,
 ):
     """The FP4 member of the family (same tiles, splits and partials as _paged_attn_kernel).
     Keys: the group-scaled codes go through the tensor cores with q carrying the head scale; each
     outlier slot then adds q[row, channel] x value for its key (a gather of q, not a select over
-    every element), or with K_OUTLIER_SELECT replaces its element in the decoded tile before the
-    dot, as values do (a variant timed against the gather by bench_kernels --outlier-ablation).
-    Values: outlier slots replace their (zero-coded) element before the dot; the head scale is
+    every element). Values: outlier slots replace their (zero-coded) element before the dot; the head scale is
     applied to the output. NUM_OUTLIERS / NUM_V_OUTLIERS: the key / value slots per token-head
     (zero-width value views: no value slots, their select compiled out)."""
     tile, kvh, split, seq, tok0, nq, pos0 = _program_tile(tile_seq_ptr, tile_tok_ptr, tile_nq_ptr, tile_pos_ptr)
@@ -482,15 +416,8 @@ def _paged_attn_fp4_kernel(
         q_hi = q_hi.to(tl.bfloat16)
     v_unit = vhs * 256.0
     inv_v_unit = 1.0 / v_unit
-    inv_k_unit = 1.0 / (khs * 256.0)
 
     start, stop, m_i, l_i, acc_lo, acc_hi = _split_state(pos0, nq, split, num_splits, BLOCK_M, BLOCK_N, HALF)
-    if TRANSPOSED:
-        # out^T = V^T P^T (HALF, M): the decoded values are the row operand of their product
-        # (registers on Hopper, like the keys with KEYS_AS_ROWS), only the small P^T goes through
-        # shared memory
-        acc_lo = tl.zeros([HALF, BLOCK_M], tl.float32)
-        acc_hi = tl.zeros([HALF, BLOCK_M], tl.float32)
     for n0 in range(start, stop, BLOCK_N):
         n, nmask, blk, off = _key_block(table_ptr, seq, s_table, n0, stop, block_size, BLOCK_N)
         row_c = tl.multiple_of(blk * sk_b + off * sk_s + kvh * sk_h, 16)
@@ -498,65 +425,25 @@ def _paged_attn_fp4_kernel(
         row_o = blk * si_b + off * si_s + kvh * si_h
         row_v = blk * sv_b + off * sv_s + kvh * sv_h
         k_lo, k_hi = _fp4_tile(kc_ptr, ks_ptr, row_c, row_s, nmask, GH, BLOCK_N, PTX_DECODE)
-        if K_OUTLIER_SELECT:  # as for values below
-            k_lo, k_hi = _replace_outliers(k_lo, k_hi, ki_ptr, kv_ptr, row_o, row_v, nmask, d, inv_k_unit,
-                                           HALF, NUM_OUTLIERS, False)
         if DOT_FP32:
             s = tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee")
             s += tl.dot(q_hi, tl.trans(k_hi), input_precision="ieee")
         else:
-            if KEYS_AS_ROWS or TRANSPOSED:  # scores^T = K q^T: the decoded keys are the MMA's row operand
-                s = tl.trans(tl.dot(k_lo.to(tl.bfloat16), tl.trans(q_lo))
-                             + tl.dot(k_hi.to(tl.bfloat16), tl.trans(q_hi)))
-            else:
-                s = tl.dot(q_lo, tl.trans(k_lo.to(tl.bfloat16)))
-                s += tl.dot(q_hi, tl.trans(k_hi.to(tl.bfloat16)))
-        if not K_OUTLIER_SELECT:
-            for o in tl.static_range(NUM_OUTLIERS):  # unused slots hold (0, 0.0): they add nothing
-                idx = tl.load(ki_ptr + row_o + o, mask=nmask, other=0).to(tl.int32)
-                val = tl.load(kv_ptr + row_v + o, mask=nmask, other=0.0).to(tl.float32)
-                qg = tl.load(q_ptr + q_off[:, None] + idx[None, :], mask=row_ok[:, None] & nmask[None, :],
-                             other=0.0).to(tl.float32)
-                s += qg * (val * sm_scale_log2)[None, :]
+            s = tl.dot(q_lo, tl.trans(k_lo.to(tl.bfloat16)))
+            s += tl.dot(q_hi, tl.trans(k_hi.to(tl.bfloat16)))
+        for o in tl.static_range(NUM_OUTLIERS):  # unused slots hold (0, 0.0): they add nothing
+            idx = tl.load(ki_ptr + row_o + o, mask=nmask, other=0).to(tl.int32)
+            val = tl.load(kv_ptr + row_v + o, mask=nmask, other=0.0).to(tl.float32)
+            qg = tl.load(q_ptr + q_off[:, None] + idx[None, :], mask=row_ok[:, None] & nmask[None, :],
+                         other=0.0).to(tl.float32)
+            s += qg * (val * sm_scale_log2)[None, :]
         visible = (n[None, :] <= pos[:, None]) & nmask[None, :] & row_ok[:, None]
         p, alpha, m_new, l_i = _softmax_step(s, visible, m_i, l_i)
-        if TRANSPOSED:
-            v_lo, v_hi = _fp4_tile_t(vc_ptr, vs_ptr, row_c, row_s, nmask, GH, BLOCK_N, PTX_DECODE)
-        else:
-            v_lo, v_hi = _fp4_tile(vc_ptr, vs_ptr, row_c, row_s, nmask, GH, BLOCK_N, PTX_DECODE)
-        if not V_OUTLIER_DOT:
-            v_lo, v_hi = _replace_outliers(v_lo, v_hi, vi_ptr, vv_ptr, row_o, row_v, nmask, d, inv_v_unit,
-                                           HALF, NUM_V_OUTLIERS, TRANSPOSED)
-        if TRANSPOSED:
-            pt = tl.trans(p)
-            if V_OUTLIER_DOT:
-                # the value outliers as their own (HALF, BLOCK_N) operand, zero but for each slot's
-                # value, times the same P^T: the decoded values are left as decoded (a select on
-                # them made the compiler keep both decoded halves in shared memory: 57 KB a
-                # program against 32 KB at the 7B geometry, scripts/kernel_sass.py)
-                e_lo = tl.zeros([HALF, BLOCK_N], tl.float32)
-                e_hi = tl.zeros([HALF, BLOCK_N], tl.float32)
-                e_lo, e_hi = _replace_outliers(e_lo, e_hi, vi_ptr, vv_ptr, row_o, row_v, nmask, d, inv_v_unit,
-                                               HALF, NUM_V_OUTLIERS, True)
-            if DOT_FP32:
-                acc_lo = acc_lo * alpha[None, :] + tl.dot(v_lo, pt, input_precision="ieee")
-                acc_hi = acc_hi * alpha[None, :] + tl.dot(v_hi, pt, input_precision="ieee")
-                if V_OUTLIER_DOT:
-                    acc_lo += tl.dot(e_lo, pt, input_precision="ieee")
-                    acc_hi += tl.dot(e_hi, pt, input_precision="ieee")
-            else:
-                pt = pt.to(tl.bfloat16)
-                acc_lo = acc_lo * alpha[None, :] + tl.dot(v_lo.to(tl.bfloat16), pt)
-                acc_hi = acc_hi * alpha[None, :] + tl.dot(v_hi.to(tl.bfloat16), pt)
-                if V_OUTLIER_DOT:
-                    acc_lo += tl.dot(e_lo.to(tl.bfloat16), pt)
-                    acc_hi += tl.dot(e_hi.to(tl.bfloat16), pt)
-        else:
-            acc_lo, acc_hi = _accumulate(acc_lo, acc_hi, alpha, p, v_lo, v_hi, DOT_FP32)
+        v_lo, v_hi = _fp4_tile(vc_ptr, vs_ptr, row_c, row_s, nmask, GH, BLOCK_N, PTX_DECODE)
+        v_lo, v_hi = _replace_outliers(v_lo, v_hi, vi_ptr, vv_ptr, row_o, row_v, nmask, d, inv_v_unit,
+                                       HALF, NUM_V_OUTLIERS)
+        acc_lo, acc_hi = _accumulate(acc_lo, acc_hi, alpha, p, v_lo, v_hi, DOT_FP32)
         m_i = m_new
-    if TRANSPOSED:
-        acc_lo = tl.trans(acc_lo)
-        acc_hi = tl.trans(acc_hi)
     acc_lo = acc_lo * v_unit
     acc_hi = acc_hi * v_unit
 
@@ -614,195 +501,15 @@ def _combine_kernel(
              mask=row_ok[:, None])
 
 
-def merge_shape(num_splits: int, block_m: int, head_dim: int) -> tuple[int, int]:
-    """The merge kernel's (splits per load, output columns per program). Up to 8 splits (every
-    batch of 32 or more sequences at the 7B geometry): all of them in one (8, rows, 32) load.
-    More (small batches over long contexts, up to 64): 32 splits per load over 16 columns, so a
-    batch of one gets 8 programs per KV head and two loads in turn. H200, 7B, replayed from a
-    CUDA graph: one shape of 32 x 16 for every count took batch 32 from 26.9 to 38.3 us at 1k
-    keys; 8 at a time over 32 columns left batch 1 at 16k keys (64 splits) at 28.6 us, against
-    19.3 with 32 x 16 and 17.9 for the compile-time loop these replace. Fewer splits per load
-    for tiles of more rows keep a load at 32-64 values per thread at 4 warps."""
-    if num_splits <= 8:
-        return 8, min(32, head_dim)
-    return max(8, 512 // block_m), 16
-
-
-@dataclass
-class TilePlan:
-    """Host-side split of a batch's query tokens into tiles (built once per step, shared by all
-    layers)."""
-
-    tile_seq: torch.Tensor  # (T,) int32
-    tile_tok: torch.Tensor  # (T,) int32: first query row of the tile in q
-    tile_nq: torch.Tensor  # (T,) int32
-    tile_pos: torch.Tensor  # (T,) int32: absolute position of the tile's first query token
-    block_table: torch.Tensor  # (num_seqs, max_blocks) int32
-    tokens_per_tile: int
-    block_m: int
-    num_splits: int
-    max_context: int
-    dense_block_n: int | None = None  # the dense kernel's keys per step chosen with the splits (wide decode)
-
-
-def tile_shape(max_q: int, group: int) -> tuple[int, int]:
-    """(query tokens per tile, BLOCK_M rows) for windows of at most max_q tokens and GQA group size
-    `group`: up to ~64 rows of (token, head) per tile, a power of two >= 16."""
-    tokens = max(1, min(max_q, max(1, 64 // group)))
-    block_m = max(16, triton.next_power_of_2(tokens * group))
-    tokens = max(1, block_m // group) if max_q > 1 else 1
-    return tokens, block_m
-
-
-MAX_SPLITS = 64
-
-
-def warmup_launches(group: int, max_window: int = 64, dense: bool = False,
-                    num_kv_heads: int | None = None) -> list[tuple[int, int, int | None]]:
-    """(query tokens per sequence, key splits) pairs whose launches compile every variant of the
-    kernels that plan_tiles and default_num_splits can ask for with GQA group `group`: one window
-    length per distinct tile_shape (decode, verify windows, prefill chunks), unsplit (1) and split
-    (the split count is a run-time argument, so 2 stands for every count up to 8 and 16 for every
-    count above, the two shapes of the merge kernel, merge_shape). The other compile-time parameters are fixed per engine (head size,
-    cache format, group, dtype) or follow from the tile shape (the FP4 key layout, the dense
-    kernel's keys per step), but for the dense kernel's wide decode (dense_wide_decode): its 128
-    keys a step, unsplit and split, and at two KV heads its narrow decode (dense_narrow_decode): 64
-    keys a step, unsplit and split (32 splits on 132 SMs; fewer SMs, fewer). Triples (q_len,
-    splits, the plan's dense_block_n)."""
-    shapes: dict[tuple[int, int], int] = {}
-    for q_len in range(1, max_window + 1):
-        shapes.setdefault(tile_shape(q_len, group), q_len)
-    out = [(q_len, s, None) for q_len in shapes.values() for s in (1, 2, 16)]
-    if dense:
-        out += [(1, s, WIDE_BLOCK_N) for s in (1, 2)]
-        if num_kv_heads == 2:
-            out += [(1, s, NARROW_BLOCK_N) for s in (1, 2)]
-    return out
-
-
-# The dense kernel's decode shape for few (tile, KV head) pairs: 128 keys a step and about two
-# programs an SM. H200, from a CUDA graph, default shape -> wide (us; BENCHMARKS.md):
-# - PDL on: 7B, 16k keys, batch 1 26.0 -> 16.6, batch 2 50.0 -> 26.1, batch 4
-#   52.6 -> 40.9; 4k keys 13.5 -> 8.9, 17.4 -> 10.5, 17.9 -> 13.6; 2B (2 KV heads) batch 8 52.8 ->
-#   41.6 (16k), 96.0 -> 73.2 (32k); from 128 pairs slower (7B batch 32, 16k: 252.7 -> 267.2).
-# - 1k-16k keys, 2-64 pairs (the default shape against the wide one at the same
-#   cells, PDL on and off): the wide shape is faster in 40 of the 44 cells compared (below 4k keys,
-#   or above 16 pairs): default / wide up to 1.45 (7B batch 16, 1k keys, PDL off), 1.34 (7B batch 8,
-#   1k, PDL on), 1.00-1.03 at 32 pairs over 16k keys. The four exceptions are 2-4 pairs at 2k keys:
-#   0.97-0.99 with PDL off, and 0.87 at 2B batch 1 with PDL on. At 64 pairs over 16k keys it was
-#   faster with PDL off (132.2 against 136.8) and much slower with PDL on (170.0 against 135.7), so
-#   not above 32 pairs.
-# So: one query token, at least 1k keys, up to 32 pairs (7B batch 8, 2B batch 16). Under 1k keys:
-# not measured, the default.
-WIDE_BLOCK_N = 128
-WIDE_MAX_PAIRS = 32
-WIDE_MIN_CONTEXT = 1024
-
-
-def dense_wide_decode(num_tiles: int, max_q: int, max_context: int, num_kv_heads: int) -> bool:
-    """Whether a dense decode step (one query token per sequence) takes the wide shape:
-    WIDE_BLOCK_N keys a step, splits from default_num_splits(wide=True)."""
-    return max_q == 1 and num_tiles * num_kv_heads <= WIDE_MAX_PAIRS and max_context >= WIDE_MIN_CONTEXT
-
-
-# The dense kernel's decode shape at two KV heads and 9-16 pairs (2B geometry, batch 5-8) over at
-# least 4k keys: 64 keys a step in the default split count (32 there). H200, from a CUDA graph,
-# 2B batch 8 (16 pairs), this shape against the wide one, PDL on: 4k keys 12.26
-# against 13.67 us, 16k 40.43 against 42.04, 32k 70.96 against 73.74 (PDL off, 16k: 41.50 against
-# 41.26); the same pair count at four KV heads (7B batch 4, 16k) was 10% slower than wide (45.63
-# against 41.38), so only two KV heads. As the engine plans it: batch 8 at
-# 8k, 16k, 32k keys 25.1, 40.4, 70.3 us against wide's 25.6, 41.6, 72.9 (SDPA 22.7, 37.0, 66.0);
-# batch 6 (12 pairs) 21.5, 36.0, 62.2 against 23.5, 39.0, 68.1.
-NARROW_BLOCK_N = 64
-NARROW_MIN_CONTEXT = 4096
-
-
-def dense_narrow_decode(num_tiles: int, max_q: int, max_context: int, num_kv_heads: int) -> bool:
-    """Whether a dense decode step takes the narrow shape: NARROW_BLOCK_N keys a step, the default
-    split count (default_num_splits(wide=False))."""
-    return (max_q == 1 and num_kv_heads == 2 and 8 < num_tiles * num_kv_heads <= 16
-            and max_context >= NARROW_MIN_CONTEXT)
-
-
-def dense_decode_block_n(num_tiles: int, max_q: int, max_context: int, num_kv_heads: int) -> int | None:
-    """The dense kernel's keys per step for a plan whose split count is left to the default:
-    NARROW_BLOCK_N (dense_narrow_decode), WIDE_BLOCK_N (dense_wide_decode), else None (the
-    kernel's default). The split count follows: default_num_splits(wide=block_n == WIDE_BLOCK_N)."""
-    if dense_narrow_decode(num_tiles, max_q, max_context, num_kv_heads):
-        return NARROW_BLOCK_N
-    if dense_wide_decode(num_tiles, max_q, max_context, num_kv_heads):
-        return WIDE_BLOCK_N
-    return None
-
-
-def default_num_splits(num_tiles: int, max_context: int, num_sms: int, num_kv_heads: int = 4,
-                       wide: bool = False) -> int:
-    """Key splits: enough programs to fill the chip (about 8 per SM over tiles x KV heads x splits),
-    but at least 64 keys per split, a power of two (the counts tuned on the H200), at most 32, or
-    64 where even 32 splits leave SMs without a program (a batch of one or two sequences).
-    (Counting KV heads matters at 2B's 2 KV heads: 2 x SMs over tiles alone left its rows 9-15%
-    behind SDPA. And fewer keys per split pay: at 7B, batch 1, replayed from a CUDA graph on the
-    H200, 1k keys take 12.1 us in 4 splits, 7.3 us in 16; 4k keys 13.7 us in 16 splits, 10.2 us in
-    64; SDPA 6.5 and 7.6 us.)
-    wide (dense_wide_decode): about 2 programs an SM of WIDE_BLOCK_N keys a step, a power of two,
-    at most MAX_SPLITS, each split at least one step."""
-    if wide:
-        n = max(1, min(MAX_SPLITS, 2 * num_sms // max(1, num_tiles * num_kv_heads), max_context // WIDE_BLOCK_N))
-        return 1 << (n.bit_length() - 1)
-    want = max(1, -(-8 * num_sms // max(1, num_tiles * num_kv_heads)))
-    cap = MAX_SPLITS if num_tiles * num_kv_heads * 32 < num_sms else 32
-    n = max(1, min(want, max_context // 64, cap))
-    return 1 << (n.bit_length() - 1)
-
-
-def plan_tiles(query_start: list[int], context_lens: list[int], block_tables: list[list[int]], group: int,
-               device, num_splits: int | None = None, num_sms: int = 132, num_kv_heads: int = 4,
-               dense: bool = False, dense_block_n: int | None = None, fp4_gluon: bool = False) -> TilePlan:
-    """dense: the plan is for the dense kernel, which may take the wide or the narrow decode shape
-    (dense_decode_block_n) when the split count is left to the default; dense_block_n names its
-    keys per step outright (warm-up). fp4_gluon: decode steps (one query token) run the Gluon FP4
-    kernel (kernels/fp4_gluon.py), whose split count is the wide shape's, about 2 programs an SM:
-    H200, 7B, from a CUDA graph, batch 8 at 16k keys 56.5 us in 8 splits
-    against 75.8 in the default 32 and 64.7 in 16; batch 32 189.1 in 2 against 209.3 in 8."""
-    max_q = max(query_start[i + 1] - query_start[i] for i in range(len(context_lens)))
-    tokens, block_m = tile_shape(max_q, group)
-    seqs, toks, nqs, poss = [], [], [], []
-    for b, ctx in enumerate(context_lens):
-        q0, q1 = query_start[b], query_start[b + 1]
-        num_q = q1 - q0
-        for j in range(0, num_q, tokens):
-            seqs.append(b)
-            toks.append(q0 + j)
-            nqs.append(min(tokens, num_q - j))
-            poss.append(ctx - num_q + j)
-    max_ctx = max(context_lens)
-    if num_splits is None:
-        shape = dense_decode_block_n(len(seqs), max_q, max_ctx, num_kv_heads) if dense else None
-        num_splits = default_num_splits(len(seqs), max_ctx, num_sms, num_kv_heads,
-                                        wide=shape == WIDE_BLOCK_N or (fp4_gluon and max_q == 1))
-        if shape:
-            dense_block_n = shape
-    width = max(len(t) for t in block_tables)
-    table = torch.zeros(len(block_tables), width, dtype=torch.int32)
-    for b, t in enumerate(block_tables):
-        table[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
-
-    def i32(xs):
-        return torch.tensor(xs, dtype=torch.int32).to(device, non_blocking=True)
-
-    return TilePlan(i32(seqs), i32(toks), i32(nqs), i32(poss), table.to(device, non_blocking=True), tokens,
-                    block_m, num_splits, max_ctx, dense_block_n)
-
-
-def default_fp4_decode(ptx: bool, small_tile: bool, transposed: bool, num_v_outliers: int) -> bool | str:
+def default_fp4_decode(ptx: bool, small_tile: bool, num_v_outliers: int) -> bool | str:
     """The FP4 kernel's decode when the caller names none: False (float32) without the PTX decode;
-    for decode tiles (<= 16 rows, not transposed) the word decode, its row layout without value
+    for decode tiles (<= 16 rows) the word decode, its row layout without value
     slots (no value select, which costs more in that layout): H200, 7B, 16k keys, 413.7 vs 474.2 us
     at batch 32 and 117.7 vs 134.6 at batch 8 without value slots, 589.1 vs 494.5 and 165.2 vs
     137.9 with them; else the byte decode (True)."""
     if not ptx:
         return False
-    if small_tile and not transposed:
+    if small_tile:
         return "word_rows" if num_v_outliers == 0 else "words"
     return True
 
@@ -844,13 +551,9 @@ def paged_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     out: torch.Tensor | None = None,
-    fp4_keys_as_rows: bool | None = None,  # FP4: scores as K q^T (default: as tuned, see below)
     fp4_ptx_decode: bool | str | None = None,  # FP4: decode in PTX to bf16x2 (default: on CUDA sm_80+ with
     # bf16/fp16 q); "words": the PTX decode from 32-bit words of codes (_fp4_tile_words; the default
     # for tiles of up to 16 rows), "word_rows": the same with the words as one row per key (a variant)
-    fp4_transposed: bool = False,  # FP4: the tile transposed, decoded K and V both row operands (a tuning variant)
-    fp4_k_outlier_select: bool = False,  # FP4: key outliers replace their element before the dot (a variant)
-    fp4_v_outlier_dot: bool = False,  # FP4, transposed tile: value outliers through a dot of their own (a variant)
     maxnreg: int | None = None,  # registers per thread the compiler may use (None: FP4 as tuned, see
     # default_fp4_maxnreg; dense the compiler's choice); 0: no cap
     fp4_gluon: bool | None = None,  # FP4 decode tiles: the Gluon kernel (kernels/fp4_gluon.py); None: where
@@ -862,18 +565,17 @@ def paged_attention(
     # token): dense 32 keys per step (3.5-4% faster than 64); FP4 128 keys, scores as q K^T with
     # the PTX decode from 32-bit words (7B: 484 us against 571 for scores as K q^T from bytes, at
     # batch 32; 135 against 160 at batch 8; without value slots the words as one row per key,
-    # below). Tiles of more than 16 rows (prefill chunks, long windows) are not tuned: dense 64
+    # default_fp4_decode). Tiles of more than 16 rows (prefill chunks, long windows) are not tuned: dense 64
     # keys, FP4 q K^T from bytes (Triton 3.6 does not compile the word decode there, see the assert
     # below).
     # the Gluon kernel unless the caller names a variant of the Triton one
-    triton_variant = (block_n is not None or fp4_ptx_decode is not None or fp4_keys_as_rows is not None
-                      or fp4_transposed or fp4_k_outlier_select or fp4_v_outlier_dot
+    triton_variant = (block_n is not None or fp4_ptx_decode is not None
                       or (maxnreg is not None and not fp4_gluon))  # with fp4_gluon=True: the Gluon kernel's cap
     if is_fp4 and (fp4_gluon or (fp4_gluon is None and not triton_variant)):
         try:
             from kernels import fp4_gluon as gluon_kernel  # imported only where it may run
             why = gluon_kernel.supported(q, plan, fp4_k, fp4_v)
-            if why is None and fp4_gluon is None and not FP4_GLUON:
+            if why is None and fp4_gluon is None and not attention_plan.FP4_GLUON:
                 why = "turned off (EngineConfig.fp4_gluon)"
         except ImportError as e:  # a Triton without Gluon
             why = f"no Gluon in this Triton ({e})"
@@ -883,11 +585,8 @@ def paged_attention(
     small_tile = plan.block_m <= 16
     if block_n is None:
         block_n = 128 if is_fp4 else (plan.dense_block_n or (32 if small_tile else 64))
-    if fp4_keys_as_rows is None:
-        fp4_keys_as_rows = False
     assert d % 32 == 0 and (d & (d - 1)) == 0, f"head_dim must be a power of two >= 32, got {d}"
     assert q.stride(2) == 1, "q must be contiguous in head_dim"
-    assert not fp4_v_outlier_dot or fp4_transposed, "fp4_v_outlier_dot is a variant of the transposed tile"
     if is_fp4:
         kc, ks, ki, kv, khs = fp4_k
         vc, vs, vi, vv, vhs = fp4_v
@@ -922,7 +621,7 @@ def paged_attention(
     dot_fp32 = q.dtype == torch.float32
     if is_fp4 and fp4_ptx_decode is None:
         fp4_ptx_decode = default_fp4_decode(ptx_decode_available(q.device) and not dot_fp32, small_tile,
-                                            fp4_transposed, num_v_outliers)
+                                            num_v_outliers)
     assert not (fp4_ptx_decode and dot_fp32), "the PTX decode feeds bf16 tensor-core dots; float32 q uses float32"
     # Triton 3.6 fails to compile the word decode in tiles of more than 16 rows (q K^T, or any
     # orientation without value slots)
@@ -941,10 +640,7 @@ def paged_attention(
             *strides_k, *strides_s, *strides_o, *strides_v,
             GROUP=group, TOKENS=plan.tokens_per_tile, BLOCK_M=plan.block_m, BLOCK_N=block_n, HALF=d // 2,
             SPLIT=splits > 1, NUM_OUTLIERS=num_outliers, NUM_V_OUTLIERS=num_v_outliers, DOT_FP32=dot_fp32,
-            KEYS_AS_ROWS=bool(fp4_keys_as_rows),
             PTX_DECODE={"words": 2, "word_rows": 3}.get(fp4_ptx_decode, int(bool(fp4_ptx_decode))),
-            TRANSPOSED=fp4_transposed, K_OUTLIER_SELECT=bool(fp4_k_outlier_select),
-            V_OUTLIER_DOT=bool(fp4_v_outlier_dot),
             num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
         )
     else:

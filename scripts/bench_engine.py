@@ -49,14 +49,14 @@ from PIL import Image
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "tests"))  # fixtures: random checkpoints
 
 import kernels.gemv as kernels_gemv  # noqa: E402
 import kernels.pdl as kernels_pdl  # noqa: E402
 from docproc import LLM, SamplingParams  # noqa: E402
 from docproc.engine.spec.policy import expected_tokens  # noqa: E402
 from docproc.pipeline.queries import build_prompt  # noqa: E402
-from random_models import make_model, share_vision_trunk  # noqa: E402
+from fixtures.checkpoints import make_model, share_vision_trunk  # noqa: E402
 
 QUESTIONS = ["What is the vendor name?", "What is the total amount?", "What is the document date?",
              "Return vendor, invoice_number, date, due_date, currency and total as a JSON object."]

@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import kernels.pdl as kernels_pdl  # noqa: E402
 from kernels.fused import add_rms_norm, silu_mul  # noqa: E402
 from kernels.gemv import default_config, gemv  # noqa: E402
-from random_models import GEOMETRIES  # noqa: E402
+from fixtures.checkpoints import GEOMETRIES  # noqa: E402
 
 
 def copy_bandwidth(mib: int = 2048) -> float:

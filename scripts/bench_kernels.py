@@ -27,7 +27,8 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kernels import pdl  # noqa: E402
 from kernels.fp4 import FP4PagedLayer, bytes_per_token_head  # noqa: E402
-from kernels.paged_attention import default_num_splits, paged_attention, plan_tiles  # noqa: E402
+from kernels.attention_plan import default_num_splits, plan_tiles  # noqa: E402
+from kernels.paged_attention import paged_attention  # noqa: E402
 
 GEOMETRIES = {"7b": (28, 4, 128), "2b": (12, 2, 128)}
 BLOCK_SIZE = 16
@@ -305,33 +306,6 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
             record("ours_fp4_paged_no_value_outliers", lambda: paged_attention(
                 q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=no_outliers("v"), **cfg4),
                 batch * ctx * hkv * (bytes_per_token_head(d, layer.num_outliers) + d // 2 + d // 16), {"config": cfg4})
-            # the default until the seventeenth session: scores as K q^T, the PTX decode from bytes
-            # (fp4_ptx_decode=True), with every slot, without the value slots, and without any
-            cfg_b = {**cfg4, "fp4_ptx_decode": True, "fp4_keys_as_rows": True}
-            record("ours_fp4_paged_bytes_k_rows", lambda: paged_attention(
-                q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"), **cfg_b),
-                batch * ctx * layer.bytes_per_token, {"config": cfg_b})
-            record("ours_fp4_paged_bytes_k_rows_no_value_outliers", lambda: paged_attention(
-                q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=no_outliers("v"), **cfg_b),
-                batch * ctx * hkv * (bytes_per_token_head(d, layer.num_outliers) + d // 2 + d // 16), {"config": cfg_b})
-            record("ours_fp4_paged_bytes_k_rows_no_outliers", lambda: paged_attention(
-                q, plan, d ** -0.5, fp4_k=no_outliers("k"), fp4_v=no_outliers("v"), **cfg_b),
-                batch * ctx * hkv * 2 * (d // 2 + d // 16), {"config": cfg_b})
-            # key outliers by a select on the decoded tile (as values) instead of a gather of q
-            record("ours_fp4_paged_k_outlier_select", lambda: paged_attention(
-                q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
-                fp4_k_outlier_select=True, **cfg4), batch * ctx * layer.bytes_per_token, {"config": cfg4})
-            # the transposed tile (decoded values as the row operand of out^T = V^T P^T), with the value
-            # outliers selected into the decoded tile and through a dot of their own (fp4_v_outlier_dot:
-            # 32 KB of shared memory a program at 128 keys against 57 KB, scripts/kernel_sass.py)
-            for bn in (128, 64):
-                for vdot in (False, True):
-                    cfg_t = {**cfg4, "fp4_keys_as_rows": False, "fp4_transposed": True, "fp4_v_outlier_dot": vdot,
-                             "block_n": bn}
-                    record(f"ours_fp4_paged_transposed{bn}" + ("_v_outlier_dot" if vdot else ""),
-                           lambda: paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"),
-                                                   fp4_v=layer.kernel_views("v"), **cfg_t),
-                           batch * ctx * layer.bytes_per_token, {"config": cfg_t})
         del layer
     # torch SDPA, bf16, contiguous K/V
     qs = q.view(batch, hq, 1, d)
@@ -358,16 +332,10 @@ def tune(geo: str = "7b", batch: int = 32, ctx: int = 16384) -> tuple[dict, list
     grid = [dict(block_n=n, num_warps=w, num_stages=s) for n in (32, 64, 128, 256) for w in (4, 8) for s in (2, 3)]
     best, log, first = {}, [], {}
     for fmt in ("bf16", "fp4"):
-        # FP4 also tries scores computed as K q^T (decoded keys as the MMA's row operand), and the
-        # transposed tile (scores as K q^T, the output as V^T P^T: decoded values as row operand too)
-        variants = grid if fmt == "bf16" else grid + [dict(c, fp4_keys_as_rows=True) for c in grid
-                                                      if c["block_n"] >= 64 and c["num_warps"] == 4] \
-            + [dict(c, fp4_transposed=True) for c in grid if c["block_n"] in (64, 128) and c["num_warps"] == 4]
-        for cfg in variants:
+        for cfg in grid:
             if fmt == "bf16":
                 fn = lambda: paged_attention(q, plan, d ** -0.5, k_cache=k, v_cache=v, **cfg)  # noqa: E731
             else:
-                cfg = {"fp4_keys_as_rows": False, **cfg}  # the engine's default is the tuned choice
                 fn = lambda: paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"),  # noqa: E731
                                              fp4_v=layer.kernel_views("v"), **cfg)
             try:

@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 import torch
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import train_tiny as T
-from make_synthetic_docs import make_spec, draw_pdf
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import fixtures.tiny_training as T
+from fixtures.documents import make_spec, draw_pdf
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 torch.manual_seed(0); torch.set_num_threads(2)

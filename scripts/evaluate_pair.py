@@ -31,7 +31,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "tests"))  # fixtures: the document generator
 
 from docproc.pipeline.evaluate import evaluate  # noqa: E402
 from docproc.pipeline.ingest import discover, open_document  # noqa: E402
@@ -344,7 +344,7 @@ def main() -> None:
                   "speed": speed(a, Path(a.speed_only))}
         Path(a.json).write_text(json.dumps(report, indent=1))
         return
-    from make_synthetic_docs import generate
+    from fixtures.documents import generate
 
     work = Path(a.work)
     docs = work / "docs"

@@ -20,10 +20,10 @@ import torch
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from docproc import LLM, SamplingParams  # noqa: E402
-from random_models import make_model  # noqa: E402
+from fixtures.checkpoints import make_model  # noqa: E402
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 

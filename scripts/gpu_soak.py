@@ -126,8 +126,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="Write the report here.")
     a = ap.parse_args()
     if a.make_docs:
-        sys.path.insert(0, str(ROOT / "scripts"))
-        from make_synthetic_docs import generate
+        sys.path.insert(0, str(ROOT / "tests"))
+        from fixtures.documents import generate
 
         generate(a.make_docs, a.count, seed=2026, formats=("png", "jpeg", "tiff"), max_pages=2)
         (a.make_docs / "truth.jsonl").unlink()

@@ -39,13 +39,12 @@ POINTER_TYPES = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_acc_ptr": "*fp32", 
                  "vhs_ptr": "*fp32", "table_ptr": "*i32", "eye_ptr": "*bf16"}
 
 
-def compile_sass(kernel: str, block_n: int, num_warps: int, keys_as_rows: bool, ptx_decode: bool = True,
-                transposed: bool = False, k_outlier_select: bool = False, extra: dict | None = None) -> str:
+def compile_sass(kernel: str, block_n: int, num_warps: int, ptx_decode: bool = True,
+                extra: dict | None = None) -> str:
     fn = pa._paged_attn_fp4_kernel if kernel == "fp4" else pa._paged_attn_kernel
     ints = FP4_INTS if kernel == "fp4" else DENSE_INTS
     meta = dict(GROUP=7, TOKENS=1, BLOCK_M=16, BLOCK_N=block_n, HALF=64, SPLIT=True, NUM_OUTLIERS=2, NUM_V_OUTLIERS=2,
-                DOT_FP32=False, KEYS_AS_ROWS=keys_as_rows, PTX_DECODE=ptx_decode,
-                TRANSPOSED=transposed, K_OUTLIER_SELECT=k_outlier_select, PDL=0)
+                DOT_FP32=False, PTX_DECODE=ptx_decode, PDL=0)
     meta.update(extra or {})
     sig, consts, attrs = {}, {}, {}
     for prm in fn.params:  # compile-time parameters left at their defaults
@@ -112,16 +111,11 @@ def main() -> None:
     ap.add_argument("--kernel", choices=("fp4", "dense"), default="fp4")
     ap.add_argument("--block-n", type=int, default=128)
     ap.add_argument("--num-warps", type=int, default=4)
-    ap.add_argument("--keys-as-rows", action="store_true")
-    ap.add_argument("--transposed", action="store_true", help="FP4: the transposed tile (fp4_transposed)")
-    ap.add_argument("--k-outlier-select", action="store_true",
-                    help="FP4: key outliers by a select on the decoded tile (fp4_k_outlier_select)")
     ap.add_argument("--float-decode", action="store_true", help="FP4: the float32 decode instead of the PTX one")
     ap.add_argument("--meta", default="", help="extra compile-time arguments, NAME=VALUE,... (ints/bools)")
     ap.add_argument("--sass", default=None, help="also write the whole SASS listing here")
     a = ap.parse_args()
-    sass = compile_sass(a.kernel, a.block_n, a.num_warps, a.keys_as_rows, not a.float_decode, a.transposed,
-                        a.k_outlier_select, {k: eval(v) for k, v in (kv.split("=") for kv in a.meta.split(",") if kv)})
+    sass = compile_sass(a.kernel, a.block_n, a.num_warps, not a.float_decode, {k: eval(v) for k, v in (kv.split("=") for kv in a.meta.split(",") if kv)})
     if a.sass:
         Path(a.sass).write_text(sass)
     n, mix = loop_mix(sass)

@@ -16,7 +16,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kernels.fp4 import FP4PagedLayer  # noqa: E402
-from kernels.paged_attention import default_num_splits, paged_attention, plan_tiles  # noqa: E402
+from kernels.attention_plan import default_num_splits, plan_tiles  # noqa: E402
+from kernels.paged_attention import paged_attention  # noqa: E402
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "tests"))
 CODES = ("EUR", "USD", "GBP", "CHF", "CAD", "SEK")
 
 
@@ -54,7 +54,7 @@ def main() -> None:
     from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
 
-    from train_tiny import PAGE_DPI, READ_QUESTION, on_token_grid
+    from fixtures.tiny_training import PAGE_DPI, READ_QUESTION, on_token_grid
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(ROOT / "docproc" / "assets" / "models" / "target"))

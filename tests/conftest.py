@@ -10,7 +10,6 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
@@ -26,14 +25,14 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def qwen2_vl_dir(tmp_path_factory):
-    from random_models import make_model
+    from fixtures.checkpoints import make_model
 
     return make_model(tmp_path_factory.mktemp("qwen2_vl"), "qwen2_vl", naming="new")
 
 
 @pytest.fixture(scope="session")
 def qwen2_vl_hd128_dir(tmp_path_factory):
-    from random_models import make_model
+    from fixtures.checkpoints import make_model
 
     # head_dim 128, GQA 2: the shapes the Gluon FP4 decode kernel takes
     return make_model(tmp_path_factory.mktemp("qwen2_vl_hd128"), "qwen2_vl", naming="new", geometry="tiny-hd128")
@@ -41,7 +40,7 @@ def qwen2_vl_hd128_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def qwen2_5_vl_dir(tmp_path_factory):
-    from random_models import make_model
+    from fixtures.checkpoints import make_model
 
     # published key naming, two shards, tied embeddings: the other half of the loader's matrix
     return make_model(tmp_path_factory.mktemp("qwen2_5_vl"), "qwen2_5_vl", naming="published", shards=2, tie=True)

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from docproc.cli import app
 from docproc.pipeline.runstore import RunStore
-from make_synthetic_docs import generate
+from fixtures.documents import generate
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parent.parent

@@ -188,7 +188,7 @@ def test_loader_reports_missing_weights(tmp_path, qwen2_vl_dir):
 
 
 def test_both_namings_load_the_same_weights(tmp_path):
-    from random_models import make_model
+    from fixtures.checkpoints import make_model
 
     a = LLM(str(make_model(tmp_path / "a", naming="new", seed=4)), device="cpu")
     b = LLM(str(make_model(tmp_path / "b", naming="published", shards=3, seed=4)), device="cpu")
@@ -200,7 +200,7 @@ def test_both_namings_load_the_same_weights(tmp_path):
 
 
 def test_bf16_checkpoint_loads(tmp_path):
-    from random_models import make_model
+    from fixtures.checkpoints import make_model
 
     folder = make_model(tmp_path / "bf16", dtype=torch.bfloat16)
     llm = LLM(str(folder), device="cpu")

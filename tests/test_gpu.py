@@ -66,7 +66,7 @@ def test_narrow_decode_in_the_engine(tmp_path):
     (batch 1: the wide shape)."""
     import json
 
-    from random_models import make_model
+    from fixtures.checkpoints import make_model
 
     folder = make_model(tmp_path / "m", "qwen2_vl", naming="new")  # tiny: 4 heads, 2 KV heads
     cfg_path = folder / "config.json"

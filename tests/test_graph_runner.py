@@ -32,7 +32,7 @@ def test_graph_keys_take_the_eager_plans_split_count_and_decode_shape():
     from types import SimpleNamespace
 
     from docproc.engine.graph_runner import GraphRunner
-    from kernels.paged_attention import plan_tiles
+    from kernels.attention_plan import plan_tiles
 
     class Runner:  # what GraphRunner reads of a ModelRunner
         def __init__(self, wide, gluon, kv_heads):
@@ -126,7 +126,7 @@ def test_chained_draft_rounds_match_unchained(qwen2_vl_dir, tmp_path, monkeypatc
     """A draft that disagrees with the target (another random model): with its greedy rounds
     chained on the device, the same proposals, acceptances and output as with a sync per round,
     and both equal plain decoding."""
-    from random_models import make_model
+    from fixtures.checkpoints import make_model
 
     draft = make_model(tmp_path / "draft", "qwen2_vl", naming="new", seed=11)
     _, plain = run(qwen2_vl_dir, False, monkeypatch)

@@ -8,8 +8,8 @@ import torch  # noqa: E402
 from kernels import fp4  # noqa: E402
 from kernels.fp4 import (FP4PagedLayer, FP4Tensor, bytes_per_token_head, dequantize_lut,  # noqa: E402
                          dequantize_ref, e2m1_decode, e2m1_encode, e4m3_decode, e4m3_encode, quantize_ref)
-from kernels.paged_attention import (default_num_splits, paged_attention, paged_attention_ref, plan_tiles,  # noqa: E402
-                                     merge_shape, tile_shape, warmup_launches)
+from kernels.attention_plan import default_num_splits, merge_shape, plan_tiles, tile_shape, warmup_launches  # noqa: E402
+from kernels.paged_attention import paged_attention, paged_attention_ref  # noqa: E402
 
 # compiled kernels on a GPU, the interpreter on CPU
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -167,7 +167,7 @@ def test_dense_wide_decode_matches_reference():
 
 
 def test_wide_decode_rule():
-    from kernels.paged_attention import dense_wide_decode
+    from kernels.attention_plan import dense_wide_decode
     # up to 32 (tile, KV head) pairs of one query token over at least 1k keys: 7B batch 1-8, 2B 1-16
     assert dense_wide_decode(4, 1, 16384, 4) and dense_wide_decode(8, 1, 4096, 2)
     assert dense_wide_decode(8, 1, 16384, 4) and dense_wide_decode(16, 1, 1024, 2)  # 32 pairs
@@ -220,7 +220,7 @@ def test_dense_narrow_decode_matches_reference():
 
 
 def test_narrow_decode_rule():
-    from kernels.paged_attention import dense_decode_block_n, dense_narrow_decode, warmup_launches
+    from kernels.attention_plan import dense_decode_block_n, dense_narrow_decode, warmup_launches
     # two KV heads, 9-16 pairs (2B batch 5-8), one query token, >= 4k keys
     assert dense_narrow_decode(8, 1, 16384, 2) and dense_narrow_decode(5, 1, 4096, 2)
     assert not dense_narrow_decode(4, 1, 16384, 2)  # 8 pairs: wide
@@ -271,24 +271,20 @@ def fp4_layer_with_outliers(nb, bs, kv_heads, d, seed=0, head_scale=fp4.DEFAULT_
     return layer
 
 
-@pytest.mark.parametrize("transposed,k_select,v_dot", [(False, False, False), (True, False, False),
-                                                       (False, True, False), (True, False, True)])
 @pytest.mark.parametrize("q_lens,ctx_lens", CASES)
-def test_paged_attention_fp4_matches_reference(q_lens, ctx_lens, transposed, k_select, v_dot):
+def test_paged_attention_fp4_matches_reference(q_lens, ctx_lens):
     heads, kv_heads, d, bs, nb = 4, 2, 64, 4, 40
     q, qs, tables = make_batch(q_lens, ctx_lens, heads, kv_heads, d, bs, nb, seed=1)
     layer = fp4_layer_with_outliers(nb, bs, kv_heads, d)
     assert (layer.v["oval"] != 0).any() and (layer.k["oval"] != 0).any() and (layer.v["oval"] == 0).any()
     plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=2)
     out = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
-                          block_n=16, fp4_transposed=transposed, fp4_k_outlier_select=k_select,
-                          fp4_v_outlier_dot=v_dot)
+                          block_n=16)
     ref = paged_attention_ref(q, layer.gather, qs, ctx_lens, tables, bs, d ** -0.5)
     assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4), (out - ref).abs().max()
 
 
-@pytest.mark.parametrize("transposed", [False, True])
-def test_paged_attention_fp4_without_value_slots_reads_only_the_key_slots(transposed):
+def test_paged_attention_fp4_without_value_slots_reads_only_the_key_slots():
     """Zero-width value slot views (no value outliers: the kernel's value select compiled out)
     give attention over the pool's values with their outlier slots emptied, the key slots kept."""
     heads, kv_heads, d, bs, nb = 4, 2, 64, 4, 40
@@ -298,18 +294,16 @@ def test_paged_attention_fp4_without_value_slots_reads_only_the_key_slots(transp
     c, sc, oi, ov, hs = layer.kernel_views("v")
     plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=2)
     no_value_slots = (c, sc, oi[..., :0], ov[..., :0], hs)
-    out = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=no_value_slots, block_n=16,
-                          fp4_transposed=transposed)
+    out = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=no_value_slots, block_n=16)
     full = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
-                           block_n=16, fp4_transposed=transposed)
+                           block_n=16)
     layer.v["oval"].zero_()  # the reference: the same values with every value slot unused
     ref = paged_attention_ref(q, layer.gather, qs, ctx_lens, tables, bs, d ** -0.5)
     assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4), (out - ref).abs().max()
     assert (full - out).abs().max() > 1e-2  # the pool's value outliers do matter here
 
 
-@pytest.mark.parametrize("transposed", [False, True])
-def test_paged_attention_fp4_head_dim_128_non_power_of_two_head_scale(transposed):
+def test_paged_attention_fp4_head_dim_128_non_power_of_two_head_scale():
     """The real models' head_dim (128: four 16-dim groups per half), a head scale that is not a
     power of two, one split; bf16 queries on a GPU (the interpreter's bf16 dot is not usable on
     CPU), float32 under the interpreter."""
@@ -320,19 +314,15 @@ def test_paged_attention_fp4_head_dim_128_non_power_of_two_head_scale(transposed
     layer = fp4_layer_with_outliers(nb, bs, kv_heads, d, seed=4, head_scale=0.07)
     plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=1)
     out = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
-                          block_n=16, fp4_transposed=transposed)
+                          block_n=16)
     ref = paged_attention_ref(q.float(), layer.gather, qs, ctx_lens, tables, bs, d ** -0.5)
     err = (out.float() - ref).abs().max() / ref.abs().max()
     assert err < (2e-2 if dtype == torch.bfloat16 else 1e-5), err
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernel at the 7B geometry: GPU only")
-@pytest.mark.parametrize("block_n,num_warps,keys_as_rows,transposed,k_select,v_dot", [
-    (64, 4, False, False, False, False), (128, 4, False, False, False, False), (128, 8, False, False, False, False),
-    (256, 4, False, False, False, False), (128, 4, True, False, False, False), (64, 4, False, True, False, False),
-    (128, 4, False, True, False, False), (128, 4, True, False, True, False), (64, 4, False, True, False, True),
-    (128, 4, False, True, False, True)])
-def test_paged_attention_fp4_7b_geometry_on_gpu(block_n, num_warps, keys_as_rows, transposed, k_select, v_dot):
+@pytest.mark.parametrize("block_n,num_warps", [(64, 4), (128, 4), (128, 8), (256, 4)])
+def test_paged_attention_fp4_7b_geometry_on_gpu(block_n, num_warps):
     heads, kv_heads, d, bs = 28, 4, 128, 16
     q_lens, ctx_lens = [1] * 5 + [5, 16], [4096, 1, 77, 1000, 2049, 300, 1500]
     nb = sum(-(-c // bs) for c in ctx_lens) + 3
@@ -342,8 +332,7 @@ def test_paged_attention_fp4_7b_geometry_on_gpu(block_n, num_warps, keys_as_rows
     for splits in (1, 8):
         plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=splits)
         out = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
-                              block_n=block_n, num_warps=num_warps, fp4_keys_as_rows=keys_as_rows,
-                              fp4_transposed=transposed, fp4_k_outlier_select=k_select, fp4_v_outlier_dot=v_dot)
+                              block_n=block_n, num_warps=num_warps, fp4_gluon=False)
         err = ((out.float() - ref).abs().amax(-1) / ref.abs().amax(-1)).max()
         assert err < 2e-2, (splits, err)
 
@@ -384,14 +373,13 @@ def test_fp4_ptx_decode_equals_the_float32_decode_bit_for_bit():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX: GPU only")
 def test_fp4_attention_with_ptx_decode_equals_the_float32_decode():
     """Both PTX decodes (from bytes, and from 32-bit words in either layout: the default for tiles
-    of up to 16 rows, "word_rows" without value slots) give the float32 decode's output, with the
-    scores as q K^T and as K q^T, with and without the value slots; tiles of more rows (a 5-token
-    window) take the bytes decode by default."""
+    of up to 16 rows, "word_rows" without value slots) give the float32 decode's output, with and
+    without the value slots; tiles of more rows (a 5-token window) take the bytes decode by
+    default."""
     heads, kv_heads, d, bs = 28, 4, 128, 16
     for q_lens, ctx_lens, variants in (
-            ([1] * 4, [4096, 77, 1000, 300], ((True, None), (True, True), ("words", True), ("words", False),
-                                              ("word_rows", False), (None, None))),
-            ([1] * 3 + [5], [4096, 77, 1000, 300], ((True, None), (True, True), (None, None)))):
+            ([1] * 4, [4096, 77, 1000, 300], (True, "words", "word_rows", None)),
+            ([1] * 3 + [5], [4096, 77, 1000, 300], (True, None))):
         nb = sum(-(-c // bs) for c in ctx_lens) + 3
         q, qs, tables = make_batch(q_lens, ctx_lens, heads, kv_heads, d, bs, nb, dtype=torch.bfloat16, seed=7)
         layer = fp4_layer_with_outliers(nb, bs, kv_heads, d, seed=8)
@@ -400,19 +388,17 @@ def test_fp4_attention_with_ptx_decode_equals_the_float32_decode():
         no_value_slots = (c, sc, oi[..., :0], ov[..., :0], hs)  # --fp4-value-slots 0's views
         errs = {}
         for v_views, tag in ((layer.kernel_views("v"), ""), (no_value_slots, "no value slots")):
-            for ptx, rows in variants:
-                # against the float32 decode with the same orientation of the scores' product
-                ref = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=v_views,
-                                      fp4_ptx_decode=False, fp4_keys_as_rows=rows).float()
+            ref = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=v_views,
+                                  fp4_ptx_decode=False).float()
+            for ptx in variants:
                 out = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=v_views,
-                                      fp4_ptx_decode=ptx, fp4_keys_as_rows=rows).float()
-                errs[(ptx, rows, tag)] = float(((out - ref).abs().amax(-1) / ref.abs().amax(-1)).max())
+                                      fp4_ptx_decode=ptx, fp4_gluon=False).float()
+                errs[(ptx, tag)] = float(((out - ref).abs().amax(-1) / ref.abs().amax(-1)).max())
         print(q_lens, errs)
         # the decoded values are bit-identical (test above); the products may pair them with the
         # tensor cores' operands in another order (another MMA shape), so the sums can differ in
         # their last bit: at most one bf16 rounding of the output row's scale
         assert all(e <= 2.0 ** -7 for e in errs.values()), errs
-        assert errs.get((True, True, ""), 0.0) == 0.0, errs  # the bytes decode with keys as rows: exact, as before
 
 
 def _zero_width(views):
@@ -459,7 +445,7 @@ def test_fp4_gluon_decode_matches_the_reference(heads, kv_heads, dtype, key_slot
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Gluon: GPU only")
 def test_fp4_gluon_is_only_taken_where_it_can_run(monkeypatch):
     """Value slots, verify windows or a named Triton variant keep the Triton kernel; fp4_gluon=True
-    where it cannot run is an error; the engine's fp4_gluon=False (paged_attention.FP4_GLUON) turns
+    where it cannot run is an error; the engine's fp4_gluon=False (attention_plan.FP4_GLUON) turns
     the default off."""
     from kernels import fp4_gluon
 
@@ -480,7 +466,7 @@ def test_fp4_gluon_is_only_taken_where_it_can_run(monkeypatch):
     monkeypatch.setattr(fp4_gluon, "launch", lambda *a, **k: (calls.append(1), real(*a, **k)))
     paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=_zero_width(fv))
     paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=_zero_width(fv), fp4_ptx_decode="words")
-    monkeypatch.setattr(pa_module(), "FP4_GLUON", False)
+    monkeypatch.setattr(plan_module(), "FP4_GLUON", False)
     paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=_zero_width(fv))
     assert calls == [1]
 
@@ -528,7 +514,7 @@ def test_fp4_gluon_engine_rule_is_the_calls_rule(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
     assert "sm_80" in fp4_gluon._why_not("cuda", torch.bfloat16, 128, 7, 2, 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    monkeypatch.setattr(pa_module(), "FP4_GLUON", False)
+    monkeypatch.setattr(plan_module(), "FP4_GLUON", False)
     assert not fp4_gluon.engine_can_use(**ok)
 
 
@@ -536,6 +522,12 @@ def pa_module():
     import kernels.paged_attention as pa
 
     return pa
+
+
+def plan_module():
+    import kernels.attention_plan as plan
+
+    return plan
 
 
 def test_fp4_gluon_kernel_keeps_its_operands_in_registers():
@@ -568,13 +560,12 @@ def test_fp4_gluon_kernel_keeps_its_operands_in_registers():
 def test_fp4_decode_defaults():
     from kernels.paged_attention import default_fp4_decode
     # no PTX (CPU, float32 q): the float32 decode whatever the tile
-    assert default_fp4_decode(False, True, False, 2) is False and default_fp4_decode(False, False, False, 0) is False
+    assert default_fp4_decode(False, True, 2) is False and default_fp4_decode(False, False, 0) is False
     # decode tiles: the word decode, its row layout without value slots (faster there on the H200)
-    assert default_fp4_decode(True, True, False, 2) == "words"
-    assert default_fp4_decode(True, True, False, 0) == "word_rows"
-    # tiles of more than 16 rows and the transposed variant: the byte decode
-    assert default_fp4_decode(True, False, False, 2) is True and default_fp4_decode(True, False, False, 0) is True
-    assert default_fp4_decode(True, True, True, 2) is True
+    assert default_fp4_decode(True, True, 2) == "words"
+    assert default_fp4_decode(True, True, 0) == "word_rows"
+    # tiles of more than 16 rows: the byte decode
+    assert default_fp4_decode(True, False, 2) is True and default_fp4_decode(True, False, 0) is True
 
 
 def test_fp4_register_cap_defaults(monkeypatch):

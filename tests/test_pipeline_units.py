@@ -89,11 +89,7 @@ def test_eval_normalisation_and_f1():
 
 
 def test_anchor_text_holds_every_printed_field_with_coordinates(tmp_path):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    from make_synthetic_docs import generate
+    from fixtures.documents import generate
 
     from docproc.pipeline.ingest import ANCHOR_MAX_CHARS, discover, open_document
 

@@ -12,7 +12,7 @@ IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 
 @pytest.fixture(scope="module")
 def draft_dir(tmp_path_factory):
-    from random_models import make_model
+    from fixtures.checkpoints import make_model
 
     return make_model(tmp_path_factory.mktemp("draft"), geometry="tiny-draft", seed=3)
 
@@ -69,7 +69,7 @@ def test_random_draft_is_lossless_with_chunked_prefill_and_prefix_hits(qwen2_vl_
 def test_draft_with_a_differently_padded_vocabulary(qwen2_vl_dir, tmp_path, plain):
     """Qwen2-VL-7B and -2B share a tokenizer but not their embedding rows (152064 vs 151936): a
     draft with fewer or more rows than the target is still lossless, greedy and sampled."""
-    from random_models import make_model
+    from fixtures.checkpoints import make_model
 
     for rows in (352, 448):  # the target has 384
         d = make_model(tmp_path / f"d{rows}", geometry="tiny-draft", seed=3, vocab_size=rows)
@@ -130,7 +130,7 @@ def test_seeded_sampling_with_a_draft_reproduces_itself(qwen2_vl_dir, draft_dir)
 
 
 def test_mismatched_tokenizers_fail_before_weights_load(qwen2_vl_dir, tmp_path, monkeypatch):
-    from random_models import make_tokenizer
+    from fixtures.checkpoints import make_tokenizer
 
     other = tmp_path / "other"
     other.mkdir()
@@ -148,7 +148,7 @@ def test_mismatched_tokenizers_fail_before_weights_load(qwen2_vl_dir, tmp_path, 
 
 
 def test_draft_sharing_the_target_vision_trunk_encodes_each_page_once(qwen2_vl_dir, tmp_path, plain):
-    from random_models import make_model, share_vision_trunk
+    from fixtures.checkpoints import make_model, share_vision_trunk
 
     draft = make_model(tmp_path / "draft_shared", geometry="tiny-draft", seed=5)
     share_vision_trunk(qwen2_vl_dir, draft)

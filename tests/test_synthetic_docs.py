@@ -9,7 +9,7 @@ import pymupdf
 import pytest
 from PIL import Image
 
-from make_synthetic_docs import FIELDS, generate, make_spec, render_pdf
+from fixtures.documents import FIELDS, generate, make_spec, render_pdf
 from docproc.pipeline.normalize import normalize_amount, normalize_date
 
 

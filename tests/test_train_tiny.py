@@ -101,8 +101,7 @@ def test_dense_reading_targets_follow_the_processor_patch_order():
     from PIL import Image
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import train_tiny as T
+    import fixtures.tiny_training as T
 
     proc = Qwen2VLImageProcessorPil(**T.IMAGE)
     for w, h, x0, y0, slot in [(280, 112, 98, 42, 0), (280, 112, 245, 84, 1), (560, 84, 490, 14, 0)]:
@@ -125,8 +124,7 @@ def test_dense_reading_targets_follow_the_processor_patch_order():
 def test_bands_sit_on_the_token_grid_so_the_processor_keeps_their_scale():
     from PIL import Image
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import train_tiny as T
+    import fixtures.tiny_training as T
 
     for w, h in [(600, 40), (30, 20), (812, 141)]:
         c = T.on_token_grid(Image.new("RGB", (w, h), "black"))
@@ -143,9 +141,8 @@ def test_page_reading_targets_land_on_ink_for_clean_and_rotated_scans():
     from PIL import Image
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import train_tiny as T
-    from make_synthetic_docs import draw_pdf, make_spec, scan_pages
+    import fixtures.tiny_training as T
+    from fixtures.documents import draw_pdf, make_spec, scan_pages
 
     proc = Qwen2VLImageProcessorPil(**T.IMAGE)
     spec = make_spec(random.Random(4), "x", kind="invoice", max_pages=1)
@@ -172,8 +169,7 @@ def test_shared_feature_forward_equals_transformers_forward(tmp_path):
     """Training encodes a document's pages once and scatters the features into each query's row,
     with M-RoPE positions from get_rope_index; the answer logits must be those of transformers'
     own forward on each row with its own pixels (float32)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import train_tiny as T
+    import fixtures.tiny_training as T
 
     run("tokenizer", "--work", tmp_path, "--micro")
     torch.manual_seed(0)
@@ -206,9 +202,8 @@ def test_training_anchor_text_is_the_pipelines(tmp_path):
     builds from the PDF file on disk."""
     import random
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import train_tiny as T
-    from make_synthetic_docs import draw_pdf, make_spec
+    import fixtures.tiny_training as T
+    from fixtures.documents import draw_pdf, make_spec
 
     from docproc.pipeline.ingest import discover, open_document
     from docproc.pipeline.run import window_anchor
@@ -223,8 +218,7 @@ def test_training_anchor_text_is_the_pipelines(tmp_path):
 
 
 def test_distill_weights_scale_their_rows_tokens_and_the_reading_question_weighs_one():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from train_tiny import distill_loss
+    from fixtures.tiny_training import distill_loss
 
     torch.manual_seed(0)
     labels = torch.full((3, 5), -100)
@@ -243,8 +237,7 @@ def test_distill_weights_scale_their_rows_tokens_and_the_reading_question_weighs
 
 
 def test_answer_weights_scale_their_rows_tokens():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from train_tiny import answer_loss
+    from fixtures.tiny_training import answer_loss
 
     torch.manual_seed(0)
     labels = torch.full((2, 6), -100)
@@ -263,8 +256,7 @@ def test_answer_weights_scale_their_rows_tokens():
 def test_saving_keeps_the_float32_weights_and_a_same_step_resume_restores_them(tmp_path):
     """Checkpoints are bf16, but saving must not round the live float32 weights, and a resume
     from the same step (on the machine that trained) continues from the float32 weights."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import train_tiny as T
+    import fixtures.tiny_training as T
 
     run("tokenizer", "--work", tmp_path, "--micro")
     torch.manual_seed(0)
@@ -293,9 +285,8 @@ def test_field_crops_ask_only_what_they_show_and_spaced_answers_keep_the_value(t
     the field's value; currency answers can be spelled as read (" CHF"); every field is found."""
     import random
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import train_tiny as T
-    from make_synthetic_docs import draw_pdf, make_spec
+    import fixtures.tiny_training as T
+    from fixtures.documents import draw_pdf, make_spec
     from transformers import AutoTokenizer
 
     from docproc.pipeline.queries import load_queries
@@ -340,8 +331,7 @@ def test_field_crops_ask_only_what_they_show_and_spaced_answers_keep_the_value(t
 
 
 def test_repair_gives_collapsed_tokens_their_spaced_twins_embedding():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import train_tiny as T
+    import fixtures.tiny_training as T
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(ROOT / "docproc" / "assets" / "models" / "target"))

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from docproc.layers.attention import AttentionMetadata
-from kernels.paged_attention import WIDE_BLOCK_N, TilePlan, default_num_splits, dense_decode_block_n, tile_shape
+from kernels.attention_plan import WIDE_BLOCK_N, TilePlan, default_num_splits, dense_decode_block_n, tile_shape
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 Q_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16)

@@ -48,13 +48,13 @@ def resolve_device(device: str) -> torch.device:
 
 def apply_kernel_choices(config: EngineConfig) -> None:
     """The configuration's kernel choices, into the kernels' modules (they hold them per process)."""
+    import kernels.attention_plan
     import kernels.gemv
-    import kernels.paged_attention
     import kernels.pdl
 
     kernels.gemv.ENABLED = config.one_row_kernels
     kernels.pdl.ENABLED = config.pdl
-    kernels.paged_attention.FP4_GLUON = config.fp4_gluon
+    kernels.attention_plan.FP4_GLUON = config.fp4_gluon
 
 
 def resolve_step_graphs(config: EngineConfig, device: torch.device) -> str | None:

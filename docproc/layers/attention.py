@@ -18,7 +18,8 @@ import torch
 
 from kernels.fp4 import DEFAULT_NUM_OUTLIERS, DEFAULT_THRESHOLD, FP4PagedLayer
 from kernels.fused import rotary_, rotary_store_
-from kernels.paged_attention import TilePlan, paged_attention, paged_attention_ref, plan_tiles, warmup_launches
+from kernels.attention_plan import TilePlan, plan_tiles, warmup_launches
+from kernels.paged_attention import paged_attention, paged_attention_ref
 
 
 @dataclass
