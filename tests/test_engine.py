@@ -288,3 +288,29 @@ def test_image_prefetch_workers_is_checked():
 
     with pytest.raises(ValueError, match="image_prefetch_workers"):
         EngineConfig(model="x", image_prefetch_workers=-1)
+
+
+def test_a_dropped_engine_frees_its_memory_without_the_garbage_collector(qwen2_vl_dir):
+    """No reference cycle through the engine (its step helpers hold it weakly, the vision tower's
+    attention is a subclass, not a bound method on each module): dropping the last reference
+    frees the weights and the KV pool at once, so a second engine in the same process (a GPU's
+    memory budget is measured at start) sees the memory back."""
+    import gc
+    import weakref
+
+    from PIL import Image
+
+    llm = LLM(str(qwen2_vl_dir), device="cpu", speculative_model=str(qwen2_vl_dir), num_speculative_tokens=2)
+    page = Image.new("RGB", (64, 48), "white")
+    llm.generate([{"prompt": "<|vision_start|><|image_pad|><|vision_end|>total?", "multi_modal_data": {"image": [page]}}],
+                 SamplingParams(max_tokens=4, ignore_eos=True))
+    refs = [weakref.ref(x) for x in (llm, llm.runner, llm.runner.kv_cache, llm.speculator.runner,
+                                     llm.runner.model.vision)]
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del llm
+        assert [r() is None for r in refs] == [True] * len(refs)
+    finally:
+        if enabled:
+            gc.enable()

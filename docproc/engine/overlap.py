@@ -10,6 +10,7 @@ the placeholder.
 from __future__ import annotations
 
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 from docproc.engine.sequence import Sequence
@@ -24,7 +25,7 @@ PLACEHOLDER = 0  # a launched step's token in token_ids until the host reads it
 
 class OverlapDecoder:
     def __init__(self, engine: LLM, enabled: bool) -> None:
-        self.engine = engine
+        self.engine = weakref.proxy(engine)  # no reference cycle: a dropped engine frees its memory at once
         self.enabled = enabled
         self.pending: PendingStep | None = None  # the launched decode step whose tokens the host has not read
         self.pending_since = 0.0  # when the host last had nothing in flight to wait for

@@ -4,7 +4,7 @@ merged embeddings per image out."""
 from __future__ import annotations
 
 import contextlib
-import types
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -68,8 +68,8 @@ def _fast_vision_attention(self, hidden_states: torch.Tensor, cu_seqlens: torch.
     call: _EncodeCall = self._docproc_call
     if not ((hidden_states.is_cuda or call.force) and call.lengths is not None and position_embeddings is not None
             and not torch.is_grad_enabled()):
-        return self._docproc_hf_forward(hidden_states, cu_seqlens, position_embeddings=position_embeddings,
-                                        max_seqlen=max_seqlen, **kwargs)
+        return self.hf_forward(hidden_states, cu_seqlens, position_embeddings=position_embeddings,
+                               max_seqlen=max_seqlen, **kwargs)
     n = hidden_states.shape[0]
     qkv = self.qkv(hidden_states)
     cos, sin = position_embeddings
@@ -93,11 +93,22 @@ def _fast_attention(module: nn.Module, call: _EncodeCall) -> None:
     and its weights unchanged; its own forward kept for the other cases)."""
     from transformers.models.qwen2_vl.modeling_qwen2_vl import VisionAttention
 
+    fast = _fast_attention_class()
     for m in module.modules():
         if type(m) is VisionAttention:
             m._docproc_call = call
-            m._docproc_hf_forward = m.forward
-            m.forward = types.MethodType(_fast_vision_attention, m)
+            m.__class__ = fast
+
+
+@functools.cache
+def _fast_attention_class() -> type:
+    """VisionAttention with _fast_vision_attention as its forward: a subclass swapped in, made once
+    (a bound method stored on each module would make every attention module a reference cycle,
+    and the tower's weights would outlive the engine until the garbage collector runs)."""
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import VisionAttention
+
+    return type("FastVisionAttention", (VisionAttention,),
+                {"forward": _fast_vision_attention, "hf_forward": VisionAttention.forward})
 
 
 def _has_vision_utils() -> bool:

@@ -10,6 +10,7 @@ rejected positions' K/V is overwritten by later steps).
 from __future__ import annotations
 
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 from docproc.engine.sampler import probabilities
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
 class Verifier:
     def __init__(self, engine: LLM) -> None:
-        self.engine = engine
+        self.engine = weakref.proxy(engine)  # no reference cycle: a dropped engine frees its memory at once
 
     def step(self, out: SchedulerOutput, k_step: int) -> list[Sequence]:
         """One step with speculation (k_step > 0). A probe's cost (the policy's `probing`) sets
