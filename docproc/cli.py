@@ -122,6 +122,9 @@ def run(
     spec_k: str = typer.Option("auto", "--spec-k", help="Draft tokens per step: a number, or auto (adaptive)."),
     draft_vision: str = typer.Option("auto", "--draft-vision", help="auto, own or none (the draft sees text only)."),
     kv_cache: str = typer.Option("auto", "--kv-cache", help="KV cache format: auto, bf16, fp16, fp32 or fp4."),
+    quantization: Optional[str] = typer.Option(None, "--quantization", help="fp8: quantize the model's language "
+                                               "weights to FP8 at load (half the weight bytes; an FP8 "
+                                               "checkpoint needs no flag)."),
     fp4_value_slots: Optional[int] = typer.Option(None, "--fp4-value-slots", help="FP4 KV: outlier slots per value "
                                                   "vector, 0 (the default) or 2 (as the keys; on CUDA the "
                                                   "slower Triton decode kernel)."),
@@ -159,7 +162,7 @@ def run(
                                max_num_batched_tokens=max_num_batched_tokens,
                                gpu_memory_utilization=gpu_memory_utilization, batch_pages=batch_pages,
                                anchor_text=anchor_text, enforce_eager=enforce_eager,
-                               fp4_value_slots=fp4_value_slots, debug=debug)
+                               fp4_value_slots=fp4_value_slots, quantization=quantization, debug=debug)
         pipeline = Pipeline(settings, reporter=_Display(quiet=quiet or log_json, log_json=log_json))
     except (QueryFileError, ValueError, typer.BadParameter) as e:
         error(e)

@@ -59,8 +59,17 @@ class EngineConfig:
     one_row_kernels: bool = True
     pdl: bool = True
     fp4_gluon: bool = True
+    # FP8 weights for the language model: None (the checkpoint's own layout, FP8 or float) or
+    # "fp8" (a float checkpoint quantized at load, per output channel; models/quant.py)
+    quantization: str | None = None
+    # "auto": the folder's safetensors; "dummy": random weights from config.json alone (benchmarks)
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization {self.quantization!r} is not supported: pick fp8 (or none)")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format {self.load_format!r} is not supported: pick auto or dummy")
         if self.cache is None:
             self.cache = CacheConfig()
         if self.device not in DEVICES and not self.device.startswith("cuda:"):

@@ -57,6 +57,9 @@ def cache_info(llm: LLM) -> dict:
         "num_overlapped_steps": llm.overlap.num_steps,
         "one_row_kernels": kernels_gemv.ENABLED and llm.runner.device.type == "cuda",  # kernels/gemv.py
         "pdl": kernels_pdl.enabled_on(llm.runner.device),  # programmatic dependent launch, kernels/pdl.py
+        # FP8 language-model weights: how they came (None: the model dtype)
+        "weights_fp8": llm.runner.model.quant_method,
+        "weight_bytes": llm.runner.weight_bytes,
         "device": str(llm.runner.device),
         "dtype": str(llm.runner.dtype).removeprefix("torch."),
     }

@@ -70,6 +70,8 @@ class LLM:
         one_row_kernels: bool = True,
         pdl: bool = True,
         fp4_gluon: bool = True,
+        quantization: str | None = None,
+        load_format: str = "auto",
     ) -> None:
         cache = CacheConfig(kv_cache_dtype=kv_cache_dtype, block_size=block_size,
                             enable_prefix_caching=enable_prefix_caching,
@@ -80,7 +82,8 @@ class LLM:
                                    max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                    max_model_len=max_model_len, seed=seed, cache=cache,
                                    enforce_eager=enforce_eager, image_prefetch_workers=image_prefetch_workers,
-                                   one_row_kernels=one_row_kernels, pdl=pdl, fp4_gluon=fp4_gluon)
+                                   one_row_kernels=one_row_kernels, pdl=pdl, fp4_gluon=fp4_gluon,
+                                   quantization=quantization, load_format=load_format)
         self.spec_config = None if speculative_model is None else SpecConfig(
             str(speculative_model), num_speculative_tokens, draft_vision)
         draft = None if self.spec_config is None else spec_setup.draft_runner(self.config, self.spec_config)

@@ -20,7 +20,7 @@ from docproc.engine.scheduler import SchedulerOutput
 from docproc.engine.sequence import Sequence
 from docproc.errors import DeviceUnavailable
 from docproc.layers.attention import AttentionMetadata, DenseAttention, FP4Attention
-from docproc.models.loader import load_model
+from docproc.models.loader import load_model, text_weight_bytes
 from docproc.models.processor import Processor
 from docproc.models.rope import mrope_positions
 
@@ -125,8 +125,10 @@ class ModelRunner:
         hf_config = read_config(config.model)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         t0 = time.perf_counter()
-        self.model = load_model(config.model, self.device, self.dtype)
+        self.model = load_model(config.model, self.device, self.dtype, config.quantization, config.load_format,
+                                config.seed)
         self.load_seconds = time.perf_counter() - t0
+        self.weight_bytes = text_weight_bytes(self.model.text)
         self.hf_config = self.model.hf_config
         self.processor = Processor(config.model, self.hf_config)
         tc = self.model.text.cfg
@@ -197,19 +199,22 @@ class ModelRunner:
         add_rms_norm(x, None, w, tc.rms_norm_eps)
         add_rms_norm(x, x, w, tc.rms_norm_eps)
         silu_mul(torch.zeros(2, 2 * tc.intermediate_size, dtype=self.dtype, device=self.device))
+        from docproc.models.qwen2_vl import project
+        from docproc.models.quant import Fp8Weight, fp8_linear
         from kernels.gemv import gemv, use_gemv
 
         x1 = torch.zeros(1, tc.hidden_size, dtype=self.dtype, device=self.device)
-        if use_gemv(x1):  # the one-row products of batch-1 decode (kernels/gemv.py), each shape's variant
+        if use_gemv(x1):  # the one-row products of batch-1 decode (kernels/gemv.py, kernels/fp8.py), each shape's
             text = self.model.text
             att, mlp = text.layers[0].self_attn, text.layers[0].mlp
-            if att.qkv_weight is not None:
-                gemv(x1, att.qkv_weight, att.qkv_bias)
-            gemv(torch.zeros(1, att.o_proj.in_features, dtype=self.dtype, device=self.device), att.o_proj.weight)
-            if mlp.gate_up_weight is not None:
-                gemv(x1, mlp.gate_up_weight)
-                gemv(torch.zeros(1, 2 * tc.intermediate_size, dtype=self.dtype, device=self.device),
-                     mlp.down_proj.weight, gated=True)
+            project(x1, att.qkv_weight, att.qkv_bias)
+            project(torch.zeros(1, att.o_proj.in_features, dtype=self.dtype, device=self.device), att.o_weight)
+            project(x1, mlp.gate_up_weight)
+            gate_up = torch.zeros(1, 2 * tc.intermediate_size, dtype=self.dtype, device=self.device)
+            if isinstance(mlp.down_weight, Fp8Weight):
+                fp8_linear(gate_up, mlp.down_weight, gated=True)
+            else:
+                gemv(gate_up, mlp.down_weight, gated=True)
             gemv(x1, text.lm_head.weight)
         if getattr(self.model.vision, "fast_attention", False):  # the vision tower's (kernels/vision_fused.py)
             from kernels.vision_fused import quick_gelu, vision_rotary_qk

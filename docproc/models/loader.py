@@ -2,7 +2,8 @@
 
 Accepts both key namings: published checkpoints (`visual.*`, `model.layers.*`, `lm_head.*`) and
 what today's save_pretrained writes (`model.visual.*`, `model.language_model.*`); single or sharded
-safetensors; tied embeddings; bf16/fp16/fp32 weights. Never pickle, never remote code.
+safetensors; tied embeddings; bf16/fp16/fp32 weights, and FP8 language-model weights in the
+compressed-tensors and block-wise layouts (models/quant.py). Never pickle, never remote code.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from pathlib import Path
 import torch
 
 from docproc.errors import ModelUnavailable
+from docproc.models.quant import (LINEAR_NAMES, LOAD_FORMATS, Fp8Scheme, Fp8Weight, UnsupportedQuantization,
+                                  from_blocks, from_channel, quantize, resolve_scheme)
 from docproc.models.qwen2_vl import Qwen2VLTextModel, TextConfig
 from docproc.models.rope import MRotaryEmbedding
 from docproc.models.vision import VisionEncoder
@@ -123,31 +126,74 @@ class LoadedModel:
     vision_fingerprint: str  # trunk + merger weights; keys the encoder cache
     vision_trunk_fingerprint: str  # trunk only (a draft with the same trunk can share its output)
     text_fingerprint: str
+    quant_method: str | None = None  # FP8 language weights: "compressed-tensors", "fp8" (block-wise) or "online"
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().view(torch.uint8).numpy())
 
 
-def load_model(folder: str | Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    from safetensors import safe_open
+def _raw_config(folder: Path) -> dict:
+    return json.loads((folder / "config.json").read_text())
 
+
+def quant_scheme(folder: str | Path, quantization: str | None) -> Fp8Scheme | None:
+    """The FP8 scheme a load of this folder uses (CheckpointError for one docproc cannot read)."""
+    try:
+        return resolve_scheme(_raw_config(check_folder(folder)), quantization)
+    except UnsupportedQuantization as e:
+        raise CheckpointError(f"{folder}: {e}") from None
+
+
+def load_model(folder: str | Path, device: torch.device, dtype: torch.dtype, quantization: str | None = None,
+               load_format: str = "auto", seed: int = 0) -> LoadedModel:
+    """Build the text model and vision tower and fill them from the folder's safetensors
+    (load_format "auto") or with random weights from config.json alone ("dummy": benchmarks at
+    sizes whose checkpoints the disk cannot hold). With an FP8 scheme (the checkpoint's, or
+    quantization="fp8" for a float checkpoint) the language model's products hold FP8 weights and
+    their float parameters are never allocated."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r}: pick one of {', '.join(LOAD_FORMATS)}")
+    scheme = quant_scheme(folder, quantization)
     hf_config = read_config(folder)
-    files = weight_files(folder)
     cfg = text_config(hf_config)
 
     with torch.device("meta"):
         text = Qwen2VLTextModel(cfg)
+    fp8_modules: dict[str, torch.nn.Linear] = {}
+    if scheme is not None:
+        for name, mod in text.named_modules():
+            if name.rsplit(".", 1)[-1] in LINEAR_NAMES:
+                mod.weight = None  # never allocated in the model dtype: the loader sets loaded_weight
+                fp8_modules[name] = mod
     text = text.to_empty(device=device).to(dtype)
     text.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section).to(device)
     with torch.device(device):
         vision = VisionEncoder(hf_config)
     vision = vision.to(dtype)
+    if load_format == "dummy":
+        digests = _fill_random(text, vision, fp8_modules, scheme, seed, device, dtype)
+    else:
+        digests = _fill_from_files(folder, text, vision, fp8_modules, scheme, device, dtype, cfg)
+    text.fuse_projections()
+    text.eval()
+    vision.eval()
+    fp = {k: _combine(d) for k, d in digests.items()}
+    vision_fp = _combine({"trunk": fp["trunk"], "merger": fp["merger"]})
+    return LoadedModel(hf_config, text, vision, vision_fp, fp["trunk"], fp["text"],
+                       scheme.method if scheme is not None else None)
 
+
+def _fill_from_files(folder, text, vision, fp8_modules, scheme, device, dtype, cfg) -> dict:
+    from safetensors import safe_open
+
+    files = weight_files(folder)
     text_params = dict(text.named_parameters())
     vision_params = dict(vision.visual.named_parameters())
     loaded: set[tuple[str, str]] = set()
     digests: dict[str, dict[str, str]] = {"text": {}, "trunk": {}, "merger": {}}
+    staged: dict[tuple[str, str], dict[str, torch.Tensor]] = {}  # FP8 weights waiting for their scale
+    scale_key = scheme.scale_suffix if scheme is not None else None
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as sf:
             for key in sf.keys():
@@ -158,38 +204,138 @@ def load_model(folder: str | Path, device: torch.device, dtype: torch.dtype) -> 
                     raise CheckpointError(f"{folder}: unexpected weight {key!r} (not a Qwen2-VL parameter)")
                 comp, name = mapped
                 params = text_params if comp == "text" else vision_params
-                if name not in params:
-                    if name.endswith("inv_freq"):
-                        continue
-                    raise CheckpointError(
-                        f"{folder}: unexpected weight {key!r} (no parameter {name} in the {comp} model)")
-                t = sf.get_tensor(key)
-                p = params[name]
-                if tuple(t.shape) != tuple(p.shape):
-                    raise CheckpointError(
-                        f"{folder}: weight {key!r} has shape {tuple(t.shape)} but the config implies {tuple(p.shape)}"
-                    )
-                which = "text" if comp == "text" else ("merger" if name.startswith("merger.") else "trunk")
-                # per-tensor digests, combined in name order: the fingerprint ignores sharding
-                digests[which][name] = hashlib.sha256(_tensor_bytes(t)).hexdigest()
-                with torch.no_grad():
-                    p.copy_(t.to(p.dtype))
-                loaded.add((comp, name))
-
+                module, _, leaf = name.rpartition(".")
+                if scheme is not None and leaf in (scale_key, "input_scale", "weight_zero_point"):
+                    if leaf != scale_key:
+                        raise CheckpointError(f"{folder}: {key!r}: static activation scales and zero points are "
+                                              f"not supported (only dynamic symmetric FP8)")
+                    staged.setdefault((comp, module), {})["scale"] = sf.get_tensor(key)
+                elif comp == "text" and module in fp8_modules and leaf == "weight":
+                    staged.setdefault((comp, module), {})["weight"] = sf.get_tensor(key)
+                elif scheme is not None and leaf == "weight" and sf.get_slice(key).get_dtype() == "F8_E4M3":
+                    staged.setdefault((comp, module), {})["weight"] = sf.get_tensor(key)  # dequantized below
+                else:
+                    if name not in params:
+                        if name.endswith("inv_freq"):
+                            continue
+                        raise CheckpointError(
+                            f"{folder}: unexpected weight {key!r} (no parameter {name} in the {comp} model)")
+                    t = sf.get_tensor(key)
+                    _copy_param(folder, key, params[name], t)
+                    digests[_which(comp, name)][name] = hashlib.sha256(_tensor_bytes(t)).hexdigest()
+                    loaded.add((comp, name))
+                    continue
+                entry = staged[(comp, module)]
+                if "weight" in entry and ("scale" in entry or entry["weight"].dtype != torch.float8_e4m3fn):
+                    staged.pop((comp, module))
+                    _place(folder, comp, module, entry, text_params, vision_params, fp8_modules, scheme,
+                           device, dtype, digests)
+                    loaded.add((comp, module + ".weight"))
+    for (comp, module), entry in staged.items():
+        what = "its scale" if "weight" in entry else "its codes"
+        raise CheckpointError(f"{folder}: FP8 weight {comp}:{module} lacks {what} ({scale_key})")
     if ("text", "lm_head.weight") not in loaded and cfg.tie_word_embeddings:
         text.lm_head.weight = text.embed_tokens.weight
         loaded.add(("text", "lm_head.weight"))
-    missing = [f"{c}:{n}" for c, ps in (("text", text_params), ("vision", vision_params)) for n in ps
-               if (c, n) not in loaded]
+    expected = [("text", n) for n in text_params] + [("text", m + ".weight") for m in fp8_modules] \
+        + [("vision", n) for n in vision_params]
+    missing = [f"{c}:{n}" for c, n in expected if (c, n) not in loaded]
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"{folder}: weights missing from the checkpoint: {', '.join(missing[:5])}{more}")
-    text.fuse_projections()
-    text.eval()
-    vision.eval()
-    fp = {k: _combine(d) for k, d in digests.items()}
-    vision_fp = _combine({"trunk": fp["trunk"], "merger": fp["merger"]})
-    return LoadedModel(hf_config, text, vision, vision_fp, fp["trunk"], fp["text"])
+    if scheme is not None and scheme.method == "online":
+        digests["text"]["quantization"] = "fp8-per-channel"  # other weights than the checkpoint's
+    return digests
+
+
+def _which(comp: str, name: str) -> str:
+    return "text" if comp == "text" else ("merger" if name.startswith("merger.") else "trunk")
+
+
+def _copy_param(folder, key: str, p: torch.Tensor, t: torch.Tensor) -> None:
+    if tuple(t.shape) != tuple(p.shape):
+        raise CheckpointError(f"{folder}: weight {key!r} has shape {tuple(t.shape)} but the config implies "
+                              f"{tuple(p.shape)}")
+    with torch.no_grad():
+        p.copy_(t.to(p.dtype))
+
+
+def _place(folder, comp, module, entry, text_params, vision_params, fp8_modules, scheme, device, dtype,
+           digests) -> None:
+    """One product's weight, from its codes and scale (or a float weight): an FP8 weight for the
+    language model's products, dequantized into the parameter anywhere else."""
+    w = entry["weight"]
+    name = module + ".weight"
+    digest = hashlib.sha256(_tensor_bytes(w))
+    if "scale" in entry:
+        digest.update(_tensor_bytes(entry["scale"]))
+    digests[_which(comp, name)][name] = digest.hexdigest()
+    if w.dtype == torch.float8_e4m3fn:
+        try:
+            q = (from_blocks(w, entry["scale"], scheme.block) if scheme.method == "fp8"
+                 else from_channel(w, entry["scale"]))
+        except UnsupportedQuantization as e:
+            raise CheckpointError(f"{folder}: {comp}:{module}: {e}") from None
+    else:
+        q = None
+    mod = fp8_modules.get(module) if comp == "text" else None
+    if mod is not None:
+        if tuple(w.shape) != (mod.out_features, mod.in_features):
+            raise CheckpointError(f"{folder}: weight {comp}:{name} has shape {tuple(w.shape)} but the config "
+                                  f"implies {(mod.out_features, mod.in_features)}")
+        if q is None:  # a float weight: quantized at load (online), else kept as the checkpoint has it
+            t = w.to(device=device, dtype=dtype)
+            mod.loaded_weight = quantize(t) if scheme.method == "online" else t
+        else:
+            mod.loaded_weight = Fp8Weight(q.data.to(device), q.scale.to(device), q.group)
+        return
+    params = text_params if comp == "text" else vision_params
+    if name not in params:
+        raise CheckpointError(f"{folder}: unexpected weight {comp}:{name}")
+    _copy_param(folder, name, params[name], q.dequantize(torch.float32) if q is not None else w)
+
+
+def _fill_random(text, vision, fp8_modules, scheme, seed: int, device, dtype) -> dict:
+    """load_format="dummy": normal(0, 0.02) weights (norms 1, biases 0) drawn on the device; FP8
+    products quantized from such a draw, one matrix at a time."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in [*text.named_parameters(), *vision.named_parameters()]:
+            if p.dim() == 1:
+                p.fill_(1.0 if "norm" in name or name.endswith("ln_q.weight") else 0.0)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+        for mod in fp8_modules.values():
+            w = torch.empty(mod.out_features, mod.in_features, device=device, dtype=dtype).normal_(
+                0.0, 0.02, generator=g)
+            mod.loaded_weight = quantize(w)
+            del w
+    if text.cfg.tie_word_embeddings:
+        text.lm_head.weight = text.embed_tokens.weight
+    tag = hashlib.sha256(f"dummy:{seed}:{scheme.method if scheme else 'float'}".encode()).hexdigest()
+    return {"text": {"dummy": tag}, "trunk": {"dummy": tag}, "merger": {"dummy": tag}}
+
+
+def text_weight_bytes(text: Qwen2VLTextModel) -> int:
+    """Bytes the language model's weights take (each storage once: fused products are views of
+    their parameters, a tied LM head is the embedding; FP8 weights: codes and scales)."""
+    seen: set[int] = set()
+    total = 0
+    tensors = list(text.parameters())
+    for layer in text.layers:
+        for w in (layer.self_attn.qkv_weight, layer.self_attn.o_weight, layer.mlp.gate_up_weight,
+                  layer.mlp.down_weight):
+            if isinstance(w, Fp8Weight):
+                tensors += [w.data, w.scale]
+            elif w is not None:
+                tensors.append(w)
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+    return total
 
 
 def _combine(digests: dict[str, str]) -> str:

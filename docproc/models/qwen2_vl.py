@@ -1,6 +1,8 @@
 """Our Qwen2 language model with M-RoPE over the paged KV cache (Qwen2-VL and Qwen2.5-VL share it).
 
-Parameter names follow transformers' text model, so checkpoint keys map one to one.
+Parameter names follow transformers' text model, so checkpoint keys map one to one. After
+loading, each layer's products are fused (q|k|v, gate|up) and every product's weight is either a
+tensor in the model dtype or an FP8 weight (models/quant.py); `project` runs either.
 """
 from __future__ import annotations
 
@@ -13,7 +15,32 @@ from torch import nn
 from docproc.layers.attention import AttentionMetadata
 from docproc.models.rope import MRotaryEmbedding, apply_rotary
 from kernels.fused import add_rms_norm, add_rms_norm_ref, silu_mul
+from docproc.models.quant import Fp8Weight, fp8_linear, stack
 from kernels.gemv import linear, product, use_gemv
+
+
+def project(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ bias) for a float weight or an FP8 one."""
+    if isinstance(w, Fp8Weight):
+        return fp8_linear(x, w, bias)
+    return linear(x, w, bias)
+
+
+def _stack(weights: list) -> torch.Tensor | Fp8Weight:
+    """Weights of one input size stacked along the output (q|k|v, gate|up): FP8 if all are."""
+    if all(isinstance(w, Fp8Weight) for w in weights):
+        return stack(weights)
+    dtype = next((w.dtype for w in weights if not isinstance(w, Fp8Weight)), None)
+    return torch.cat([w.dequantize(dtype) if isinstance(w, Fp8Weight) else w for w in weights])
+
+
+def weight_of(proj: nn.Linear):
+    """A product's weight: the one the loader set in place of the module's parameter when it
+    loads FP8 weights (proj.loaded_weight: FP8, or a float tensor for a module the checkpoint
+    kept unquantized), else the module's own (as a plain tensor on the same storage, so that
+    holding it does not register a second parameter)."""
+    w = getattr(proj, "loaded_weight", None)
+    return proj.weight.detach() if w is None else w
 
 
 @dataclass
@@ -59,28 +86,35 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
-        self.qkv_weight: torch.Tensor | None = None  # set by fuse(): q, k, v in one matrix
+        self.qkv_weight: torch.Tensor | Fp8Weight | None = None  # set by fuse(): q, k, v in one matrix
         self.qkv_bias: torch.Tensor | None = None
+        self.o_weight: torch.Tensor | Fp8Weight | None = None
 
     def fuse(self) -> None:
-        """One matmul for q, k and v (fewer kernel launches per step). The three parameters become
-        views of the fused tensors, so names, state_dict and memory stay as they were."""
+        """One matmul for q, k and v (fewer kernel launches per step). Float parameters become
+        views of the fused tensors, so names, state_dict and memory stay as they were; FP8
+        weights are stacked (codes and scales)."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        sizes = [p.out_features for p in projs]
         with torch.no_grad():
-            w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
-            b = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
-        sizes = [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]
-        for proj, wv, bv in zip((self.q_proj, self.k_proj, self.v_proj), w.split(sizes), b.split(sizes)):
-            proj.weight.data, proj.bias.data = wv, bv
+            b = torch.cat([p.bias for p in projs])
+            w = _stack([weight_of(p) for p in projs])
+        if not isinstance(w, Fp8Weight) and all(p.weight is not None for p in projs):
+            for proj, wv in zip(projs, w.split(sizes)):
+                proj.weight.data = wv
+        for proj, bv in zip(projs, b.split(sizes)):
+            proj.bias.data = bv
         self.qkv_weight, self.qkv_bias = w, b
+        self.o_weight = weight_of(self.o_proj)
 
     def forward(self, x, cos, sin, kv_cache, meta, backend) -> torch.Tensor:
         n = x.shape[0]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_weight is not None:
-            qkv = linear(x, self.qkv_weight, self.qkv_bias).view(n, h + 2 * hkv, d)
+            qkv = project(x, self.qkv_weight, self.qkv_bias).view(n, h + 2 * hkv, d)
             if x.is_cuda:  # q and k rotated in place and k, v stored: one kernel for a dense cache
                 q = backend.rotary_store(kv_cache, qkv, cos, sin, meta)
-                return linear(backend.attend(q, kv_cache, meta).reshape(n, -1), self.o_proj.weight)
+                return project(backend.attend(q, kv_cache, meta).reshape(n, -1), self.o_weight)
             qk = apply_rotary(qkv[:, : h + hkv], cos, sin)
             q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + hkv:]
         else:
@@ -91,6 +125,8 @@ class Attention(nn.Module):
         # Store before attending: a sequence in this batch may read blocks another one writes now.
         backend.store(kv_cache, k, v, meta)
         o = backend.attend(q, kv_cache, meta)
+        if self.o_weight is not None:
+            return project(o.reshape(n, -1), self.o_weight)
         return self.o_proj(o.reshape(n, -1))
 
 
@@ -100,25 +136,31 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.gate_up_weight: torch.Tensor | None = None  # set by fuse()
+        self.gate_up_weight: torch.Tensor | Fp8Weight | None = None  # set by fuse()
+        self.down_weight: torch.Tensor | Fp8Weight | None = None
 
     def fuse(self) -> None:
-        """One matmul for gate and up; the two parameters become views of the fused tensor."""
+        """One matmul for gate and up; float parameters become views of the fused tensor."""
         with torch.no_grad():
-            w = torch.cat([self.gate_proj.weight, self.up_proj.weight])
-        gate, up = w.split([self.gate_proj.out_features, self.up_proj.out_features])
-        self.gate_proj.weight.data, self.up_proj.weight.data = gate, up
+            w = _stack([weight_of(self.gate_proj), weight_of(self.up_proj)])
+        if not isinstance(w, Fp8Weight) and self.gate_proj.weight is not None and self.up_proj.weight is not None:
+            gate, up = w.split([self.gate_proj.out_features, self.up_proj.out_features])
+            self.gate_proj.weight.data, self.up_proj.weight.data = gate, up
         self.gate_up_weight = w
+        self.down_weight = weight_of(self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
-            gate_up = linear(x, self.gate_up_weight)  # (N, 2 * intermediate)
+            gate_up = project(x, self.gate_up_weight)  # (N, 2 * intermediate)
+            down = self.down_weight
             if use_gemv(gate_up):  # SiLU x up inside the down projection's kernel
-                return product(gate_up, self.down_proj.weight, gated=True)
+                if isinstance(down, Fp8Weight):
+                    return fp8_linear(gate_up, down, gated=True)
+                return product(gate_up, down, gated=True)
             if x.is_cuda:
-                return self.down_proj(silu_mul(gate_up))
+                return project(silu_mul(gate_up), down)
             gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+            return project(F.silu(gate) * up, down)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -98,7 +98,7 @@ class EngineSetup:
                                gpu_memory_utilization=self.s.gpu_memory_utilization, seed=self.s.seed,
                                speculative_model=self.s.draft, num_speculative_tokens=self.s.spec_k,
                                draft_vision=self.s.draft_vision, enforce_eager=self.s.enforce_eager,
-                               fp4_value_slots=self.s.fp4_value_slots)
+                               fp4_value_slots=self.s.fp4_value_slots, quantization=self.s.quantization)
             except EnvironmentFault:
                 raise
             except Exception as e:  # noqa: BLE001 -- whatever loading raises stops the run, named
@@ -133,6 +133,8 @@ class EngineSetup:
                    "dtype": info["dtype"], "max_image_tokens": self.s.max_image_tokens, "prompt": PROMPT_VERSION}
         if self.s.anchor_text:  # only when on: runs without it keep their fingerprints
             payload["anchor_text"] = True
+        if info.get("weights_fp8"):  # likewise: FP8 weights (the checkpoint's, or quantized at load)
+            payload["weights_fp8"] = info["weights_fp8"]
         if info["kv_cache_dtype"] == "fp4":
             # always: an entry-less FP4 fingerprint stands for the older default of 2 slots, so
             # that runs made under it never match a run with 0

@@ -28,6 +28,7 @@ class RunSettings:
     anchor_text: bool = False  # put each PDF page's text layer (with coordinates) in the prompt
     enforce_eager: bool = False  # no CUDA graphs (debugging, profiling)
     fp4_value_slots: int | None = None  # FP4 KV: outlier slots per value vector (0, the default, or 2 as the keys)
+    quantization: str | None = None  # "fp8": the model's language weights quantized to FP8 at load
     debug: bool = False  # tracebacks of documents' unexpected errors on stderr
 
     def __post_init__(self) -> None:
@@ -46,6 +47,8 @@ class RunSettings:
             raise ValueError(f"--spec-k must be a number from 1 to 15 or auto, got {self.spec_k}")
         if self.kv_cache not in ("auto", "bf16", "fp16", "fp32", "fp4"):
             raise ValueError(f"--kv-cache must be auto, bf16, fp16, fp32 or fp4, got {self.kv_cache}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"--quantization must be fp8 (or left out), got {self.quantization}")
         if self.fp4_value_slots not in (None, 0, 2):
             raise ValueError(f"--fp4-value-slots must be 0 or 2, got {self.fp4_value_slots}")
         if self.device not in ("auto", "cpu", "cuda") and not (

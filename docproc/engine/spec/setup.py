@@ -14,7 +14,10 @@ from docproc.engine.spec.proposer import Proposer
 def draft_runner(config: EngineConfig, spec: SpecConfig) -> ModelRunner:
     """The draft's runner, its KV pool not allocated yet (attach sizes it from the target's)."""
     check_tokenizers(config.model, spec.model)  # before any weights load
-    cfg = replace(config, model=str(spec.model), seed=config.seed + 1, cache=replace(config.cache, num_kv_blocks=None))
+    # the draft's weights are its checkpoint's (float, or FP8 in a layout it ships): quantizing
+    # the target at load leaves the draft as it is
+    cfg = replace(config, model=str(spec.model), seed=config.seed + 1, quantization=None,
+                  cache=replace(config.cache, num_kv_blocks=None))
     return ModelRunner(cfg, allocate=False)
 
 

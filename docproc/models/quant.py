@@ -1,0 +1,215 @@
+"""FP8 weights for the language model: the two checkpoint layouts docproc reads, quantization of
+a bf16/fp16/fp32 checkpoint at load, and the weight object the model's products take.
+
+Format (float8_e4m3fn codes, float32 scales; a weight's value is code x scale):
+- per output channel: one scale per row of W (N, K). compressed-tensors checkpoints
+  (`quant_method = "compressed-tensors"`, weights `strategy = "channel"` or `"tensor"`) and
+  quantization at load (`LLM(quantization="fp8")`: scale = max |row| / 448).
+- per block: one scale per (128 x 128) tile of W (`quant_method = "fp8"`,
+  `weight_block_size = [128, 128]`, `weight_scale_inv`). Held as one scale per row and
+  128-column group (the block's scale repeated over its rows): the same values, and q, k, v
+  (or gate, up) can be stacked into one matrix whatever their row counts.
+
+Activations are not stored: on CUDA a product of several rows quantizes its input per token at
+run time (dynamic, as both layouts declare); on CPU the weight is dequantized to the compute
+dtype and the product is the float one (weight-only reference semantics).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from kernels.fp8 import FP8, dequantize_ref, gemv_fp8, quantize_rows, scaled_mm
+
+
+def gemv_enabled() -> bool:
+    import kernels.gemv
+
+    return kernels.gemv.ENABLED
+
+QUANTIZATION_METHODS = ("fp8",)
+LOAD_FORMATS = ("auto", "dummy")
+# the language model's products that FP8 covers (the LM head and the vision tower stay in the
+# compute dtype; a checkpoint's quantized vision weights are dequantized at load)
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class UnsupportedQuantization(ValueError):
+    pass
+
+
+@dataclass
+class Fp8Weight:
+    """W (N, K) as float8 codes `data` (N, K) and float32 `scale` (N, G): row n, columns
+    [g * group, (g + 1) * group) share scale[n, g] (G = 1: per output channel)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    group: int
+
+    def __post_init__(self) -> None:
+        n, k = self.data.shape
+        assert self.data.dtype == FP8 and self.scale.dtype == torch.float32
+        assert self.scale.shape == (n, -(-k // self.group)), (self.scale.shape, n, k, self.group)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() + 4 * self.scale.numel()
+
+    @property
+    def per_channel(self) -> bool:
+        return self.scale.shape[1] == 1
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """(N, K) in dtype: code x scale in float32, rounded once to dtype."""
+        return dequantize_ref(self.data, self.scale, self.group, dtype)
+
+
+def quantize(w: torch.Tensor) -> Fp8Weight:
+    """Per-output-channel FP8 of a float weight (N, K): scale = max |row| / 448 (rows of zeros
+    get scale 1), codes = round-to-nearest(W / scale)."""
+    data, scale = quantize_rows(w)
+    return Fp8Weight(data, scale, w.shape[1])
+
+
+def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
+               gated: bool = False) -> torch.Tensor:
+    """x W^T (+ bias): on CUDA one row through the FP8 one-row kernel, several rows through the
+    FP8 tensor cores (per-row weights) or, for block-wise weights, the dequantized product; on
+    CPU the dequantized product (weight-only reference semantics)."""
+    if x.is_cuda and gemv_enabled() and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1:
+        return gemv_fp8(x, w.data, w.scale, w.group, bias, gated=gated)
+    if gated:
+        gate, up = x.chunk(2, dim=-1)
+        x = torch.nn.functional.silu(gate) * up
+    if x.is_cuda and w.per_channel and x.dtype in (torch.bfloat16, torch.float16) and x.shape[-1] % 16 == 0 \
+            and w.shape[0] % 16 == 0:
+        lead = x.shape[:-1]
+        y = scaled_mm(x.reshape(-1, x.shape[-1]), w.data, w.scale, bias)
+        return y.view(*lead, -1)
+    return torch.nn.functional.linear(x, w.dequantize(x.dtype), bias)
+
+
+def from_channel(data: torch.Tensor, scale: torch.Tensor) -> Fp8Weight:
+    """A compressed-tensors weight: codes (N, K) and weight_scale (N, 1), (N,) or a scalar."""
+    n, k = data.shape
+    s = scale.float().reshape(-1)
+    if s.numel() == 1:
+        s = s.expand(n)
+    if s.numel() != n:
+        raise UnsupportedQuantization(f"weight_scale of shape {tuple(scale.shape)} for a ({n}, {k}) weight")
+    return Fp8Weight(data.view(FP8), s.reshape(n, 1).contiguous(), k)
+
+
+def from_blocks(data: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> Fp8Weight:
+    """A block-wise weight: codes (N, K) and weight_scale_inv (ceil(N / bn), ceil(K / bk)), the
+    factor each block's codes are multiplied by."""
+    n, k = data.shape
+    bn, bk = block
+    want = (-(-n // bn), -(-k // bk))
+    if tuple(scale_inv.shape) != want:
+        raise UnsupportedQuantization(f"weight_scale_inv of shape {tuple(scale_inv.shape)} for a ({n}, {k}) "
+                                      f"weight in {bn} x {bk} blocks (expected {want})")
+    rows = scale_inv.float().repeat_interleave(bn, dim=0)[:n]  # (N, ceil(K / bk)): the block's scale per row
+    return Fp8Weight(data.view(FP8), rows.contiguous(), bk)
+
+
+def stack(weights: list[Fp8Weight]) -> Fp8Weight:
+    """Weights of the same K stacked along N (q|k|v, gate|up): one product for all."""
+    group = weights[0].group
+    assert all(w.group == group and w.shape[1] == weights[0].shape[1] for w in weights)
+    return Fp8Weight(torch.cat([w.data for w in weights]), torch.cat([w.scale for w in weights]), group)
+
+
+# ---- checkpoint layouts ---------------------------------------------------------------------------
+@dataclass
+class Fp8Scheme:
+    """How a checkpoint's (or the load's) FP8 weights are laid out."""
+
+    method: str  # "compressed-tensors", "fp8" (block-wise) or "online" (quantized at load)
+    block: tuple[int, int] | None = None  # the block-wise layout's (rows, columns)
+    ignore: tuple[str, ...] = ()  # module names (or "re:" patterns) kept in the checkpoint's dtype
+
+    @property
+    def scale_suffix(self) -> str:
+        return "weight_scale_inv" if self.method == "fp8" else "weight_scale"
+
+    def is_quantized(self, module: str) -> bool:
+        """Whether a checkpoint module (its full name, e.g. model.layers.0.mlp.up_proj) holds FP8
+        codes. An online scheme quantizes the language model's products only."""
+        if self.method == "online":
+            return module.rsplit(".", 1)[-1] in LINEAR_NAMES and "visual" not in module
+        for pattern in self.ignore:
+            if pattern.startswith("re:"):
+                if re.match(pattern[3:], module):
+                    return False
+            elif module == pattern or module.endswith("." + pattern) or module.startswith(pattern + "."):
+                return False
+        return True
+
+
+def checkpoint_scheme(raw_config: dict) -> Fp8Scheme | None:
+    """The checkpoint's FP8 layout from config.json's quantization_config (None: not quantized);
+    UnsupportedQuantization naming what is not supported."""
+    q = raw_config.get("quantization_config") or (raw_config.get("text_config") or {}).get("quantization_config")
+    if not q:
+        return None
+    method = q.get("quant_method")
+    if method == "compressed-tensors":
+        return _compressed_tensors(q)
+    if method == "fp8":
+        block = q.get("weight_block_size")
+        if not block or len(block) != 2:
+            raise UnsupportedQuantization("quant_method 'fp8' without weight_block_size (per-tensor FP8): docproc "
+                                          "reads the block-wise layout ([128, 128]) and compressed-tensors")
+        if q.get("activation_scheme", "dynamic") != "dynamic":
+            raise UnsupportedQuantization(f"activation_scheme {q.get('activation_scheme')!r}: only dynamic")
+        if q.get("fmt", "e4m3") != "e4m3":
+            raise UnsupportedQuantization(f"fp8 format {q.get('fmt')!r}: only e4m3")
+        return Fp8Scheme("fp8", (int(block[0]), int(block[1])), tuple(q.get("modules_to_not_convert") or ()))
+    raise UnsupportedQuantization(f"quant_method {method!r}: docproc reads FP8 weights in the compressed-tensors "
+                                  f"and the block-wise 'fp8' layouts")
+
+
+def _compressed_tensors(q: dict) -> Fp8Scheme:
+    fmt = q.get("format", "float-quantized")
+    if fmt not in ("float-quantized", "naive-quantized"):
+        raise UnsupportedQuantization(f"compressed-tensors format {fmt!r}: only float-quantized (FP8)")
+    groups = q.get("config_groups") or {}
+    if len(groups) != 1:
+        raise UnsupportedQuantization(f"compressed-tensors with {len(groups)} config groups: only one")
+    group = next(iter(groups.values()))
+    w = group.get("weights") or {}
+    if not (w.get("type") == "float" and w.get("num_bits") == 8 and w.get("strategy") in ("channel", "tensor")
+            and w.get("symmetric", True) and not w.get("dynamic", False)):
+        raise UnsupportedQuantization(f"compressed-tensors weights {w}: only 8-bit float, per channel or per "
+                                      f"tensor, symmetric, static")
+    a = group.get("input_activations")
+    if a is not None and not (a.get("dynamic") and a.get("type") == "float" and a.get("num_bits") == 8):
+        raise UnsupportedQuantization(f"compressed-tensors input activations {a}: only dynamic 8-bit float "
+                                      f"(static activation scales are not supported)")
+    targets = group.get("targets") or ["Linear"]
+    if targets != ["Linear"]:
+        raise UnsupportedQuantization(f"compressed-tensors targets {targets}: only Linear")
+    return Fp8Scheme("compressed-tensors", None, tuple(q.get("ignore") or ()))
+
+
+def resolve_scheme(raw_config: dict, quantization: str | None) -> Fp8Scheme | None:
+    """The scheme a load uses: the checkpoint's, or quantization at load for a float checkpoint
+    asked for with quantization="fp8"."""
+    scheme = checkpoint_scheme(raw_config)
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise UnsupportedQuantization(f"quantization {quantization!r}: pick one of {', '.join(QUANTIZATION_METHODS)}")
+    if scheme is None and quantization == "fp8":
+        return Fp8Scheme("online")
+    return scheme

@@ -1,0 +1,140 @@
+"""FP8 weight products: y = x W^T (+ bias) with W held as float8_e4m3fn codes and float32 scales
+(one per output row and group of GROUP_K input columns; GROUP_K = K: one per row).
+
+- torch reference (`fp8_linear_ref`): W dequantized to x's dtype (code x scale in float32, one
+  rounding), then the float product: the CPU path, and what the CUDA paths are compared with.
+- one row on CUDA (`gemv_fp8`): batch-1 decode reads the codes once, 1 byte a weight. Each
+  program owns BLOCK_N output rows and streams them along K in (BLOCK_N, BLOCK_K) tiles as
+  kernels/gemv.py does; products and sums in float32, each group's partial sum times its scale.
+  The gated form computes SiLU(gate) x up from the gate|up product on the fly (down projection).
+- several rows on CUDA (`scaled_mm`): the input quantized per row (token) to FP8 at run time,
+  then Hopper's FP8 tensor cores through torch._scaled_mm with row-wise scales (per-row
+  weights only).
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels._triton import tl, triton
+
+from kernels.gemv import _x_tile
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+# ---- torch reference --------------------------------------------------------------------------------
+def dequantize_ref(data: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """(N, K) codes and (N, G) scales -> W (N, K) in dtype."""
+    n, k = data.shape
+    g = scale.shape[1]
+    w = data.float()
+    if g == 1:
+        return (w * scale).to(dtype)
+    pad = g * group - k
+    if pad:
+        w = torch.nn.functional.pad(w, (0, pad))
+    return (w.view(n, g, group) * scale[:, :, None]).view(n, -1)[:, :k].to(dtype)
+
+
+def fp8_linear_ref(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, group: int,
+                   bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+    if gated:
+        gate, up = x.chunk(2, dim=-1)
+        x = (torch.nn.functional.silu(gate.float()).to(x.dtype).float() * up.float()).to(x.dtype)
+    return torch.nn.functional.linear(x, dequantize_ref(data, scale, group, x.dtype), bias)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (token) dynamic FP8: (codes (M, K), scales (M, 1) float32), x ~ codes x scale."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
+
+
+# ---- Triton: one row ---------------------------------------------------------------------------------
+@triton.jit
+def _gemv_fp8_kernel(
+    # pointers
+    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
+    # sizes
+    N, K, num_groups,
+    # strides
+    sw, ss,
+    # meta
+    GATED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_K: tl.constexpr, PER_ROW: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    k = tl.arange(0, BLOCK_K)
+    dt = out_ptr.dtype.element_ty
+    rows = w_ptr + n[:, None].to(tl.int64) * sw
+    GROUPS: tl.constexpr = BLOCK_K // GROUP_K
+    if PER_ROW:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, GROUPS], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + k
+        if EVEN_K:
+            w = tl.load(rows + kk[None, :], mask=nmask[:, None], other=0.0)
+        else:
+            w = tl.load(rows + kk[None, :], mask=nmask[:, None] & (kk < K)[None, :], other=0.0)
+        prod = w.to(tl.float32) * _x_tile(x_ptr, kk, K, GATED, EVEN_K, dt)[None, :]
+        if PER_ROW:
+            acc += prod
+        else:
+            g = k0 // GROUP_K + tl.arange(0, GROUPS)
+            s = tl.load(s_ptr + n[:, None] * ss + g[None, :], mask=nmask[:, None] & (g < num_groups)[None, :],
+                        other=0.0)
+            acc += tl.sum(tl.reshape(prod, [BLOCK_N, GROUPS, GROUP_K]), 2) * s
+    y = tl.sum(acc, 1)
+    if PER_ROW:
+        y = y * tl.load(s_ptr + n * ss, mask=nmask, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + n, y.to(dt), mask=nmask)
+
+
+def default_config(n: int, k: int, gated: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps): 1,024 codes a row per tile (16 bytes a thread, as the bf16
+    kernel's 512 values), 4 rows a program (8 for the wide gate|up and LM-head shapes)."""
+    if n >= 8 * k:
+        return 8, 1024, 4
+    return 4, 1024, 4
+
+
+def gemv_fp8(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, group: int,
+             bias: torch.Tensor | None = None, gated: bool = False,
+             config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """fp8_linear_ref for one row, in one kernel. x: (1, K) contiguous ((1, 2K) when gated); data
+    (N, K) float8 codes with unit stride along K; scale (N, G) float32 (G = 1: per row; else
+    groups of `group` columns, a power of two dividing BLOCK_K)."""
+    n, k = data.shape
+    assert x.dim() == 2 and x.shape[0] == 1 and x.shape[1] == (2 * k if gated else k) and x.stride(-1) == 1
+    assert data.dtype == FP8 and data.stride(1) == 1 and scale.dtype == torch.float32 and scale.shape[0] == n
+    block_n, block_k, warps = config or default_config(n, k, gated)
+    per_row = scale.shape[1] == 1
+    group_k = block_k if per_row else group
+    assert per_row or (block_k % group == 0 and group & (group - 1) == 0), f"group {group} and BLOCK_K {block_k}"
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    _gemv_fp8_kernel[(triton.cdiv(n, block_n),)](
+        x, data, scale, bias if bias is not None else scale, out, n, k, scale.shape[1], data.stride(0),
+        scale.stride(0),
+        GATED=gated, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_K=group_k,
+        PER_ROW=per_row, EVEN_K=k % block_k == 0, num_warps=warps)
+    return out
+
+
+# ---- several rows: FP8 tensor cores ------------------------------------------------------------------
+def scaled_mm(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) bf16/fp16 against per-row FP8 weights (scale (N, 1)): x quantized per row, one
+    FP8 product with both scales applied to its float32 result, output in x's dtype."""
+    assert scale.shape[1] == 1, "row-wise scales only (per-output-channel weights)"
+    xq, sx = quantize_rows(x)
+    y = torch._scaled_mm(xq, data.t(), scale_a=sx, scale_b=scale.view(1, -1), out_dtype=x.dtype,
+                         bias=bias)
+    return y

@@ -1,0 +1,148 @@
+"""FP8 language-model weights: both checkpoint layouts and quantization at load against
+transformers on the dequantized weights (CPU, float32: weight-only reference semantics), the
+layouts docproc refuses, random weights from config.json alone, and the CUDA products against
+the reference."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from docproc import LLM, SamplingParams
+from docproc.models.quant import Fp8Weight, quantize
+from fixtures.checkpoints import to_fp8
+from test_parity import check_against_hf, hf_model, requests, run_engine
+
+
+@pytest.mark.parametrize("layout,block", [("compressed-tensors", None), ("block", (16, 32))])
+def test_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(qwen2_vl_dir, tmp_path, layout, block):
+    fp8 = to_fp8(qwen2_vl_dir, tmp_path / "fp8", layout, block=block or (128, 128), dequantized=tmp_path / "deq")
+    llm = LLM(str(fp8), device="cpu")
+    attn = llm.runner.model.text.layers[0].self_attn
+    assert isinstance(attn.qkv_weight, Fp8Weight) and isinstance(llm.runner.model.text.layers[1].mlp.down_weight,
+                                                                 Fp8Weight)
+    assert attn.q_proj.weight is None  # no float copy of a quantized product
+    assert llm.cache_info()["weights_fp8"] == ("compressed-tensors" if layout == "compressed-tensors" else "fp8")
+    reqs = requests()
+    outs, logits = run_engine(llm, reqs)
+    check_against_hf(llm, hf_model(tmp_path / "deq"), reqs, outs, logits)
+
+
+def test_quantization_at_load_matches_transformers_on_the_quantized_weights(qwen2_vl_dir, tmp_path):
+    """quantization="fp8" on a float checkpoint: per-output-channel codes; transformers runs on
+    exactly those weights (written dequantized), the engine's tokens equal its greedy ones. The
+    quantized products hold at most 0.55x the bytes of bf16."""
+    llm = LLM(str(qwen2_vl_dir), device="cpu", quantization="fp8")
+    text = llm.runner.model.text
+    deq = tmp_path / "deq"
+    shutil.copytree(qwen2_vl_dir, deq)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(deq / "model.safetensors"))
+    fp8_bytes = bf16_bytes = 0
+    for key in list(tensors):
+        module, _, leaf = key.rpartition(".")
+        if leaf == "weight" and module.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                               "up_proj", "down_proj") and "visual" not in key:
+            q = quantize(tensors[key])
+            tensors[key] = q.dequantize(torch.float32)
+            fp8_bytes += q.nbytes
+            bf16_bytes += 2 * tensors[key].numel()
+    save_file(tensors, str(deq / "model.safetensors"))
+    held = sum(w.nbytes for layer in text.layers for w in (layer.self_attn.qkv_weight, layer.self_attn.o_weight,
+                                                           layer.mlp.gate_up_weight, layer.mlp.down_weight))
+    assert held == fp8_bytes and held <= 0.55 * bf16_bytes, (held, bf16_bytes)
+    assert llm.cache_info()["weights_fp8"] == "online"
+    assert llm.cache_info()["weight_bytes"] < LLM(str(qwen2_vl_dir), device="cpu").cache_info()["weight_bytes"]
+    reqs = requests()[:3]
+    outs, logits = run_engine(llm, reqs)
+    check_against_hf(llm, hf_model(deq), reqs, outs, logits)
+    assert llm.model_fingerprint()["text"] != LLM(str(qwen2_vl_dir), device="cpu").model_fingerprint()["text"]
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda q: q.update(quant_method="awq"), "quant_method 'awq'"),
+    (lambda q: q["config_groups"]["group_0"]["input_activations"].update(dynamic=False),
+     "static activation scales are not supported"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="group"), "per channel or per tensor"),
+    (lambda q: q.update(quant_method="fp8", weight_block_size=None), "without weight_block_size"),
+])
+def test_fp8_layouts_docproc_cannot_read_fail_with_one_clear_error(qwen2_vl_dir, tmp_path, change, message):
+    from docproc.models.loader import CheckpointError
+
+    fp8 = to_fp8(qwen2_vl_dir, tmp_path / "fp8", "compressed-tensors")
+    cfg = json.loads((fp8 / "config.json").read_text())
+    change(cfg["quantization_config"])
+    (fp8 / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=message):
+        LLM(str(fp8), device="cpu")
+
+
+def test_fp8_weight_without_its_scale_is_named(qwen2_vl_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from docproc.models.loader import CheckpointError
+
+    fp8 = to_fp8(qwen2_vl_dir, tmp_path / "fp8", "compressed-tensors")
+    t = load_file(str(fp8 / "model.safetensors"))
+    key = next(k for k in t if k.endswith("layers.1.mlp.up_proj.weight_scale"))
+    del t[key]
+    save_file(t, str(fp8 / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"layers\.1\.mlp\.up_proj lacks its scale \(weight_scale\)"):
+        LLM(str(fp8), device="cpu")
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_dummy_weights_from_the_config_alone(qwen2_vl_dir, tmp_path, quantization):
+    folder = tmp_path / "config_only"
+    shutil.copytree(qwen2_vl_dir, folder)
+    (folder / "model.safetensors").unlink()
+    llm = LLM(str(folder), device="cpu", load_format="dummy", quantization=quantization)
+    out = llm.generate(["<|im_start|>user\nhello"], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 6
+    again = LLM(str(folder), device="cpu", load_format="dummy", quantization=quantization)
+    assert again.model_fingerprint() == llm.model_fingerprint()  # the same draw for the same seed
+    with pytest.raises(Exception, match="no weights found"):
+        LLM(str(folder), device="cpu")
+
+
+# ---- the CUDA products ---------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,group,gated,bias", [(4608, 3584, None, False, True), (3584, 18944, None, True, False),
+                                                  (37888, 3584, 128, False, False), (3584, 18944, 128, True, False),
+                                                  (1000, 4000, None, False, False), (1000, 4000, 128, False, True)])
+def test_fp8_one_row_kernel_matches_the_reference(n, k, group, gated, bias):
+    from kernels.fp8 import fp8_linear_ref, gemv_fp8
+    from docproc.models.quant import from_blocks
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(n, k, device="cuda", generator=g) * 0.02
+    if group is None:
+        q = quantize(w)
+    else:
+        tiles = -(-n // 128), -(-k // group)
+        scale_inv = torch.rand(tiles, device="cuda", generator=g) * 1e-4 + 1e-5
+        codes = (torch.randn(n, k, device="cuda", generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        q = from_blocks(codes, scale_inv, (128, group))
+    x = torch.randn(1, 2 * k if gated else k, device="cuda", dtype=torch.bfloat16, generator=g)
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g) if bias else None
+    y = gemv_fp8(x, q.data, q.scale, q.group, b, gated=gated).float()
+    ref = fp8_linear_ref(x.float(), q.data, q.scale, q.group, None if b is None else b.float(), gated=gated)
+    err = ((y - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-2, err
+
+
+@pytest.mark.gpu
+def test_fp8_tensor_core_product_matches_the_reference_within_activation_rounding():
+    from kernels.fp8 import fp8_linear_ref, scaled_mm
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = quantize(torch.randn(4608, 3584, device="cuda", generator=g) * 0.02)
+    x = torch.randn(37, 3584, device="cuda", dtype=torch.bfloat16, generator=g)
+    b = torch.randn(4608, device="cuda", dtype=torch.bfloat16, generator=g)
+    y = scaled_mm(x, w.data, w.scale, b).float()
+    ref = fp8_linear_ref(x.float(), w.data, w.scale, w.group, b.float())
+    rel = ((y - ref).norm() / ref.norm()).item()
+    assert rel < 0.05, rel  # the input's per-token FP8 rounding: ~2-3% relative for random data
