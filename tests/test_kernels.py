@@ -320,7 +320,7 @@ def test_paged_attention_fp4_head_dim_128_non_power_of_two_head_scale():
     assert err < (2e-2 if dtype == torch.bfloat16 else 1e-5), err
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernel at the 7B geometry: GPU only")
+@pytest.mark.gpu  # compiled kernel at the 7B geometry: GPU only
 @pytest.mark.parametrize("block_n,num_warps", [(64, 4), (128, 4), (128, 8), (256, 4)])
 def test_paged_attention_fp4_7b_geometry_on_gpu(block_n, num_warps):
     heads, kv_heads, d, bs = 28, 4, 128, 16
@@ -337,7 +337,7 @@ def test_paged_attention_fp4_7b_geometry_on_gpu(block_n, num_warps):
         assert err < 2e-2, (splits, err)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX: GPU only")
+@pytest.mark.gpu  # inline PTX: GPU only
 def test_fp4_ptx_decode_equals_the_float32_decode_bit_for_bit():
     """Every code byte (both nibbles) under every finite E4M3 scale byte, decoded by the PTX bf16x2
     path and by the float32 path: the same values (the PTX path is exact, subnormals included)."""
@@ -370,7 +370,7 @@ def test_fp4_ptx_decode_equals_the_float32_decode_bit_for_bit():
     assert torch.equal(out[1], ref.float())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX: GPU only")
+@pytest.mark.gpu  # inline PTX: GPU only
 def test_fp4_attention_with_ptx_decode_equals_the_float32_decode():
     """Both PTX decodes (from bytes, and from 32-bit words in either layout: the default for tiles
     of up to 16 rows, "word_rows" without value slots) give the float32 decode's output, with and
@@ -406,7 +406,7 @@ def _zero_width(views):
     return c, sc, oi[..., :0], ov[..., :0], hs
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="Gluon: GPU only (no interpreter)")
+@pytest.mark.gpu  # Gluon: GPU only (no interpreter)
 @pytest.mark.parametrize("heads,kv_heads,dtype,key_slots,bs", [
     (28, 4, torch.bfloat16, True, 16), (28, 4, torch.bfloat16, False, 16), (12, 2, torch.bfloat16, True, 16),
     (8, 1, torch.float16, True, 16), (28, 4, torch.bfloat16, True, 32), (12, 2, torch.bfloat16, True, 128)])
@@ -442,7 +442,7 @@ def test_fp4_gluon_decode_matches_the_reference(heads, kv_heads, dtype, key_slot
         assert err < 2e-2 and err_tri <= 2.0 ** -7, (splits, err, err_tri)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="Gluon: GPU only")
+@pytest.mark.gpu  # Gluon: GPU only
 def test_fp4_gluon_is_only_taken_where_it_can_run(monkeypatch):
     """Value slots, verify windows or a named Triton variant keep the Triton kernel; fp4_gluon=True
     where it cannot run is an error; the engine's fp4_gluon=False (attention_plan.FP4_GLUON) turns

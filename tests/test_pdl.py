@@ -58,6 +58,7 @@ def _chain(x, r, W, h):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="programmatic dependent launch needs sm_90 or later")
 @pytest.mark.parametrize("trigger", ["start", "end"])
 def test_pdl_chain_in_a_graph_matches_plain_order(monkeypatch, trigger):
@@ -101,6 +102,7 @@ def test_pdl_chain_in_a_graph_matches_plain_order(monkeypatch, trigger):
         assert torch.equal(got, want), f"replay {i}"
 
 
+@pytest.mark.gpu
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="programmatic dependent launch needs sm_90 or later")
 def test_engine_decodes_the_same_with_and_without_pdl(qwen2_vl_dir, monkeypatch):

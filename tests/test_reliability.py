@@ -402,6 +402,7 @@ def test_an_unexpected_exception_fails_only_its_document(run, qwen2_vl_dir, tmp_
     from docproc.models import processor as processor_mod
     from docproc.models.loader import read_config
     from docproc.models.vision import VisionEncoder
+    from docproc.pipeline import rows as rows_mod
     from docproc.pipeline import run as run_mod
 
     bad_size = (60, 200)  # the document that raises is told by its page size (and its patch grid)
@@ -427,7 +428,7 @@ def test_an_unexpected_exception_fails_only_its_document(run, qwen2_vl_dir, tmp_
                           lambda self, images: any(i.size == bad_size for i in images)),
         "encode": (VisionEncoder, "encode", lambda self, pixels, grids: bad_grid in grids.tolist()),
         "answers": (run_mod.Pipeline, "_answers", lambda self, w, outs: w.doc.doc.candidate.rel == "bad.png"),
-        "write": (run_mod, "document_json", lambda rows: rows[0]["path"] == "bad.png"),
+        "write": (rows_mod, "document_json", lambda rows: rows[0]["path"] == "bad.png"),
     }
     owner, name, test = targets[stage]
     monkeypatch.setattr(owner, name, raise_for_bad(getattr(owner, name), test))

@@ -30,6 +30,11 @@ def cache_info(llm: LLM) -> dict:
         "bytes_per_token": kv.bytes_per_token,
         "bytes_per_token_bf16": 2 * llm.runner.text_config.num_hidden_layers * 2
                                 * llm.runner.text_config.num_key_value_heads * llm.runner.text_config.head_dim,
+        # start-up, each part on its own: reading the weights onto the device (the draft's too),
+        # compiling or loading the kernels (Triton's disk cache makes a second start cheap), and
+        # capturing CUDA graphs (lazily, inside the first steps of each batch size)
+        "load_seconds": round(llm.runner.load_seconds
+                              + (llm.speculator.runner.load_seconds if llm.speculator else 0.0), 3),
         "kernel_warmup_seconds": round(llm.runner.warmup_seconds, 3),
         "kernel_warmup_compiles": llm.runner.warmup_compiles
                                   + (llm.speculator.runner.warmup_compiles if llm.speculator else 0),

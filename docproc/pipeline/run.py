@@ -22,18 +22,17 @@ import resource
 import time
 import traceback
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from datetime import datetime, timezone
 from typing import Callable
 
 from docproc.errors import EnvironmentFault, OutputUnwritable
 from docproc.pipeline.engine_setup import PROMPT_VERSION, EngineSetup
-from docproc.pipeline.ingest import (Candidate, Document, DocumentError, discover, display_name, file_digest,
-                                     open_document, searched_roots)
-from docproc.pipeline.queries import QuerySet, build_prompt, load_queries, parse_answer
+from docproc.pipeline.rows import DocumentRows, _DocState, _Window
+from docproc.pipeline.ingest import Candidate, discover, display_name, file_digest, open_document, searched_roots
+from docproc.pipeline.queries import QuerySet, build_prompt, load_queries
 from docproc.pipeline.reconcile import Reconciliation, reconcile
 from docproc.pipeline.runstore import REMOVED, RunStore
-from docproc.pipeline.schema import document_json, to_table
 from docproc.pipeline.settings import RunSettings, RunTotals
 from docproc.pipeline.signals import EXIT_INTERRUPTED, RunInterrupted, signals_raise
 
@@ -44,23 +43,6 @@ FAILURES_LISTED = 20  # failed files named in a manifest (docproc stats --failur
 
 class UsageError(ValueError):
     """The run cannot start as asked (inputs, output folder); nothing was done."""
-
-
-@dataclass
-class _Window:
-    doc: "_DocState"
-    index: int
-    pages: list  # ingest.Page
-
-
-@dataclass
-class _DocState:
-    doc: Document
-    windows_total: int = 0
-    windows_done: int = 0
-    answers: dict = field(default_factory=dict)  # query name -> list of (window, row)
-    finished_adding: bool = False
-    failure: tuple[str, str] | None = None  # (kind, message): the engine failed on this document
 
 
 def window_anchor(pages) -> str | None:
@@ -97,7 +79,7 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="microseconds")
 
 
-class Pipeline(EngineSetup):
+class Pipeline(EngineSetup, DocumentRows):
     def __init__(self, settings: RunSettings, llm=None, reporter: Reporter | None = None) -> None:
         """Checks the inputs, the output folder's place and the query set; UsageError or
         QueryFileError before anything is loaded or written."""
@@ -378,145 +360,6 @@ class Pipeline(EngineSetup):
             return llm.generate(prompts, params)
         finally:
             self.stage_seconds["engine"] += time.perf_counter() - t0
-
-    def _answers(self, w: _Window, outs: list) -> None:
-        """One window's outputs (one per query) as rows of its document, counted in the totals."""
-        rows = []
-        for q, out in zip(self.queries.queries, outs):
-            m = out.metrics
-            row = {"query": q.name, "query_type": q.type, "answer": out.outputs[0].text,
-                   "prompt_tokens": m.num_prompt_tokens, "cached_tokens": m.num_cached_tokens,
-                   "generated_tokens": m.num_generated_tokens, "draft_proposed": m.draft_proposed,
-                   "draft_accepted": m.draft_accepted, "draft_verifications": m.draft_verifications,
-                   "latency_s": round(m.total_time, 4)}
-            if out.error:
-                row.update(value=None, status="error", error=out.error, error_kind="engine")
-            else:
-                value, err = parse_answer(q.type, out.outputs[0].text)
-                row.update(value=value, status="parse_error" if err else ("ok" if value is not None else "empty"),
-                           error=err)
-            rows.append((q, m, row))
-        for q, m, row in rows:  # counted only once every row of the window is made
-            self.totals.requests += 1
-            self.totals.prompt_tokens += m.num_prompt_tokens
-            self.totals.cached_tokens += m.num_cached_tokens
-            self.totals.generated_tokens += m.num_generated_tokens
-            self.totals.draft_proposed += m.draft_proposed
-            self.totals.draft_accepted += m.draft_accepted
-            self.totals.draft_verifications += m.draft_verifications
-            w.doc.answers.setdefault(q.name, []).append((w.index, row))
-
-    def _finish_document(self, state: _DocState) -> None:
-        doc = state.doc
-        if state.failure is not None:
-            doc.close()
-            kind, message = state.failure
-            self._file_row(doc.candidate, doc.sha256, "error", message, kind)
-            return
-        rows = []
-        for q in self.queries.queries:
-            candidates = sorted(state.answers.get(q.name, []), key=lambda x: x[0])
-            chosen = next((r for _, r in candidates if r["status"] == "ok"), None) or \
-                next((r for _, r in candidates if r["status"] == "empty"), None) or candidates[0][1]
-            merged = dict(chosen)
-            for k in ("prompt_tokens", "cached_tokens", "generated_tokens", "draft_proposed", "draft_accepted",
-                      "draft_verifications"):
-                merged[k] = sum(r[k] for _, r in candidates)
-            merged["latency_s"] = round(sum(r["latency_s"] for _, r in candidates), 4)
-            rows.append(merged)
-        bad = sum(r["status"] in ("error", "parse_error") for r in rows)
-        status = "ok" if bad == 0 else ("error" if bad == len(rows) else "partial")
-        self.totals.documents += 1
-        if status == "error":
-            self.totals.errors += 1
-            reason = next(r["error"] for r in rows if r["error"])
-            self.failures.append({"path": doc.candidate.rel, "kind": rows[0].get("error_kind") or "answers",
-                                  "error": reason})
-        else:
-            setattr(self.totals, status, getattr(self.totals, status) + 1)
-        base = {"run_id": self.run_id, "path": doc.candidate.rel, "root": doc.candidate.root,
-                "doc_sha256": doc.sha256, "doc_status": status, "pages": doc.num_pages,
-                "config_fingerprint": self.cfg}
-        full = [{**base, **r} for r in rows]
-        if doc.truncated:
-            for r in full:
-                r["error"] = (r["error"] + "; " if r["error"] else "") + \
-                    f"only the first {doc.num_pages} of {doc.num_pages_total} pages were read (--max-pages)"
-        doc.close()
-        self._pending.append((doc.candidate.rel, full, True))
-        self.report("document", {"path": doc.candidate.rel, "status": status, "pages": doc.num_pages})
-
-    def _document_failed(self, cand: Candidate, sha: str | None, e: Exception) -> None:
-        """A document's error row from what it raised: a DocumentError's reason and kind, or an
-        unexpected exception's class and message (its traceback on stderr with --debug)."""
-        if isinstance(e, DocumentError):
-            kind, message = e.kind, str(e)
-        else:
-            kind, message = "internal", f"{type(e).__name__}: {e}"
-            if self.s.debug:
-                traceback.print_exception(e)
-        self._file_row(cand, sha, "error", message, kind)
-
-    def _file_row(self, cand: Candidate, sha: str | None, status: str, error: str, kind: str | None) -> None:
-        if status == "error":
-            self.totals.errors += 1
-            self.failures.append({"path": cand.rel, "kind": kind, "error": error})
-        row = {"run_id": self.run_id, "path": cand.rel, "root": cand.root, "doc_sha256": sha, "doc_status": status,
-               "pages": None, "query": None, "status": status, "error": error, "error_kind": kind,
-               "config_fingerprint": self.cfg}
-        self._pending.append((cand.rel, [row], True))
-        self.report("document", {"path": cand.rel, "status": status, "error": error, "error_kind": kind})
-
-    def _move(self, cand: Candidate, old_rows: list[dict]) -> None:
-        """A renamed file: the removed document's rows under the new key, the model not run."""
-        rows = [{**r, "path": cand.rel, "root": cand.root} for r in old_rows]
-        self.totals.moved += 1
-        self._pending.append((cand.rel, rows, True))
-        self.report("document", {"path": cand.rel, "status": "moved", "from": old_rows[0]["path"]})
-
-    def _flush(self) -> None:
-        """Write the finished documents: their JSON files first, then one part with all their rows
-        (a document is "done" only once its part exists). A document whose rows or JSON cannot be
-        made is written as one error row instead (the write stage's per-document boundary)."""
-        if not self._pending:
-            return
-        t0 = time.perf_counter()
-        rows_out = []
-        for rel, rows, write_json in self._pending:
-            try:
-                to_table(rows)  # cheap, and it is what the part will take
-                doc = document_json(rows) if write_json and "json" in self.s.formats else None
-            except Exception as e:  # noqa: BLE001
-                rows = [self._unwritable(rel, rows, e)]
-                try:
-                    doc = document_json(rows) if write_json and "json" in self.s.formats else None
-                except Exception:  # noqa: BLE001 -- the table row stands on its own
-                    doc = None
-            if doc is not None:
-                self.store.write_document_json(rel, doc)
-            elif write_json:  # --format without json: an earlier run's file would now be stale
-                self.store.remove_document_json(rel)
-            rows_out.extend(rows)
-        self.store.write_part(self._part, rows_out)
-        self._part += 1
-        self._pending = []
-        self.stage_seconds["write"] += time.perf_counter() - t0
-
-    def _unwritable(self, rel: str, rows: list[dict], e: Exception) -> dict:
-        """The error row that replaces a document's rows when they cannot be written."""
-        first = rows[0]
-        was = first.get("doc_status")
-        if was in ("ok", "partial"):
-            setattr(self.totals, was, getattr(self.totals, was) - 1)
-        if was != "error":
-            self.totals.errors += 1
-        message = f"{type(e).__name__}: {e}"
-        self.failures.append({"path": rel, "kind": "internal", "error": message})
-        if self.s.debug:
-            traceback.print_exception(e)
-        return {"run_id": self.run_id, "path": rel, "root": first.get("root"), "doc_sha256": first.get("doc_sha256"),
-                "doc_status": "error", "pages": None, "query": None, "status": "error", "error": message,
-                "error_kind": "internal", "config_fingerprint": self.cfg}
 
     def _manifest(self, started: str, seconds: float, status: str, fault: dict | None,
                   exit_code: int | None) -> dict:
