@@ -1,7 +1,46 @@
-"""SamplingParams: per-request decoding settings (vLLM-shaped)."""
+"""SamplingParams: per-request decoding settings (vLLM-shaped), and StructuredOutputsParams: the
+form a request's output must take."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Exactly one of: `json` (a JSON Schema, as a dict or its text: the output is one JSON value
+    valid for it), `regex` (the output matches it whole), `choice` (the output is one of these
+    strings) or `grammar` (an EBNF grammar in xgrammar's GBNF dialect, its start rule `root`).
+    Decoding is constrained token by token (engine/structured.py): every output that ends by
+    itself (not by max_tokens) is valid."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"StructuredOutputsParams takes exactly one of json, regex, choice or grammar, got "
+                             f"{', '.join(given) or 'none'}")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not self.choice or not all(isinstance(c, str) and c
+                                                                            for c in self.choice):
+                raise ValueError("choice must be a non-empty list of non-empty strings")
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None)
+
+    def key(self) -> str:
+        """A text that names the constraint (equal constraints share one compiled grammar)."""
+        value: Any = getattr(self, self.kind)
+        if self.kind == "json" and not isinstance(value, str):
+            value = json.dumps(value, sort_keys=True)
+        return f"{self.kind}:{value if isinstance(value, str) else json.dumps(value)}"
 
 
 @dataclass
@@ -20,6 +59,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -33,6 +73,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams")
 
     @property
     def is_greedy(self) -> bool:

@@ -133,7 +133,7 @@ class LLM:
         images: dict = {}  # one conversion and content hash per image object in this call
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             try:
-                seq = make_sequence(self.processor, prompt, sp, str(i), self.max_model_len, images)
+                seq = make_sequence(self.processor, prompt, sp, str(i), self.max_model_len, images, self._matcher)
             except PromptError as e:
                 results[i] = error_output(str(i), prompt, [], str(e))
                 continue
@@ -162,6 +162,15 @@ class LLM:
             if not self.scheduler.has_unfinished:
                 self.runner.prefetcher.drop()  # pixels of requests that failed before their encode
         return results  # type: ignore[return-value]
+
+    def _matcher(self, params):
+        """A grammar matcher for a structured-output request (the compiler made on first use)."""
+        if self.runner.grammar is None:
+            from docproc.engine.structured import GrammarCompiler
+
+            self.runner.grammar = GrammarCompiler(self.tokenizer, self.runner.text_config.vocab_size,
+                                                  self.eos_token_ids)
+        return self.runner.grammar.matcher(params)
 
     def model_fingerprint(self) -> dict:
         """The target's weights as two short hashes: its language model and its vision tower."""
@@ -255,6 +264,13 @@ class LLM:
         if seq.first_token_time is None:
             seq.first_token_time = now
         seq.append_token(token)
+        if seq.grammar is not None and not seq.grammar.accept_token(token):
+            seq.stop_reason = f"token {token} is outside the structured-output constraint"
+            self.scheduler.finish(seq, "error")
+            if self.speculator is not None:
+                self.speculator.release(seq)
+            seq.finish_time = now
+            return True
         reason = stop_reason(seq, token, self.eos_token_ids, self.tokenizer, self.max_model_len)
         if reason is None:
             return False

@@ -149,6 +149,7 @@ class ModelRunner:
                                           pin=self.device.type == "cuda")
         self.sampler = Sampler(config.seed, self.device)
         self.logits_hook = None  # tests: called with (list[Sequence], logits) at every sampled row
+        self.grammar = None  # engine/structured.py's GrammarCompiler once a request is constrained
         # trunk sharing with a draft (speculative decoding): the target keeps its trunk outputs in
         # trunk_cache; a draft with the same trunk reads them through trunk_source
         self.trunk_cache: EncoderCache | None = None
@@ -473,6 +474,8 @@ class ModelRunner:
         if sample:  # logits (n, vocab) fp32
             if self.logits_hook is not None:
                 self.logits_hook([seq for _, seq in sample], logits)
+            if self.grammar is not None:
+                self.grammar.mask_logits(logits, [seq.grammar for _, seq in sample])
             sampled = self.sampler(logits, [self.sampling_row(seq) for _, seq in sample]).tolist()
             tokens = {seq.seq_id: t for (_, seq), t in zip(sample, sampled)}
         return StepResult(tokens, meta.num_tokens, time.perf_counter() - t0)

@@ -46,7 +46,9 @@ class OverlapDecoder:
             return False
         if sched.waiting and len(sched.running) < sched.max_num_seqs:
             return False
-        return all(s.seq.sampling.temperature == 0 or s.seq.sampling.seed is not None for s in out.scheduled)
+        # (a constrained row's mask needs the token before it accepted: never launched ahead)
+        return all((s.seq.sampling.temperature == 0 or s.seq.sampling.seed is not None) and s.seq.grammar is None
+                   for s in out.scheduled)
 
     def start(self, out: SchedulerOutput) -> list[Sequence] | None:
         """Launch out's step and read it through step() (None: it could not be launched so)."""

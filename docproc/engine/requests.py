@@ -32,9 +32,10 @@ def eos_token_ids(folder: str | Path, hf_config, tokenizer) -> set[int]:
 
 
 def make_sequence(processor, prompt: PromptType, sp: SamplingParams, request_id: str, max_model_len: int,
-                  images_memo: dict | None = None) -> Sequence:
+                  images_memo: dict | None = None, grammar=None) -> Sequence:
     """Tokenize the prompt, expand its image placeholders by each image's grid and load the
-    images (PromptError for a prompt the engine cannot take)."""
+    images; a constrained request gets its grammar matcher from `grammar` (a callable of the
+    StructuredOutputsParams). PromptError for a prompt the engine cannot take."""
     if isinstance(prompt, str):
         text, token_ids, images, uuids = prompt, None, [], None
     elif isinstance(prompt, dict):
@@ -55,6 +56,11 @@ def make_sequence(processor, prompt: PromptType, sp: SamplingParams, request_id:
                    request_id=request_id, arrival_time=time.perf_counter())
     seq.mm_inputs = loaded
     seq.sampling = sp
+    if sp.structured_outputs is not None:
+        try:
+            seq.grammar = grammar(sp.structured_outputs)
+        except ValueError as e:  # StructuredOutputError: the constraint (or xgrammar) is missing
+            raise PromptError(str(e)) from None
     return seq
 
 
@@ -62,6 +68,9 @@ def stop_reason(seq: Sequence, token: int, eos_ids: set[int], tokenizer, max_mod
     """"stop" (EOS, or a stop string in the text), "length" (max_tokens, max_model_len) or None;
     what stopped it goes to seq.stop_reason."""
     sp: SamplingParams = seq.sampling
+    if seq.grammar is not None and seq.grammar.is_terminated():  # the constraint is complete
+        seq.stop_reason = token
+        return "stop"
     if not sp.ignore_eos and token in eos_ids:
         seq.stop_reason = token
         return "stop"

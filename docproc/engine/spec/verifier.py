@@ -70,6 +70,8 @@ class Verifier:
                 k = 0
             if probe_only is not None and seq.seq_id != probe_only:
                 k = 0
+            if seq.grammar is not None:  # constrained rows decode without the draft (plain constrained decoding)
+                k = 0
             if k > 0 and seq.seq_id in catch_up:
                 tokens, page = catch_up[seq.seq_id]
                 share = spec.page_share(page, pages[page]) if page is not None else 1
@@ -169,7 +171,10 @@ class Verifier:
         result: dict[int, tuple[list[int], int]] = {}
         plain = [i for i, p in enumerate(props) if p is None and spans[i] is not None]
         if plain:
-            picked = runner.sampler(logits[[spans[i][0] for i in plain]], [srows[i] for i in plain]).tolist()
+            rows = logits[[spans[i][0] for i in plain]]
+            if runner.grammar is not None:
+                runner.grammar.mask_logits(rows, [chunks[i].seq.grammar for i in plain])
+            picked = runner.sampler(rows, [srows[i] for i in plain]).tolist()
             result.update((i, ([t], 0)) for i, t in zip(plain, picked))
         greedy = [i for i, p in enumerate(props) if p is not None and srows[i].temperature == 0]
         if greedy:

@@ -1,0 +1,139 @@
+"""Structured outputs: a request's tokens constrained to a JSON Schema, a regex, a choice of
+strings or an EBNF grammar, with xgrammar (CPU and CUDA).
+
+Each constrained sequence holds a grammar matcher (`seq.grammar`) that has accepted every token it
+generated. Before a row samples, its matcher writes the bitmask of the tokens that may come next
+and the row's logits outside it become -inf; after the token is chosen the matcher accepts it.
+When the grammar is complete only the stop tokens remain allowed, so the output ends by itself.
+Equal constraints share one compiled grammar (a cache keyed by the constraint's text).
+
+xgrammar is an optional dependency (`pip install 'docproc[structured]'`): it pulls Triton, which a
+CPU install otherwise does without.
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+
+import torch
+
+from docproc.sampling_params import StructuredOutputsParams
+
+INSTALL_HINT = "structured outputs need xgrammar: pip install 'docproc[structured]'"
+CACHE_ENTRIES = 256  # compiled grammars kept
+
+
+class StructuredOutputError(ValueError):
+    """A constraint that cannot be compiled (or xgrammar missing): its request fails alone."""
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise StructuredOutputError(f"{INSTALL_HINT} ({e})") from None
+    return xgrammar
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer and vocabulary width (the model's logits' width,
+    which may exceed the tokenizer's: ids past it are never allowed)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        self._compiler = None
+        self._xgr = None
+        self._cache: OrderedDict[str, object] = OrderedDict()
+
+    def _ensure(self):
+        if self._compiler is None:
+            xgr = _xgrammar()
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=self.stop_token_ids or None)
+            self._xgr, self._compiler = xgr, xgr.GrammarCompiler(info, cache_enabled=False)
+        return self._xgr, self._compiler
+
+    def matcher(self, params: StructuredOutputsParams):
+        """A fresh matcher for the constraint (StructuredOutputError if it does not compile)."""
+        xgr, compiler = self._ensure()
+        key = params.key()
+        compiled = self._cache.get(key)
+        if compiled is None:
+            try:
+                if params.kind == "json":
+                    schema = json.loads(params.json) if isinstance(params.json, str) else params.json
+                    compiled = compiler.compile_json_schema(json.dumps(_strict_strings(schema)), any_whitespace=False)
+                elif params.kind == "regex":
+                    compiled = compiler.compile_regex(params.regex)
+                elif params.kind == "choice":
+                    alts = " | ".join(_gbnf_string(c) for c in params.choice)
+                    compiled = compiler.compile_grammar(f"root ::= {alts}")
+                else:
+                    compiled = compiler.compile_grammar(params.grammar)
+            except Exception as e:  # noqa: BLE001 -- xgrammar raises RuntimeError/ValueError with its reason
+                raise StructuredOutputError(f"the {params.kind} constraint does not compile: {_reason(e)}") from None
+            self._cache[key] = compiled
+            while len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        return xgr.GrammarMatcher(compiled)
+
+    def mask_logits(self, logits: torch.Tensor, matchers: list) -> None:
+        """Rows of logits (n, V) whose matcher is not None: every token the grammar does not allow
+        next becomes -inf (in place)."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return
+        xgr, _ = self._ensure()
+        bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)  # (n, ceil(V / 32)) int32, CPU
+        for i in rows:
+            matchers[i].fill_next_token_bitmask(bitmask, i)
+        if logits.is_cuda:
+            bitmask = bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
+
+
+def _strict_strings(schema):
+    """The schema with every length-bounded string (minLength / maxLength, no pattern or format)
+    given as the equivalent pattern of characters JSON allows unescaped. xgrammar 0.2.9 compiles
+    such a string to any characters but quote, backslash and newlines, control characters
+    included, which strict JSON parsers reject; its pattern strings and unbounded strings are
+    right."""
+    if isinstance(schema, list):
+        return [_strict_strings(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _strict_strings(v) for k, v in schema.items()}
+    if out.get("type") == "string" and ("maxLength" in out or "minLength" in out) \
+            and "pattern" not in out and "format" not in out:
+        lo, hi = int(out.pop("minLength", 0)), out.pop("maxLength", None)
+        out["pattern"] = "^[^\\x00-\\x1f\"\\\\]{%d,%s}$" % (lo, "" if hi is None else int(hi))
+    return out
+
+
+def _reason(e: Exception) -> str:
+    """xgrammar's message without its log prefix ("[12:00:00] /path/file.cc:123: ")."""
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return re.sub(r"^\[[0-9:]+\] \S+:[0-9]+: ", "", text)
+
+
+def _gbnf_string(text: str) -> str:
+    """A GBNF string literal for text."""
+    out = ['"']
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\t":
+            out.append("\\t")
+        elif ch == "\r":
+            out.append("\\r")
+        else:
+            out.append(ch)
+    out.append('"')
+    return "".join(out)

@@ -1,0 +1,126 @@
+"""Structured outputs on a random tiny model (which would otherwise emit noise): every output that
+ends by itself is valid for its constraint; a constraint that does not compile fails its request
+alone; with a draft the output is token for token that of constrained decoding without it."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from docproc import LLM, SamplingParams, StructuredOutputsParams
+
+pytest.importorskip("xgrammar")
+
+PROMPT = "<|im_start|>user\nRead the invoice.<|im_end|>\n<|im_start|>assistant\n"
+
+SCHEMAS = [
+    {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}},
+     "required": ["n", "ok"], "additionalProperties": False},
+    {"type": "object", "additionalProperties": False, "required": ["vendor", "kind", "lines", "addr"],
+     "properties": {"vendor": {"type": "string", "maxLength": 6}, "kind": {"enum": ["invoice", "receipt"]},
+                    "lines": {"type": "array", "items": {"enum": [1, 2, 3]}, "maxItems": 2},
+                    "addr": {"type": "object", "properties": {"zip": {"type": "string", "pattern": "^[0-9]{4}$"}},
+                             "required": ["zip"], "additionalProperties": False}}},
+    {"anyOf": [{"type": "null"}, {"type": "string", "format": "date"}]},
+]
+
+
+def valid(schema: dict, value) -> bool:
+    """The few JSON Schema rules SCHEMAS use, checked by hand."""
+    if "anyOf" in schema:
+        return any(valid(s, value) for s in schema["anyOf"])
+    if "enum" in schema:
+        return value in schema["enum"]
+    t = schema.get("type")
+    if t == "null":
+        return value is None
+    if t == "boolean":
+        return isinstance(value, bool)
+    if t == "integer":
+        return isinstance(value, int) and not isinstance(value, bool) and \
+            schema.get("minimum", value) <= value <= schema.get("maximum", value)
+    if t == "string":
+        if not isinstance(value, str) or len(value) > schema.get("maxLength", len(value)):
+            return False
+        if schema.get("format") == "date" and not re.fullmatch(r"\d{4}-\d{2}-\d{2}", value):
+            return False
+        return "pattern" not in schema or re.search(schema["pattern"], value) is not None
+    if t == "array":
+        return isinstance(value, list) and len(value) <= schema.get("maxItems", len(value)) and \
+            all(valid(schema["items"], v) for v in value)
+    if t == "object":
+        props = schema.get("properties", {})
+        return isinstance(value, dict) and all(k in value for k in schema.get("required", [])) and \
+            (schema.get("additionalProperties", True) or set(value) <= set(props)) and \
+            all(valid(props[k], v) for k, v in value.items() if k in props)
+    raise AssertionError(f"schema rule not covered: {schema}")
+
+
+@pytest.fixture(scope="module")
+def llm(qwen2_vl_dir):
+    return LLM(str(qwen2_vl_dir), device="cpu")
+
+
+@pytest.mark.parametrize("schema", SCHEMAS)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_json_schema_outputs_are_valid(llm, schema, temperature):
+    sp = [SamplingParams(max_tokens=160, temperature=temperature, seed=i,
+                         structured_outputs=StructuredOutputsParams(json=schema)) for i in range(4)]
+    outs = llm.generate([PROMPT + str(i) for i in range(4)], sp)
+    stopped = [o for o in outs if o.outputs[0].finish_reason == "stop"]
+    assert stopped, [o.outputs[0].text for o in outs]
+    for o in stopped:
+        assert valid(schema, json.loads(o.outputs[0].text)), o.outputs[0].text
+    plain = llm.generate([PROMPT], SamplingParams(max_tokens=20))[0].outputs[0].text
+    with pytest.raises(ValueError):
+        json.loads(plain)  # unconstrained, the random model writes noise
+
+
+def test_choice_and_regex(llm):
+    choices = ["paid", "unpaid", "partly paid"]
+    outs = llm.generate([PROMPT + str(i) for i in range(6)],
+                        [SamplingParams(max_tokens=20, temperature=1.0, seed=i,
+                                        structured_outputs=StructuredOutputsParams(choice=choices))
+                         for i in range(3)]
+                        + [SamplingParams(max_tokens=20, temperature=1.0, seed=i,
+                                          structured_outputs=StructuredOutputsParams(regex=r"INV-[0-9]{3,5}"))
+                           for i in range(3)])
+    assert all(o.outputs[0].finish_reason == "stop" for o in outs), [o.outputs[0].text for o in outs]
+    assert all(o.outputs[0].text in choices for o in outs[:3])
+    assert all(re.fullmatch(r"INV-[0-9]{3,5}", o.outputs[0].text) for o in outs[3:])
+
+
+def test_a_constraint_that_does_not_compile_fails_its_request_alone(llm):
+    bad = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}})
+    outs = llm.generate([PROMPT, PROMPT, PROMPT],
+                        [SamplingParams(max_tokens=8, structured_outputs=bad), SamplingParams(max_tokens=8),
+                         SamplingParams(max_tokens=20, structured_outputs=StructuredOutputsParams(choice=["a", "b"]))])
+    assert outs[0].outputs[0].finish_reason == "error"
+    assert "json constraint does not compile" in outs[0].error and "nowhere" in outs[0].error
+    assert not outs[0].error.startswith("[")  # xgrammar's log prefix is cut
+    assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 8
+    assert outs[2].outputs[0].text in ("a", "b")
+
+
+def test_parameters_take_exactly_one_constraint():
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(json={"type": "null"}, regex="x")
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="non-empty list"):
+        StructuredOutputsParams(choice="yes")
+
+
+def test_with_a_draft_constrained_output_is_that_without_it(qwen2_vl_dir, llm):
+    """Constrained rows decode without proposals (the verifier gives them no window), beside
+    unconstrained rows that draft: each row's tokens equal the engine's without a draft."""
+    spec = LLM(str(qwen2_vl_dir), device="cpu", speculative_model=str(qwen2_vl_dir), num_speculative_tokens=3)
+    sps = [SamplingParams(max_tokens=120, structured_outputs=StructuredOutputsParams(json=SCHEMAS[1])),
+           SamplingParams(max_tokens=24, ignore_eos=True),
+           SamplingParams(max_tokens=20, structured_outputs=StructuredOutputsParams(regex=r"INV-[0-9]{3,5}"))]
+    prompts = [PROMPT + "a", PROMPT + "b", PROMPT + "c"]
+    with_draft = [o.outputs[0].token_ids for o in spec.generate(prompts, sps)]
+    without = [o.outputs[0].token_ids for o in llm.generate(prompts, sps)]
+    assert with_draft == without
+    assert spec.spec_info()["draft_proposed"] > 0  # the unconstrained row did draft
