@@ -18,6 +18,7 @@ from docproc.engine.prefetch import ImagePrefetcher, default_workers
 from docproc.engine.sampler import Sampler, SamplingRow
 from docproc.engine.scheduler import SchedulerOutput
 from docproc.engine.sequence import Sequence
+from docproc.engine.warmup import warm_fused
 from docproc.errors import DeviceUnavailable
 from docproc.layers.attention import AttentionMetadata, DenseAttention, FP4Attention
 from docproc.models.loader import load_model, text_weight_bytes
@@ -178,56 +179,12 @@ class ModelRunner:
         self.kv_cache.allocate(usable + self.num_reserved_blocks)
         WATCH.install()
         mark = WATCH.mark()
-        self.warmup_seconds = self.backend.warmup(self.kv_cache.layers[0], self.block_size) + self._warm_fused()
+        self.warmup_seconds = self.backend.warmup(self.kv_cache.layers[0], self.block_size) + warm_fused(self)
         self.warmup_compiles = WATCH.mark() - mark  # kernel variants compiled (or loaded from disk)
         if self.step_graphs:
             max_len = (self.config.max_model_len or self.text_config.max_position_embeddings) + 16
             self.graphs = GraphRunner(self, self.config.max_num_seqs, max_len,
                                       capture=self.step_graphs == "capture")
-
-    def _warm_fused(self) -> float:
-        """CUDA: compile the model's fused kernels (kernels/fused.py: the norm with and without a
-        residual, SiLU x up; kernels/gemv.py: the one-row products; kernels/vision_fused.py: the vision tower's rotation and QuickGELU) at
-        this model's sizes. Returns seconds."""
-        if self.device.type != "cuda":
-            return 0.0
-        from kernels.fused import add_rms_norm, silu_mul
-
-        t0 = time.perf_counter()
-        tc = self.text_config
-        x = torch.zeros(2, tc.hidden_size, dtype=self.dtype, device=self.device)
-        w = torch.ones(tc.hidden_size, dtype=self.dtype, device=self.device)
-        add_rms_norm(x, None, w, tc.rms_norm_eps)
-        add_rms_norm(x, x, w, tc.rms_norm_eps)
-        silu_mul(torch.zeros(2, 2 * tc.intermediate_size, dtype=self.dtype, device=self.device))
-        from docproc.models.qwen2_vl import project
-        from docproc.models.quant import Fp8Weight, fp8_linear
-        from kernels.gemv import gemv, use_gemv
-
-        x1 = torch.zeros(1, tc.hidden_size, dtype=self.dtype, device=self.device)
-        if use_gemv(x1):  # the one-row products of batch-1 decode (kernels/gemv.py, kernels/fp8.py), each shape's
-            text = self.model.text
-            att, mlp = text.layers[0].self_attn, text.layers[0].mlp
-            project(x1, att.qkv_weight, att.qkv_bias)
-            project(torch.zeros(1, att.o_proj.in_features, dtype=self.dtype, device=self.device), att.o_weight)
-            project(x1, mlp.gate_up_weight)
-            gate_up = torch.zeros(1, 2 * tc.intermediate_size, dtype=self.dtype, device=self.device)
-            if isinstance(mlp.down_weight, Fp8Weight):
-                fp8_linear(gate_up, mlp.down_weight, gated=True)
-            else:
-                gemv(gate_up, mlp.down_weight, gated=True)
-            gemv(x1, text.lm_head.weight)
-        if getattr(self.model.vision, "fast_attention", False):  # the vision tower's (kernels/vision_fused.py)
-            from kernels.vision_fused import quick_gelu, vision_rotary_qk
-
-            vc = self.model.hf_config.vision_config
-            d = vc.embed_dim // vc.num_heads
-            cs = torch.zeros(2, d, dtype=torch.float32, device=self.device)  # transformers' float32 angles
-            vision_rotary_qk(torch.zeros(2, 3 * vc.embed_dim, dtype=self.dtype, device=self.device), cs, cs,
-                             vc.num_heads)
-            quick_gelu(torch.zeros(2, 16, dtype=self.dtype, device=self.device))
-        torch.cuda.synchronize(self.device)
-        return time.perf_counter() - t0
 
     @property
     def num_graph_captures(self) -> int:

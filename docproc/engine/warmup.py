@@ -1,0 +1,53 @@
+"""Kernel warm-up beyond attention: the model's fused and one-row kernels compiled (or loaded from
+Triton's disk cache) at the model's sizes when the engine starts, so that no step pays for it."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def warm_fused(runner) -> float:
+    """CUDA: compile the model's fused kernels (kernels/fused.py: the norm with and without a
+    residual, SiLU x up; kernels/gemv.py and kernels/fp8.py: the one-row products;
+    kernels/vision_fused.py: the vision tower's rotation and QuickGELU) at this model's sizes.
+    Returns seconds."""
+    if runner.device.type != "cuda":
+        return 0.0
+    from kernels.fused import add_rms_norm, silu_mul
+
+    t0 = time.perf_counter()
+    tc = runner.text_config
+    x = torch.zeros(2, tc.hidden_size, dtype=runner.dtype, device=runner.device)
+    w = torch.ones(tc.hidden_size, dtype=runner.dtype, device=runner.device)
+    add_rms_norm(x, None, w, tc.rms_norm_eps)
+    add_rms_norm(x, x, w, tc.rms_norm_eps)
+    silu_mul(torch.zeros(2, 2 * tc.intermediate_size, dtype=runner.dtype, device=runner.device))
+    from docproc.models.qwen2_vl import project
+    from docproc.models.quant import Fp8Weight, fp8_linear
+    from kernels.gemv import gemv, use_gemv
+
+    x1 = torch.zeros(1, tc.hidden_size, dtype=runner.dtype, device=runner.device)
+    if use_gemv(x1):  # the one-row products of batch-1 decode (kernels/gemv.py, kernels/fp8.py), each shape's
+        text = runner.model.text
+        att, mlp = text.layers[0].self_attn, text.layers[0].mlp
+        project(x1, att.qkv_weight, att.qkv_bias)
+        project(torch.zeros(1, att.o_proj.in_features, dtype=runner.dtype, device=runner.device), att.o_weight)
+        project(x1, mlp.gate_up_weight)
+        gate_up = torch.zeros(1, 2 * tc.intermediate_size, dtype=runner.dtype, device=runner.device)
+        if isinstance(mlp.down_weight, Fp8Weight):
+            fp8_linear(gate_up, mlp.down_weight, gated=True)
+        else:
+            gemv(gate_up, mlp.down_weight, gated=True)
+        gemv(x1, text.lm_head.weight)
+    if getattr(runner.model.vision, "fast_attention", False):  # the vision tower's (kernels/vision_fused.py)
+        from kernels.vision_fused import quick_gelu, vision_rotary_qk
+
+        vc = runner.model.hf_config.vision_config
+        d = vc.embed_dim // vc.num_heads
+        cs = torch.zeros(2, d, dtype=torch.float32, device=runner.device)  # transformers' float32 angles
+        vision_rotary_qk(torch.zeros(2, 3 * vc.embed_dim, dtype=runner.dtype, device=runner.device), cs, cs,
+                         vc.num_heads)
+        quick_gelu(torch.zeros(2, 16, dtype=runner.dtype, device=runner.device))
+    torch.cuda.synchronize(runner.device)
+    return time.perf_counter() - t0
