@@ -25,6 +25,16 @@ class StructuredOutputsParams:
         if len(given) != 1:
             raise ValueError(f"StructuredOutputsParams takes exactly one of json, regex, choice or grammar, got "
                              f"{', '.join(given) or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"json must be a JSON Schema as a dict or its text, got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, got {type(getattr(self, name)).__name__}")
+        if isinstance(self.json, dict):
+            try:
+                json.dumps(self.json)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"json schema is not JSON: {e}") from None
         if self.choice is not None:
             if isinstance(self.choice, str) or not self.choice or not all(isinstance(c, str) and c
                                                                             for c in self.choice):
@@ -75,6 +85,9 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams")
+        if self.structured_outputs is not None and self.stop:
+            raise ValueError("stop strings and structured_outputs do not go together: a stop string would cut the "
+                             "constrained output short of valid (the constraint ends the output by itself)")
 
     @property
     def is_greedy(self) -> bool:

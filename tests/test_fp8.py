@@ -54,6 +54,9 @@ def test_quantization_at_load_matches_transformers_on_the_quantized_weights(qwen
     held = sum(w.nbytes for layer in text.layers for w in (layer.self_attn.qkv_weight, layer.self_attn.o_weight,
                                                            layer.mlp.gate_up_weight, layer.mlp.down_weight))
     assert held == fp8_bytes and held <= 0.55 * bf16_bytes, (held, bf16_bytes)
+    # and nothing else holds a product's weight (the per-module FP8 weights are dropped once stacked)
+    params = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in text.parameters()}
+    assert llm.cache_info()["weight_bytes"] == sum(params.values()) + held
     assert llm.cache_info()["weights_fp8"] == "online"
     assert llm.cache_info()["weight_bytes"] < LLM(str(qwen2_vl_dir), device="cpu").cache_info()["weight_bytes"]
     reqs = requests()[:3]
@@ -80,6 +83,40 @@ def test_fp8_layouts_docproc_cannot_read_fail_with_one_clear_error(qwen2_vl_dir,
         LLM(str(fp8), device="cpu")
 
 
+def test_compressed_tensors_details(qwen2_vl_dir, tmp_path):
+    """Weight-only checkpoints (no input_activations) keep weight-only products everywhere;
+    all-zero zero points (symmetric) load, others are refused; e5m2 codes and FP8 KV scales are
+    refused by name."""
+    from safetensors.torch import load_file, save_file
+
+    from docproc.models.loader import CheckpointError
+
+    fp8 = to_fp8(qwen2_vl_dir, tmp_path / "fp8", "compressed-tensors")
+    cfg = json.loads((fp8 / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["input_activations"] = None
+    (fp8 / "config.json").write_text(json.dumps(cfg))
+    t = load_file(str(fp8 / "model.safetensors"))
+    zp = next(k for k in t if k.endswith("layers.0.mlp.up_proj.weight_scale")).replace("weight_scale", "weight_zero_point")
+    t[zp] = torch.zeros(t[zp.replace("weight_zero_point", "weight_scale")].shape, dtype=torch.int8)
+    save_file(t, str(fp8 / "model.safetensors"))
+    llm = LLM(str(fp8), device="cpu")
+    assert llm.runner.model.text.layers[0].mlp.gate_up_weight.act_quant is False
+    t[zp] = torch.ones_like(t[zp])
+    save_file(t, str(fp8 / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="non-zero zero points"):
+        LLM(str(fp8), device="cpu")
+    del t[zp]
+    key = next(k for k in t if k.endswith("layers.0.mlp.up_proj.weight"))
+    t[key] = t[key].float().to(torch.float8_e5m2)
+    save_file(t, str(fp8 / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="float8_e5m2"):
+        LLM(str(fp8), device="cpu")
+    cfg["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float"}
+    (fp8 / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="kv_cache_scheme"):
+        LLM(str(fp8), device="cpu")
+
+
 def test_fp8_weight_without_its_scale_is_named(qwen2_vl_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -96,6 +133,8 @@ def test_fp8_weight_without_its_scale_is_named(qwen2_vl_dir, tmp_path):
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_dummy_weights_from_the_config_alone(qwen2_vl_dir, tmp_path, quantization):
+    """A config.json (with the tokenizer and preprocessor files) is enough; the draw is the same for
+    the same seed, and a block-wise config draws block-wise weights."""
     folder = tmp_path / "config_only"
     shutil.copytree(qwen2_vl_dir, folder)
     (folder / "model.safetensors").unlink()
@@ -106,6 +145,13 @@ def test_dummy_weights_from_the_config_alone(qwen2_vl_dir, tmp_path, quantizatio
     assert again.model_fingerprint() == llm.model_fingerprint()  # the same draw for the same seed
     with pytest.raises(Exception, match="no weights found"):
         LLM(str(folder), device="cpu")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 32]}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    block = LLM(str(folder), device="cpu", load_format="dummy")
+    w = block.runner.model.text.layers[0].mlp.gate_up_weight
+    assert isinstance(w, Fp8Weight) and w.group == 32 and w.scale.shape[1] > 1
+    assert block.model_fingerprint() != llm.model_fingerprint()
 
 
 # ---- the CUDA products ---------------------------------------------------------------------------

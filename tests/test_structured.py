@@ -110,6 +110,19 @@ def test_parameters_take_exactly_one_constraint():
         StructuredOutputsParams()
     with pytest.raises(ValueError, match="non-empty list"):
         StructuredOutputsParams(choice="yes")
+    with pytest.raises(ValueError, match="regex must be a string"):
+        StructuredOutputsParams(regex=re.compile("a+"))
+    with pytest.raises(ValueError, match="json schema is not JSON"):
+        StructuredOutputsParams(json={"enum": {1, 2}})
+    with pytest.raises(ValueError, match="stop strings and structured_outputs"):
+        SamplingParams(stop=["}"], structured_outputs=StructuredOutputsParams(json={"type": "null"}))
+
+
+def test_schema_text_that_is_not_json_fails_its_request_alone(llm):
+    outs = llm.generate([PROMPT, PROMPT], [SamplingParams(structured_outputs=StructuredOutputsParams(json="{oops")),
+                                           SamplingParams(max_tokens=4)])
+    assert outs[0].outputs[0].finish_reason == "error" and "not valid JSON" in outs[0].error
+    assert outs[1].error is None
 
 
 def test_with_a_draft_constrained_output_is_that_without_it(qwen2_vl_dir, llm):

@@ -131,14 +131,18 @@ class LLM:
         results: list[RequestOutput | None] = [None] * len(prompts)
         index: dict[int, int] = {}
         images: dict = {}  # one conversion and content hash per image object in this call
-        for i, (prompt, sp) in enumerate(zip(prompts, params)):
-            try:
-                seq = make_sequence(self.processor, prompt, sp, str(i), self.max_model_len, images, self._matcher)
-            except PromptError as e:
-                results[i] = error_output(str(i), prompt, [], str(e))
-                continue
-            index[seq.seq_id] = i
-            self.scheduler.add(seq)
+        try:
+            for i, (prompt, sp) in enumerate(zip(prompts, params)):
+                try:
+                    seq = make_sequence(self.processor, prompt, sp, str(i), self.max_model_len, images, self._matcher)
+                except PromptError as e:
+                    results[i] = error_output(str(i), prompt, [], str(e))
+                    continue
+                index[seq.seq_id] = i
+                self.scheduler.add(seq)
+        except BaseException:
+            self._abort_unfinished()  # none of this call's requests stays queued for the next one
+            raise
 
         progress = Progress(len(index)) if use_tqdm else None
         try:

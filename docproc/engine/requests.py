@@ -59,7 +59,7 @@ def make_sequence(processor, prompt: PromptType, sp: SamplingParams, request_id:
     if sp.structured_outputs is not None:
         try:
             seq.grammar = grammar(sp.structured_outputs)
-        except ValueError as e:  # StructuredOutputError: the constraint (or xgrammar) is missing
+        except ValueError as e:  # StructuredOutputError: a constraint that does not compile, or no xgrammar
             raise PromptError(str(e)) from None
     return seq
 

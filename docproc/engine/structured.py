@@ -59,12 +59,15 @@ class GrammarCompiler:
     def matcher(self, params: StructuredOutputsParams):
         """A fresh matcher for the constraint (StructuredOutputError if it does not compile)."""
         xgr, compiler = self._ensure()
-        key = params.key()
+        key = params.key()  # (the parameters checked themselves: a JSON-able text)
         compiled = self._cache.get(key)
         if compiled is None:
             try:
+                schema = json.loads(params.json) if isinstance(params.json, str) else params.json
+            except json.JSONDecodeError as e:
+                raise StructuredOutputError(f"the json constraint is not valid JSON: {e}") from None
+            try:
                 if params.kind == "json":
-                    schema = json.loads(params.json) if isinstance(params.json, str) else params.json
                     compiled = compiler.compile_json_schema(json.dumps(_strict_strings(schema)), any_whitespace=False)
                 elif params.kind == "regex":
                     compiled = compiler.compile_regex(params.regex)
@@ -99,7 +102,8 @@ class GrammarCompiler:
 
 def _strict_strings(schema):
     """The schema with every length-bounded string (minLength / maxLength, no pattern or format)
-    given as the equivalent pattern of characters JSON allows unescaped. xgrammar 0.2.9 compiles
+    given as the equivalent pattern over JSON string characters (unescaped, or an escape: each
+    counts as one character). xgrammar 0.2.9 compiles
     such a string to any characters but quote, backslash and newlines, control characters
     included, which strict JSON parsers reject; its pattern strings and unbounded strings are
     right."""
@@ -111,7 +115,8 @@ def _strict_strings(schema):
     if out.get("type") == "string" and ("maxLength" in out or "minLength" in out) \
             and "pattern" not in out and "format" not in out:
         lo, hi = int(out.pop("minLength", 0)), out.pop("maxLength", None)
-        out["pattern"] = "^[^\\x00-\\x1f\"\\\\]{%d,%s}$" % (lo, "" if hi is None else int(hi))
+        char = '(?:[^"\\\\\\x00-\\x1f]|\\\\["\\\\/bfnrt]|\\\\u[0-9a-fA-F]{4})'  # one JSON string character
+        out["pattern"] = "^%s{%d,%s}$" % (char, lo, "" if hi is None else int(hi))
     return out
 
 

@@ -16,7 +16,7 @@ import torch
 
 from docproc.errors import ModelUnavailable
 from docproc.models.quant import (LINEAR_NAMES, LOAD_FORMATS, Fp8Scheme, Fp8Weight, UnsupportedQuantization,
-                                  from_blocks, from_channel, quantize, resolve_scheme)
+                                  from_blocks, from_channel, quantize, quantize_blocks, resolve_scheme)
 from docproc.models.qwen2_vl import Qwen2VLTextModel, TextConfig
 from docproc.models.rope import MRotaryEmbedding
 from docproc.models.vision import VisionEncoder
@@ -172,7 +172,8 @@ def load_model(folder: str | Path, device: torch.device, dtype: torch.dtype, qua
         vision = VisionEncoder(hf_config)
     vision = vision.to(dtype)
     if load_format == "dummy":
-        digests = _fill_random(text, vision, fp8_modules, scheme, seed, device, dtype)
+        digests = _fill_random(text, vision, fp8_modules, scheme, seed, device, dtype,
+                               (Path(folder) / "config.json").read_bytes())
     else:
         digests = _fill_from_files(folder, text, vision, fp8_modules, scheme, device, dtype, cfg)
     text.fuse_projections()
@@ -205,14 +206,19 @@ def _fill_from_files(folder, text, vision, fp8_modules, scheme, device, dtype, c
                 comp, name = mapped
                 params = text_params if comp == "text" else vision_params
                 module, _, leaf = name.rpartition(".")
-                if scheme is not None and leaf in (scale_key, "input_scale", "weight_zero_point"):
+                if scheme is not None and leaf == "weight_zero_point":
+                    if sf.get_tensor(key).any():
+                        raise CheckpointError(f"{folder}: {key!r}: asymmetric weights (non-zero zero points) are "
+                                              f"not supported (only symmetric FP8)")
+                    continue  # a symmetric checkpoint's all-zero zero points
+                if scheme is not None and leaf in (scale_key, "input_scale"):
                     if leaf != scale_key:
-                        raise CheckpointError(f"{folder}: {key!r}: static activation scales and zero points are "
-                                              f"not supported (only dynamic symmetric FP8)")
+                        raise CheckpointError(f"{folder}: {key!r}: static activation scales are not supported "
+                                              f"(only dynamic per-token FP8 activations)")
                     staged.setdefault((comp, module), {})["scale"] = sf.get_tensor(key)
                 elif comp == "text" and module in fp8_modules and leaf == "weight":
                     staged.setdefault((comp, module), {})["weight"] = sf.get_tensor(key)
-                elif scheme is not None and leaf == "weight" and sf.get_slice(key).get_dtype() == "F8_E4M3":
+                elif scheme is not None and leaf == "weight" and sf.get_slice(key).get_dtype().startswith("F8"):
                     staged.setdefault((comp, module), {})["weight"] = sf.get_tensor(key)  # dequantized below
                 else:
                     if name not in params:
@@ -232,8 +238,8 @@ def _fill_from_files(folder, text, vision, fp8_modules, scheme, device, dtype, c
                            device, dtype, digests)
                     loaded.add((comp, module + ".weight"))
     for (comp, module), entry in staged.items():
-        what = "its scale" if "weight" in entry else "its codes"
-        raise CheckpointError(f"{folder}: FP8 weight {comp}:{module} lacks {what} ({scale_key})")
+        what = f"its scale ({scale_key})" if "weight" in entry else "its codes (weight)"
+        raise CheckpointError(f"{folder}: FP8 weight {comp}:{module} lacks {what}")
     if ("text", "lm_head.weight") not in loaded and cfg.tie_word_embeddings:
         text.lm_head.weight = text.embed_tokens.weight
         loaded.add(("text", "lm_head.weight"))
@@ -266,6 +272,9 @@ def _place(folder, comp, module, entry, text_params, vision_params, fp8_modules,
     language model's products, dequantized into the parameter anywhere else."""
     w = entry["weight"]
     name = module + ".weight"
+    if w.dtype in (torch.float8_e5m2, getattr(torch, "float8_e4m3fnuz", None), getattr(torch, "float8_e5m2fnuz", None)):
+        raise CheckpointError(f"{folder}: weight {comp}:{name} is {str(w.dtype).removeprefix('torch.')}: docproc reads "
+                              f"float8_e4m3fn weights only")
     digest = hashlib.sha256(_tensor_bytes(w))
     if "scale" in entry:
         digest.update(_tensor_bytes(entry["scale"]))
@@ -287,7 +296,7 @@ def _place(folder, comp, module, entry, text_params, vision_params, fp8_modules,
             t = w.to(device=device, dtype=dtype)
             mod.loaded_weight = quantize(t) if scheme.method == "online" else t
         else:
-            mod.loaded_weight = Fp8Weight(q.data.to(device), q.scale.to(device), q.group)
+            mod.loaded_weight = Fp8Weight(q.data.to(device), q.scale.to(device), q.group, scheme.dynamic_activations)
         return
     params = text_params if comp == "text" else vision_params
     if name not in params:
@@ -295,25 +304,33 @@ def _place(folder, comp, module, entry, text_params, vision_params, fp8_modules,
     _copy_param(folder, name, params[name], q.dequantize(torch.float32) if q is not None else w)
 
 
-def _fill_random(text, vision, fp8_modules, scheme, seed: int, device, dtype) -> dict:
-    """load_format="dummy": normal(0, 0.02) weights (norms 1, biases 0) drawn on the device; FP8
-    products quantized from such a draw, one matrix at a time."""
+def _fill_random(text, vision, fp8_modules, scheme, seed: int, device, dtype, config_bytes: bytes) -> dict:
+    """load_format="dummy": normal(0, 0.02) weights (norm weights 1, every bias 0) drawn on the
+    device; FP8 products quantized from such a draw one matrix at a time, in the scheme's layout
+    (per channel, or block-wise for a block-wise config). The fingerprint names the config, the
+    dtype, the seed and the layout."""
     g = torch.Generator(device=device)
     g.manual_seed(seed)
     with torch.no_grad():
         for name, p in [*text.named_parameters(), *vision.named_parameters()]:
             if p.dim() == 1:
-                p.fill_(1.0 if "norm" in name or name.endswith("ln_q.weight") else 0.0)
+                is_norm = name.endswith(".weight") and ("norm" in name or "ln_q" in name)
+                p.fill_(1.0 if is_norm else 0.0)
             else:
                 p.normal_(0.0, 0.02, generator=g)
         for mod in fp8_modules.values():
             w = torch.empty(mod.out_features, mod.in_features, device=device, dtype=dtype).normal_(
                 0.0, 0.02, generator=g)
-            mod.loaded_weight = quantize(w)
+            if scheme.method == "fp8":
+                mod.loaded_weight = quantize_blocks(w, scheme.block)
+            else:
+                mod.loaded_weight = quantize(w)
+            mod.loaded_weight.act_quant = scheme.dynamic_activations
             del w
     if text.cfg.tie_word_embeddings:
         text.lm_head.weight = text.embed_tokens.weight
-    tag = hashlib.sha256(f"dummy:{seed}:{scheme.method if scheme else 'float'}".encode()).hexdigest()
+    tag = hashlib.sha256(config_bytes + f"|dummy:{seed}:{dtype}:{scheme.method if scheme else 'float'}".encode()
+                         ).hexdigest()
     return {"text": {"dummy": tag}, "trunk": {"dummy": tag}, "merger": {"dummy": tag}}
 
 
@@ -323,6 +340,12 @@ def text_weight_bytes(text: Qwen2VLTextModel) -> int:
     seen: set[int] = set()
     total = 0
     tensors = list(text.parameters())
+    for mod in text.modules():  # the loader's per-module weights, where any are left
+        w = getattr(mod, "loaded_weight", None)
+        if isinstance(w, Fp8Weight):
+            tensors += [w.data, w.scale]
+        elif w is not None:
+            tensors.append(w)
     for layer in text.layers:
         for w in (layer.self_attn.qkv_weight, layer.self_attn.o_weight, layer.mlp.gate_up_weight,
                   layer.mlp.down_weight):

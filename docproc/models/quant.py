@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.fp8 import FP8, dequantize_ref, gemv_fp8, quantize_rows, scaled_mm
+from kernels.fp8 import FP8, FP8_MAX, dequantize_ref, gemv_fp8, quantize_rows, scaled_mm
 
 
 def gemv_enabled() -> bool:
@@ -48,6 +48,9 @@ class Fp8Weight:
     data: torch.Tensor
     scale: torch.Tensor
     group: int
+    # whether products of several rows may quantize their input to FP8 per token (the layout's
+    # dynamic activations); False: weight-only everywhere (the dequantized product)
+    act_quant: bool = True
 
     def __post_init__(self) -> None:
         n, k = self.data.shape
@@ -82,6 +85,19 @@ def quantize(w: torch.Tensor) -> Fp8Weight:
     return Fp8Weight(data, scale, w.shape[1])
 
 
+def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> Fp8Weight:
+    """Block-wise FP8 of a float weight (N, K): one scale per (bn x bk) tile, max |tile| / 448 (the
+    layout of block-wise checkpoints; load_format="dummy" draws a block-wise model so)."""
+    n, k = w.shape
+    bn, bk = block
+    gn, gk = -(-n // bn), -(-k // bk)
+    tiles = torch.nn.functional.pad(w.float(), (0, gk * bk - k, 0, gn * bn - n)).view(gn, bn, gk, bk)
+    amax = tiles.abs().amax(dim=(1, 3))  # (gn, gk)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    codes = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(gn * bn, gk * bk)[:n, :k]
+    return from_blocks(codes.contiguous(), scale, block)
+
+
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
                gated: bool = False) -> torch.Tensor:
     """x W^T (+ bias): on CUDA one row through the FP8 one-row kernel, several rows through the
@@ -92,7 +108,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
     if gated:
         gate, up = x.chunk(2, dim=-1)
         x = torch.nn.functional.silu(gate) * up
-    if x.is_cuda and w.per_channel and x.dtype in (torch.bfloat16, torch.float16) and x.shape[-1] % 16 == 0 \
+    if x.is_cuda and w.per_channel and w.act_quant and x.dtype == torch.bfloat16 and x.shape[-1] % 16 == 0 \
             and w.shape[0] % 16 == 0:
         lead = x.shape[:-1]
         y = scaled_mm(x.reshape(-1, x.shape[-1]), w.data, w.scale, bias)
@@ -128,7 +144,8 @@ def stack(weights: list[Fp8Weight]) -> Fp8Weight:
     """Weights of the same K stacked along N (q|k|v, gate|up): one product for all."""
     group = weights[0].group
     assert all(w.group == group and w.shape[1] == weights[0].shape[1] for w in weights)
-    return Fp8Weight(torch.cat([w.data for w in weights]), torch.cat([w.scale for w in weights]), group)
+    return Fp8Weight(torch.cat([w.data for w in weights]), torch.cat([w.scale for w in weights]), group,
+                     all(w.act_quant for w in weights))
 
 
 # ---- checkpoint layouts ---------------------------------------------------------------------------
@@ -139,6 +156,7 @@ class Fp8Scheme:
     method: str  # "compressed-tensors", "fp8" (block-wise) or "online" (quantized at load)
     block: tuple[int, int] | None = None  # the block-wise layout's (rows, columns)
     ignore: tuple[str, ...] = ()  # module names (or "re:" patterns) kept in the checkpoint's dtype
+    dynamic_activations: bool = True  # False: a weight-only checkpoint (no input_activations)
 
     @property
     def scale_suffix(self) -> str:
@@ -201,7 +219,10 @@ def _compressed_tensors(q: dict) -> Fp8Scheme:
     targets = group.get("targets") or ["Linear"]
     if targets != ["Linear"]:
         raise UnsupportedQuantization(f"compressed-tensors targets {targets}: only Linear")
-    return Fp8Scheme("compressed-tensors", None, tuple(q.get("ignore") or ()))
+    if q.get("kv_cache_scheme"):
+        raise UnsupportedQuantization("compressed-tensors kv_cache_scheme (FP8 KV scales): docproc's KV cache is "
+                                      "bf16 or its own FP4 (--kv-cache); use a checkpoint without KV quantization")
+    return Fp8Scheme("compressed-tensors", None, tuple(q.get("ignore") or ()), dynamic_activations=a is not None)
 
 
 def resolve_scheme(raw_config: dict, quantization: str | None) -> Fp8Scheme | None:

@@ -34,6 +34,13 @@ def _stack(weights: list) -> torch.Tensor | Fp8Weight:
     return torch.cat([w.dequantize(dtype) if isinstance(w, Fp8Weight) else w for w in weights])
 
 
+def _drop_loaded(projs) -> None:
+    """Forget the loader's per-module weights once they are stacked (the stack is a copy)."""
+    for p in projs:
+        if getattr(p, "loaded_weight", None) is not None:
+            del p.loaded_weight
+
+
 def weight_of(proj: nn.Linear):
     """A product's weight: the one the loader set in place of the module's parameter when it
     loads FP8 weights (proj.loaded_weight: FP8, or a float tensor for a module the checkpoint
@@ -104,6 +111,7 @@ class Attention(nn.Module):
                 proj.weight.data = wv
         for proj, bv in zip(projs, b.split(sizes)):
             proj.bias.data = bv
+        _drop_loaded(projs)
         self.qkv_weight, self.qkv_bias = w, b
         self.o_weight = weight_of(self.o_proj)
 
@@ -146,6 +154,7 @@ class MLP(nn.Module):
         if not isinstance(w, Fp8Weight) and self.gate_proj.weight is not None and self.up_proj.weight is not None:
             gate, up = w.split([self.gate_proj.out_features, self.up_proj.out_features])
             self.gate_proj.weight.data, self.up_proj.weight.data = gate, up
+        _drop_loaded((self.gate_proj, self.up_proj))
         self.gate_up_weight = w
         self.down_weight = weight_of(self.down_proj)
 
