@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import signal
@@ -351,3 +352,53 @@ def test_config_cache_follows_the_model_files_and_settings(docs, qwen2_vl_dir, t
     # this run's entry (written last) holds the real fingerprint again
     assert list(json.loads(cache.read_text()).values())[-1]["config_fingerprint"] == first["config_fingerprint"]
     assert {r["config_fingerprint"] for r in rows(out)} <= {first["config_fingerprint"], dpi["config_fingerprint"]}
+
+
+def test_schema_and_choices_queries_are_answered_within_their_constraint(docs, qwen2_vl_dir, tmp_path):
+    """A json query with a schema_file (relative to the query file) and a string query with
+    choices, on a random model that would otherwise write noise: every answer that ended by itself
+    is valid JSON for the schema, every choice answer is one of the choices; the constraints are
+    part of the query set's fingerprint."""
+    pytest.importorskip("xgrammar")
+    schema = {"type": "object", "additionalProperties": False, "required": ["kind", "paid"],
+              "properties": {"kind": {"enum": ["invoice", "receipt"]}, "paid": {"type": "boolean"}}}
+    (tmp_path / "schemas").mkdir()
+    (tmp_path / "schemas" / "doc.json").write_text(json.dumps(schema))
+    qfile = tmp_path / "q.toml"
+    qfile.write_text('[[query]]\nname = "doc"\nquestion = "Describe it as JSON."\ntype = "json"\n'
+                     'schema_file = "schemas/doc.json"\nmax_tokens = 40\n\n'
+                     '[[query]]\nname = "status"\nquestion = "Is it paid?"\nchoices = ["paid", "unpaid"]\n')
+    out = tmp_path / "out"
+    res = run_cli("run", docs, "--out", out, "--model", qwen2_vl_dir, "--device", "cpu", "--queries", qfile)
+    assert res.exit_code in (0, 1), res.output
+    table = rows(out)
+    assert len(table) == 5 * 2
+    for r in table:
+        if r["query"] == "status":
+            assert r["answer"] in ("paid", "unpaid") and r["value"] == r["answer"], r
+        elif r["status"] != "parse_error":  # (a parse error: an answer cut by max_tokens)
+            value = json.loads(r["value"])
+            assert set(value) == {"kind", "paid"} and value["kind"] in ("invoice", "receipt"), r
+            assert isinstance(value["paid"], bool)
+    from docproc.pipeline.queries import load_queries
+
+    q = load_queries(qfile)
+    assert q.constrained == ["doc", "status"]
+    (tmp_path / "schemas" / "doc.json").write_text(json.dumps({**schema, "required": ["kind"]}))
+    assert load_queries(qfile).fingerprint != q.fingerprint
+
+
+@pytest.mark.parametrize("body,message", [
+    ('type = "string"\nschema = { type = "object" }', 'a schema needs type = "json"'),
+    ('type = "json"\nschema_file = "missing.json"', "does not exist"),
+    ('type = "json"\nschema = { type = "object" }\nschema_file = "x.json"', "not both"),
+    ('choices = ["a", "a"]', "distinct non-empty strings"),
+    ('type = "number"\nchoices = ["1"]', 'choices need type = "string"'),
+])
+def test_bad_constraints_in_a_query_file_are_usage_errors(tmp_path, body, message):
+    from docproc.pipeline.queries import QueryFileError, load_queries
+
+    qfile = tmp_path / "q.toml"
+    qfile.write_text(f'[[query]]\nname = "x"\nquestion = "?"\n{body}\n')
+    with pytest.raises(QueryFileError, match=re.escape(message)):
+        load_queries(qfile)

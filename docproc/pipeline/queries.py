@@ -27,6 +27,23 @@ class Query:
     question: str
     type: str = "string"
     max_tokens: int = 48
+    schema: str | None = None  # a json query's JSON Schema (canonical JSON text): its answer is constrained to it
+    choices: tuple[str, ...] | None = None  # a string query's allowed answers: its answer is one of them
+
+    def structured_outputs(self):
+        """The constraint the engine decodes this query's answer under (None: free text)."""
+        from docproc.sampling_params import StructuredOutputsParams
+
+        if self.schema is not None:
+            return StructuredOutputsParams(json=self.schema)
+        if self.choices is not None:
+            return StructuredOutputsParams(choice=list(self.choices))
+        return None
+
+    @property
+    def fingerprint_fields(self) -> list:
+        extra = [x for x in (self.schema, list(self.choices) if self.choices else None) if x is not None]
+        return [self.name, self.question, self.type, self.max_tokens, *extra]
 
 
 @dataclass(frozen=True)
@@ -36,8 +53,14 @@ class QuerySet:
     source: str
 
     @property
+    def constrained(self) -> list[str]:
+        """Names of the queries whose answers are decoded under a constraint."""
+        return [q.name for q in self.queries if q.schema is not None or q.choices is not None]
+
+    @property
     def fingerprint(self) -> str:
-        payload = json.dumps([[q.name, q.question, q.type, q.max_tokens] for q in self.queries])
+        # (a query without a schema or choices has the fields it always had: fingerprints stay)
+        payload = json.dumps([q.fingerprint_fields for q in self.queries])
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
@@ -45,7 +68,7 @@ def default_query_file() -> Path:
     return Path(str(resources.files("docproc") / "assets" / "queries" / "default.toml"))
 
 
-QUERY_KEYS = ("name", "question", "type", "max_tokens")
+QUERY_KEYS = ("name", "question", "type", "max_tokens", "schema", "schema_file", "choices")
 FILE_KEYS = ("name", "query")
 MAX_TOKENS_LIMIT = 32768
 
@@ -104,8 +127,48 @@ def load_queries(path: str | Path | None = None) -> QuerySet:
             raise QueryFileError(f"{where}: max_tokens must be a whole number, got {max_tokens!r}")
         if not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
             raise QueryFileError(f"{where}: max_tokens must be from 1 to {MAX_TOKENS_LIMIT}, got {max_tokens}")
-        queries.append(Query(name, q["question"], qtype, max_tokens))
+        schema, choices = _constraint(q, qtype, where, path)
+        queries.append(Query(name, q["question"], qtype, max_tokens, schema, choices))
     return QuerySet(data.get("name", path.stem), tuple(queries), str(path))
+
+
+def _constraint(q: dict, qtype: str, where: str, path: Path) -> tuple[str | None, tuple[str, ...] | None]:
+    """A query's schema (inline `schema` table or `schema_file`, relative to the query file) or its
+    `choices`, checked."""
+    if "schema" in q and "schema_file" in q:
+        raise QueryFileError(f"{where}: give schema or schema_file, not both")
+    schema = None
+    if "schema" in q or "schema_file" in q:
+        if qtype != "json":
+            raise QueryFileError(f"{where}: a schema needs type = \"json\" (got type {qtype!r})")
+        if "schema" in q:
+            schema = q["schema"]
+            if not isinstance(schema, dict):
+                raise QueryFileError(f"{where}: schema must be a table (a JSON Schema), got {type(schema).__name__}")
+        else:
+            if not isinstance(q["schema_file"], str) or not q["schema_file"]:
+                raise QueryFileError(f"{where}: schema_file must be a path, got {q['schema_file']!r}")
+            file = (path.parent / q["schema_file"]).resolve()
+            try:
+                schema = json.loads(file.read_text(encoding="utf-8"))
+            except FileNotFoundError:
+                raise QueryFileError(f"{where}: schema_file {file} does not exist") from None
+            except (OSError, UnicodeDecodeError) as e:
+                raise QueryFileError(f"{where}: cannot read schema_file {file}: {e}") from None
+            except json.JSONDecodeError as e:
+                raise QueryFileError(f"{where}: schema_file {file} is not valid JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise QueryFileError(f"{where}: schema_file {file} must hold a JSON object (a JSON Schema)")
+        schema = json.dumps(schema, sort_keys=True, ensure_ascii=False)
+    choices = None
+    if "choices" in q:
+        if qtype != "string":
+            raise QueryFileError(f"{where}: choices need type = \"string\" (got type {qtype!r})")
+        c = q["choices"]
+        if not isinstance(c, list) or not c or not all(isinstance(x, str) and x for x in c) or len(set(c)) < len(c):
+            raise QueryFileError(f"{where}: choices must be a list of distinct non-empty strings, got {c!r}")
+        choices = tuple(c)
+    return schema, choices
 
 
 def build_prompt(num_pages: int, question: str, anchor_text: str | None = None) -> str:
@@ -115,12 +178,18 @@ def build_prompt(num_pages: int, question: str, anchor_text: str | None = None) 
             f"{IMAGE_PLACEHOLDER * num_pages}{anchor}{question}<|im_end|>\n<|im_start|>assistant\n")
 
 
-def parse_answer(qtype: str, text: str) -> tuple[str | None, str | None]:
+def parse_answer(qtype: str, text: str, schema: bool = False) -> tuple[str | None, str | None]:
     """(parsed value as a string, error). None value with no error means the answer was 'none'.
     Never raises: an answer that breaks a parser (JSON nested past the recursion limit, say) is a
-    parse error of that answer."""
+    parse error of that answer. schema: the answer was decoded under a JSON Schema, so it is one
+    JSON value as a whole (an object, or whatever the schema's root is; null is no answer)."""
     try:
+        if schema:
+            value = json.loads(text)
+            return (None if value is None else json.dumps(value, sort_keys=True, ensure_ascii=False)), None
         return _parse(qtype, text)
+    except json.JSONDecodeError as e:
+        return None, f"invalid JSON: {e.msg}"
     except (ValueError, ArithmeticError, RecursionError, TypeError) as e:
         return None, f"unparseable answer ({type(e).__name__})"
 

@@ -17,6 +17,7 @@ batch in flight. Either way the run ends with a manifest saying how it ended, an
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import resource
 import time
@@ -87,6 +88,9 @@ class Pipeline(EngineSetup, DocumentRows):
         self._check_paths()
         self.store = RunStore(settings.out)
         self.queries: QuerySet = load_queries(settings.queries)
+        if self.queries.constrained and importlib.util.find_spec("xgrammar") is None:
+            raise UsageError(f"queries {', '.join(self.queries.constrained)} have a schema or choices: structured "
+                             f"outputs need xgrammar: pip install 'docproc[structured]'")
         self.llm = llm
         self.report = _quiet_on_failure(reporter or (lambda event, data: None))
         self.run_id = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ") + "-" + uuid.uuid4().hex[:6]
@@ -354,7 +358,8 @@ class Pipeline(EngineSetup, DocumentRows):
             for q in self.queries.queries:
                 prompts.append({"prompt": build_prompt(len(images), q.question, anchor),
                                 "multi_modal_data": {"image": images}, "multi_modal_uuids": {"image": uuids}})
-                params.append(SamplingParams(temperature=0.0, max_tokens=q.max_tokens))
+                params.append(SamplingParams(temperature=0.0, max_tokens=q.max_tokens,
+                                             structured_outputs=q.structured_outputs()))
         t0 = time.perf_counter()
         try:
             return llm.generate(prompts, params)
