@@ -46,10 +46,11 @@ class StructuredOutputsParams:
         return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None)
 
     def key(self) -> str:
-        """A text that names the constraint (equal constraints share one compiled grammar)."""
+        """A text that names the constraint (equal constraints share one compiled grammar). A
+        schema's key order is kept: it is the order the output writes the properties in."""
         value: Any = getattr(self, self.kind)
         if self.kind == "json" and not isinstance(value, str):
-            value = json.dumps(value, sort_keys=True)
+            value = json.dumps(value)
         return f"{self.kind}:{value if isinstance(value, str) else json.dumps(value)}"
 
 

@@ -402,3 +402,13 @@ def test_bad_constraints_in_a_query_file_are_usage_errors(tmp_path, body, messag
     qfile.write_text(f'[[query]]\nname = "x"\nquestion = "?"\n{body}\n')
     with pytest.raises(QueryFileError, match=re.escape(message)):
         load_queries(qfile)
+
+
+def test_a_schema_keeps_its_property_order(tmp_path):
+    from docproc.pipeline.queries import load_queries
+
+    qfile = tmp_path / "q.toml"
+    qfile.write_text('[[query]]\nname = "x"\nquestion = "?"\ntype = "json"\n'
+                     'schema = { type = "object", properties = { zeta = { type = "string" }, alpha = { type = "string" } } }\n')
+    schema = load_queries(qfile).queries[0].structured_outputs().json
+    assert list(json.loads(schema)["properties"]) == ["zeta", "alpha"]

@@ -137,3 +137,13 @@ def test_with_a_draft_constrained_output_is_that_without_it(qwen2_vl_dir, llm):
     without = [o.outputs[0].token_ids for o in llm.generate(prompts, sps)]
     assert with_draft == without
     assert spec.spec_info()["draft_proposed"] > 0  # the unconstrained row did draft
+
+
+def test_properties_come_in_the_schema_order(llm):
+    """The output writes an object's properties in the schema's order (not sorted): a model trained
+    to answer vendor first must not be made to write its vendor under another key."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["zeta", "alpha"],
+              "properties": {"zeta": {"enum": ["z"]}, "alpha": {"enum": ["a"]}}}
+    for so in (StructuredOutputsParams(json=schema), StructuredOutputsParams(json=json.dumps(schema))):
+        out = llm.generate([PROMPT], SamplingParams(max_tokens=40, structured_outputs=so))[0].outputs[0].text
+        assert out == '{"zeta": "z", "alpha": "a"}', out

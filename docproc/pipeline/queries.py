@@ -159,7 +159,9 @@ def _constraint(q: dict, qtype: str, where: str, path: Path) -> tuple[str | None
                 raise QueryFileError(f"{where}: schema_file {file} is not valid JSON: {e}") from None
             if not isinstance(schema, dict):
                 raise QueryFileError(f"{where}: schema_file {file} must hold a JSON object (a JSON Schema)")
-        schema = json.dumps(schema, sort_keys=True, ensure_ascii=False)
+        # as written: the order of an object's properties is the order the answer gives them in
+        # (sorting them would have the model write its values under the wrong keys)
+        schema = json.dumps(schema, ensure_ascii=False)
     choices = None
     if "choices" in q:
         if qtype != "string":
