@@ -17,7 +17,7 @@ import torch
 
 from kernels._triton import tl, triton
 
-from kernels.gemv import _x_tile
+from kernels.gemv import _program_rows, _w_tile, _x_tile
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -65,12 +65,8 @@ def _gemv_fp8_kernel(
     GATED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_K: tl.constexpr, PER_ROW: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
-    k = tl.arange(0, BLOCK_K)
+    n, nmask, k, rows = _program_rows(w_ptr, N, sw, BLOCK_N, BLOCK_K)
     dt = out_ptr.dtype.element_ty
-    rows = w_ptr + n[:, None].to(tl.int64) * sw
     GROUPS: tl.constexpr = BLOCK_K // GROUP_K
     if PER_ROW:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -78,10 +74,7 @@ def _gemv_fp8_kernel(
         acc = tl.zeros([BLOCK_N, GROUPS], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + k
-        if EVEN_K:
-            w = tl.load(rows + kk[None, :], mask=nmask[:, None], other=0.0)
-        else:
-            w = tl.load(rows + kk[None, :], mask=nmask[:, None] & (kk < K)[None, :], other=0.0)
+        w = _w_tile(rows, kk, K, nmask, EVEN_K)
         prod = w.to(tl.float32) * _x_tile(x_ptr, kk, K, GATED, EVEN_K, dt)[None, :]
         if PER_ROW:
             acc += prod

@@ -65,6 +65,14 @@ def _x_tile(x_ptr, kk, K, GATED: tl.constexpr, EVEN_K: tl.constexpr, dt: tl.cons
 
 
 @triton.jit
+def _program_rows(w_ptr, N, sw, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's output rows n (BLOCK_N,), their mask, the tile's column offsets k
+    (BLOCK_K,) and the pointers to the rows of W (BLOCK_N, 1)."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return n, n < N, tl.arange(0, BLOCK_K), w_ptr + n[:, None].to(tl.int64) * sw
+
+
+@triton.jit
 def _w_tile(rows, kk, K, nmask, EVEN_K: tl.constexpr):
     if EVEN_K:
         return tl.load(rows + kk[None, :], mask=nmask[:, None], other=0.0)
@@ -83,12 +91,8 @@ def _gemv_kernel(
     GATED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
-    k = tl.arange(0, BLOCK_K)
+    n, nmask, k, rows = _program_rows(w_ptr, N, sw, BLOCK_N, BLOCK_K)
     dt = out_ptr.dtype.element_ty
-    rows = w_ptr + n[:, None].to(tl.int64) * sw
     if PDL != 0:
         # PDL (kernels/pdl.py): the first weight tile, then the wait, then everything that reads x.
         # The wait must precede x's loads on every path in the compiled code, so it is not put

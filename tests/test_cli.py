@@ -394,6 +394,8 @@ def test_schema_and_choices_queries_are_answered_within_their_constraint(docs, q
     ('type = "json"\nschema = { type = "object" }\nschema_file = "x.json"', "not both"),
     ('choices = ["a", "a"]', "distinct non-empty strings"),
     ('type = "number"\nchoices = ["1"]', 'choices need type = "string"'),
+    ('type = "json"\nschema_file = "/dev/zero"', "not a regular file"),
+    ('type = "json"\nschema_file = "."', "not a regular file"),
 ])
 def test_bad_constraints_in_a_query_file_are_usage_errors(tmp_path, body, message):
     from docproc.pipeline.queries import QueryFileError, load_queries

@@ -192,3 +192,27 @@ def test_fp8_tensor_core_product_matches_the_reference_within_activation_roundin
     ref = fp8_linear_ref(x.float(), w.data, w.scale, w.group, b.float())
     rel = ((y - ref).norm() / ref.norm()).item()
     assert rel < 0.05, rel  # the input's per-token FP8 rounding: ~2-3% relative for random data
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("blocks", [False, True])
+def test_fp8_one_row_kernel_in_the_interpreter(gated, blocks):
+    """The one-row FP8 kernel at small sizes under Triton's interpreter (the GPU test above takes
+    the real shapes): per-row and per-(row, 128 columns) scales, plain and gated, a ragged K."""
+    from docproc.models.quant import from_blocks
+    from kernels.fp8 import fp8_linear_ref, gemv_fp8
+
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter runs on CPU tensors")
+    g = torch.Generator().manual_seed(3)
+    n, k = 40, 320
+    if blocks:
+        codes = (torch.randn(n, k, generator=g) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
+        q = from_blocks(codes, torch.rand(1, 3, generator=g) * 1e-3 + 1e-4, (128, 128))
+    else:
+        q = quantize(torch.randn(n, k, generator=g) * 0.02)
+    x = torch.randn(1, 2 * k if gated else k, generator=g)
+    bias = torch.randn(n, generator=g)
+    y = gemv_fp8(x, q.data, q.scale, q.group, bias, gated=gated, config=(8, 256, 4))
+    ref = fp8_linear_ref(x, q.data, q.scale, q.group, bias, gated=gated)
+    assert torch.allclose(y, ref, rtol=1e-5, atol=1e-6), (y - ref).abs().max()

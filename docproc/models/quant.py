@@ -21,13 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels.gemv as kernels_gemv
 from kernels.fp8 import FP8, FP8_MAX, dequantize_ref, gemv_fp8, quantize_rows, scaled_mm
-
-
-def gemv_enabled() -> bool:
-    import kernels.gemv
-
-    return kernels.gemv.ENABLED
 
 QUANTIZATION_METHODS = ("fp8",)
 LOAD_FORMATS = ("auto", "dummy")
@@ -103,7 +98,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
     """x W^T (+ bias): on CUDA one row through the FP8 one-row kernel, several rows through the
     FP8 tensor cores (per-row weights) or, for block-wise weights, the dequantized product; on
     CPU the dequantized product (weight-only reference semantics)."""
-    if x.is_cuda and gemv_enabled() and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1:
+    if x.is_cuda and kernels_gemv.ENABLED and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1:
         return gemv_fp8(x, w.data, w.scale, w.group, bias, gated=gated)
     if gated:
         gate, up = x.chunk(2, dim=-1)

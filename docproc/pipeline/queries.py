@@ -71,6 +71,7 @@ def default_query_file() -> Path:
 QUERY_KEYS = ("name", "question", "type", "max_tokens", "schema", "schema_file", "choices")
 FILE_KEYS = ("name", "query")
 MAX_TOKENS_LIMIT = 32768
+SCHEMA_FILE_LIMIT = 1 << 20  # bytes: a JSON Schema is small; anything bigger is the wrong file
 
 
 def load_queries(path: str | Path | None = None) -> QuerySet:
@@ -149,6 +150,11 @@ def _constraint(q: dict, qtype: str, where: str, path: Path) -> tuple[str | None
             if not isinstance(q["schema_file"], str) or not q["schema_file"]:
                 raise QueryFileError(f"{where}: schema_file must be a path, got {q['schema_file']!r}")
             file = (path.parent / q["schema_file"]).resolve()
+            if file.exists() and not file.is_file():  # a folder, a FIFO or a device would block or never end
+                raise QueryFileError(f"{where}: schema_file {file} is not a regular file")
+            if file.is_file() and file.stat().st_size > SCHEMA_FILE_LIMIT:
+                raise QueryFileError(f"{where}: schema_file {file} is over {SCHEMA_FILE_LIMIT >> 20} MiB: "
+                                     f"not a schema")
             try:
                 schema = json.loads(file.read_text(encoding="utf-8"))
             except FileNotFoundError:
