@@ -512,3 +512,21 @@ def test_a_reader_that_goes_away_stops_nothing(qwen2_vl_dir, queries, tmp_path):
         assert proc.wait(timeout=300) == 0, err
         assert "Traceback" not in err and manifest(out)["status"] == "completed"
         assert len(table(out)) == 3
+
+
+def test_reading_results_leaves_a_process_that_exits_cleanly(tmp_path):
+    """stats, eval and the run read OUT's Parquet through a Python file; with pyarrow's thread
+    pool such a read aborted the interpreter at exit in most processes (SIGABRT, "terminate called
+    without an active exception"), so `docproc eval` failed a caller that checks its exit code."""
+    from docproc.pipeline.schema import RESULT_SCHEMA, read_table, to_table
+
+    path = tmp_path / "results.parquet"
+    rows = [{"run_id": "r", "path": f"d{i}.pdf", "doc_status": "ok", "query": "total", "status": "ok",
+             "value": str(i), "config_fingerprint": "c", "part": i} for i in range(500)]
+    pq.write_table(to_table(rows), path, row_group_size=50)
+    script = ("import sys; from docproc.pipeline.schema import read_table; "
+              "t = read_table(sys.argv[1]); assert t.num_rows == 500, t.num_rows")
+    codes = [subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True).returncode
+             for _ in range(8)]
+    assert codes == [0] * 8
+    assert read_table(path, schema=RESULT_SCHEMA).column("value").to_pylist()[-1] == "499"

@@ -11,9 +11,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
 from docproc.pipeline.normalize import normalize_amount, normalize_date, normalize_text
+from docproc.pipeline.schema import read_table
 
 FIELD_TYPES = {"date": "date", "due_date": "date", "total": "number"}
 
@@ -45,8 +44,7 @@ def evaluate(out: str | Path, truth_file: str | Path) -> dict:
     results = out / "results.parquet"
     if not results.is_file():
         raise FileNotFoundError(f"{results} does not exist: run `docproc run ... --out {out}` first")
-    with open(results, "rb") as f:  # a Python file: Arrow takes no path that is not UTF-8
-        table = pq.read_table(f).to_pylist()
+    table = read_table(results).to_pylist()
     answers: dict[str, dict[str, str | None]] = defaultdict(dict)
     for r in table:
         if r["query"] is not None:

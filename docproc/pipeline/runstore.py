@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from docproc.errors import OutputUnwritable
-from docproc.pipeline.schema import RESULT_SCHEMA, to_table
+from docproc.pipeline.schema import RESULT_SCHEMA, read_table, to_table
 
 STATE_DIR = ".docproc"
 PART_SUFFIX = ".rows"
@@ -211,8 +211,7 @@ class RunStore:
         tables = []
         for f in self.part_files():
             try:
-                with open(f, "rb") as fh:  # a Python file: Arrow takes no path that is not UTF-8
-                    tables.append(pq.read_table(fh, schema=RESULT_SCHEMA))
+                tables.append(read_table(f, schema=RESULT_SCHEMA))
             except (pa.ArrowInvalid, OSError):
                 continue  # a part is only ever renamed into place complete; ignore foreign files
         return pa.concat_tables(tables) if tables else RESULT_SCHEMA.empty_table()

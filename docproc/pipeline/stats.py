@@ -4,9 +4,8 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
 from docproc.pipeline.runstore import RunStore
+from docproc.pipeline.schema import read_table
 
 
 def run_row(m: dict) -> dict:
@@ -25,8 +24,7 @@ def per_query(out: Path, run_id: str | None) -> dict:
     if not path.is_file():
         return {}
     acc: dict[str, dict] = defaultdict(lambda: defaultdict(float))
-    with open(path, "rb") as f:  # a Python file: Arrow takes no path that is not UTF-8
-        rows = pq.read_table(f).to_pylist()
+    rows = read_table(path).to_pylist()
     for r in rows:
         if r["query"] is None or (run_id and r["run_id"] != run_id):
             continue
