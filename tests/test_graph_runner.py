@@ -9,7 +9,8 @@ from test_fp4_engine import reqs  # two queries of one page (prefix hits) and a 
 
 import docproc.engine.model_runner as model_runner
 from docproc import LLM, SamplingParams
-from docproc.engine.graph_runner import bucket, text_position_delta
+from docproc.engine.graph_runner import bucket
+from docproc.engine.step_inputs import text_position_delta
 from docproc.engine.sequence import ImageSpan
 from docproc.models.rope import mrope_positions
 

@@ -30,6 +30,7 @@ import weakref
 import numpy as np
 import torch
 
+from docproc.engine.step_inputs import write_chunk, write_one_token_rows
 from docproc.layers.attention import AttentionMetadata
 from kernels.attention_plan import WIDE_BLOCK_N, TilePlan, default_num_splits, dense_decode_block_n, tile_shape
 
@@ -51,19 +52,6 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int | None:
         if b >= n:
             return b
     return None
-
-
-def text_position_delta(images, start: int, end: int) -> int | None:
-    """M-RoPE: tokens start..end-1 that touch no image all sit at index + delta on the three axes
-    (delta = what the images before them added); None if the run touches an image."""
-    delta = 0
-    for im in images:
-        if im.offset >= end:
-            break
-        if im.end > start:
-            return None
-        delta += im.position_span - im.num_tokens
-    return delta
 
 
 class GraphRunner:
@@ -156,12 +144,12 @@ class GraphRunner:
         consts = (np.repeat(np.arange(b, dtype=np.int32), per_seq), idx // per_seq * q + idx % per_seq * tokens)
         return views, n, t, tokens, block_m, per_seq, consts
 
-    def _table_row(self, table: np.ndarray, i: int, bt: list[int]) -> None:
+    def _table_row(self, i: int, bt: list[int]) -> None:
         """Row i of the host block-table buffer holds bt, written only if it does not already
         (see self._rows)."""
         row = self._rows.get(i)
         if row is None or row[0] is not bt or row[1] != len(bt):
-            table[i, : len(bt)] = bt
+            self._table[i, : len(bt)] = bt
             self._rows[i] = (bt, len(bt))
 
     def _fill(self, chunks, key) -> tuple[int, int, int, list[int], list[int]] | None:
@@ -175,7 +163,7 @@ class GraphRunner:
         ids, pos, slots, rows = h64[:n], h64[n: 4 * n].reshape(3, n), h64[4 * n: 5 * n], h64[5 * n: 6 * n]
         a = _seg(t)
         tseq, ttok, tnq, tpos = h32[:t], h32[a: a + t], h32[2 * a: 2 * a + t], h32[3 * a: 3 * a + t]
-        table = h32[4 * a: 4 * a + b * self.width].reshape(b, self.width)
+        self._table = h32[4 * a: 4 * a + b * self.width].reshape(b, self.width)
         if self.copied is not None:
             self.copied.synchronize()  # the previous step's copy has left these buffers
         ids[:] = 0
@@ -191,23 +179,9 @@ class GraphRunner:
             self._rows_key = key
         if q == 1:  # one token per sequence (decode; the draft's rounds): rows = sequences, vectorized
             m = len(chunks)
-            toks, posv, slotv, ends = [], [], [], []
-            for i, c in enumerate(chunks):
-                seq, start = c.seq, c.start
-                delta = text_position_delta(seq.images, start, c.end)
-                if delta is None:
-                    return None
-                toks.append(seq.token_ids[start])
-                posv.append(start + delta)
-                bt = seq.block_table
-                slotv.append(bt[start // bs] * bs + start % bs)
-                ends.append(c.end)
-                self._table_row(table, i, bt)
-            ids[:m] = toks
-            if clamp is not None:
-                np.minimum(ids[:m], clamp, out=ids[:m])
-            pos[:, :m] = posv
-            slots[:m] = slotv
+            ends = write_one_token_rows(chunks, ids, pos, slots, bs, clamp, self._table_row)
+            if ends is None:
+                return None
             rows[:m] = np.arange(m)
             rows[m:] = 0
             tnq[:m] = 1
@@ -217,37 +191,21 @@ class GraphRunner:
         query_start, context_lens = [0], []
         r = 0
         for i, c in enumerate(chunks):
-            seq, start, end = c.seq, c.start, c.end
+            start, end = c.start, c.end
             num = end - start
-            delta = text_position_delta(seq.images, start, end)
-            if delta is None:
-                return None
             base = i * q
-            if num == 1 and per_seq == 1:  # a decode row: scalar writes (a third of the numpy calls)
-                tok = seq.token_ids[start]
-                ids[base] = tok if clamp is None or tok <= clamp else clamp
-                pos[:, base] = start + delta
-                bt = seq.block_table
-                slots[base] = bt[start // bs] * bs + start % bs
-                self._table_row(table, i, bt)
-                rows[r] = base
-                r += 1
-                tnq[i] = 1
-                tpos[i] = start
-                query_start.append(r)
-                context_lens.append(end)
-                continue
-            tok = c.input_ids()
-            ids[base: base + num] = tok if clamp is None else [min(x, clamp) for x in tok]
-            pos[:, base: base + num] = np.arange(start + delta, end + delta)
-            bt = seq.block_table
-            slots[base: base + num] = [bt[x // bs] * bs + x % bs for x in range(start, end)]
-            self._table_row(table, i, bt)
-            rows[r: r + num] = np.arange(base, base + num)
+            if not write_chunk(c, base, ids, pos, slots, bs, clamp, images=False):
+                return None
+            self._table_row(i, c.seq.block_table)
+            rows[r: r + num] = np.arange(base, base + num) if num > 1 else base
             r += num
-            for j in range(per_seq):
-                tnq[i * per_seq + j] = max(0, min(tokens, num - j * tokens))
-                tpos[i * per_seq + j] = end - num + j * tokens if j * tokens < num else 0
+            if per_seq == 1:
+                tnq[i] = num
+                tpos[i] = start
+            else:
+                for j in range(per_seq):
+                    tnq[i * per_seq + j] = max(0, min(tokens, num - j * tokens))
+                    tpos[i * per_seq + j] = end - num + j * tokens if j * tokens < num else 0
             query_start.append(r)
             context_lens.append(end)
         rows[r:] = 0

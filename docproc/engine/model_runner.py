@@ -7,6 +7,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from docproc.config import EngineConfig
@@ -18,12 +19,12 @@ from docproc.engine.prefetch import ImagePrefetcher, default_workers
 from docproc.engine.sampler import Sampler, SamplingRow
 from docproc.engine.scheduler import SchedulerOutput
 from docproc.engine.sequence import Sequence
+from docproc.engine.step_inputs import write_chunk, write_one_token_rows
 from docproc.engine.warmup import warm_fused
 from docproc.errors import DeviceUnavailable
 from docproc.layers.attention import AttentionMetadata, DenseAttention, FP4Attention
 from docproc.models.loader import load_model, text_weight_bytes
 from docproc.models.processor import Processor
-from docproc.models.rope import mrope_positions
 
 log = logging.getLogger("docproc.engine")
 
@@ -296,22 +297,18 @@ class ModelRunner:
 
     def _prepare(self, scheduled):
         bs = self.block_size
-        ids: list[int] = []
-        positions = []
-        slots: list[int] = []
-        query_start = [0]
-        context_lens: list[int] = []
-        tables: list[list[int]] = []
+        n = sum(s.end - s.start for s in scheduled)
+        ids, pos, slots = np.empty(n, dtype=np.int64), np.empty((3, n), dtype=np.int64), np.empty(n, dtype=np.int64)
+        clamp = self.max_input_id  # a draft whose embedding has fewer rows than the target's
+        ends = write_one_token_rows(scheduled, ids, pos, slots, bs, clamp) if n == len(scheduled) else None
+        query_start = list(range(n + 1)) if ends is not None else [0]
         image_rows: list[torch.Tensor] = []
         image_embeds: list[torch.Tensor] = []
         fp = self.model.vision_fingerprint
-        for s in scheduled:
+        for s in scheduled if ends is None else ():  # else write_one_token_rows wrote every row
             seq, start, end = s.seq, s.start, s.end
-            row0 = len(ids)
-            ids.extend(s.input_ids())
-            positions.append(mrope_positions(seq.images, start, end))
-            table = seq.block_table
-            slots.extend(table[t // bs] * bs + t % bs for t in range(start, end))
+            row0 = query_start[-1]
+            write_chunk(s, row0, ids, pos, slots, bs, clamp)
             for span in seq.images:
                 lo, hi = max(start, span.offset), min(end, span.end)
                 if lo >= hi:
@@ -319,21 +316,17 @@ class ModelRunner:
                 emb = self.encoder_cache.get((fp, span.content_hash))
                 image_embeds.append(emb[lo - span.offset: hi - span.offset])
                 image_rows.append(torch.arange(row0 + lo - start, row0 + hi - start))
-            query_start.append(len(ids))
-            context_lens.append(end)
-            tables.append(table)
+            query_start.append(row0 + end - start)
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
-            query_start=query_start, context_lens=context_lens, block_tables=tables, block_size=bs,
+            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True), query_start=query_start,
+            context_lens=[s.end for s in scheduled], block_tables=[s.seq.block_table for s in scheduled],
+            block_size=bs,
         )
         self.backend.prepare(meta)
         rows = torch.cat(image_rows).to(dev) if image_rows else None
         embeds = torch.cat(image_embeds) if image_embeds else None
-        ids_t = torch.tensor(ids, dtype=torch.long)
-        if self.max_input_id is not None:  # a draft whose embedding has fewer rows than the target's
-            ids_t.clamp_(max=self.max_input_id)
-        return ids_t.to(dev), torch.cat(positions, dim=1).to(dev), meta, rows, embeds
+        return torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev), meta, rows, embeds
 
     def sampling_row(self, seq: Sequence) -> SamplingRow:
         """The sequence's sampling row, made once (its parameters and seeded generator never
