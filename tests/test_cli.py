@@ -414,3 +414,36 @@ def test_a_schema_keeps_its_property_order(tmp_path):
                      'schema = { type = "object", properties = { zeta = { type = "string" }, alpha = { type = "string" } } }\n')
     schema = load_queries(qfile).queries[0].structured_outputs().json
     assert list(json.loads(schema)["properties"]) == ["zeta", "alpha"]
+
+
+def test_without_xgrammar_answers_are_checked_against_their_rules(docs, qwen2_vl_dir, tmp_path, monkeypatch):
+    """With xgrammar missing the run says so once, decodes free text and checks every answer
+    against its query's rule (a random model's noise: parse errors naming the rule); the manifest
+    and the fingerprint tell the two modes apart. documents.parquet holds one typed row per
+    document."""
+    import pyarrow.parquet as _pq
+
+    pytest.importorskip("xgrammar")
+    monkeypatch.setattr("docproc.pipeline.run.xgrammar_available", lambda: False)
+    out = tmp_path / "checked"
+    res = run_cli("run", docs, "--out", out, "--model", qwen2_vl_dir, "--device", "cpu")
+    assert res.exit_code in (0, 1), res.output
+    assert res.output.count("xgrammar is not installed") == 1, res.output
+    m = manifest(out)
+    assert m["query_set"]["constraints"] == "checked"
+    table = rows(out)
+    broken = [r for r in table if r["status"] == "parse_error" and r["query_type"] in ("date", "number")]
+    assert broken and all(r["error"].startswith(f"not a {r['query_type']} answer") for r in broken)
+    monkeypatch.undo()
+    out2 = tmp_path / "decoded"
+    res = run_cli("run", docs, "--out", out2, "--model", qwen2_vl_dir, "--device", "cpu")
+    assert res.exit_code in (0, 1), res.output
+    assert manifest(out2)["query_set"]["constraints"] == "decoded"
+    assert manifest(out2)["config_fingerprint"] != m["config_fingerprint"]
+    decoded = rows(out2)
+    assert not [r for r in decoded if r["status"] == "parse_error" and r["query_type"] in ("date", "number")
+                and r["generated_tokens"] < 48]  # (an answer cut by max_tokens can still be unfinished)
+    docs_table = _pq.read_table(out2 / "documents.parquet")
+    assert docs_table.num_rows == len({r["path"] for r in decoded})
+    assert str(docs_table.schema.field("total").type) == "double" and str(docs_table.schema.field("date").type) == "date32[day]"
+    assert docs_table.schema.field("all_fields").type.num_fields == 6

@@ -151,3 +151,120 @@ def test_compare_runs_scores_the_documents_both_runs_finished(tmp_path):
     assert r["documents"] == 2 and r["fields"] == 4  # d3 is not in b
     assert r["exact_match"] == {str(tmp_path / "a"): 1.0, str(tmp_path / "b"): 0.75}  # amounts normalised
     assert r["identical_answers"] == 0.5 and r["difference_points"] == -25.0
+
+
+def test_query_rules_accept_what_the_normaliser_reads_and_nothing_else():
+    """The date and number rules (decoded under with xgrammar, checked after without it) accept
+    every printed form of the generator's truth and of sample_docs, and refuse what the
+    normaliser cannot read; every accepted date normalises to ISO, every number to a decimal."""
+    from docproc.pipeline.constraints import answer_allowed
+    from docproc.pipeline.normalize import normalize_amount, normalize_date
+
+    truth = [json.loads(x) for x in (Path(__file__).parent.parent / "sample_docs" / "truth.jsonl").read_text().splitlines()]
+    dates = [r["fields"][f] for r in truth for f in ("date", "due_date") if r["fields"][f]]
+    amounts = [r["fields"]["total"] for r in truth]
+    dates += ["2024-12-31", "31.12.2024", "12/31/2024", "December 31, 2024", "Dec. 31, 2024", "31 Dec 2024", "none"]
+    amounts += ["$1,234.56", "1 234,56 EUR", "CHF 99.90", "-5.00", "1'000.50", "none"]
+    for d in dates:
+        assert answer_allowed("date", d) is None, d
+        assert d == "none" or normalize_date(d) is not None, d
+    for a in amounts:
+        assert answer_allowed("number", a) is None, a
+        assert a == "none" or normalize_amount(a) is not None, a
+    for bad in ["next Tuesday", "2024", "31.12.24", "12 12 2024", "Dec 31 2024 at noon", ""]:
+        assert answer_allowed("date", bad) is not None, bad
+    for bad in ["twelve", "1.234.5678", "12 items", "", "1,2,3"]:
+        assert answer_allowed("number", bad) is not None, bad
+    assert answer_allowed("string", "Acme GmbH") is None and answer_allowed("string", "two\nlines") is not None
+    assert answer_allowed("string", "two\nlines", constrained=False) is None
+    assert answer_allowed("string", "maybe", choices=("yes", "no")) is not None
+
+
+def test_schema_violation_finds_the_first_broken_rule():
+    from docproc.pipeline.constraints import schema_violation
+
+    schema = {"type": "object", "required": ["a", "b"], "additionalProperties": False,
+              "properties": {"a": {"type": "integer", "minimum": 0}, "b": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                             "c": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 2}}}
+    assert schema_violation({"a": 1, "b": None}, schema) is None
+    assert schema_violation({"a": 1, "b": "s", "c": ["x"]}, schema) is None
+    assert "missing" in schema_violation({"a": 1}, schema)
+    assert "type" in schema_violation({"a": 1.5, "b": None}, schema)
+    assert "range" in schema_violation({"a": -1, "b": None}, schema)
+    assert "anyOf" in schema_violation({"a": 1, "b": 3}, schema)
+    assert "not one of" in schema_violation({"a": 1, "b": None, "c": ["z"]}, schema)
+    assert "items" in schema_violation({"a": 1, "b": None, "c": ["x", "y", "x"]}, schema)
+    assert "not a property" in schema_violation({"a": 1, "b": None, "d": 0}, schema)
+
+
+def test_documents_table_types_each_query_by_its_type_and_schema(tmp_path):
+    """documents.parquet: one row per document; number -> float64, date -> date32, a schema's
+    object -> a struct typed by it (integer, number, boolean, format date, nested, arrays); a
+    value that does not fit its type is null."""
+    import datetime
+    import pyarrow as pa
+
+    from docproc.pipeline.queries import load_queries
+    from docproc.pipeline.schema import to_table
+    from docproc.pipeline.typed import documents_table
+
+    schema = {"type": "object", "properties": {
+        "n": {"type": "integer"}, "x": {"type": ["number", "null"]}, "ok": {"type": "boolean"},
+        "d": {"type": "string", "format": "date"}, "tags": {"type": "array", "items": {"type": "string"}},
+        "who": {"type": "object", "properties": {"name": {"type": "string"}}}}}
+    qfile = tmp_path / "q.toml"
+    qfile.write_text('[[query]]\nname = "total"\nquestion = "?"\ntype = "number"\n\n'
+                     '[[query]]\nname = "date"\nquestion = "?"\ntype = "date"\n\n'
+                     '[[query]]\nname = "path"\nquestion = "?"\n\n'
+                     f'[[query]]\nname = "obj"\nquestion = "?"\ntype = "json"\nschema_file = "s.json"\n')
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    qs = load_queries(qfile)
+    obj = {"n": 3, "x": 2.5, "ok": True, "d": "2024-02-29", "tags": ["a"], "who": {"name": "Bo"}}
+    base = {"run_id": "r", "doc_status": "ok", "status": "ok", "config_fingerprint": "c", "part": 1}
+    rows = [{**base, "path": "a.pdf", "query": "total", "query_type": "number", "value": "12.50"},
+            {**base, "path": "a.pdf", "query": "date", "query_type": "date", "value": "2024-01-31"},
+            {**base, "path": "a.pdf", "query": "path", "query_type": "string", "value": "text"},
+            {**base, "path": "a.pdf", "query": "obj", "query_type": "json", "value": json.dumps(obj)},
+            {**base, "path": "b.pdf", "query": "obj", "query_type": "json", "value": json.dumps({"n": "three"})},
+            {**base, "path": "c.pdf", "doc_status": "error", "status": "error", "query": None}]
+    t = documents_table(to_table(rows), qs)
+    assert t.num_rows == 3 and t.column_names[:5] == ["path", "root", "doc_sha256", "doc_status", "run_id"]
+    assert t.schema.field("total").type == pa.float64() and t.schema.field("date").type == pa.date32()
+    assert t.schema.field("query.path").type == pa.string()  # the document's own column keeps its name
+    st = t.schema.field("obj").type
+    assert [(st.field(i).name, str(st.field(i).type)) for i in range(st.num_fields)] == [
+        ("n", "int64"), ("x", "double"), ("ok", "bool"), ("d", "date32[day]"), ("tags", "list<item: string>"),
+        ("who", "struct<name: string>")]
+    a, b, c = t.to_pylist()
+    assert a["total"] == 12.5 and a["date"] == datetime.date(2024, 1, 31) and a["query.path"] == "text"
+    assert a["obj"] == {**obj, "d": datetime.date(2024, 2, 29)}
+    assert b["obj"]["n"] is None and b["total"] is None and c["obj"] is None and c["doc_status"] == "error"
+
+
+def test_eval_scores_a_json_answer_field_by_field(tmp_path):
+    """`docproc eval` scores each property of a JSON answer as QUERY.FIELD beside the per-field
+    queries; a JSON answer with no object is wrong for every field the truth has."""
+    import pyarrow.parquet as _pq
+
+    from docproc.pipeline.evaluate import evaluate
+    from docproc.pipeline.schema import to_table
+
+    base = {"run_id": "r", "doc_status": "ok", "status": "ok", "config_fingerprint": "c", "part": 1}
+    rows = [{**base, "path": "a.pdf", "query": "total", "query_type": "number", "value": "10.00"},
+            {**base, "path": "a.pdf", "query": "all_fields", "query_type": "json",
+             "value": json.dumps({"total": "10,00", "date": "January 2, 2024", "vendor": None})},
+            {**base, "path": "b.pdf", "query": "total", "query_type": "number", "value": "5.00"},
+            {**base, "path": "b.pdf", "query": "all_fields", "query_type": "json", "value": None,
+             "status": "parse_error"}]
+    (tmp_path / "out").mkdir()
+    _pq.write_table(to_table(rows), tmp_path / "out" / "results.parquet")
+    truth = tmp_path / "truth.jsonl"
+    truth.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"file": "a.pdf", "fields": {"total": "10.00", "date": "2024-01-02", "vendor": "Acme"}},
+        {"file": "b.pdf", "fields": {"total": "5.00", "date": "2024-01-03", "vendor": None}}]))
+    res = evaluate(tmp_path / "out", truth)
+    pf = res["per_field"]
+    assert pf["total"] == {"exact_match": 1.0, "f1": 1.0, "n": 2}
+    assert pf["all_fields.total"]["exact_match"] == 0.5 and pf["all_fields.date"]["exact_match"] == 0.5
+    # a's vendor null against Acme: wrong; b has no object, but its truth vendor is null: right
+    assert pf["all_fields.vendor"]["exact_match"] == 0.5 and pf["all_fields.vendor"]["n"] == 2

@@ -1,6 +1,7 @@
 """Structured outputs on a random tiny model (which would otherwise emit noise): every output that
 ends by itself is valid for its constraint; a constraint that does not compile fails its request
-alone; with a draft the output is token for token that of constrained decoding without it."""
+alone; with a draft (proposing under the grammar, verified under it) the output is token for token
+that of constrained decoding without it, and sampled output keeps its distribution."""
 from __future__ import annotations
 
 import json
@@ -125,18 +126,70 @@ def test_schema_text_that_is_not_json_fails_its_request_alone(llm):
     assert outs[1].error is None
 
 
-def test_with_a_draft_constrained_output_is_that_without_it(qwen2_vl_dir, llm):
-    """Constrained rows decode without proposals (the verifier gives them no window), beside
-    unconstrained rows that draft: each row's tokens equal the engine's without a draft."""
-    spec = LLM(str(qwen2_vl_dir), device="cpu", speculative_model=str(qwen2_vl_dir), num_speculative_tokens=3)
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory):
+    """A draft with other random weights (the target's tokenizer): most proposals are rejected,
+    some of them tokens the grammar refuses."""
+    from fixtures.checkpoints import make_model
+
+    return make_model(tmp_path_factory.mktemp("other_draft"), "qwen2_vl", seed=1)
+
+
+@pytest.mark.parametrize("draft", ["target", "other"])
+def test_with_a_draft_constrained_output_is_that_without_it(qwen2_vl_dir, other_draft, llm, draft):
+    """Constrained rows draft under their grammar and are verified under it at every window
+    position, beside an unconstrained row: each row's tokens equal the engine's without a draft.
+    With the target as its own draft every proposal is accepted (the draft's masks are the
+    target's); with another draft proposals are rejected and the matchers rolled back."""
+    folder = str(qwen2_vl_dir if draft == "target" else other_draft)
+    spec = LLM(str(qwen2_vl_dir), device="cpu", speculative_model=folder, num_speculative_tokens=3)
     sps = [SamplingParams(max_tokens=120, structured_outputs=StructuredOutputsParams(json=SCHEMAS[1])),
            SamplingParams(max_tokens=24, ignore_eos=True),
-           SamplingParams(max_tokens=20, structured_outputs=StructuredOutputsParams(regex=r"INV-[0-9]{3,5}"))]
-    prompts = [PROMPT + "a", PROMPT + "b", PROMPT + "c"]
-    with_draft = [o.outputs[0].token_ids for o in spec.generate(prompts, sps)]
+           SamplingParams(max_tokens=20, structured_outputs=StructuredOutputsParams(regex=r"INV-[0-9]{3,5}")),
+           SamplingParams(max_tokens=40, structured_outputs=StructuredOutputsParams(choice=["paid", "unpaid", "void"]))]
+    prompts = [PROMPT + "a", PROMPT + "b", PROMPT + "c", PROMPT + "d"]
+    outs = spec.generate(prompts, sps)
     without = [o.outputs[0].token_ids for o in llm.generate(prompts, sps)]
-    assert with_draft == without
-    assert spec.spec_info()["draft_proposed"] > 0  # the unconstrained row did draft
+    assert [o.outputs[0].token_ids for o in outs] == without
+    proposed = [o.metrics.draft_proposed for o in outs]
+    accepted = [o.metrics.draft_accepted for o in outs]
+    assert proposed[0] > 0 and proposed[2] > 0, proposed  # the constrained rows drafted
+    if draft == "target":
+        assert accepted == proposed, (accepted, proposed)
+    else:
+        assert accepted[0] < proposed[0], (accepted, proposed)
+
+
+def test_sampled_constrained_speculation_keeps_the_distribution(qwen2_vl_dir, other_draft, llm):
+    """Sampled (temperature 2) under a regex, with another model as the draft: the outputs'
+    distribution equals constrained sampling without a draft (a two-sample chi-square test over
+    the strings, categories under 5 expected merged; seeds make it deterministic)."""
+    spec = LLM(str(qwen2_vl_dir), device="cpu", speculative_model=str(other_draft), num_speculative_tokens=3)
+    n = 600
+    so = StructuredOutputsParams(regex=r"[xz]{4}")
+    sps = [SamplingParams(temperature=2.0, max_tokens=12, seed=i, structured_outputs=so) for i in range(n)]
+    a = [o.outputs[0].text for o in llm.generate([PROMPT] * n, sps)]
+    b_outs = spec.generate([PROMPT] * n, [SamplingParams(temperature=2.0, max_tokens=12, seed=10_000 + i,
+                                                         structured_outputs=so) for i in range(n)])
+    b = [o.outputs[0].text for o in b_outs]
+    assert all(re.fullmatch(r"[xz]{4}", t) for t in a + b)
+    assert sum(o.metrics.draft_proposed for o in b_outs) > n  # speculation ran
+    cats = sorted(set(a) | set(b))
+    counts = [(a.count(c), b.count(c)) for c in cats]
+    merged, rest = [], (0, 0)
+    for ca, cb in sorted(counts, key=lambda x: x[0] + x[1]):
+        if (ca + cb) / 2 < 5:
+            rest = (rest[0] + ca, rest[1] + cb)
+        else:
+            merged.append((ca, cb))
+    if sum(rest) > 0:
+        merged.append(rest)
+    assert len(merged) >= 4, counts  # a distribution worth testing
+    chi2 = sum((ca - cb) ** 2 / (ca + cb) for ca, cb in merged if ca + cb)
+    # 0.999 quantile of chi-square with len(merged) - 1 degrees of freedom (Wilson-Hilferty)
+    dof = len(merged) - 1
+    bound = dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3
+    assert chi2 < bound, (chi2, bound, counts)
 
 
 def test_properties_come_in_the_schema_order(llm):

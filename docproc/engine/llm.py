@@ -174,6 +174,8 @@ class LLM:
 
             self.runner.grammar = GrammarCompiler(self.tokenizer, self.runner.text_config.vocab_size,
                                                   self.eos_token_ids)
+            if self.speculator is not None:  # the draft proposes under the same grammars
+                self.speculator.grammar = self.runner.grammar
         return self.runner.grammar.matcher(params)
 
     def model_fingerprint(self) -> dict:

@@ -88,16 +88,49 @@ class GrammarCompiler:
     def mask_logits(self, logits: torch.Tensor, matchers: list) -> None:
         """Rows of logits (n, V) whose matcher is not None: every token the grammar does not allow
         next becomes -inf (in place)."""
-        rows = [i for i, m in enumerate(matchers) if m is not None]
-        if not rows:
-            return
+        fills = [(i, m) for i, m in enumerate(matchers) if m is not None]
+        if fills:
+            bitmask = self._bitmask(logits)
+            for i, m in fills:
+                m.fill_next_token_bitmask(bitmask, i)
+            self._apply(logits, bitmask, [i for i, _ in fills])
+
+    def _bitmask(self, logits: torch.Tensor) -> torch.Tensor:
         xgr, _ = self._ensure()
-        bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)  # (n, ceil(V / 32)) int32, CPU
-        for i in rows:
-            matchers[i].fill_next_token_bitmask(bitmask, i)
+        return xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)  # (n, ceil(V / 32)) int32, CPU
+
+    def _apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         if logits.is_cuda:
             bitmask = bitmask.to(logits.device, non_blocking=True)
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
+        # (a draft's logits may be narrower than the target's vocabulary the masks are made for)
+        self._xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=min(self.vocab_size, logits.shape[-1]),
+                                              indices=rows)
+
+    def mask_windows(self, logits: torch.Tensor, windows: list[tuple[int, object, list[int]]]) -> None:
+        """Speculative windows of constrained rows: (first row, matcher, proposals). Row r0 + j of
+        logits is masked by the grammar's state after proposals 0..j-1, the states the target's
+        verification scores them in; a row past a proposal the grammar refuses (which is then
+        rejected there) or past the end of the grammar is left as it is, being never sampled.
+        Each matcher is rolled back to where it was: the tokens verification emits are accepted
+        into it as they are appended."""
+        if not windows:
+            return
+        bitmask = self._bitmask(logits)
+        rows: list[int] = []
+        for r0, matcher, tokens in windows:
+            advanced = 0
+            for j in range(len(tokens) + 1):
+                if matcher.is_terminated():
+                    break
+                matcher.fill_next_token_bitmask(bitmask, r0 + j)
+                rows.append(r0 + j)
+                if j == len(tokens) or not matcher.accept_token(tokens[j]):
+                    break
+                advanced += 1
+            if advanced:
+                matcher.rollback(advanced)
+        if rows:
+            self._apply(logits, bitmask, rows)
 
 
 def _strict_strings(schema):

@@ -40,6 +40,7 @@ class EngineSetup:
     _cached_cfg: str | None = None  # the fingerprint taken from the cache, until checked
     _key: str | None = None  # config_key() of this run
     cfg: str | None = None  # the run's configuration fingerprint
+    constrain: bool = True  # answers decoded under their queries' rules (xgrammar is installed)
 
     def config_key(self) -> str | None:
         """What a run's configuration fingerprint is computed from, short of loading the model: the
@@ -61,7 +62,7 @@ class EngineSetup:
                                   for f in root.rglob("*") if f.is_file() for st in [f.stat()])
         settings = {k: v for k, v in asdict(self.s).items() if k not in ("inputs", "out", "force", "formats", "debug")}
         payload = {"files": stamps, "settings": settings, "queries": self.queries.fingerprint,
-                   "prompt": PROMPT_VERSION, "docproc": __version__, "cuda": cuda_available(),
+                   "constraints": self.constrain, "prompt": PROMPT_VERSION, "docproc": __version__, "cuda": cuda_available(),
                    "rules": FINGERPRINT_RULES}
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -128,7 +129,8 @@ class EngineSetup:
         spec = self._engine().spec_info()
         # greedy speculation is lossless, but sampled output depends on the draft: fingerprint it
         draft = spec["draft_fingerprint"] if spec else None
-        payload = {"queries": self.queries.fingerprint, "model": self.model_fingerprint(), "draft": draft,
+        payload = {"queries": self.queries.fingerprint, "constraints": self.constrain,
+                   "model": self.model_fingerprint(), "draft": draft,
                    "dpi": self.s.dpi, "max_pages": self.s.max_pages, "kv_cache": info["kv_cache_dtype"],
                    "dtype": info["dtype"], "max_image_tokens": self.s.max_image_tokens, "prompt": PROMPT_VERSION}
         if self.s.anchor_text:  # only when on: runs without it keep their fingerprints

@@ -39,6 +39,20 @@ def _f1(pred: str | None, truth: str | None) -> float:
     return 2 * prec * rec / (prec + rec)
 
 
+def _properties(query: str, value: str | None) -> dict[str, str | None]:
+    """QUERY.FIELD -> the field's value as text, for a JSON object answer (a number as written,
+    null as None)."""
+    if value is None:
+        return {}
+    try:
+        obj = json.loads(value)
+    except json.JSONDecodeError:
+        return {}
+    if not isinstance(obj, dict):
+        return {}
+    return {f"{query}.{k}": (None if v is None else v if isinstance(v, str) else json.dumps(v)) for k, v in obj.items()}
+
+
 def evaluate(out: str | Path, truth_file: str | Path) -> dict:
     out = Path(out)
     results = out / "results.parquet"
@@ -46,9 +60,15 @@ def evaluate(out: str | Path, truth_file: str | Path) -> dict:
         raise FileNotFoundError(f"{results} does not exist: run `docproc run ... --out {out}` first")
     table = read_table(results).to_pylist()
     answers: dict[str, dict[str, str | None]] = defaultdict(dict)
+    no_object: dict[str, list[str]] = defaultdict(list)
     for r in table:
         if r["query"] is not None:
-            answers[Path(r["path"]).name][r["query"]] = r["value"]
+            got = answers[Path(r["path"]).name]
+            got[r["query"]] = r["value"]
+            if r["query_type"] == "json":  # a JSON answer's properties are scored as QUERY.FIELD
+                got.update(_properties(r["query"], r["value"]))
+                if r["value"] is None:  # no object (a parse error, a failure): wrong for every field
+                    no_object[Path(r["path"]).name].append(r["query"])
     truth = [json.loads(line) for line in Path(truth_file).read_text().splitlines() if line.strip()]
     per_field: dict[str, list[tuple[float, float]]] = defaultdict(list)
     per_group: dict[str, list[float]] = defaultdict(list)
@@ -60,13 +80,14 @@ def evaluate(out: str | Path, truth_file: str | Path) -> dict:
             continue
         got = answers[name]
         group = "pdf" if rec.get("format", "pdf") == "pdf" else "scan"
+        for q in no_object[name]:
+            got.update({f"{q}.{field}": None for field in rec["fields"]})
         for field, value in rec["fields"].items():
-            if field not in got:
-                continue
-            t, p = _norm(field, value), _norm(field, got[field])
-            em = float(t == p)
-            per_field[field].append((em, _f1(p, t)))
-            per_group[group].append(em)
+            for key in [k for k in got if k == field or k.endswith("." + field)]:
+                t, p = _norm(field, value), _norm(field, got[key])
+                em = float(t == p)
+                per_field[key].append((em, _f1(p, t)))
+                per_group[group].append(em)
     cells = [x for v in per_field.values() for x in v]
     return {
         "documents": len(truth) - len(missing),

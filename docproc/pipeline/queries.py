@@ -10,6 +10,7 @@ from importlib import resources
 from pathlib import Path
 
 from docproc.multimodal import IMAGE_PLACEHOLDER
+from docproc.pipeline.constraints import ANY_OBJECT, PATTERNS, answer_allowed
 from docproc.pipeline.normalize import normalize_amount, normalize_date
 
 QUERY_TYPES = ("string", "number", "date", "json")
@@ -29,21 +30,31 @@ class Query:
     max_tokens: int = 48
     schema: str | None = None  # a json query's JSON Schema (canonical JSON text): its answer is constrained to it
     choices: tuple[str, ...] | None = None  # a string query's allowed answers: its answer is one of them
+    constrained: bool = True  # false: decoded as free text (the query file's `constrained = false`)
 
     def structured_outputs(self):
-        """The constraint the engine decodes this query's answer under (None: free text)."""
+        """The constraint the engine decodes this query's answer under (None: free text): its
+        schema or choices, else its type's rule (pipeline/constraints.py)."""
         from docproc.sampling_params import StructuredOutputsParams
 
         if self.schema is not None:
             return StructuredOutputsParams(json=self.schema)
         if self.choices is not None:
             return StructuredOutputsParams(choice=list(self.choices))
-        return None
+        if not self.constrained:
+            return None
+        if self.type == "json":
+            return StructuredOutputsParams(json=ANY_OBJECT)
+        return StructuredOutputsParams(regex=PATTERNS[self.type])
+
+    def check(self, text: str) -> str | None:
+        """Why an answer decoded without its constraint breaks it, or None."""
+        return answer_allowed(self.type, text, self.schema, self.choices, self.constrained)
 
     @property
     def fingerprint_fields(self) -> list:
-        extra = [x for x in (self.schema, list(self.choices) if self.choices else None) if x is not None]
-        return [self.name, self.question, self.type, self.max_tokens, *extra]
+        so = self.structured_outputs()
+        return [self.name, self.question, self.type, self.max_tokens, so.key() if so is not None else None]
 
 
 @dataclass(frozen=True)
@@ -55,11 +66,10 @@ class QuerySet:
     @property
     def constrained(self) -> list[str]:
         """Names of the queries whose answers are decoded under a constraint."""
-        return [q.name for q in self.queries if q.schema is not None or q.choices is not None]
+        return [q.name for q in self.queries if q.structured_outputs() is not None]
 
     @property
     def fingerprint(self) -> str:
-        # (a query without a schema or choices has the fields it always had: fingerprints stay)
         payload = json.dumps([q.fingerprint_fields for q in self.queries])
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
@@ -68,7 +78,7 @@ def default_query_file() -> Path:
     return Path(str(resources.files("docproc") / "assets" / "queries" / "default.toml"))
 
 
-QUERY_KEYS = ("name", "question", "type", "max_tokens", "schema", "schema_file", "choices")
+QUERY_KEYS = ("name", "question", "type", "max_tokens", "schema", "schema_file", "choices", "constrained")
 FILE_KEYS = ("name", "query")
 MAX_TOKENS_LIMIT = 32768
 SCHEMA_FILE_LIMIT = 1 << 20  # bytes: a JSON Schema is small; anything bigger is the wrong file
@@ -129,7 +139,12 @@ def load_queries(path: str | Path | None = None) -> QuerySet:
         if not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
             raise QueryFileError(f"{where}: max_tokens must be from 1 to {MAX_TOKENS_LIMIT}, got {max_tokens}")
         schema, choices = _constraint(q, qtype, where, path)
-        queries.append(Query(name, q["question"], qtype, max_tokens, schema, choices))
+        constrained = q.get("constrained", True)
+        if not isinstance(constrained, bool):
+            raise QueryFileError(f"{where}: constrained must be true or false, got {constrained!r}")
+        if not constrained and (schema is not None or choices is not None):
+            raise QueryFileError(f"{where}: constrained = false and a schema or choices contradict each other")
+        queries.append(Query(name, q["question"], qtype, max_tokens, schema, choices, constrained))
     return QuerySet(data.get("name", path.stem), tuple(queries), str(path))
 
 

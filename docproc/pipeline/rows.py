@@ -44,7 +44,9 @@ class DocumentRows:
             if out.error:
                 row.update(value=None, status="error", error=out.error, error_kind="engine")
             else:
-                value, err = parse_answer(q.type, out.outputs[0].text, schema=q.schema is not None)
+                text = out.outputs[0].text
+                err = None if self.constrain else q.check(text)
+                value, err = (None, err) if err else parse_answer(q.type, text, schema=q.schema is not None)
                 row.update(value=value, status="parse_error" if err else ("ok" if value is not None else "empty"),
                            error=err)
             rows.append((q, m, row))

@@ -17,7 +17,6 @@ batch in flight. Either way the run ends with a manifest saying how it ended, an
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import resource
 import time
@@ -28,6 +27,7 @@ from datetime import datetime, timezone
 from typing import Callable
 
 from docproc.errors import EnvironmentFault, OutputUnwritable
+from docproc.pipeline.constraints import xgrammar_available
 from docproc.pipeline.engine_setup import PROMPT_VERSION, EngineSetup
 from docproc.pipeline.rows import DocumentRows, _DocState, _Window
 from docproc.pipeline.ingest import Candidate, discover, display_name, file_digest, open_document, searched_roots
@@ -36,6 +36,7 @@ from docproc.pipeline.reconcile import Reconciliation, reconcile
 from docproc.pipeline.runstore import REMOVED, RunStore
 from docproc.pipeline.settings import RunSettings, RunTotals
 from docproc.pipeline.signals import EXIT_INTERRUPTED, RunInterrupted, signals_raise
+from docproc.pipeline.typed import documents_table
 
 __all__ = ["Pipeline", "RunSettings", "RunTotals", "UsageError", "PROMPT_VERSION"]
 
@@ -88,9 +89,9 @@ class Pipeline(EngineSetup, DocumentRows):
         self._check_paths()
         self.store = RunStore(settings.out)
         self.queries: QuerySet = load_queries(settings.queries)
-        if self.queries.constrained and importlib.util.find_spec("xgrammar") is None:
-            raise UsageError(f"queries {', '.join(self.queries.constrained)} have a schema or choices: structured "
-                             f"outputs need xgrammar: pip install 'docproc[structured]'")
+        # without xgrammar answers are decoded free and checked against their query's rule after
+        # (an answer that breaks it is a parse error); the mode is part of the fingerprint
+        self.constrain = xgrammar_available()
         self.llm = llm
         self.report = _quiet_on_failure(reporter or (lambda event, data: None))
         self.run_id = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ") + "-" + uuid.uuid4().hex[:6]
@@ -173,6 +174,11 @@ class Pipeline(EngineSetup, DocumentRows):
         self.stage_seconds["discover"] += time.perf_counter() - t0
         self.totals.files = len(candidates)
         self.report("start", {"run_id": self.run_id, "files": len(candidates)})
+        if not self.constrain and self.queries.constrained:
+            self.report("warning", {"message": (
+                "xgrammar is not installed: answers are decoded as free text and checked against their query's "
+                "rule afterwards (those that break it are parse errors); pip install 'docproc[structured]' to "
+                "decode under the rules")})
         self._reconcile(candidates)
         batch: list[_Window] = []
         for cand in candidates:
@@ -280,8 +286,10 @@ class Pipeline(EngineSetup, DocumentRows):
 
     def _consolidate(self) -> None:
         t0 = time.perf_counter()
-        self.store.consolidate(fill_roots={k: self._roots[k] for k in self._plan.missing_roots},
-                               results="parquet" in self.s.formats)
+        table = self.store.consolidate(fill_roots={k: self._roots[k] for k in self._plan.missing_roots},
+                                       results="parquet" in self.s.formats)
+        if "parquet" in self.s.formats:
+            self.store.write_documents(documents_table(table, self.queries))
         self.stage_seconds["write"] += time.perf_counter() - t0
 
     def _windows(self, state: _DocState):
@@ -359,7 +367,7 @@ class Pipeline(EngineSetup, DocumentRows):
                 prompts.append({"prompt": build_prompt(len(images), q.question, anchor),
                                 "multi_modal_data": {"image": images}, "multi_modal_uuids": {"image": uuids}})
                 params.append(SamplingParams(temperature=0.0, max_tokens=q.max_tokens,
-                                             structured_outputs=q.structured_outputs()))
+                                             structured_outputs=q.structured_outputs() if self.constrain else None))
         t0 = time.perf_counter()
         try:
             return llm.generate(prompts, params)
@@ -380,7 +388,9 @@ class Pipeline(EngineSetup, DocumentRows):
             "status": status, "fault": fault,
             "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self.s).items()},
             "query_set": {"name": self.queries.name, "fingerprint": self.queries.fingerprint,
-                          "queries": [q.name for q in self.queries.queries], "source": self.queries.source},
+                          "queries": [q.name for q in self.queries.queries], "source": self.queries.source,
+                          # decoded under their rules (xgrammar), or checked against them after
+                          "constraints": "decoded" if self.constrain else "checked"},
             "model": {"path": self.s.model, **(self.model_info() or {})},
             "draft": self.llm.spec_info() if self.llm is not None else None,
             "config_fingerprint": self.cfg,

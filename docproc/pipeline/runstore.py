@@ -2,6 +2,7 @@
 
 Layout of OUT (what a reader of OUT sees: results.parquet, json/, runs/):
   results.parquet               the current results: one set of rows per document under the inputs
+  documents.parquet             the same, one row per document, a typed column per query (typed.py)
   json/<path>.json              one file per document (a hashed name where the path cannot be one)
   runs/<run_id>/manifest.json   settings, fingerprints, stage timings, totals, cache figures, status
   .docproc/lock                 held (flock) for the whole run: a second run exits with code 75
@@ -264,6 +265,12 @@ class RunStore:
         except OSError as e:
             raise output_fault(e, self.out) from None
         return table
+
+    def write_documents(self, table: pa.Table) -> None:
+        try:
+            atomic_write_table(self.out / "documents.parquet", table)
+        except OSError as e:
+            raise output_fault(e, self.out) from None
 
     # ---- documents and manifests --------------------------------------------------------------
     def json_path(self, rel: str) -> Path:

@@ -8,6 +8,7 @@ results.parquet) a document whose file is gone from its root has one tombstone r
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pyarrow as pa
@@ -66,7 +67,8 @@ def document_json(rows: list[dict]) -> dict:
     """One document's JSON file, from its rows (same fields and names as the table)."""
     first = rows[0]
     doc = {k: first.get(k) for k in ("run_id", "path", "doc_sha256", "doc_status", "pages", "config_fingerprint")}
-    doc["fields"] = {r["query"]: r["value"] for r in rows if r["query"] is not None}
+    # a JSON answer as the object it is (the table holds its text)
+    doc["fields"] = {r["query"]: _decoded(r) for r in rows if r["query"] is not None}
     doc["queries"] = [{k: r.get(k) for k in COLUMNS if k not in doc and k not in ("part", "root")} for r in rows
                       if r["query"] is not None]
     errors = [r["error"] for r in rows if r.get("error")]
@@ -75,6 +77,15 @@ def document_json(rows: list[dict]) -> dict:
     if first.get("error_kind") and first["query"] is None:
         doc["error_kind"] = first["error_kind"]
     return _clean(doc)
+
+
+def _decoded(row: dict):
+    if row.get("query_type") == "json" and row["value"] is not None:
+        try:
+            return json.loads(row["value"])
+        except json.JSONDecodeError:  # (a value is written from json.dumps: not expected)
+            pass
+    return row["value"]
 
 
 def _clean(obj):

@@ -47,6 +47,7 @@ class Proposer:
         self.draft_seconds = 0.0
         self.timed_kinds: set[str] = set()  # forward kinds run once already (later ones are timed)
         self.num_catch_up_skips = 0  # sequence-steps not drafted because the catch-up would not pay
+        self.grammar = None  # the target's GrammarCompiler once a request is constrained (structured.py)
         # pages whose tokens the draft has computed (its prefix cache holds them unless evicted):
         # a new query of such a page catches up only its own text
         self.seen_images: set[str] = set()
@@ -128,7 +129,12 @@ class Proposer:
         probs: dict[int, list[torch.Tensor]] = {seq.seq_id: [] for seq, _, _ in active}
         runner = self.runner
         greedy = all(runner.sampling_row(v).temperature == 0 for _, v, _ in active)
-        chain = (self.chain_greedy and greedy and runner.graphs is not None
+        # a constrained sequence proposes under its grammar: its matcher advances through this
+        # step's proposals (rolled back at the end), so each round's mask needs the last token
+        # on the host: such steps are not chained
+        matchers = {seq.seq_id: seq.grammar for seq, _, _ in active if seq.grammar is not None}
+        advanced = dict.fromkeys(matchers, 0)
+        chain = (self.chain_greedy and greedy and runner.graphs is not None and not matchers
                  and len({k for _, _, k in active}) == 1)
         pending: list[tuple[list, torch.Tensor]] = []  # chained rounds: (live, tokens on the device)
         chain_t0, chain_captures, chain_count = 0.0, 0, 0  # the chain's start and rounds since
@@ -159,6 +165,8 @@ class Proposer:
                     v.num_computed_tokens = len(v)
                     v.proposals.append(0)  # a placeholder until _read_chained: the device has the token
                 continue
+            if matchers:
+                self.grammar.mask_logits(logits, [self._next_mask(matchers.get(seq.seq_id)) for seq, _ in live])
             rows = [runner.sampling_row(v) for _, v in live]
             if all(row.temperature == 0 for row in rows):
                 tok_dev = logits.argmax(-1)
@@ -197,11 +205,23 @@ class Proposer:
                 out[seq.seq_id].tokens.append(tok)
                 if p is not None:
                     probs[seq.seq_id].append(p[i])
+                m = matchers.get(seq.seq_id)
+                if m is not None and not m.is_terminated() and m.accept_token(tok):
+                    advanced[seq.seq_id] += 1
+        for sid, n in advanced.items():
+            if n:
+                matchers[sid].rollback(n)
         for sid, ps in probs.items():
             if ps:
                 out[sid].probs = torch.stack(ps)
         self.draft_seconds += time.perf_counter() - t0
         return out
+
+    @staticmethod
+    def _next_mask(matcher):
+        """The matcher to mask a round's row with: None past the grammar's end (what the draft
+        proposes after a stop token is never used)."""
+        return None if matcher is None or matcher.is_terminated() else matcher
 
     def _read_chained(self, pending: list[tuple[list, torch.Tensor]], out: dict[int, Proposal],
                       rows: list[list[int]] | None = None) -> None:

@@ -70,8 +70,6 @@ class Verifier:
                 k = 0
             if probe_only is not None and seq.seq_id != probe_only:
                 k = 0
-            if seq.grammar is not None:  # constrained rows decode without the draft (plain constrained decoding)
-                k = 0
             if k > 0 and seq.seq_id in catch_up:
                 tokens, page = catch_up[seq.seq_id]
                 share = spec.page_share(page, pages[page]) if page is not None else 1
@@ -176,6 +174,12 @@ class Verifier:
                 runner.grammar.mask_logits(rows, [chunks[i].seq.grammar for i in plain])
             picked = runner.sampler(rows, [srows[i] for i in plain]).tolist()
             result.update((i, ([t], 0)) for i, t in zip(plain, picked))
+        # a constrained window is scored under the grammar at each of its positions: lossless,
+        # since the rule accepts a proposal only where the masked target gives it mass
+        constrained = [(spans[i][0], chunks[i].seq.grammar, props[i].tokens) for i, p in enumerate(props)
+                       if p is not None and chunks[i].seq.grammar is not None]
+        if constrained:
+            runner.grammar.mask_windows(logits, constrained)
         greedy = [i for i, p in enumerate(props) if p is not None and srows[i].temperature == 0]
         if greedy:
             top = logits.argmax(-1).tolist()

@@ -1,0 +1,128 @@
+"""What each query type's answer may be, as a constraint the engine decodes under, and the same
+rules checked on an answer decoded without one (no xgrammar installed). Torch-free.
+
+A `date` answer is a date in a form the normaliser reads (ISO, 31.12.2024, 12/31/2024,
+"December 31, 2024", "31 Dec 2024") or "none"; a `number` is an amount as printed (digits with
+thousands separators and one to two decimals, a currency code or symbol before or after) or
+"none"; a `string` is one line of printable text. The value column then holds the normalised
+form: an ISO date, a plain decimal. A `json` query's answer is one JSON object, valid for its
+schema when it has one. The patterns are written in the regex subset that xgrammar and Python's
+`re` read alike.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+
+_MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
+           "November", "December"]
+_ABBR = [m[:3] for m in _MONTHS] + ["Sept"]
+_NAMES = sorted({f(n) for n in _MONTHS + _ABBR for f in (str, str.upper)}, key=lambda n: (-len(n), n))
+_MONTH_NAME = "(" + "|".join(_NAMES) + ")"
+_DAY = "(0?[1-9]|[12][0-9]|3[01])"
+_MONTH = "(0?[1-9]|1[0-2])"
+_YEAR = "[0-9]{4}"
+NONE_PATTERN = "(none|None|NONE|null)"
+# an optional space first: a model may spell an answer as read after its label (" CHF")
+DATE_PATTERN = (" ?(" + "|".join([
+    f"{_YEAR}-{_MONTH}-{_DAY}",  # ISO
+    f"{_DAY}\\.{_MONTH}\\.{_YEAR}",  # 31.12.2024
+    f"[0-9]{{1,2}}/[0-9]{{1,2}}/{_YEAR}",  # either order: the normaliser decides
+    f"{_MONTH_NAME}\\.? {_DAY},? {_YEAR}",  # December 31, 2024
+    f"{_DAY}\\.? {_MONTH_NAME}\\.?,? {_YEAR}",  # 31 Dec 2024
+    NONE_PATTERN]) + ")")
+_CURRENCY = "([A-Z]{3}|[$€£¥])"
+_AMOUNT = "-?([0-9]{1,3}([ ,.'][0-9]{3})+|[0-9]+)([.,][0-9]{1,2})?"
+NUMBER_PATTERN = f" ?(({_CURRENCY} ?)?({_AMOUNT})( ?{_CURRENCY})?|{NONE_PATTERN})"
+STRING_PATTERN = " ?[^\\x00-\\x1f]+"  # one line of printable text
+ANY_OBJECT = {"type": "object"}  # a json query without a schema: some JSON object
+
+PATTERNS = {"date": DATE_PATTERN, "number": NUMBER_PATTERN, "string": STRING_PATTERN}
+_COMPILED = {k: re.compile(v) for k, v in PATTERNS.items()}
+
+
+def xgrammar_available() -> bool:
+    """Whether answers can be decoded under their rules (without importing xgrammar, which
+    imports torch)."""
+    try:
+        return importlib.util.find_spec("xgrammar") is not None
+    except (ImportError, ValueError):  # a broken install; or sys.modules["xgrammar"] = None
+        return False
+
+
+def answer_allowed(qtype: str, text: str, schema: str | None = None, choices: tuple[str, ...] | None = None,
+                   constrained: bool = True) -> str | None:
+    """Why an answer decoded without a constraint breaks its query's rule, or None if it keeps it
+    (what decoding under the constraint guarantees)."""
+    if choices is not None:
+        return None if text in choices else f"not one of the choices: {text[:40]!r}"
+    if qtype == "json":
+        if schema is None:
+            return None  # parse_answer looks for the object
+        try:
+            value = json.loads(text)
+        except (json.JSONDecodeError, RecursionError):
+            return "not one JSON value"
+        problem = schema_violation(value, json.loads(schema))
+        return None if problem is None else f"not valid for the schema: {problem}"
+    if not constrained or _COMPILED[qtype].fullmatch(text):
+        return None
+    return f"not a {qtype} answer: {text[:40]!r}"
+
+
+_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
+
+
+def _is(value, t: str) -> bool:
+    if t == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if t == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, _TYPES.get(t, object))
+
+
+def schema_violation(value, schema, where: str = "$") -> str | None:
+    """The first place where value breaks schema, or None: the keywords an extraction schema uses
+    (type, enum, const, properties, required, additionalProperties, items, min/maxItems,
+    min/maxLength, pattern, minimum/maximum, anyOf/oneOf). Unknown keywords are not checked."""
+    if not isinstance(schema, dict):
+        return None
+    t = schema.get("type")
+    if t is not None and not any(_is(value, x) for x in (t if isinstance(t, list) else [t])):
+        return f"{where} is not of type {t}"
+    if "enum" in schema and value not in schema["enum"]:
+        return f"{where} is not one of {schema['enum']}"
+    if "const" in schema and value != schema["const"]:
+        return f"{where} is not {schema['const']!r}"
+    for key in ("anyOf", "oneOf"):
+        if key in schema and all(schema_violation(value, s, where) for s in schema[key]):
+            return f"{where} matches none of {key}"
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        for k in schema.get("required", []):
+            if k not in value:
+                return f"{where}.{k} is missing"
+        for k, v in value.items():
+            if k in props:
+                problem = schema_violation(v, props[k], f"{where}.{k}")
+                if problem:
+                    return problem
+            elif schema.get("additionalProperties") is False:
+                return f"{where}.{k} is not a property of the schema"
+    if isinstance(value, list):
+        if len(value) < schema.get("minItems", 0) or len(value) > schema.get("maxItems", len(value)):
+            return f"{where} has {len(value)} items"
+        for i, v in enumerate(value):
+            problem = schema_violation(v, schema.get("items"), f"{where}[{i}]")
+            if problem:
+                return problem
+    if isinstance(value, str):
+        if not schema.get("minLength", 0) <= len(value) <= schema.get("maxLength", len(value)):
+            return f"{where} has {len(value)} characters"
+        if "pattern" in schema and not re.search(schema["pattern"], value):
+            return f"{where} does not match {schema['pattern']!r}"
+    if _is(value, "number"):
+        if "minimum" in schema and value < schema["minimum"] or "maximum" in schema and value > schema["maximum"]:
+            return f"{where} is out of range"
+    return None
