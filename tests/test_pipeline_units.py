@@ -216,7 +216,7 @@ def test_documents_table_types_each_query_by_its_type_and_schema(tmp_path):
     qfile.write_text('[[query]]\nname = "total"\nquestion = "?"\ntype = "number"\n\n'
                      '[[query]]\nname = "date"\nquestion = "?"\ntype = "date"\n\n'
                      '[[query]]\nname = "path"\nquestion = "?"\n\n'
-                     f'[[query]]\nname = "obj"\nquestion = "?"\ntype = "json"\nschema_file = "s.json"\n')
+                     '[[query]]\nname = "obj"\nquestion = "?"\ntype = "json"\nschema_file = "s.json"\n')
     (tmp_path / "s.json").write_text(json.dumps(schema))
     qs = load_queries(qfile)
     obj = {"n": 3, "x": 2.5, "ok": True, "d": "2024-02-29", "tags": ["a"], "who": {"name": "Bo"}}
