@@ -71,8 +71,8 @@ def bundled_model(name: str) -> Path:
 def parse_formats(value: str) -> tuple[str, ...]:
     """'json,parquet' -> ('json', 'parquet'); raises BadParameter on anything else."""
     items = tuple(dict.fromkeys(x.strip().lower() for x in value.split(",") if x.strip()))
-    if not items or set(items) - {"json", "parquet"}:
-        raise typer.BadParameter(f"expected json, parquet or json,parquet; got {value!r}")
+    if not items or set(items) - {"json", "parquet", "documents"}:
+        raise typer.BadParameter(f"expected json, parquet and/or documents, comma-separated; got {value!r}")
     return items
 
 
@@ -131,7 +131,8 @@ def run(
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
     dpi: int = typer.Option(120, help="PDF render resolution (lowered per page to fit the pixel cap)."),
     max_pages: Optional[int] = typer.Option(None, "--max-pages", help="Read at most this many pages per document."),
-    format: str = typer.Option("json,parquet", "--format", help="Outputs: json, parquet or both."),
+    format: str = typer.Option("json,parquet", "--format", help="Outputs: json, parquet (results.parquet) and "
+                               "documents (documents.parquet: a row per document, typed)."),
     force: bool = typer.Option(False, "--force", help="Redo documents already done with the same settings."),
     max_num_batched_tokens: int = typer.Option(8192, "--max-num-batched-tokens", help="Engine token budget per step."),
     gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization", help="Share of GPU memory to use."),

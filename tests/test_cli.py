@@ -419,8 +419,8 @@ def test_a_schema_keeps_its_property_order(tmp_path):
 def test_without_xgrammar_answers_are_checked_against_their_rules(docs, qwen2_vl_dir, tmp_path, monkeypatch):
     """With xgrammar missing the run says so once, decodes free text and checks every answer
     against its query's rule (a random model's noise: parse errors naming the rule); the manifest
-    and the fingerprint tell the two modes apart. documents.parquet holds one typed row per
-    document."""
+    and the fingerprint tell the two modes apart. `--format documents` adds documents.parquet, one
+    typed row per document (not written by default: a reader of OUT finds one table of rows)."""
     import pyarrow.parquet as _pq
 
     pytest.importorskip("xgrammar")
@@ -436,9 +436,11 @@ def test_without_xgrammar_answers_are_checked_against_their_rules(docs, qwen2_vl
     assert broken and all(r["error"].startswith(f"not a {r['query_type']} answer") for r in broken)
     monkeypatch.undo()
     out2 = tmp_path / "decoded"
-    res = run_cli("run", docs, "--out", out2, "--model", qwen2_vl_dir, "--device", "cpu")
+    res = run_cli("run", docs, "--out", out2, "--model", qwen2_vl_dir, "--device", "cpu",
+                  "--format", "json,parquet,documents")
     assert res.exit_code in (0, 1), res.output
     assert manifest(out2)["query_set"]["constraints"] == "decoded"
+    assert not (out / "documents.parquet").exists()
     assert manifest(out2)["config_fingerprint"] != m["config_fingerprint"]
     decoded = rows(out2)
     assert not [r for r in decoded if r["status"] == "parse_error" and r["query_type"] in ("date", "number")

@@ -2,7 +2,7 @@
 
 Layout of OUT (what a reader of OUT sees: results.parquet, json/, runs/):
   results.parquet               the current results: one set of rows per document under the inputs
-  documents.parquet             the same, one row per document, a typed column per query (typed.py)
+  documents.parquet             with --format documents: a row per document, typed per query (typed.py)
   json/<path>.json              one file per document (a hashed name where the path cannot be one)
   runs/<run_id>/manifest.json   settings, fingerprints, stage timings, totals, cache figures, status
   .docproc/lock                 held (flock) for the whole run: a second run exits with code 75

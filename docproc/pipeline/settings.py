@@ -32,9 +32,9 @@ class RunSettings:
     debug: bool = False  # tracebacks of documents' unexpected errors on stderr
 
     def __post_init__(self) -> None:
-        bad = set(self.formats) - {"json", "parquet"}
+        bad = set(self.formats) - {"json", "parquet", "documents"}
         if bad or not self.formats:
-            raise ValueError(f"--format takes json and/or parquet, got {','.join(self.formats)}")
+            raise ValueError(f"--format takes json, parquet and/or documents, got {','.join(self.formats)}")
         if not self.inputs:
             raise ValueError("give at least one input file or folder")
         if self.dpi < 10 or self.dpi > 1200:
