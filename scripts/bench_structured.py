@@ -10,7 +10,9 @@ type's rule, all_fields under the document schema), and the same questions with
 `constrained = false` (free text, as the engine decoded them before the rules). Reports for each:
 `docproc eval` (overall and per field; all_fields' properties as all_fields.FIELD), how many
 all_fields answers are valid JSON for the schema, statuses, seconds; and on the blank pages how
-many fields came back null. --mode picks one of the two runs (for running them side by side).
+many fields came back null. --mode picks one of the two runs (for running them side by side);
+--mode partial reports on the documents both runs' flushed parts hold (runs stopped early),
+paired document for document.
 """
 from __future__ import annotations
 
@@ -58,12 +60,19 @@ def make_inputs(work: Path, count: int, seed: int, blank: int) -> Path:
 
 
 def one_run(docs: Path, out: Path, queries: Path | None, args) -> dict:
-    s = RunSettings(inputs=[str(docs)], out=str(out), queries=str(queries) if queries else None,
-                    device=args.device, force=True)
+    from docproc.cli import bundled_model
+
+    s = RunSettings(inputs=[str(docs)], out=str(out), model=str(bundled_model("target")),
+                    queries=str(queries) if queries else None, device=args.device, force=True)
     t0 = time.perf_counter()
     manifest = Pipeline(s).run()
     seconds = time.perf_counter() - t0
     rows = [r for r in read_table(out / "results.parquet").to_pylist() if r["query"] is not None]
+    return {"seconds": round(seconds, 1), "constraints": manifest["query_set"]["constraints"],
+            **report(rows, out, out.parent / "truth.jsonl")}
+
+
+def report(rows: list[dict], out: Path, truth: Path) -> dict:
     schema = json.loads(load_queries().queries[-1].schema)
     fields = [r for r in rows if r["query"] == "all_fields" and not Path(r["path"]).name.startswith("blank_")]
     valid = 0
@@ -82,12 +91,35 @@ def one_run(docs: Path, out: Path, queries: Path | None, args) -> dict:
         else:
             blank_cells += 1
             blank_nulls += r["value"] is None
-    return {"seconds": round(seconds, 1), "constraints": manifest["query_set"]["constraints"],
-            "statuses": dict(Counter(r["status"] for r in rows)),
+    return {"statuses": dict(Counter(r["status"] for r in rows)),
             "all_fields_documents": len(fields), "all_fields_valid_for_schema": valid,
             "blank_pages": len({r["path"] for r in blank}), "blank_cells": blank_cells, "blank_null_cells": blank_nulls,
             "blank_answers": {f"{Path(r['path']).name}|{r['query']}": r["answer"] for r in blank},
-            "eval": evaluate(out, out.parent / "truth.jsonl")}
+            "eval": evaluate(out, truth)}
+
+
+def partial(work: Path) -> dict:
+    """Both runs' rows on the documents both have finished (from their flushed parts)."""
+    import pyarrow.parquet as pq
+
+    from docproc.pipeline.runstore import RunStore
+    from docproc.pipeline.schema import to_table
+
+    tables = {k: [r for r in RunStore(work / f"out_{k}").current().to_pylist() if r["query"] is not None]
+              for k in ("rules", "free")}
+    common = set.intersection(*({r["path"] for r in t} for t in tables.values()))
+    names = {Path(p).name for p in common}
+    truth = work / "truth_common.jsonl"
+    truth.write_text("".join(line + "\n" for line in (work / "truth.jsonl").read_text().splitlines()
+                             if json.loads(line)["file"] in names))
+    res = {"documents_in_both": len([p for p in common if not Path(p).name.startswith("blank_")])}
+    for k, t in tables.items():
+        rows = [r for r in t if r["path"] in common]
+        view = work / f"view_{k}"
+        view.mkdir(exist_ok=True)
+        pq.write_table(to_table(rows), view / "results.parquet")
+        res["rules" if k == "rules" else "free_text"] = report(rows, view, truth)
+    return res
 
 
 def main() -> None:
@@ -97,7 +129,7 @@ def main() -> None:
     ap.add_argument("--blank", type=int, default=10)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--work", default="/tmp/docproc-structured")
-    ap.add_argument("--mode", choices=["both", "rules", "free"], default="both")
+    ap.add_argument("--mode", choices=["both", "rules", "free", "partial"], default="both")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
     work = Path(args.work)
@@ -105,6 +137,8 @@ def main() -> None:
     res = {"what": "default query set under its rules against the same questions as free text, bundled target",
            "count": args.count, "seed": args.seed, "blank": args.blank, "device": args.device,
            "default_queries": str(default_query_file())}
+    if args.mode == "partial":
+        res.update(partial(work))
     if args.mode in ("both", "rules"):
         res["rules"] = one_run(docs, work / "out_rules", None, args)
     if args.mode in ("both", "free"):
@@ -113,7 +147,7 @@ def main() -> None:
     for k in ("rules", "free_text"):
         if k in res:
             e = res[k]["eval"]
-            print(k, res[k]["seconds"], "s, exact match", round(e["overall_exact_match"], 4),
+            print(k, res[k].get("seconds"), "s, exact match", round(e["overall_exact_match"], 4),
                   "valid", res[k]["all_fields_valid_for_schema"], "/", res[k]["all_fields_documents"],
                   "blank nulls", res[k]["blank_null_cells"], "/", res[k]["blank_cells"])
 

@@ -449,3 +449,29 @@ def test_without_xgrammar_answers_are_checked_against_their_rules(docs, qwen2_vl
     assert docs_table.num_rows == len({r["path"] for r in decoded})
     assert str(docs_table.schema.field("total").type) == "double" and str(docs_table.schema.field("date").type) == "date32[day]"
     assert docs_table.schema.field("all_fields").type.num_fields == 6
+
+
+def test_blank_pages_are_answered_empty_without_the_engine(qwen2_vl_dir, tmp_path):
+    """A document whose pages are blank (white, or flat grey with scanner noise) gets every query
+    empty with no tokens spent; a page with one line of text is read."""
+    from PIL import Image, ImageDraw
+
+    root = tmp_path / "in"
+    root.mkdir()
+    Image.new("RGB", (400, 520), "white").save(root / "white.png")
+    Image.effect_noise((400, 520), 6).convert("RGB").save(root / "grey_scan.png")
+    line = Image.new("RGB", (400, 520), "white")
+    ImageDraw.Draw(line).text((40, 40), "Invoice 42, total 10.00", fill="black")
+    line.save(root / "one_line.png")
+    out = tmp_path / "out"
+    res = run_cli("run", root, "--out", out, "--model", qwen2_vl_dir, "--device", "cpu")
+    assert res.exit_code in (0, 1), res.output
+    by_doc: dict[str, list[dict]] = {}
+    for r in rows(out):
+        by_doc.setdefault(r["path"], []).append(r)
+    for blank in ("white.png", "grey_scan.png"):
+        assert all(r["status"] == "empty" and r["value"] is None and r["generated_tokens"] == 0 and r["prompt_tokens"] == 0
+                   for r in by_doc[blank]), by_doc[blank]
+        assert {r["doc_status"] for r in by_doc[blank]} == {"ok"}
+    assert sum(r["generated_tokens"] for r in by_doc["one_line.png"]) > 0
+    assert manifest(out)["totals"]["blank_pages"] == 2

@@ -14,6 +14,7 @@ batch runs.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import os
 import re
@@ -62,6 +63,20 @@ class Page:
     width: int
     height: int
     text: str | None = None  # the PDF's text layer with coordinates (--anchor-text); None for images
+
+    @functools.cached_property
+    def blank(self) -> bool:
+        """Nothing on the page: fewer than 1 pixel in 10,000 (about 130 on a letter page at 120
+        dpi) differs by more than a quarter of the range from the page's median grey. Such a page
+        holds no field to read, and a model asked about it invents one."""
+        hist = self.image.convert("L").histogram()
+        total = sum(hist)
+        median, seen = 0, 0
+        while seen + hist[median] < total / 2:
+            seen += hist[median]
+            median += 1
+        ink = sum(hist[:max(0, median - 64)]) + sum(hist[median + 65:])
+        return ink * 10_000 < total
 
 
 def display_name(name: str) -> str:

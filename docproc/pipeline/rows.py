@@ -60,6 +60,15 @@ class DocumentRows:
             self.totals.draft_verifications += m.draft_verifications
             w.doc.answers.setdefault(q.name, []).append((w.index, row))
 
+    def _blank_answers(self, w: _Window) -> None:
+        """A window whose pages are all blank: each query's row is empty, with no engine work."""
+        self.totals.blank_pages += len(w.pages)
+        for q in self.queries.queries:
+            row = {"query": q.name, "query_type": q.type, "answer": "", "value": None, "status": "empty",
+                   "error": None, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "draft_proposed": 0,
+                   "draft_accepted": 0, "draft_verifications": 0, "latency_s": 0.0}
+            w.doc.answers.setdefault(q.name, []).append((w.index, row))
+
     def _finish_document(self, state: _DocState) -> None:
         doc = state.doc
         if state.failure is not None:

@@ -323,8 +323,10 @@ class Pipeline(EngineSetup, DocumentRows):
         """Run a batch; if the engine raises, run it again document by document so that only the
         documents it fails on get error rows. Whatever turning one document's outputs into rows
         raises fails that document alone (never a second engine run)."""
+        # a window of blank pages is answered without the engine: every query empty
+        live = [w for w in batch if not all(p.blank for p in w.pages)]
         try:
-            outs = self._generate(batch)
+            outs = self._generate(live) if live else []
         except (EnvironmentFault, RunInterrupted):
             raise
         except Exception as e:  # noqa: BLE001 -- one document's request broke the engine step
@@ -337,10 +339,15 @@ class Pipeline(EngineSetup, DocumentRows):
             if self.s.debug:
                 traceback.print_exception(e)
             outs = None
-        for i, w in enumerate(batch):
+        n = len(self.queries.queries)
+        at = {id(w): i for i, w in enumerate(live)}
+        for w in batch:
             if outs is not None and w.doc.failure is None:
                 try:
-                    self._answers(w, outs[i * len(self.queries.queries): (i + 1) * len(self.queries.queries)])
+                    if id(w) in at:
+                        self._answers(w, outs[at[id(w)] * n: (at[id(w)] + 1) * n])
+                    else:
+                        self._blank_answers(w)
                 except Exception as e:  # noqa: BLE001 -- the per-document boundary, after the engine
                     w.doc.failure = ("internal", f"{type(e).__name__}: {e}")
                     if self.s.debug:

@@ -77,6 +77,7 @@ class RunTotals:
     removed: int = 0  # documents whose files are gone: their rows left results.parquet
     pages: int = 0
     unique_pages: int = 0
+    blank_pages: int = 0  # pages with nothing on them: their windows answered empty without the engine
     requests: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
