@@ -198,6 +198,7 @@ def test_dedup_encodes_each_unique_page_once(qwen2_vl_dir, tmp_path):
     page.save(root / "a.png")
     shutil.copy(root / "a.png", root / "a_copy.png")  # byte-identical file
     other = Image.new("RGB", (400, 300), (200, 220, 240))
+    other.paste((20, 20, 20), (50, 50, 250, 90))  # (a flat page would be blank: answered without the engine)
     other.save(root / "b.png")
     pdf = pymupdf.open()
     for _ in range(3):  # three identical pages in one PDF
