@@ -476,3 +476,25 @@ def test_blank_pages_are_answered_empty_without_the_engine(qwen2_vl_dir, tmp_pat
         assert {r["doc_status"] for r in by_doc[blank]} == {"ok"}
     assert sum(r["generated_tokens"] for r in by_doc["one_line.png"]) > 0
     assert manifest(out)["totals"]["blank_pages"] == 2
+
+
+def test_documents_parquet_follows_the_results_once_written(qwen2_vl_dir, tmp_path):
+    """Once OUT has documents.parquet, every run rewrites it (with or without --format documents),
+    so that it never lists documents results.parquet no longer has."""
+    import pyarrow.parquet as _pq
+    from PIL import Image, ImageDraw
+
+    root = tmp_path / "in"
+    root.mkdir()
+    for name in ("a.png", "b.png"):
+        im = Image.new("RGB", (300, 200), "white")
+        ImageDraw.Draw(im).text((20, 20), f"page {name}", fill="black")
+        im.save(root / name)
+    out = tmp_path / "out"
+    assert run_cli("run", root, "--out", out, "--model", qwen2_vl_dir, "--device", "cpu",
+                   "--format", "json,parquet,documents").exit_code in (0, 1)
+    assert sorted(_pq.read_table(out / "documents.parquet").column("path").to_pylist()) == ["a.png", "b.png"]
+    (root / "b.png").unlink()
+    assert run_cli("run", root, "--out", out, "--model", qwen2_vl_dir, "--device", "cpu").exit_code in (0, 1)
+    assert _pq.read_table(out / "documents.parquet").column("path").to_pylist() == ["a.png"]
+    assert sorted({r["path"] for r in rows(out)}) == ["a.png"]

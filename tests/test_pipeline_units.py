@@ -171,10 +171,18 @@ def test_query_rules_accept_what_the_normaliser_reads_and_nothing_else():
     for a in amounts:
         assert answer_allowed("number", a) is None, a
         assert a == "none" or normalize_amount(a) is not None, a
-    for bad in ["next Tuesday", "2024", "31.12.24", "12 12 2024", "Dec 31 2024 at noon", ""]:
+    for bad in ["next Tuesday", "2024", "31.12.24", "31x12x2024", "12 12 2024", "Dec 31 2024 at noon"]:
         assert answer_allowed("date", bad) is not None, bad
-    for bad in ["twelve", "1.234.5678", "12 items", "", "1,2,3"]:
+    for bad in ["twelve", "1.234.5678", "12 items", "1,2,3", "(12.00)"]:
         assert answer_allowed("number", bad) is not None, bad
+    # printed forms of other places (Indian grouping, a Unicode minus, a no-break space, lower case)
+    for a in ["1,23,456.00", "-$12.00", "\u221212.00", ".50", "1\u00a0234,56", "chf 12", "\u20b91,234.00"]:
+        assert answer_allowed("number", a) is None and normalize_amount(a) is not None, a
+    for d in ["december 31, 2024", "31  December 2024", "31.12.2024."]:
+        assert answer_allowed("date", d) is None and normalize_date(d) is not None, d
+    # what the parser reads as no answer is no breach when answers are checked
+    for none in ["", "N/A", "-", "None.", " none "]:
+        assert answer_allowed("date", none) is None and parse_answer("date", none) == (None, None), none
     assert answer_allowed("string", "Acme GmbH") is None and answer_allowed("string", "two\nlines") is not None
     assert answer_allowed("string", "two\nlines", constrained=False) is None
     assert answer_allowed("string", "maybe", choices=("yes", "no")) is not None
@@ -195,6 +203,12 @@ def test_schema_violation_finds_the_first_broken_rule():
     assert "not one of" in schema_violation({"a": 1, "b": None, "c": ["z"]}, schema)
     assert "items" in schema_violation({"a": 1, "b": None, "c": ["x", "y", "x"]}, schema)
     assert "not a property" in schema_violation({"a": 1, "b": None, "d": 0}, schema)
+    # JSON's own rules: true is not 1, NaN is no number, oneOf means exactly one
+    assert schema_violation(True, {"enum": [1, 2]}) and schema_violation(False, {"const": 0})
+    assert schema_violation(1, {"enum": [1, 2]}) is None
+    assert schema_violation(float("nan"), {"type": "number"})
+    assert schema_violation(3, {"oneOf": [{"type": "integer"}, {"type": "number"}]})
+    assert schema_violation({"x": "s"}, {"type": "object", "additionalProperties": {"type": "integer"}})
 
 
 def test_documents_table_types_each_query_by_its_type_and_schema(tmp_path):
@@ -268,3 +282,62 @@ def test_eval_scores_a_json_answer_field_by_field(tmp_path):
     assert pf["all_fields.total"]["exact_match"] == 0.5 and pf["all_fields.date"]["exact_match"] == 0.5
     # a's vendor null against Acme: wrong; b has no object, but its truth vendor is null: right
     assert pf["all_fields.vendor"]["exact_match"] == 0.5 and pf["all_fields.vendor"]["n"] == 2
+
+
+def test_eval_reads_lists_collisions_and_non_object_roots(tmp_path):
+    """Lists compare as JSON on both sides; a query's own answer wins over a JSON property of the
+    same name; a schema whose root is a string is scored by its string; a failed JSON answer counts
+    only for the fields its query answers elsewhere."""
+    import pyarrow.parquet as _pq
+
+    from docproc.pipeline.evaluate import evaluate
+    from docproc.pipeline.schema import to_table
+
+    base = {"run_id": "r", "doc_status": "ok", "status": "ok", "config_fingerprint": "c", "part": 1}
+    rows = [{**base, "path": "a.pdf", "query": "obj", "query_type": "json", "value": json.dumps({"items": ["a", "b"], "total": "1.00"})},
+            {**base, "path": "a.pdf", "query": "obj.total", "query_type": "number", "value": "9.00"},
+            {**base, "path": "a.pdf", "query": "vendor", "query_type": "json", "value": json.dumps("Acme Corp")},
+            {**base, "path": "a.pdf", "query": "parties", "query_type": "json", "value": json.dumps({"vendor": "Acme Corp"})},
+            {**base, "path": "b.pdf", "query": "parties", "query_type": "json", "value": None, "status": "parse_error"}]
+    (tmp_path / "out").mkdir()
+    _pq.write_table(to_table(rows), tmp_path / "out" / "results.parquet")
+    truth = tmp_path / "truth.jsonl"
+    truth.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"file": "a.pdf", "fields": {"items": ["a", "b"], "total": "9.00", "vendor": "Acme Corp"}},
+        {"file": "b.pdf", "fields": {"total": "5.00", "vendor": "Bolt"}}]))
+    pf = evaluate(tmp_path / "out", truth)["per_field"]
+    assert pf["obj.items"]["exact_match"] == 1.0
+    assert pf["obj.total"] == {"exact_match": 1.0, "f1": 1.0, "n": 1}  # the query's 9.00, not the property's 1.00
+    assert pf["vendor"]["exact_match"] == 1.0
+    assert pf["parties.vendor"] == {"exact_match": 0.5, "f1": 0.5, "n": 2} and "parties.total" not in pf
+
+
+def test_documents_table_keeps_colliding_names_apart_and_survives_odd_values():
+    from docproc.pipeline.queries import Query, QuerySet
+    from docproc.pipeline.schema import to_table
+    from docproc.pipeline.typed import documents_table
+
+    qs = QuerySet("x", (Query("path", "?"), Query("query.path", "?"), Query("total", "?", "number"),
+                        Query("o", "?", "json", schema=json.dumps({"type": "object", "properties": {"n": {"type": "number"}}}))), "")
+    base = {"run_id": "r", "doc_status": "ok", "status": "ok", "config_fingerprint": "c", "part": 1, "path": "a.pdf"}
+    rows = [{**base, "query": "path", "query_type": "string", "value": "p"},
+            {**base, "query": "query.path", "query_type": "string", "value": "qp"},
+            {**base, "query": "total", "query_type": "number", "value": "1" * 400},
+            {**base, "query": "o", "query_type": "json", "value": '{"n": ' + "9" * 400 + "}"}]
+    t = documents_table(to_table(rows), qs)
+    row = t.to_pylist()[0]
+    assert row["query.path"] == "p" and row["query.query.path"] == "qp"
+    assert row["total"] is None and row["o"] == {"n": None}  # past float64: null, not a crash or infinity
+
+
+def test_a_page_is_blank_only_without_ink_and_text():
+    from PIL import Image
+
+    from docproc.pipeline.ingest import Page
+
+    white = Image.new("RGB", (400, 500), "white")
+    assert Page(0, white, "", 400, 500).blank
+    assert not Page(0, white, "", 400, 500, text="Invoice 42 (a text layer)").blank
+    faint = Image.open(Path(__file__).parent.parent / "sample_docs" / "doc_2026_00003.jpg").convert("RGB")
+    faint = Image.eval(faint, lambda v: 191 + v * 64 // 255)  # every pixel 191 or lighter, still legible
+    assert not Page(0, faint, "", faint.width, faint.height).blank

@@ -13,30 +13,38 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import re
 
 _MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
            "November", "December"]
 _ABBR = [m[:3] for m in _MONTHS] + ["Sept"]
-_NAMES = sorted({f(n) for n in _MONTHS + _ABBR for f in (str, str.upper)}, key=lambda n: (-len(n), n))
+_NAMES = sorted({f(n) for n in _MONTHS + _ABBR for f in (str, str.upper, str.lower)}, key=lambda n: (-len(n), n))
 _MONTH_NAME = "(" + "|".join(_NAMES) + ")"
 _DAY = "(0?[1-9]|[12][0-9]|3[01])"
 _MONTH = "(0?[1-9]|1[0-2])"
 _YEAR = "[0-9]{4}"
 NONE_PATTERN = "(none|None|NONE|null)"
-# an optional space first: a model may spell an answer as read after its label (" CHF")
+# an optional space first: a model may spell an answer as read after its label (" CHF"); a date
+# may end in a full stop (the normaliser drops it)
 DATE_PATTERN = (" ?(" + "|".join([
     f"{_YEAR}-{_MONTH}-{_DAY}",  # ISO
-    f"{_DAY}\\.{_MONTH}\\.{_YEAR}",  # 31.12.2024
+    f"{_DAY}\\.{_MONTH}\\.{_YEAR}\\.?",  # 31.12.2024
     f"[0-9]{{1,2}}/[0-9]{{1,2}}/{_YEAR}",  # either order: the normaliser decides
-    f"{_MONTH_NAME}\\.? {_DAY},? {_YEAR}",  # December 31, 2024
-    f"{_DAY}\\.? {_MONTH_NAME}\\.?,? {_YEAR}",  # 31 Dec 2024
+    f"{_MONTH_NAME}\\.? +{_DAY},? +{_YEAR}\\.?",  # December 31, 2024
+    f"{_DAY}\\.? +{_MONTH_NAME}\\.?,? +{_YEAR}\\.?",  # 31 Dec 2024
     NONE_PATTERN]) + ")")
-_CURRENCY = "([A-Z]{3}|[$€£¥])"
-_AMOUNT = "-?([0-9]{1,3}([ ,.'][0-9]{3})+|[0-9]+)([.,][0-9]{1,2})?"
-NUMBER_PATTERN = f" ?(({_CURRENCY} ?)?({_AMOUNT})( ?{_CURRENCY})?|{NONE_PATTERN})"
+_CURRENCY = "([A-Za-z]{3}|[$€£¥₹])"
+_SIGN = "[-−]?"  # ASCII or Unicode minus
+# groups of three (1,234,567.89; 1 234,56; 1'234.50, also with a no-break space), Indian grouping
+# (1,23,456.00), plain digits, or decimals alone (.50)
+_INTEGER = "([0-9]{1,3}([ ,.'\u00a0][0-9]{3})+|[0-9]{1,2}(,[0-9]{2})+,[0-9]{3}|[0-9]+)"
+_AMOUNT = f"({_INTEGER}([.,][0-9]{{1,2}})?|[.,][0-9]{{1,2}})"
+NUMBER_PATTERN = f" ?({_SIGN}({_CURRENCY} ?)?{_SIGN}{_AMOUNT}( ?{_CURRENCY})?|{NONE_PATTERN})"
 STRING_PATTERN = " ?[^\\x00-\\x1f]+"  # one line of printable text
 ANY_OBJECT = {"type": "object"}  # a json query without a schema: some JSON object
+# what the parser reads as no answer (queries.NONE_ANSWERS): allowed when answers are checked
+_NONE_WORDS = {"", "none", "null", "n/a", "na", "-"}
 
 PATTERNS = {"date": DATE_PATTERN, "number": NUMBER_PATTERN, "string": STRING_PATTERN}
 _COMPILED = {k: re.compile(v) for k, v in PATTERNS.items()}
@@ -61,14 +69,19 @@ def answer_allowed(qtype: str, text: str, schema: str | None = None, choices: tu
         if schema is None:
             return None  # parse_answer looks for the object
         try:
-            value = json.loads(text)
-        except (json.JSONDecodeError, RecursionError):
+            value = json.loads(text, parse_constant=_no_constant)
+        except (ValueError, RecursionError):  # (JSONDecodeError; a number of more than 4,300 digits)
             return "not one JSON value"
         problem = schema_violation(value, json.loads(schema))
         return None if problem is None else f"not valid for the schema: {problem}"
-    if not constrained or _COMPILED[qtype].fullmatch(text):
+    t = text.strip()
+    if not constrained or t.lower().rstrip(".") in _NONE_WORDS or _COMPILED[qtype].fullmatch(t):
         return None
     return f"not a {qtype} answer: {text[:40]!r}"
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
 
 
 _TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
@@ -78,26 +91,40 @@ def _is(value, t: str) -> bool:
     if t == "integer":
         return isinstance(value, int) and not isinstance(value, bool)
     if t == "number":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     return isinstance(value, _TYPES.get(t, object))
+
+
+def _same(a, b) -> bool:
+    """JSON equality: true is not 1, false is not 0."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
 
 
 def schema_violation(value, schema, where: str = "$") -> str | None:
     """The first place where value breaks schema, or None: the keywords an extraction schema uses
     (type, enum, const, properties, required, additionalProperties, items, min/maxItems,
-    min/maxLength, pattern, minimum/maximum, anyOf/oneOf). Unknown keywords are not checked."""
+    min/maxLength, pattern (found anywhere in the string, as JSON Schema reads it),
+    minimum/maximum, anyOf/oneOf). Unknown keywords are not checked; NaN and infinities are not
+    numbers, true and false are not 1 and 0."""
     if not isinstance(schema, dict):
         return None
     t = schema.get("type")
     if t is not None and not any(_is(value, x) for x in (t if isinstance(t, list) else [t])):
         return f"{where} is not of type {t}"
-    if "enum" in schema and value not in schema["enum"]:
+    if "enum" in schema and not any(_same(value, e) for e in schema["enum"]):
         return f"{where} is not one of {schema['enum']}"
-    if "const" in schema and value != schema["const"]:
+    if "const" in schema and not _same(value, schema["const"]):
         return f"{where} is not {schema['const']!r}"
-    for key in ("anyOf", "oneOf"):
-        if key in schema and all(schema_violation(value, s, where) for s in schema[key]):
-            return f"{where} matches none of {key}"
+    if "anyOf" in schema and all(schema_violation(value, s, where) for s in schema["anyOf"]):
+        return f"{where} matches none of anyOf"
+    if "oneOf" in schema and sum(schema_violation(value, s, where) is None for s in schema["oneOf"]) != 1:
+        return f"{where} does not match exactly one of oneOf"
     if isinstance(value, dict):
         props = schema.get("properties", {})
         for k in schema.get("required", []):
@@ -110,6 +137,10 @@ def schema_violation(value, schema, where: str = "$") -> str | None:
                     return problem
             elif schema.get("additionalProperties") is False:
                 return f"{where}.{k} is not a property of the schema"
+            elif isinstance(schema.get("additionalProperties"), dict):
+                problem = schema_violation(v, schema["additionalProperties"], f"{where}.{k}")
+                if problem:
+                    return problem
     if isinstance(value, list):
         if len(value) < schema.get("minItems", 0) or len(value) > schema.get("maxItems", len(value)):
             return f"{where} has {len(value)} items"

@@ -17,7 +17,13 @@ from docproc.pipeline.schema import read_table
 FIELD_TYPES = {"date": "date", "due_date": "date", "total": "number"}
 
 
+def _text(value) -> str | None:
+    """A value as text, the same way for truth and answers (JSON for lists, objects, numbers)."""
+    return None if value is None else value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+
+
 def _norm(field: str, value) -> str | None:
+    value = _text(value)
     if value is None:
         return None
     kind = FIELD_TYPES.get(field, "string")
@@ -39,18 +45,11 @@ def _f1(pred: str | None, truth: str | None) -> float:
     return 2 * prec * rec / (prec + rec)
 
 
-def _properties(query: str, value: str | None) -> dict[str, str | None]:
-    """QUERY.FIELD -> the field's value as text, for a JSON object answer (a number as written,
-    null as None)."""
-    if value is None:
-        return {}
+def _decoded(value: str | None):
     try:
-        obj = json.loads(value)
-    except json.JSONDecodeError:
-        return {}
-    if not isinstance(obj, dict):
-        return {}
-    return {f"{query}.{k}": (None if v is None else v if isinstance(v, str) else json.dumps(v)) for k, v in obj.items()}
+        return None if value is None else json.loads(value)
+    except ValueError:
+        return value
 
 
 def evaluate(out: str | Path, truth_file: str | Path) -> dict:
@@ -60,15 +59,23 @@ def evaluate(out: str | Path, truth_file: str | Path) -> dict:
         raise FileNotFoundError(f"{results} does not exist: run `docproc run ... --out {out}` first")
     table = read_table(results).to_pylist()
     answers: dict[str, dict[str, str | None]] = defaultdict(dict)
+    properties: dict[str, dict[str, str | None]] = defaultdict(dict)  # QUERY.FIELD of JSON answers
+    fields_of: dict[str, set[str]] = defaultdict(set)  # the fields each JSON query has answered anywhere
     no_object: dict[str, list[str]] = defaultdict(list)
     for r in table:
-        if r["query"] is not None:
-            got = answers[Path(r["path"]).name]
-            got[r["query"]] = r["value"]
-            if r["query_type"] == "json":  # a JSON answer's properties are scored as QUERY.FIELD
-                got.update(_properties(r["query"], r["value"]))
-                if r["value"] is None:  # no object (a parse error, a failure): wrong for every field
-                    no_object[Path(r["path"]).name].append(r["query"])
+        if r["query"] is None:
+            continue
+        name, value = Path(r["path"]).name, r["value"]
+        if r["query_type"] == "json":  # an object's properties are scored as QUERY.FIELD
+            obj = _decoded(value)
+            if isinstance(obj, dict):
+                fields_of[r["query"]].update(obj)
+                properties[name].update({f"{r['query']}.{k}": _text(v) for k, v in obj.items()})
+            elif value is None:  # no answer (a parse error, a failure)
+                no_object[name].append(r["query"])
+            else:  # a schema whose root is not an object: the value itself
+                value = _text(obj)
+        answers[name][r["query"]] = value
     truth = [json.loads(line) for line in Path(truth_file).read_text().splitlines() if line.strip()]
     per_field: dict[str, list[tuple[float, float]]] = defaultdict(list)
     per_group: dict[str, list[float]] = defaultdict(list)
@@ -78,10 +85,11 @@ def evaluate(out: str | Path, truth_file: str | Path) -> dict:
         if name not in answers:
             missing.append(rec["file"])
             continue
-        got = answers[name]
+        # a query's own answer wins over a JSON answer's property of the same name
+        got = {**properties[name], **answers[name]}
         group = "pdf" if rec.get("format", "pdf") == "pdf" else "scan"
-        for q in no_object[name]:
-            got.update({f"{q}.{field}": None for field in rec["fields"]})
+        for q in no_object[name]:  # counted as no value for each field that query answers elsewhere
+            got.update({f"{q}.{f}": None for f in rec["fields"] if not fields_of[q] or f in fields_of[q]})
         for field, value in rec["fields"].items():
             for key in [k for k in got if k == field or k.endswith("." + field)]:
                 t, p = _norm(field, value), _norm(field, got[key])

@@ -288,7 +288,8 @@ class Pipeline(EngineSetup, DocumentRows):
         t0 = time.perf_counter()
         table = self.store.consolidate(fill_roots={k: self._roots[k] for k in self._plan.missing_roots},
                                        results="parquet" in self.s.formats)
-        if "documents" in self.s.formats:
+        # (rewritten wherever one exists, so that it never goes stale)
+        if "documents" in self.s.formats or (self.store.out / "documents.parquet").exists():
             self.store.write_documents(documents_table(table, self.queries))
         self.stage_seconds["write"] += time.perf_counter() - t0
 

@@ -14,6 +14,7 @@ in results.parquet.
 from __future__ import annotations
 
 import json
+import math
 from datetime import date
 
 import pyarrow as pa
@@ -67,7 +68,12 @@ def convert(value, typ: pa.DataType):
     if pa.types.is_int64(typ):
         return value if isinstance(value, int) and not isinstance(value, bool) and abs(value) < 1 << 63 else None
     if pa.types.is_float64(typ):
-        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return None
+        try:
+            return float(value)
+        except OverflowError:  # an integer past float64's range
+            return None
     if pa.types.is_date32(typ):
         try:
             return date.fromisoformat(value) if isinstance(value, str) else None
@@ -91,24 +97,32 @@ def _cell(q, typ: pa.DataType, value: str | None):
         return None
     if q.type == "number":
         try:
-            return float(value)
-        except ValueError:
+            number = float(value)
+        except (ValueError, OverflowError):
             return None
+        return number if math.isfinite(number) else None  # (a decimal past float64's range)
     if q.type == "json":
         if q.schema is None:
             return value
         try:
             return convert(json.loads(value), typ)
-        except (json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):
             return None
     return convert(value, typ)
 
 
 def documents_table(results: pa.Table, queries) -> pa.Table:
     """results.parquet's rows as one row per document, typed by the query set (see above). A
-    query name that is also a document column gets the prefix "query."."""
-    names = {n for n, _ in DOCUMENT_COLUMNS}
-    qcols = [(q, ("query." + q.name) if q.name in names else q.name, query_type(q)) for q in queries.queries]
+    query name that is also a document column (or another query's column) gets the prefix
+    "query."."""
+    used = {n for n, _ in DOCUMENT_COLUMNS}
+    qcols = []
+    for q in queries.queries:
+        name = ("query." + q.name) if q.name in used else q.name
+        while name in used:  # ("path" and "query.path" both queries: one column each)
+            name = "query." + name
+        used.add(name)
+        qcols.append((q, name, query_type(q)))
     docs: dict[str, dict] = {}
     for r in results.to_pylist():
         d = docs.setdefault(r["path"], {n: r.get(n) for n, _ in DOCUMENT_COLUMNS})
