@@ -40,7 +40,8 @@ _SIGN = "[-−]?"  # ASCII or Unicode minus
 # (1,23,456.00), plain digits, or decimals alone (.50)
 _INTEGER = "([0-9]{1,3}([ ,.'\u00a0][0-9]{3})+|[0-9]{1,2}(,[0-9]{2})+,[0-9]{3}|[0-9]+)"
 _AMOUNT = f"({_INTEGER}([.,][0-9]{{1,2}})?|[.,][0-9]{{1,2}})"
-NUMBER_PATTERN = f" ?({_SIGN}({_CURRENCY} ?)?{_SIGN}{_AMOUNT}( ?{_CURRENCY})?|{NONE_PATTERN})"
+# one sign at most, before the currency or after it (-$12.00, $-12.00)
+NUMBER_PATTERN = f" ?(({_SIGN}({_CURRENCY} ?)?|{_CURRENCY} ?{_SIGN}){_AMOUNT}( ?{_CURRENCY})?|{NONE_PATTERN})"
 STRING_PATTERN = " ?[^\\x00-\\x1f]+"  # one line of printable text
 ANY_OBJECT = {"type": "object"}  # a json query without a schema: some JSON object
 # what the parser reads as no answer (queries.NONE_ANSWERS): allowed when answers are checked

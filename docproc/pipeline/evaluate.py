@@ -12,7 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from docproc.pipeline.normalize import normalize_amount, normalize_date, normalize_text
-from docproc.pipeline.schema import read_table
+from docproc.pipeline.schema import json_value, read_table
 
 FIELD_TYPES = {"date": "date", "due_date": "date", "total": "number"}
 
@@ -45,13 +45,6 @@ def _f1(pred: str | None, truth: str | None) -> float:
     return 2 * prec * rec / (prec + rec)
 
 
-def _decoded(value: str | None):
-    try:
-        return None if value is None else json.loads(value)
-    except ValueError:
-        return value
-
-
 def evaluate(out: str | Path, truth_file: str | Path) -> dict:
     out = Path(out)
     results = out / "results.parquet"
@@ -67,7 +60,7 @@ def evaluate(out: str | Path, truth_file: str | Path) -> dict:
             continue
         name, value = Path(r["path"]).name, r["value"]
         if r["query_type"] == "json":  # an object's properties are scored as QUERY.FIELD
-            obj = _decoded(value)
+            obj = json_value(value)
             if isinstance(obj, dict):
                 fields_of[r["query"]].update(obj)
                 properties[name].update({f"{r['query']}.{k}": _text(v) for k, v in obj.items()})

@@ -1,6 +1,7 @@
 """Query sets (TOML), the prompt each query is asked with, and answer parsing per query type."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -32,9 +33,8 @@ class Query:
     choices: tuple[str, ...] | None = None  # a string query's allowed answers: its answer is one of them
     constrained: bool = True  # false: decoded as free text (the query file's `constrained = false`)
 
-    def structured_outputs(self):
-        """The constraint the engine decodes this query's answer under (None: free text): its
-        schema or choices, else its type's rule (pipeline/constraints.py)."""
+    @functools.cached_property
+    def _structured_outputs(self):
         from docproc.sampling_params import StructuredOutputsParams
 
         if self.schema is not None:
@@ -46,6 +46,12 @@ class Query:
         if self.type == "json":
             return StructuredOutputsParams(json=ANY_OBJECT)
         return StructuredOutputsParams(regex=PATTERNS[self.type])
+
+    def structured_outputs(self):
+        """The constraint the engine decodes this query's answer under (None: free text): its
+        schema or choices, else its type's rule (pipeline/constraints.py). Made once per query:
+        every request of the query shares it."""
+        return self._structured_outputs
 
     def check(self, text: str) -> str | None:
         """Why an answer decoded without its constraint breaks it, or None."""

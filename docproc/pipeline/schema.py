@@ -68,7 +68,8 @@ def document_json(rows: list[dict]) -> dict:
     first = rows[0]
     doc = {k: first.get(k) for k in ("run_id", "path", "doc_sha256", "doc_status", "pages", "config_fingerprint")}
     # a JSON answer as the object it is (the table holds its text)
-    doc["fields"] = {r["query"]: _decoded(r) for r in rows if r["query"] is not None}
+    doc["fields"] = {r["query"]: json_value(r["value"]) if r.get("query_type") == "json" else r["value"]
+                     for r in rows if r["query"] is not None}
     doc["queries"] = [{k: r.get(k) for k in COLUMNS if k not in doc and k not in ("part", "root")} for r in rows
                       if r["query"] is not None]
     errors = [r["error"] for r in rows if r.get("error")]
@@ -79,13 +80,15 @@ def document_json(rows: list[dict]) -> dict:
     return _clean(doc)
 
 
-def _decoded(row: dict):
-    if row.get("query_type") == "json" and row["value"] is not None:
-        try:
-            return json.loads(row["value"])
-        except json.JSONDecodeError:  # (a value is written from json.dumps: not expected)
-            pass
-    return row["value"]
+def json_value(value: str | None):
+    """A json query's value (JSON text, as parse_answer writes it) decoded; text that is not JSON
+    (not expected) as it is."""
+    if value is None:
+        return None
+    try:
+        return json.loads(value)
+    except (ValueError, RecursionError):
+        return value
 
 
 def _clean(obj):

@@ -19,6 +19,8 @@ from datetime import date
 
 import pyarrow as pa
 
+from docproc.pipeline.schema import json_value
+
 DOCUMENT_COLUMNS = [("path", pa.string()), ("root", pa.string()), ("doc_sha256", pa.string()),
                     ("doc_status", pa.string()), ("run_id", pa.string())]
 
@@ -102,12 +104,7 @@ def _cell(q, typ: pa.DataType, value: str | None):
             return None
         return number if math.isfinite(number) else None  # (a decimal past float64's range)
     if q.type == "json":
-        if q.schema is None:
-            return value
-        try:
-            return convert(json.loads(value), typ)
-        except (ValueError, RecursionError):
-            return None
+        return value if q.schema is None else convert(json_value(value), typ)
     return convert(value, typ)
 
 
