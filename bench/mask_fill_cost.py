@@ -13,11 +13,12 @@ from transformers import AutoTokenizer
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from docproc.pipeline.constraints import DATE_PATTERN, NUMBER_PATTERN, STRING_PATTERN  # noqa: E402
+from docproc.pipeline.queries import load_queries  # noqa: E402
 
 tok = AutoTokenizer.from_pretrained(str(ROOT / "docproc/assets/models/target"))
 info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=899)
 comp = xgr.GrammarCompiler(info)
-schema = (ROOT / "docproc/assets/queries/invoice.schema.json").read_text()
+schema = load_queries().queries[-1].schema  # all_fields' document schema
 rules = {"date": comp.compile_regex(DATE_PATTERN), "number": comp.compile_regex(NUMBER_PATTERN),
          "string": comp.compile_regex(STRING_PATTERN), "long_text_512": comp.compile_regex("[^\\x00-\\x1f]{512,}"),
          "invoice_schema": comp.compile_json_schema(schema, any_whitespace=False)}

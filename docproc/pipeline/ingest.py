@@ -72,7 +72,10 @@ class Page:
         about it invents one."""
         if self.text:
             return False
-        hist = self.image.convert("L").histogram()
+        try:
+            hist = self.image.convert("L").histogram()
+        except Exception:  # noqa: BLE001 -- (an image PIL cannot grey: read by the engine, which says why)
+            return False
         total = sum(hist)
         median, seen = 0, 0
         while seen + hist[median] < total / 2:
