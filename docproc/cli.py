@@ -145,6 +145,12 @@ def run(
     debug: bool = typer.Option(False, "--debug", help="Print the traceback of every unexpected error (a "
                                "document's, or the run's) on stderr."),
     log_json: bool = typer.Option(False, "--log-json", help="JSON lines (one per document, then the manifest) on stdout."),
+    ray: bool = typer.Option(False, "--ray", help="Spread the documents over engine actors on a Ray cluster (one "
+                             "per GPU): a local cluster, or the one at --ray-address. pip install 'docproc[ray]'."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="With --ray: an existing cluster (auto, "
+                                              "HOST:6379 or ray://HOST:10001)."),
+    data_parallel_size: Optional[int] = typer.Option(None, "--data-parallel-size", help="With --ray: engine actors "
+                                                     "(default: the cluster's GPUs, or 1 on CPU)."),
 ) -> None:
     """Extract fields from every document under INPUTS into OUT.
 
@@ -163,8 +169,15 @@ def run(
                                max_num_batched_tokens=max_num_batched_tokens,
                                gpu_memory_utilization=gpu_memory_utilization, batch_pages=batch_pages,
                                anchor_text=anchor_text, enforce_eager=enforce_eager,
-                               fp4_value_slots=fp4_value_slots, quantization=quantization, debug=debug)
-        pipeline = Pipeline(settings, reporter=_Display(quiet=quiet or log_json, log_json=log_json))
+                               fp4_value_slots=fp4_value_slots, quantization=quantization, debug=debug,
+                               ray=ray, ray_address=ray_address, data_parallel_size=data_parallel_size)
+        display = _Display(quiet=quiet or log_json, log_json=log_json)
+        if ray:
+            from docproc.pipeline.distributed import RayPipeline
+
+            pipeline = RayPipeline(settings, reporter=display)
+        else:
+            pipeline = Pipeline(settings, reporter=display)
     except (QueryFileError, ValueError, typer.BadParameter) as e:
         error(e)
         raise typer.Exit(EXIT_USAGE)
@@ -323,6 +336,15 @@ def stats(
             q.add_row(escape(name), str(v["rows"]), str(v["answered"]), str(v["errors"]), _fmt(v["mean_generated_tokens"]),
                       _fmt(v["acceptance_rate"]), _fmt(v["mean_accepted_length"]), _fmt(v["mean_latency_s"]))
         out_console.print(q)
+    if data["workers"]:
+        w = Table(title="per engine worker (--ray)")
+        cols = ("worker", "node", "gpus", "documents", "pages", "unique_pages", "vision_encodes", "generated_tokens",
+                "tokens_per_second", "engine_seconds", "load_seconds")
+        for c in cols:
+            w.add_column(c.replace("_", " "))
+        for row in data["workers"]:
+            w.add_row(*[escape(_fmt(row[c])) for c in cols])
+        out_console.print(w)
     t = Table(title="recent runs")
     cols = ("run_id", "documents", "pages", "unique_pages", "generated_tokens", "tokens_per_second",
             "acceptance_rate", "cache_hit_rate", "failures", "partial", "seconds")

@@ -1,5 +1,9 @@
-"""docproc inside a user's Ray Data pipeline: `DocprocExtractor`, a callable class for
-`Dataset.map_batches` that turns documents into docproc's result rows.
+"""docproc on Ray: `run`, the Python form of `docproc run --ray`, and `DocprocExtractor`, a
+callable class for `Dataset.map_batches` that turns documents into docproc's result rows in a
+user's own Ray Data pipeline.
+
+    from docproc.ray import run
+    manifest = run(["/data/invoices"], "/data/out", model="/models/qwen2-vl-7b", ray_address="auto")
 
     import ray
     from docproc.ray import DocprocExtractor
@@ -33,7 +37,27 @@ import pyarrow as pa
 
 from docproc.pipeline.schema import RESULT_SCHEMA, read_table
 
-__all__ = ["DocprocExtractor"]
+__all__ = ["DocprocExtractor", "run"]
+
+
+def run(inputs: list[str] | str, out: str, model: str | None = None, ray_address: str | None = None,
+        data_parallel_size: int | None = None, reporter=None, **settings) -> dict:
+    """`docproc run INPUTS --out OUT --ray`: the run's manifest (its status and exit_code say how
+    it ended). Connects to the cluster at ray_address, or to the one this process has already
+    initialised, or starts a local one; settings: any other field of RunSettings (queries,
+    device, draft, kv_cache, quantization, dpi, max_pages, formats, force, ...). Raises
+    UsageError or QueryFileError before anything is done, LockedError if another run holds OUT."""
+    from docproc.cli import bundled_model
+    from docproc.pipeline.distributed import RayPipeline
+    from docproc.pipeline.run import RunSettings
+
+    if isinstance(inputs, (str, os.PathLike)):
+        inputs = [inputs]
+    if "formats" in settings and isinstance(settings["formats"], str):
+        settings["formats"] = tuple(settings["formats"].split(","))
+    s = RunSettings(inputs=[str(p) for p in inputs], out=str(out), model=str(model or bundled_model("target")),
+                    ray=True, ray_address=ray_address, data_parallel_size=data_parallel_size, **settings)
+    return RayPipeline(s, reporter=reporter).run()
 
 
 class DocprocExtractor:

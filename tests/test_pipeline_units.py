@@ -341,3 +341,27 @@ def test_a_page_is_blank_only_without_ink_and_text():
     faint = Image.open(Path(__file__).parent.parent / "sample_docs" / "doc_2026_00003.jpg").convert("RGB")
     faint = Image.eval(faint, lambda v: 191 + v * 64 // 255)  # every pixel 191 or lighter, still legible
     assert not Page(0, faint, "", faint.width, faint.height).blank
+
+
+def test_ray_options_are_checked_before_anything_runs(tmp_path, monkeypatch):
+    import importlib.util
+
+    from typer.testing import CliRunner
+
+    from docproc.cli import app
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.png").write_bytes(b"x")
+    out = tmp_path / "out"
+    for extra, says in ((["--ray-address", "auto"], "go with --ray"),
+                        (["--data-parallel-size", "2"], "go with --ray"),
+                        (["--ray", "--data-parallel-size", "0"], "from 1 to 4096"),
+                        (["--ray", "--device", "cuda:1"], "own GPU")):
+        res = CliRunner().invoke(app, ["run", str(docs), "--out", str(out), *extra])
+        assert res.exit_code == 2 and says in res.output, (extra, res.output)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    res = CliRunner().invoke(app, ["run", str(docs), "--out", str(out), "--ray"])
+    assert res.exit_code == 2 and "pip install 'docproc[ray]'" in res.output, res.output
+    assert not out.exists()  # nothing was done

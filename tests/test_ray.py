@@ -1,9 +1,18 @@
-"""docproc.ray.DocprocExtractor in a Ray Data pipeline on a local cluster (2 engine actors on CPU):
-the rows equal `docproc run`'s for the same files, a file that cannot be read is an error row and
-the rest go on."""
+"""docproc on a local Ray cluster (2 engine actors on CPU, the bundled model):
+
+- `docproc run --ray --data-parallel-size 2` writes the rows of a plain run (same paths, queries
+  and values, no duplicates) and a re-run does no work;
+- a worker killed mid-run is restarted and its batch run again; a document that kills its worker
+  every time is an error row of kind "worker" after one retry; the other rows are a plain run's,
+  and a re-run changes nothing;
+- docproc.ray.DocprocExtractor in a user's Ray Data pipeline gives the rows of a plain run.
+"""
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -14,31 +23,149 @@ from docproc.pipeline.schema import read_table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "sample_docs"
-NAMES = ["doc_2026_00001.pdf", "doc_2026_00003.jpg", "doc_2026_00006.jpg", "doc_2026_00002.pdf"]
+# doc_2026_00001_copy.pdf is doc_2026_00001.pdf byte for byte: one group, on one engine
+NAMES = ["doc_2026_00001.pdf", "doc_2026_00001_copy.pdf", "doc_2026_00003.jpg", "doc_2026_00006.jpg",
+         "doc_2026_00002.pdf"]
+COMPARED = ("answer", "value", "status", "doc_status", "doc_sha256", "config_fingerprint", "error_kind", "pages")
+
+
+def _poison_hook():
+    """Run in every worker process of the test cluster: opening a file named poison.pdf kills the
+    process (SIGKILL), as a crash in a native library would."""
+    import os
+    import signal
+
+    import docproc.pipeline.run as run
+
+    real = run.open_document
+
+    def open_document(cand, **kw):
+        if cand.rel.endswith("poison.pdf"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(cand, **kw)
+    run.open_document = open_document
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    # 4 logical CPUs on a 2-core machine: the 2 actors hold one each and the read tasks still run
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    import sys
+
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this module
+    # 4 logical CPUs on a 2-core machine: the 2 actors hold one each and Ray Data's tasks still run
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             runtime_env={"worker_process_setup_hook": _poison_hook})
     yield
     ray.shutdown()
 
 
-def test_extractor_rows_equal_a_plain_run(cluster, tmp_path):
+@pytest.fixture(scope="module")
+def docs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("docs")
+    for n in NAMES:
+        shutil.copy(SAMPLES / n, d / n)
+    (d / "broken.pdf").write_bytes(b"%PDF-1.7 not really")
+    return d
+
+
+@pytest.fixture(scope="module")
+def plain(docs, tmp_path_factory):
     from typer.testing import CliRunner
 
     from docproc.cli import app
-    from docproc.ray import DocprocExtractor
 
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    for n in NAMES:
-        shutil.copy(SAMPLES / n, docs / n)
-    (docs / "broken.pdf").write_bytes(b"%PDF-1.7 not really")
-    res = CliRunner().invoke(app, ["run", str(docs), "--out", str(tmp_path / "out"), "--device", "cpu", "--quiet"])
-    assert res.exit_code in (0, 1), res.output
-    plain = {(r["path"], r["query"]): r for r in read_table(tmp_path / "out" / "results.parquet").to_pylist()}
+    out = tmp_path_factory.mktemp("plain")
+    res = CliRunner().invoke(app, ["run", str(docs), "--out", str(out), "--device", "cpu", "--quiet"])
+    assert res.exit_code == 1, res.output  # broken.pdf
+    return out
+
+
+def _rows(out: Path) -> dict:
+    rows = read_table(out / "results.parquet").to_pylist()
+    got = {(r["path"], r["query"]): r for r in rows}
+    assert len(got) == len(rows)  # one row per document x query: no duplicates
+    return got
+
+
+def _manifest(out: Path) -> dict:
+    runs = sorted((out / "runs").iterdir())
+    return json.loads((runs[-1] / "manifest.json").read_text())
+
+
+def _same(got: dict, want: dict, leave_out: set = frozenset()) -> None:
+    assert set(got) - leave_out == set(want)
+    for key, w in want.items():
+        assert tuple(got[key][c] for c in COMPARED) == tuple(w[c] for c in COMPARED), key
+
+
+def _ray_run(docs: Path, out: Path, reporter=None) -> dict:
+    from docproc.ray import run
+
+    return run(docs, out, device="cpu", data_parallel_size=2, reporter=reporter)
+
+
+def test_ray_run_rows_equal_a_plain_run_and_a_rerun_does_nothing(cluster, docs, plain, tmp_path):
+    from typer.testing import CliRunner
+
+    from docproc.cli import app
+
+    out = tmp_path / "out"
+    args = ["run", str(docs), "--out", str(out), "--device", "cpu", "--quiet", "--ray", "--data-parallel-size", "2"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 1, res.output  # broken.pdf, as in the plain run
+    want = _rows(plain)
+    _same(_rows(out), want)
+    assert sorted(p.relative_to(out / "json") for p in (out / "json").rglob("*.json")) == \
+        sorted(p.relative_to(plain / "json") for p in (plain / "json").rglob("*.json"))
+    m = _manifest(out)
+    assert m["status"] == "completed" and m["ray"]["data_parallel_size"] == 2
+    workers = m["ray"]["workers"]
+    assert 1 <= len(workers) <= 2 and sum(w["documents"] for w in workers) == m["totals"]["documents"] == 5
+    assert m["totals"]["errors"] == 1 and m["totals"]["unique_pages"] == _manifest(plain)["totals"]["unique_pages"]
+    assert m["dedup"]["vision_encodes"] == sum(w["vision_encodes"] for w in workers)
+    from docproc.pipeline.stats import collect
+
+    assert [w["worker"] for w in collect(out)["workers"]] == [w["id"] for w in workers]  # docproc stats
+
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code == 0, again.output  # broken.pdf is recorded already
+    m2 = _manifest(out)
+    assert m2["totals"]["already_done"] == 6 and m2["totals"]["documents"] == 0
+    assert not m2["engine_loaded"] and m2["ray"]["workers"] == []
+    _same(_rows(out), want)
+
+
+def test_a_killed_worker_is_retried_and_a_document_that_kills_it_twice_fails_alone(cluster, docs, plain, tmp_path):
+    mixed = tmp_path / "docs"
+    shutil.copytree(docs, mixed)
+    shutil.copy(SAMPLES / "doc_2026_00004.pdf", mixed / "poison.pdf")  # its own bytes: a group of its own
+    killed = []
+
+    def reporter(event, data):
+        # from outside, as the out-of-memory killer would: the worker that sent the first batch
+        if event == "batch" and not killed:
+            killed.append(data["worker"]["pid"])
+            os.kill(data["worker"]["pid"], signal.SIGKILL)
+
+    out = tmp_path / "out"
+    m = _ray_run(mixed, out, reporter)
+    assert killed and m["status"] == "completed" and m["exit_code"] == 1
+    got = _rows(out)
+    _same(got, _rows(plain), leave_out={("poison.pdf", None)})
+    poison = got[("poison.pdf", None)]
+    assert poison["doc_status"] == "error" and poison["error_kind"] == "worker"
+    assert "died twice" in poison["error"]
+    assert m["ray"]["failed_by_worker"] == 1 and m["ray"]["retried_documents"] >= 1
+    assert [f["path"] for f in m["failures"] if f["kind"] == "worker"] == ["poison.pdf"]
+
+    m2 = _ray_run(mixed, out)  # nothing left to do: the failed document is not run again (--force does)
+    assert m2["totals"]["already_done"] == 7 and m2["totals"]["documents"] == 0
+    _same(_rows(out), {k: v for k, v in got.items()})
+
+
+def test_extractor_rows_equal_a_plain_run(cluster, docs, plain):
+    from docproc.ray import DocprocExtractor
 
     files = sorted(str(p) for p in docs.iterdir())
     ds = ray.data.read_binary_files(files, include_paths=True)
@@ -46,12 +173,7 @@ def test_extractor_rows_equal_a_plain_run(cluster, tmp_path):
                          num_cpus=1, batch_format="numpy")
     rows = out.take_all()
     got = {(Path(r["path"]).name, r["query"]): r for r in rows}
-    assert len(rows) == len(got) == len(plain)  # one row per document x query, no duplicates
-    assert set(got) == set(plain)
-    for key, r in got.items():
-        p = plain[key]
-        assert (r["answer"], r["value"], r["status"], r["doc_status"], r["doc_sha256"]) == \
-            (p["answer"], p["value"], p["status"], p["doc_status"], p["doc_sha256"]), key
-        assert r["config_fingerprint"] == p["config_fingerprint"]
-    broken = [r for k, r in got.items() if k[0] == "broken.pdf"]
-    assert len(broken) == 1 and broken[0]["doc_status"] == "error" and broken[0]["error"]
+    assert len(rows) == len(got)
+    _same(got, _rows(plain))
+    broken = got[("broken.pdf", None)]
+    assert broken["doc_status"] == "error" and broken["error"]

@@ -182,62 +182,85 @@ class Pipeline(EngineSetup, DocumentRows):
         self._reconcile(candidates)
         batch: list[_Window] = []
         for cand in candidates:
-            if cand.skip_reason:  # discovery's own outcome: a skip, or a folder it could not list
-                if not cand.is_error:
-                    self.totals.skipped += 1
-                    if not self.s.force and self._plan.skipped.get(cand.rel, False) == cand.skip_reason:
-                        self.report("document", {"path": cand.rel, "status": "skipped"})  # recorded so already
-                        continue
-                self._file_row(cand, None, "error" if cand.is_error else "skipped", cand.skip_reason, cand.kind)
-                continue
-            t0 = time.perf_counter()
-            sha = None
-            try:
-                sha = file_digest(cand)  # before opening: a document already done is not rendered
-                if not self.s.force and (cand.rel, sha, self.cfg) in self._plan.done:
-                    self.totals.already_done += 1
-                    self.report("document", {"path": cand.rel, "status": "already done"})
-                    continue
-                moved = None if self.s.force else self._plan.take_rename(sha, self.cfg)
-                if moved is not None:
-                    self._move(cand, moved)
-                    continue
-                doc = open_document(cand, dpi=self.s.dpi, max_pages=self.s.max_pages, with_text=self.s.anchor_text,
-                                    digest=sha)
-            except (EnvironmentFault, RunInterrupted):
-                raise
-            except Exception as e:  # noqa: BLE001 -- the per-document boundary
-                self._document_failed(cand, sha, e)
-                continue
-            finally:
-                self.stage_seconds["open_render_hash"] += time.perf_counter() - t0
-            state = _DocState(doc)
-            try:
-                for window in self._windows(state):
-                    batch.append(window)
-                    if sum(len(w.pages) for w in batch) >= self.s.batch_pages:
-                        self._run_batch(batch)
-                        batch = []
-                    if state.failure is not None:
-                        break  # the engine failed on one of its windows: its rows are an error row
-            except (EnvironmentFault, RunInterrupted):
-                raise
-            except Exception as e:  # noqa: BLE001 -- a page failed to render or preprocess
-                batch = [w for w in batch if w.doc is not state]
-                doc.close()
-                self._document_failed(cand, doc.sha256, e)
-                continue
-            state.finished_adding = True
-            if state.failure is not None:
-                batch = [w for w in batch if w.doc is not state]
-                state.windows_total = state.windows_done
-            if state.windows_done == state.windows_total:  # all its windows already ran
-                self._finish_document(state)
+            sha = self._triage(cand)
+            if sha is not None:
+                batch = self._add_document(cand, sha, batch)
         if batch:
             self._run_batch(batch)
         self._flush()
         self._remove_gone()
         self._consolidate()
+
+    def _triage(self, cand: Candidate) -> str | None:
+        """The file's hash when the document needs the engine; None when its outcome is settled
+        here: discovery's skip or error, already done, a rename of a stored document, a file that
+        cannot be read (each recorded)."""
+        if cand.skip_reason:  # discovery's own outcome: a skip, or a folder it could not list
+            if not cand.is_error:
+                self.totals.skipped += 1
+                if not self.s.force and self._plan.skipped.get(cand.rel, False) == cand.skip_reason:
+                    self.report("document", {"path": cand.rel, "status": "skipped"})  # recorded so already
+                    return None
+            self._file_row(cand, None, "error" if cand.is_error else "skipped", cand.skip_reason, cand.kind)
+            return None
+        t0 = time.perf_counter()
+        sha = None
+        try:
+            sha = file_digest(cand)  # before opening: a document already done is not rendered
+            if not self.s.force and (cand.rel, sha, self.cfg) in self._plan.done:
+                self.totals.already_done += 1
+                self.report("document", {"path": cand.rel, "status": "already done"})
+                return None
+            moved = None if self.s.force else self._plan.take_rename(sha, self.cfg)
+            if moved is not None:
+                self._move(cand, moved)
+                return None
+            return sha
+        except (EnvironmentFault, RunInterrupted):
+            raise
+        except Exception as e:  # noqa: BLE001 -- the per-document boundary
+            self._document_failed(cand, sha, e)
+            return None
+        finally:
+            self.stage_seconds["open_render_hash"] += time.perf_counter() - t0
+
+    def _add_document(self, cand: Candidate, sha: str, batch: list[_Window]) -> list[_Window]:
+        """Open a document and add its windows to the batch, running the batch whenever it is
+        full; returns the batch still to run. Whatever the document raises is its error row."""
+        t0 = time.perf_counter()
+        try:
+            doc = open_document(cand, dpi=self.s.dpi, max_pages=self.s.max_pages, with_text=self.s.anchor_text,
+                                digest=sha)
+        except (EnvironmentFault, RunInterrupted):
+            raise
+        except Exception as e:  # noqa: BLE001 -- the per-document boundary
+            self._document_failed(cand, sha, e)
+            return batch
+        finally:
+            self.stage_seconds["open_render_hash"] += time.perf_counter() - t0
+        state = _DocState(doc)
+        try:
+            for window in self._windows(state):
+                batch.append(window)
+                if sum(len(w.pages) for w in batch) >= self.s.batch_pages:
+                    self._run_batch(batch)
+                    batch = []
+                if state.failure is not None:
+                    break  # the engine failed on one of its windows: its rows are an error row
+        except (EnvironmentFault, RunInterrupted):
+            raise
+        except Exception as e:  # noqa: BLE001 -- a page failed to render or preprocess
+            batch = [w for w in batch if w.doc is not state]
+            doc.close()
+            self._document_failed(cand, doc.sha256, e)
+            return batch
+        state.finished_adding = True
+        if state.failure is not None:
+            batch = [w for w in batch if w.doc is not state]
+            state.windows_total = state.windows_done
+        if state.windows_done == state.windows_total:  # all its windows already ran
+            self._finish_document(state)
+        return batch
 
     def _reconcile(self, candidates: list[Candidate]) -> None:
         """What the stored rows say against what discovery found (docproc.pipeline.reconcile)."""

@@ -30,6 +30,9 @@ class RunSettings:
     fp4_value_slots: int | None = None  # FP4 KV: outlier slots per value vector (0, the default, or 2 as the keys)
     quantization: str | None = None  # "fp8": the model's language weights quantized to FP8 at load
     debug: bool = False  # tracebacks of documents' unexpected errors on stderr
+    ray: bool = False  # data-parallel over engine actors on a Ray cluster (pipeline/distributed.py)
+    ray_address: str | None = None  # an existing cluster ("auto", "ray://host:10001", host:6379); else a local one
+    data_parallel_size: int | None = None  # engine actors (one GPU each on CUDA); default: the cluster's GPUs, or 1
 
     def __post_init__(self) -> None:
         bad = set(self.formats) - {"json", "parquet", "documents"}
@@ -60,6 +63,13 @@ class RunSettings:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.batch_pages < 1:
             raise ValueError(f"--batch-pages must be >= 1, got {self.batch_pages}")
+        if not self.ray and (self.ray_address is not None or self.data_parallel_size is not None):
+            raise ValueError("--ray-address and --data-parallel-size go with --ray")
+        if self.data_parallel_size is not None and not 1 <= self.data_parallel_size <= 4096:
+            raise ValueError(f"--data-parallel-size must be from 1 to 4096, got {self.data_parallel_size}")
+        if self.ray and self.device.startswith("cuda:"):
+            raise ValueError("--device cuda:N does not go with --ray: Ray gives each engine actor its own GPU "
+                             "(--device cuda or auto)")
         if self.max_image_tokens < 64:
             raise ValueError(f"max_image_tokens must be >= 64, got {self.max_image_tokens}")
 

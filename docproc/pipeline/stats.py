@@ -19,6 +19,17 @@ def run_row(m: dict) -> dict:
             "status": m.get("status", "completed")}
 
 
+WORKER_FIGURES = ("documents", "pages", "unique_pages", "vision_encodes", "generated_tokens", "tokens_per_second",
+                  "engine_seconds", "load_seconds", "batches")
+
+
+def per_worker(m: dict) -> list[dict]:
+    """A `docproc run --ray` run's engine workers, each with its figures (none for a plain run)."""
+    ray = m.get("ray") or {}
+    return [{"worker": w["id"], "node": w.get("node"), "gpus": ",".join(w.get("gpus") or []) or None,
+             **{k: w.get(k) for k in WORKER_FIGURES}} for w in ray.get("workers", [])]
+
+
 def per_query(out: Path, run_id: str | None) -> dict:
     path = out / "results.parquet"
     if not path.is_file():
@@ -61,6 +72,7 @@ def collect(out: str | Path, run_id: str | None = None, limit: int = 10) -> dict
                     "model": m["model"], "config_fingerprint": m["config_fingerprint"],
                     "peak_memory": m["peak_memory"], "exit_code": m["exit_code"]},
             "per_query": per_query(out, m["run_id"]),
+            "workers": per_worker(m),
             "fault": m.get("fault"),
             "recent_runs": [run_row(x) for x in manifests[-limit:]]}
 
