@@ -200,3 +200,50 @@ def test_properties_come_in_the_schema_order(llm):
     for so in (StructuredOutputsParams(json=schema), StructuredOutputsParams(json=json.dumps(schema))):
         out = llm.generate([PROMPT], SamplingParams(max_tokens=40, structured_outputs=so))[0].outputs[0].text
         assert out == '{"zeta": "z", "alpha": "a"}', out
+
+
+def test_overlapped_decode_with_constrained_rows_gives_the_plain_tokens(qwen2_vl_dir, monkeypatch):
+    """Constrained rows take the overlapped decode path (the next step's forward queued before the
+    tokens are read, its masks filled and its sampling queued after the matchers took them): the
+    same tokens as decoding step by step, for greedy and seeded sampled rows beside free ones."""
+    from docproc.engine import model_runner
+
+    schema = SCHEMAS[1]
+    params = [SamplingParams(max_tokens=150, structured_outputs=StructuredOutputsParams(json=schema)),
+              SamplingParams(max_tokens=40, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=1.0, seed=3,
+                             structured_outputs=StructuredOutputsParams(regex=r"INV-[0-9]{3,30}")),
+              SamplingParams(max_tokens=60, temperature=0.8, seed=5,
+                             structured_outputs=StructuredOutputsParams(json=SCHEMAS[0]))]
+    prompts = [PROMPT + str(i) for i in range(len(params))]
+    got = {}
+    for overlap in (False, True):
+        with monkeypatch.context() as m:
+            m.setattr(model_runner, "resolve_step_graphs", lambda config, device: "static")
+            eng = LLM(str(qwen2_vl_dir), device="cpu", max_num_seqs=8, overlap_decode=overlap)
+            outs = eng.generate(prompts, params)
+        got[overlap] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text) for o in outs]
+        assert (eng.num_overlapped_steps >= 10) == overlap
+    assert got[True] == got[False]
+    (_, why0, text0), _, (_, why2, text2), _ = got[True]
+    assert why0 == "stop" and valid(schema, json.loads(text0)), text0
+    assert why2 == "stop" and re.fullmatch(r"INV-[0-9]{3,30}", text2), text2
+
+
+@pytest.mark.gpu
+def test_cuda_overlapped_decode_with_constrained_rows_gives_the_plain_tokens(qwen2_vl_dir):
+    """On CUDA graphs: constrained rows overlapped (masks filled in a pinned buffer while the
+    forward runs) give the tokens of step-by-step decoding in float32."""
+    params = [SamplingParams(max_tokens=150, structured_outputs=StructuredOutputsParams(json=SCHEMAS[1])),
+              SamplingParams(max_tokens=40, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=1.0, seed=3,
+                             structured_outputs=StructuredOutputsParams(regex=r"INV-[0-9]{3,30}"))]
+    prompts = [PROMPT + str(i) for i in range(len(params))]
+    got = {}
+    for overlap in (False, True):
+        eng = LLM(str(qwen2_vl_dir), device="cuda", dtype="float32", kv_cache_memory_bytes=64 << 20,
+                  overlap_decode=overlap)
+        got[overlap] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in eng.generate(prompts, params)]
+        assert (eng.num_overlapped_steps >= 10) == overlap
+        del eng
+    assert got[True] == got[False]

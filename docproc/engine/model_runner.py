@@ -107,12 +107,13 @@ class PendingStep:
 
     scheduled: list  # ScheduledSeq, one row each, in row order
     ends: list  # (Sequence, end) as scheduled
-    tokens: torch.Tensor  # (rows,) int64 on the device
-    host: torch.Tensor  # where the tokens are copied (pinned on CUDA)
+    tokens: torch.Tensor | None  # (rows,) int64 on the device; None until the step samples
+    host: torch.Tensor | None  # where the tokens are copied (pinned on CUDA)
     event: "torch.cuda.Event | None"  # recorded after that copy
     t0: float
     captured: bool  # a CUDA graph was captured for it (a one-off cost: not a step time to learn from)
     overlapped: bool = False  # launched while the step before it was still in flight
+    logits: torch.Tensor | None = None  # (rows, V) until the step samples (sample_pending)
 
 
 class ModelRunner:
@@ -373,20 +374,36 @@ class ModelRunner:
         return self.model.text.compute_logits(hidden[torch.tensor(rows, device=self.device)])
 
     @inference
-    def launch(self, scheduled, ids_from: torch.Tensor | None = None) -> PendingStep | None:
+    def launch(self, scheduled, ids_from: torch.Tensor | None = None, matchers: list | None = None,
+               sample: bool = True) -> PendingStep | None:
         """Queue a decode step (one token per sequence, every row samples) and its sampling, and
         start copying the sampled tokens to the host, without waiting for any of it. ids_from: the
         previous launched step's device tokens as this step's input ids (only through the static
-        graph path). None when the step cannot be launched so (the caller runs it otherwise)."""
+        graph path). matchers: each row's grammar matcher (or None), its mask applied before the
+        row samples. sample=False queues the forward and the logits only: sample_pending() queues
+        the sampling later, once the rows' matchers have accepted the tokens before it. None when
+        the step cannot be launched so (the caller runs it otherwise)."""
         t0 = time.perf_counter()
         captures = self.num_graph_captures
         done = self.forward(scheduled, ids_from)
         if done is None:
             return None
         hidden, _ = done
-        n = len(scheduled)
-        logits = self.logits(hidden, range(n))
-        tokens = self.sampler(logits, [self.sampling_row(s.seq) for s in scheduled])
+        step = PendingStep(list(scheduled), [(s.seq, s.end) for s in scheduled], None, None, None, t0,
+                           self.num_graph_captures != captures, logits=self.logits(hidden, range(len(scheduled))))
+        if sample:
+            self.sample_pending(step, matchers)
+        return step
+
+    @inference
+    def sample_pending(self, step: PendingStep, matchers: list | None = None) -> None:
+        """Queue a launched step's sampling (its rows' masks first, from matchers: one per row, or
+        None) and the copy of its tokens to the host."""
+        logits, step.logits = step.logits, None
+        if matchers is not None and self.grammar is not None:
+            self.grammar.mask_logits(logits, matchers)
+        tokens = self.sampler(logits, [self.sampling_row(s.seq) for s in step.scheduled])
+        n = len(step.scheduled)
         event = None
         if self.device.type == "cuda":
             if not self._token_bufs:
@@ -400,8 +417,7 @@ class ModelRunner:
             event.record()
         else:
             host = tokens
-        return PendingStep(list(scheduled), [(s.seq, s.end) for s in scheduled], tokens, host, event, t0,
-                           self.num_graph_captures != captures)
+        step.tokens, step.host, step.event = tokens, host, event
 
     def collect(self, step: PendingStep) -> list[int]:
         """The launched step's sampled tokens: waits for that step only (work queued after it keeps running)."""

@@ -1,7 +1,9 @@
 """Overlapped decode: the next decode step is queued on the device before the host reads the
 tokens of the one in flight, so the host's per-token work (reading the tokens, stop checks,
 scheduling, filling the next step's inputs) runs while the device computes instead of between
-steps.
+steps. Rows under a grammar take part: the next step's forward is queued at once and its sampling
+after the host has read the tokens and its matchers have accepted them, so the grammar masks are
+filled while that forward runs.
 
 While a step is in flight each of its sequences holds a placeholder for the token it will emit
 (pushed and taken out here only): the next step's input id is read from the device, never from
@@ -21,6 +23,11 @@ if TYPE_CHECKING:
     from docproc.engine.scheduler import SchedulerOutput
 
 PLACEHOLDER = 0  # a launched step's token in token_ids until the host reads it
+
+
+def _matchers(scheduled) -> list | None:
+    matchers = [sc.seq.grammar for sc in scheduled]
+    return matchers if any(m is not None for m in matchers) else None
 
 
 class OverlapDecoder:
@@ -46,13 +53,13 @@ class OverlapDecoder:
             return False
         if sched.waiting and len(sched.running) < sched.max_num_seqs:
             return False
-        # (a constrained row's mask needs the token before it accepted: never launched ahead)
-        return all((s.seq.sampling.temperature == 0 or s.seq.sampling.seed is not None) and s.seq.grammar is None
-                   for s in out.scheduled)
+        # (a constrained row's step is launched ahead all the same: its forward does not need the
+        # mask, only its sampling does, which waits for the token before it; see step())
+        return all(s.seq.sampling.temperature == 0 or s.seq.sampling.seed is not None for s in out.scheduled)
 
     def start(self, out: SchedulerOutput) -> list[Sequence] | None:
         """Launch out's step and read it through step() (None: it could not be launched so)."""
-        self.pending = self.engine.runner.launch(out.scheduled)
+        self.pending = self.engine.runner.launch(out.scheduled, matchers=_matchers(out.scheduled))
         if self.pending is None:
             return None
         self.pending_since = self.pending.t0
@@ -88,7 +95,9 @@ class OverlapDecoder:
             return None
         for seq in seqs:
             seq.token_ids.append(PLACEHOLDER)
-        nxt = eng.runner.launch(out.scheduled, ids_from=prev.tokens)
+        # rows under a grammar: the forward now, the sampling once their matchers have taken prev's tokens
+        constrained = any(seq.grammar is not None for seq in seqs)
+        nxt = eng.runner.launch(out.scheduled, ids_from=prev.tokens, sample=not constrained)
         if nxt is None:
             for seq in seqs:
                 seq.token_ids.pop()
@@ -127,6 +136,9 @@ class OverlapDecoder:
                 seq.num_computed_tokens = end
             if eng.append_token(seq, token, now):
                 finished.append(seq)
+        if nxt is not None and nxt.tokens is None:
+            # the masks of the step in flight, filled while its forward runs, then its sampling
+            eng.runner.sample_pending(nxt, [None if sc.seq.is_finished else sc.seq.grammar for sc in nxt.scheduled])
         eng.count_step(rows, seconds, True)
         spec = eng.speculator
         if spec is not None and not prev.captured:  # a bypassed step

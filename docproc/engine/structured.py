@@ -48,6 +48,8 @@ class GrammarCompiler:
         self._xgr = None
         self._cache: OrderedDict[str, object] = OrderedDict()
         self._batch = None  # xgrammar's BatchGrammarMatcher: fills a step's masks in parallel
+        self._pinned: torch.Tensor | None = None  # the host side of CUDA masks
+        self._copied = None  # a CUDA event after the last copy out of it
 
     def _ensure(self):
         if self._compiler is None:
@@ -103,12 +105,25 @@ class GrammarCompiler:
         self._apply(logits, bitmask, rows)
 
     def _bitmask(self, logits: torch.Tensor) -> torch.Tensor:
+        """(n, ceil(V / 32)) int32 on the host; for CUDA logits a pinned buffer, so that its copy to
+        the device does not make the host wait for the work queued before it (an overlapped
+        step's forward). Only the rows a fill writes are applied."""
         xgr, _ = self._ensure()
-        return xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)  # (n, ceil(V / 32)) int32, CPU
+        n = logits.shape[0]
+        if not logits.is_cuda:
+            return xgr.allocate_token_bitmask(n, self.vocab_size)
+        if self._pinned is None or self._pinned.shape[0] < n:
+            self._pinned = torch.empty((max(n, 64), (self.vocab_size + 31) // 32), dtype=torch.int32,
+                                       pin_memory=True)
+        elif self._copied is not None:
+            self._copied.synchronize()  # its last copy to the device is done before it is written again
+        return self._pinned[:n]
 
     def _apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         if logits.is_cuda:
             bitmask = bitmask.to(logits.device, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         # (a draft's logits may be narrower than the target's vocabulary the masks are made for)
         self._xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=min(self.vocab_size, logits.shape[-1]),
                                               indices=rows)
