@@ -247,3 +247,24 @@ def test_cuda_overlapped_decode_with_constrained_rows_gives_the_plain_tokens(qwe
         assert (eng.num_overlapped_steps >= 10) == overlap
         del eng
     assert got[True] == got[False]
+
+
+def test_the_device_mask_kernel_equals_xgrammars():
+    """apply_bitmask (CUDA's path: device kernels only, no index tensor) against xgrammar's own
+    apply, on random masks over a width that is not a multiple of 32, and logits wider than it."""
+    import torch
+    import xgrammar as xgr
+
+    from docproc.engine.structured import apply_bitmask
+
+    g = torch.Generator().manual_seed(0)
+    width = 1000
+    bitmask = torch.randint(-2**31, 2**31 - 1, (5, (width + 31) // 32), generator=g, dtype=torch.int64).to(torch.int32)
+    logits = torch.randn(5, width + 24, generator=g)
+    want = logits.clone()
+    xgr.apply_token_bitmask_inplace(want, bitmask, vocab_size=width)
+    got = logits.clone()
+    apply_bitmask(got, bitmask, width)
+    assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.isinf(got).any()
+    assert torch.equal(got[~torch.isinf(got)], want[~torch.isinf(want)])
+    assert not torch.isinf(got[:, width:]).any()  # past the width: untouched

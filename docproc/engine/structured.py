@@ -120,13 +120,20 @@ class GrammarCompiler:
         return self._pinned[:n]
 
     def _apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        if logits.is_cuda:
-            bitmask = bitmask.to(logits.device, non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record()
         # (a draft's logits may be narrower than the target's vocabulary the masks are made for)
-        self._xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=min(self.vocab_size, logits.shape[-1]),
-                                              indices=rows)
+        width = min(self.vocab_size, logits.shape[-1])
+        if not logits.is_cuda:
+            self._xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=width, indices=rows)
+            return
+        # on the device without an index tensor from the host (whose copy would wait for the
+        # forward queued before it): rows without a mask allow everything
+        if len(rows) < bitmask.shape[0]:
+            free = sorted(set(range(bitmask.shape[0])) - set(rows))
+            bitmask[free] = -1
+        device_mask = bitmask.to(logits.device, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        apply_bitmask(logits, device_mask, width)
 
     def mask_windows(self, logits: torch.Tensor, windows: list[tuple[int, object, list[int]]]) -> None:
         """Speculative windows of constrained rows: (first row, matcher, proposals). Row r0 + j of
@@ -153,6 +160,20 @@ class GrammarCompiler:
                 matcher.rollback(advanced)
         if rows:
             self._apply(logits, bitmask, rows)
+
+
+_SHIFTS: dict = {}
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, width: int) -> None:
+    """logits[:, :width] = -inf wherever bitmask (n, ceil(width / 32)) int32, token t at bit t % 32
+    of word t // 32 (xgrammar's layout), has a 0; in place, with device kernels only."""
+    shifts = _SHIFTS.get(logits.device)
+    if shifts is None:
+        shifts = _SHIFTS[logits.device] = torch.arange(32, dtype=torch.int32, device=logits.device)
+    n = logits.shape[0]
+    bits = (bitmask[:n].unsqueeze(-1) >> shifts) & 1  # (n, words, 32)
+    logits[:, :width].masked_fill_(bits.view(n, -1)[:, :width] == 0, float("-inf"))
 
 
 def _strict_strings(schema):
