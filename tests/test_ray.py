@@ -37,6 +37,8 @@ def _poison_hook():
 
     import docproc.pipeline.run as run
 
+    import docproc.engine.llm as llm
+
     real = run.open_document
 
     def open_document(cand, **kw):
@@ -44,6 +46,17 @@ def _poison_hook():
             os.kill(os.getpid(), signal.SIGKILL)
         return real(cand, **kw)
     run.open_document = open_document
+
+    real_init = llm.LLM.__init__
+
+    def init(self, model, *a, **kw):
+        # an engine actor (not a task) loading a model folder named dies-loading dies as it loads
+        import ray
+
+        if str(model).endswith("dies-loading") and ray.get_runtime_context().get_actor_id() is not None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        real_init(self, model, *a, **kw)
+    llm.LLM.__init__ = init
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +67,7 @@ def cluster():
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this module
     # 4 logical CPUs on a 2-core machine: the 2 actors hold one each and Ray Data's tasks still run
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
              runtime_env={"worker_process_setup_hook": _poison_hook})
     yield
     ray.shutdown()
@@ -177,3 +190,49 @@ def test_extractor_rows_equal_a_plain_run(cluster, docs, plain):
     _same(got, _rows(plain))
     broken = got[("broken.pdf", None)]
     assert broken["doc_status"] == "error" and broken["error"]
+
+
+def test_workers_that_die_loading_the_model_stop_the_run_and_mark_nothing(cluster, docs, tmp_path):
+    """Engine actors that die as they load (out of memory, say) are a fault of the environment:
+    the run stops with exit 4 and a manifest, and no document is recorded as failed."""
+    from docproc.cli import bundled_model
+    from docproc.ray import run
+
+    model = tmp_path / "dies-loading"
+    model.symlink_to(bundled_model("target"))
+    out = tmp_path / "out"
+    m = run(docs, out, model=str(model), device="cpu", data_parallel_size=2)
+    assert m["status"] == "failed" and m["exit_code"] == 4, (m["fault"], m["ray"], m["stage_seconds"])
+    assert "while loading the model" in m["fault"]["message"]
+    assert m["totals"]["documents"] == 0 and not [f for f in m["failures"] if f["kind"] == "worker"]
+    from docproc.pipeline.runstore import RunStore
+
+    assert not [r for r in RunStore(out).current().to_pylist() if r["error_kind"] == "worker"]
+
+
+def test_ray_init_leaves_the_runs_signal_handlers(monkeypatch, tmp_path):
+    """ray.init installs its own SIGTERM handler; the run's must stay, so that SIGTERM still ends
+    the run with a manifest (exit 143)."""
+    from docproc.cli import bundled_model
+    from docproc.pipeline.distributed import RayPipeline
+    from docproc.pipeline.run import RunSettings
+
+    def fake_init(**kw):
+        signal.signal(signal.SIGTERM, lambda *a: None)
+        signal.signal(signal.SIGINT, lambda *a: None)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", fake_init)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 4.0})
+    monkeypatch.setattr(ray, "nodes", lambda: [{}])
+    (tmp_path / "in").mkdir()
+    p = RayPipeline(RunSettings(inputs=[str(tmp_path / "in")], out=str(tmp_path / "out"),
+                                model=str(bundled_model("target")), device="cpu", ray=True))
+    ours = lambda *a: None  # noqa: E731
+    before = {sig: signal.signal(sig, ours) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        p._cluster()
+        assert signal.getsignal(signal.SIGTERM) is ours and signal.getsignal(signal.SIGINT) is ours
+    finally:
+        for sig, h in before.items():
+            signal.signal(sig, h)
+    assert p._size == 1 and p._gpus == 0

@@ -32,14 +32,16 @@ the driver alone.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import math
 import os
 import pickle
+import signal
 import socket
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 
 from docproc.errors import DeviceUnavailable, EnvironmentFault, ModelUnavailable, OutputUnwritable
 from docproc.pipeline.constraints import xgrammar_available
@@ -51,6 +53,7 @@ __all__ = ["RayPipeline", "EngineWorker", "ClusterUnavailable"]
 
 WORKER_DIED = ("its engine worker died twice while running it (the process was killed: out of memory, a device "
                "error or a signal; the Ray logs of the worker's node say which)")
+LOAD_DEATHS = 2  # workers dying while they load the engine: the run stops (a fault of the environment)
 BATCHES_PER_WORKER = 4  # a pass hands each worker at least this many batches when there are documents for it
 _FAULTS = {"model": ModelUnavailable, "device": DeviceUnavailable, "output": OutputUnwritable}
 
@@ -58,6 +61,36 @@ _FAULTS = {"model": ModelUnavailable, "device": DeviceUnavailable, "output": Out
 class ClusterUnavailable(DeviceUnavailable):
     """The Ray cluster cannot be started, reached, or hold the engine actors asked for."""
     kind = "cluster"
+
+
+def _check_reachable(address: str | None) -> None:
+    """A HOST:PORT address that refuses connections fails at once (ray.init would retry for
+    minutes); "auto", "local" and ray:// addresses are left to Ray."""
+    if not address or address in ("auto", "local") or "://" in address or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=10):
+            pass
+    except (OSError, ValueError) as e:
+        raise ClusterUnavailable(f"cannot reach the Ray cluster at {address}: {e}; start it (ray start --head) or "
+                                 f"check --ray-address") from None
+
+
+@contextlib.contextmanager
+def _stderr_dropped(drop: bool):
+    """File descriptor 2 pointed at /dev/null meanwhile (the C++ log lines of Ray's start-up)."""
+    if not drop:
+        yield
+        return
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _fault(kind: str, message: str) -> EnvironmentFault:
@@ -113,8 +146,10 @@ class _WorkerPipeline(Pipeline):
         self._reset()
         try:
             batch: list = []
-            for cand, sha in docs:
-                batch = self._add_document(cand, sha, batch)
+            for cand, _ in docs:
+                # hashed again as it is opened: a file changed since the driver hashed it keeps its
+                # new hash on its rows (the driver's only grouped it)
+                batch = self._add_document(cand, None, batch)
             if batch:
                 self._run_batch(batch)
         except EnvironmentFault as e:
@@ -138,23 +173,42 @@ class EngineWorker:
     output is one pickled result per batch."""
 
     def __init__(self, settings: RunSettings, queries, run_id: str, cfg: str | None, key: str | None, ledger,
-                 threads: int | None = None) -> None:
+                 concurrency: int, threads: int | None = None) -> None:
         if threads:
             import torch
 
             torch.set_num_threads(threads)
+        import ray
+
         self.p = _WorkerPipeline(settings, queries, run_id, cfg, key)
         self.ledger = ledger
+        self.fault: tuple[str, str] | None = None
+        # the engine loads now, so that a worker that dies later died in its documents; the
+        # ledger counts loads, so that workers dying as they load stop the run instead
+        died = ray.get(ledger.begin_load.remote(concurrency))
+        t0 = time.perf_counter()
+        if died >= LOAD_DEATHS:
+            self.fault = ("device", f"engine workers died {died} times while loading the model (out of memory, a "
+                                    f"device error?): the Ray logs of their nodes say why")
+        else:
+            try:
+                self.p._engine()
+            except EnvironmentFault as e:
+                self.fault = (e.kind, str(e))
+            ray.get(ledger.loaded.remote())
+        load_seconds = time.perf_counter() - t0
         self.id = f"{socket.gethostname()}:{os.getpid()}"
         self.seen: set[str] = set()  # pages this engine has run
         self.figures = {"batches": 0, "documents": 0, "pages": 0, "generated_tokens": 0, "engine_seconds": 0.0,
-                        "open_render_hash_seconds": 0.0, "load_seconds": 0.0}
+                        "open_render_hash_seconds": 0.0, "load_seconds": load_seconds}
 
     def __call__(self, batch):
         import pyarrow as pa
         import ray
 
         items = [pickle.loads(b) for b in batch["payload"].to_pylist()]
+        if self.fault is not None:
+            return pa.table({"payload": pa.array([pickle.dumps({"fault": self.fault, "groups": []})], type=pa.binary())})
         if ray.get(self.ledger.begin.remote(items[0][0])) == 0:
             result = self.p.process([d for _, docs in items for d in docs])
             result["retried"] = 0
@@ -225,9 +279,20 @@ class _Ledger:
     the driver's run, on no CPU)."""
 
     def __init__(self) -> None:
+        self.loads_begun = self.loads_done = 0
         self.batches: dict[int, int] = {}
         self.groups: dict[int, int] = {}
         self.kept: dict[int, bytes] = {}
+
+    def begin_load(self, concurrency: int) -> int:
+        """A worker starts loading the engine: how many died loading it so far (at least; as many
+        as `concurrency` may be loading at once)."""
+        died = max(0, self.loads_begun - self.loads_done - concurrency + 1)
+        self.loads_begun += 1
+        return died
+
+    def loaded(self) -> None:
+        self.loads_done += 1
 
     def begin(self, batch: int) -> int:
         n = self.batches.get(batch, 0)
@@ -280,6 +345,11 @@ class RayPipeline(Pipeline):
     def __init__(self, settings: RunSettings, reporter=None) -> None:
         if importlib.util.find_spec("ray") is None:
             raise UsageError("--ray needs Ray: pip install 'docproc[ray]'")
+        # the workers' working folder is not this one: every path they are given is absolute
+        settings = replace(settings, inputs=[os.path.abspath(p) for p in settings.inputs],
+                           out=os.path.abspath(settings.out), model=os.path.abspath(settings.model),
+                           draft=os.path.abspath(settings.draft) if settings.draft else None,
+                           queries=os.path.abspath(settings.queries) if settings.queries else None)
         super().__init__(settings, reporter=reporter)
         self._started_ray = False  # this run connected (or started the cluster): it disconnects at the end
         self._probed: dict | None = None
@@ -312,13 +382,15 @@ class RayPipeline(Pipeline):
             t0 = time.perf_counter()
             task = ray.remote(num_gpus=self._gpus, num_cpus=1, max_retries=1)(_probe)
             try:
-                self._probed = ray.get(task.remote(self.s, self.queries, self._key))
+                probed = ray.get(task.remote(self.s, self.queries, self._key))
             except ray.exceptions.RayError as e:
                 raise ClusterUnavailable(f"the Ray worker that loads the model to fingerprint this configuration "
                                          f"died twice: {type(e).__name__}: {str(e).splitlines()[0]}") from None
-            self.stage_seconds["load_model"] += time.perf_counter() - t0
-            if "fault" in self._probed:
-                raise _fault(*self._probed["fault"])
+            finally:
+                self.stage_seconds["fingerprint_load"] = round(time.perf_counter() - t0, 3)
+            if "fault" in probed:
+                raise _fault(*probed["fault"])
+            self._probed = probed
         return self._probed["cfg"]
 
     def model_fingerprint(self) -> dict:
@@ -342,17 +414,26 @@ class RayPipeline(Pipeline):
                 os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
             opts = dict(include_dashboard=False, log_to_driver=self.s.debug,
                         logging_level=logging.INFO if self.s.debug else logging.ERROR)
+            where = f"the Ray cluster at {self.s.ray_address}" if self.s.ray_address else "a local Ray cluster"
+            _check_reachable(self.s.ray_address)
+            # ray.init puts its own handlers on SIGTERM and SIGINT: the run's stay (a signal still
+            # ends the run with a manifest); its start-up lines on stderr are dropped unless --debug
+            handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
             try:
-                if self.s.ray_address:
-                    ray.init(address=self.s.ray_address, **opts)
-                else:
-                    # logical CPUs: the engine actors hold one each and Ray Data's own tasks still run
-                    n = self.s.data_parallel_size or 1
-                    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, n + 2), **opts)
+                with _stderr_dropped(not self.s.debug):
+                    if self.s.ray_address:
+                        ray.init(address=self.s.ray_address, **opts)
+                    else:
+                        # logical CPUs: the engine actors hold one each and Ray Data's own tasks still run
+                        n = self.s.data_parallel_size or 1
+                        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, n + 2), **opts)
             except Exception as e:  # noqa: BLE001 -- whatever Ray raises: the run cannot start, named
-                where = f"the Ray cluster at {self.s.ray_address}" if self.s.ray_address else "a local Ray cluster"
                 raise ClusterUnavailable(f"cannot start or reach {where}: {type(e).__name__}: {e}; start one "
                                          f"(ray start --head) or check --ray-address") from None
+            finally:
+                for sig, handler in handlers.items():
+                    if handler is not None:
+                        signal.signal(sig, handler)
             self._started_ray = True
         self.stage_seconds["cluster_start"] += time.perf_counter() - t0
         resources = ray.cluster_resources()
@@ -427,7 +508,7 @@ class RayPipeline(Pipeline):
                                 compute=ray.data.ActorPoolStrategy(size=n), num_gpus=self._gpus, num_cpus=1,
                                 fn_constructor_kwargs=dict(settings=self.s, queries=self.queries, run_id=self.run_id,
                                                            cfg=self.cfg, key=self._key, ledger=ledger,
-                                                           threads=threads))
+                                                           concurrency=n, threads=threads))
             done: set = set()
             for block in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
                 for blob in block.column("payload").to_pylist():
@@ -496,9 +577,14 @@ class RayPipeline(Pipeline):
         encodes = [w["vision_encodes"] for w in workers if w.get("vision_encodes") is not None]
         # unique pages over the whole run, against the encodes of all workers together
         m["dedup"]["vision_encodes"] = sum(encodes) if encodes else None
-        # the workers load in parallel: the slowest one's load is the run's
-        m["stage_seconds"]["load_model"] = round(self.stage_seconds["load_model"] +
-                                                 max([w["load_seconds"] for w in workers], default=0.0), 3)
+        # the workers load in parallel: the slowest one's load is the run's, and the engine stage
+        # (from the first actor's start to the last result) is counted without it
+        load = max([w["load_seconds"] for w in workers], default=0.0)
+        stages = m["stage_seconds"]
+        stages["load_model"] = round(load, 3)
+        stages["engine"] = round(max(0.0, self.stage_seconds["engine"] - load), 3)
+        t = self.totals
+        m["tokens_per_second"] = round(t.generated_tokens / stages["engine"], 2) if stages["engine"] > 0 else None
         if workers:  # the engine's configuration as the first worker has it (each worker's under ray.workers)
             m["engine"] = workers[0]["engine"]
         return m

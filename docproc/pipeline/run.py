@@ -224,11 +224,14 @@ class Pipeline(EngineSetup, DocumentRows):
         finally:
             self.stage_seconds["open_render_hash"] += time.perf_counter() - t0
 
-    def _add_document(self, cand: Candidate, sha: str, batch: list[_Window]) -> list[_Window]:
-        """Open a document and add its windows to the batch, running the batch whenever it is
-        full; returns the batch still to run. Whatever the document raises is its error row."""
+    def _add_document(self, cand: Candidate, sha: str | None, batch: list[_Window]) -> list[_Window]:
+        """Open a document (sha: its file hash, or None to hash it now) and add its windows to the
+        batch, running the batch whenever it is full; returns the batch still to run. Whatever
+        the document raises is its error row."""
         t0 = time.perf_counter()
         try:
+            if sha is None:
+                sha = file_digest(cand)
             doc = open_document(cand, dpi=self.s.dpi, max_pages=self.s.max_pages, with_text=self.s.anchor_text,
                                 digest=sha)
         except (EnvironmentFault, RunInterrupted):
