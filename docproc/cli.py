@@ -128,6 +128,9 @@ def run(
     fp4_value_slots: Optional[int] = typer.Option(None, "--fp4-value-slots", help="FP4 KV: outlier slots per value "
                                                   "vector, 0 (the default) or 2 (as the keys; on CUDA the "
                                                   "slower Triton decode kernel)."),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", help="Split the model's language "
+                                             "weights over this many GPUs (cuda:N to N+size-1), one process each; "
+                                             "a draft runs whole on the first."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
     dpi: int = typer.Option(120, help="PDF render resolution (lowered per page to fit the pixel cap)."),
     max_pages: Optional[int] = typer.Option(None, "--max-pages", help="Read at most this many pages per document."),
@@ -170,7 +173,8 @@ def run(
                                gpu_memory_utilization=gpu_memory_utilization, batch_pages=batch_pages,
                                anchor_text=anchor_text, enforce_eager=enforce_eager,
                                fp4_value_slots=fp4_value_slots, quantization=quantization, debug=debug,
-                               ray=ray, ray_address=ray_address, data_parallel_size=data_parallel_size)
+                               ray=ray, ray_address=ray_address, data_parallel_size=data_parallel_size,
+                               tensor_parallel_size=tensor_parallel_size)
         display = _Display(quiet=quiet or log_json, log_json=log_json)
         if ray:
             from docproc.pipeline.distributed import RayPipeline

@@ -64,8 +64,12 @@ class EngineConfig:
     quantization: str | None = None
     # "auto": the folder's safetensors; "dummy": random weights from config.json alone (benchmarks)
     load_format: str = "auto"
+    # the language model split over this many ranks (processes), one GPU each on CUDA
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        if not 1 <= self.tensor_parallel_size <= 64:
+            raise ValueError(f"tensor_parallel_size must be from 1 to 64, got {self.tensor_parallel_size}")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization {self.quantization!r} is not supported: pick fp8 (or none)")
         if self.load_format not in ("auto", "dummy"):

@@ -8,6 +8,7 @@ speculative step (engine/spec/verifier.py).
 from __future__ import annotations
 
 import itertools
+import weakref
 import time
 from typing import Sequence as Seq
 
@@ -72,7 +73,12 @@ class LLM:
         fp4_gluon: bool = True,
         quantization: str | None = None,
         load_format: str = "auto",
+        tensor_parallel_size: int = 1,
+        speculative_draft_tensor_parallel_size: int = 1,
     ) -> None:
+        if speculative_draft_tensor_parallel_size != 1:
+            raise ValueError(f"speculative_draft_tensor_parallel_size={speculative_draft_tensor_parallel_size}: the "
+                             f"draft runs whole on rank 0 (1 is the only choice)")
         cache = CacheConfig(kv_cache_dtype=kv_cache_dtype, block_size=block_size,
                             enable_prefix_caching=enable_prefix_caching,
                             gpu_memory_utilization=gpu_memory_utilization,
@@ -83,11 +89,14 @@ class LLM:
                                    max_model_len=max_model_len, seed=seed, cache=cache,
                                    enforce_eager=enforce_eager, image_prefetch_workers=image_prefetch_workers,
                                    one_row_kernels=one_row_kernels, pdl=pdl, fp4_gluon=fp4_gluon,
-                                   quantization=quantization, load_format=load_format)
+                                   quantization=quantization, load_format=load_format,
+                                   tensor_parallel_size=tensor_parallel_size)
         self.spec_config = None if speculative_model is None else SpecConfig(
             str(speculative_model), num_speculative_tokens, draft_vision)
         draft = None if self.spec_config is None else spec_setup.draft_runner(self.config, self.spec_config)
         self.runner = ModelRunner(self.config, allocate=draft is None)
+        # the other tensor-parallel ranks stop with this engine (or with this process)
+        weakref.finalize(self, self.runner.close)
         self.speculator = None if draft is None else spec_setup.attach(self.runner, draft, self.spec_config)
         self.verifier = Verifier(self)
         self.processor = self.runner.processor
@@ -110,6 +119,10 @@ class LLM:
         self.decode_step_seconds = 0.0
 
     # ---- public ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks now (else they stop with it)."""
+        self.runner.close()
+
     def generate(
         self,
         prompts: PromptType | Seq[PromptType],

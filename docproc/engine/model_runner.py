@@ -117,9 +117,11 @@ class PendingStep:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, allocate: bool = True) -> None:
+    def __init__(self, config: EngineConfig, allocate: bool = True, tp_rank: int = 0, tp_group=None) -> None:
         """Loads the weights; with allocate=False the KV pool waits for allocate_kv() (a
-        speculative pair sizes its two pools together)."""
+        speculative pair sizes its two pools together). With config.tensor_parallel_size > 1
+        this is rank 0 (it starts the other ranks: engine/tensor_parallel.py), or, given
+        tp_rank > 0 and the group, one of them."""
         self.config = config
         self.device = resolve_device(config.device)
         apply_kernel_choices(config)
@@ -127,9 +129,33 @@ class ModelRunner:
 
         hf_config = read_config(config.model)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
+        tp_size = config.tensor_parallel_size
+        self.tp = None  # rank 0's TensorParallelGroup
         t0 = time.perf_counter()
-        self.model = load_model(config.model, self.device, self.dtype, config.quantization, config.load_format,
-                                config.seed)
+        if tp_size > 1 and tp_rank == 0:
+            from docproc.engine.tensor_parallel import TensorParallelGroup, check_split
+
+            check_split(config, hf_config)  # before any rank starts
+
+            self.tp = TensorParallelGroup(config, self.device)  # the other ranks load beside this one
+            tp_group = self.tp.group
+        try:
+            self.model = load_model(config.model, self.device, self.dtype, config.quantization, config.load_format,
+                                    config.seed, tp_rank=tp_rank, tp_size=tp_size)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.close()
+            raise
+        if tp_size > 1:
+            self.model.text.set_tensor_parallel(tp_group)
+        if self.tp is not None:
+            import hashlib
+
+            from docproc.engine.tensor_parallel import ShardedText
+
+            fps = self.tp.gather_fingerprints(self.model.text_fingerprint)
+            self.model.text_fingerprint = hashlib.sha256(f"tp{tp_size}:{'|'.join(fps)}".encode()).hexdigest()[:16]
+            self.model.text = ShardedText(self.model.text, self.tp)
         self.load_seconds = time.perf_counter() - t0
         self.weight_bytes = text_weight_bytes(self.model.text)
         self.hf_config = self.model.hf_config
@@ -139,13 +165,15 @@ class ModelRunner:
         self.max_input_id: int | None = None  # set by the speculator for a draft with a smaller vocabulary
         self.block_size = config.cache.block_size
         kv_name = resolve_kv_dtype(config.cache.kv_cache_dtype, self.dtype)
-        heads = (tc.num_attention_heads, tc.num_key_value_heads, tc.head_dim, tc.head_dim ** -0.5, self.device)
+        heads = (tc.heads, tc.kv_heads, tc.head_dim, tc.head_dim ** -0.5, self.device)  # this rank's
         if kv_name == "fp4":
             self.backend = FP4Attention(*heads, compute_dtype=self.dtype,
                                         num_value_outliers=config.cache.fp4_value_slots)
         else:
             self.backend = DenseAttention(*heads, dtype=KV_DTYPES[kv_name], compute_dtype=self.dtype)
         self.kv_cache = KVCache(self.backend, tc.num_hidden_layers, self.block_size, kv_name)
+        if self.tp is not None:  # every rank holds its share of the same blocks
+            self.kv_cache.allocate = self._allocate_everywhere
         self.encoder_cache = EncoderCache(config.cache.encoder_cache_entries)
         workers = config.image_prefetch_workers
         self.prefetcher = ImagePrefetcher(self.processor, default_workers(self.device) if workers is None else workers,
@@ -160,7 +188,8 @@ class ModelRunner:
         self.num_shared_trunk_images = 0
         self.warmup_seconds = 0.0
         self.warmup_compiles = 0
-        self.step_graphs = resolve_step_graphs(config, self.device)
+        # (tensor parallelism runs eagerly: CUDA graphs with the collectives inside are not built yet)
+        self.step_graphs = resolve_step_graphs(config, self.device) if tp_size == 1 else None
         if self.step_graphs == "static":
             self.backend.use_triton = True
         # with graphs, the pool's last block is the scratch block that padded rows write to
@@ -187,6 +216,16 @@ class ModelRunner:
             max_len = (self.config.max_model_len or self.text_config.max_position_embeddings) + 16
             self.graphs = GraphRunner(self, self.config.max_num_seqs, max_len,
                                       capture=self.step_graphs == "capture")
+
+    def _allocate_everywhere(self, num_blocks: int) -> None:
+        self.tp.send("allocate", num_blocks)
+        KVCache.allocate(self.kv_cache, num_blocks)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do with one)."""
+        if self.tp is not None:
+            self.tp.close()
+            self.tp = None
 
     @property
     def num_graph_captures(self) -> int:

@@ -146,17 +146,26 @@ def quant_scheme(folder: str | Path, quantization: str | None) -> Fp8Scheme | No
 
 
 def load_model(folder: str | Path, device: torch.device, dtype: torch.dtype, quantization: str | None = None,
-               load_format: str = "auto", seed: int = 0) -> LoadedModel:
+               load_format: str = "auto", seed: int = 0, tp_rank: int = 0, tp_size: int = 1) -> LoadedModel:
     """Build the text model and vision tower and fill them from the folder's safetensors
     (load_format "auto") or with random weights from config.json alone ("dummy": benchmarks at
     sizes whose checkpoints the disk cannot hold). With an FP8 scheme (the checkpoint's, or
     quantization="fp8" for a float checkpoint) the language model's products hold FP8 weights and
-    their float parameters are never allocated."""
+    their float parameters are never allocated. With tp_size > 1 the language model holds rank
+    tp_rank's share (Megatron's split: q/k/v and gate/up by rows, o and down by columns, the
+    vocabulary by rows), read as slices of the checkpoint's tensors; the vision tower is loaded
+    on rank 0 only (the other ranks get its image embeddings with each step)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r}: pick one of {', '.join(LOAD_FORMATS)}")
     scheme = quant_scheme(folder, quantization)
     hf_config = read_config(folder)
     cfg = text_config(hf_config)
+    if tp_size > 1:
+        if scheme is not None:
+            raise CheckpointError(f"{folder}: FP8 weights with tensor parallelism are not supported yet: run FP8 on "
+                                  f"one GPU (tensor_parallel_size=1) or load the bf16 checkpoint")
+        cfg.tp_size, cfg.tp_rank = tp_size, tp_rank
+        cfg.check_split()
 
     with torch.device("meta"):
         text = Qwen2VLTextModel(cfg)
@@ -168,12 +177,12 @@ def load_model(folder: str | Path, device: torch.device, dtype: torch.dtype, qua
                 fp8_modules[name] = mod
     text = text.to_empty(device=device).to(dtype)
     text.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section).to(device)
-    with torch.device(device):
+    with torch.device(device if tp_rank == 0 else "meta"):
         vision = VisionEncoder(hf_config)
     vision = vision.to(dtype)
     if load_format == "dummy":
         digests = _fill_random(text, vision, fp8_modules, scheme, seed, device, dtype,
-                               (Path(folder) / "config.json").read_bytes())
+                               (Path(folder) / "config.json").read_bytes() + f"|tp:{tp_rank}/{tp_size}".encode())
     else:
         digests = _fill_from_files(folder, text, vision, fp8_modules, scheme, device, dtype, cfg)
     text.fuse_projections()
@@ -204,6 +213,8 @@ def _fill_from_files(folder, text, vision, fp8_modules, scheme, device, dtype, c
                         continue
                     raise CheckpointError(f"{folder}: unexpected weight {key!r} (not a Qwen2-VL parameter)")
                 comp, name = mapped
+                if comp == "vision" and cfg.tp_rank > 0:
+                    continue  # the vision tower lives on rank 0
                 params = text_params if comp == "text" else vision_params
                 module, _, leaf = name.rpartition(".")
                 if scheme is not None and leaf == "weight_zero_point":
@@ -226,7 +237,7 @@ def _fill_from_files(folder, text, vision, fp8_modules, scheme, device, dtype, c
                             continue
                         raise CheckpointError(
                             f"{folder}: unexpected weight {key!r} (no parameter {name} in the {comp} model)")
-                    t = sf.get_tensor(key)
+                    t = _text_share(cfg, name, sf.get_slice(key)) if comp == "text" else sf.get_tensor(key)
                     _copy_param(folder, key, params[name], t)
                     digests[_which(comp, name)][name] = hashlib.sha256(_tensor_bytes(t)).hexdigest()
                     loaded.add((comp, name))
@@ -244,7 +255,7 @@ def _fill_from_files(folder, text, vision, fp8_modules, scheme, device, dtype, c
         text.lm_head.weight = text.embed_tokens.weight
         loaded.add(("text", "lm_head.weight"))
     expected = [("text", n) for n in text_params] + [("text", m + ".weight") for m in fp8_modules] \
-        + [("vision", n) for n in vision_params]
+        + [("vision", n) for n in vision_params if cfg.tp_rank == 0]
     missing = [f"{c}:{n}" for c, n in expected if (c, n) not in loaded]
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -252,6 +263,36 @@ def _fill_from_files(folder, text, vision, fp8_modules, scheme, device, dtype, c
     if scheme is not None and scheme.method == "online":
         digests["text"]["quantization"] = "fp8-per-channel"  # other weights than the checkpoint's
     return digests
+
+
+def _text_share(cfg: TextConfig, name: str, sl) -> torch.Tensor:
+    """This rank's part of a language-model tensor, read from a safetensors slice (all of it
+    without tensor parallelism)."""
+    if cfg.tp_size == 1:
+        return sl[:]
+    r, d = cfg.tp_rank, cfg.head_dim
+    rows = cols = None
+    if ".q_proj." in name:
+        rows = (r * cfg.heads * d, (r + 1) * cfg.heads * d)
+    elif ".k_proj." in name or ".v_proj." in name:
+        rows = (cfg.kv_head_start * d, (cfg.kv_head_start + cfg.kv_heads) * d)
+    elif ".o_proj." in name:
+        cols = (r * cfg.heads * d, (r + 1) * cfg.heads * d)
+    elif ".gate_proj." in name or ".up_proj." in name:
+        rows = (r * cfg.intermediate, (r + 1) * cfg.intermediate)
+    elif ".down_proj." in name:
+        cols = (r * cfg.intermediate, (r + 1) * cfg.intermediate)
+    elif name in ("embed_tokens.weight", "lm_head.weight"):
+        lo, hi = r * cfg.vocab, min((r + 1) * cfg.vocab, cfg.vocab_size)
+        part = sl[lo:hi]
+        if hi - lo < cfg.vocab:  # the last rank's padding rows: zeros
+            part = torch.cat([part, part.new_zeros(cfg.vocab - (hi - lo), *part.shape[1:])])
+        return part
+    if rows is not None:
+        return sl[rows[0]: rows[1]]
+    if cols is not None:
+        return sl[:, cols[0]: cols[1]]
+    return sl[:]  # norms: every rank holds them
 
 
 def _which(comp: str, name: str) -> str:

@@ -63,10 +63,49 @@ class TextConfig:
     mrope_section: list[int]
     tie_word_embeddings: bool
     max_position_embeddings: int
+    tp_size: int = 1  # tensor parallelism: ranks the language model is split over
+    tp_rank: int = 0
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    # ---- this rank's share (all of it at tp_size 1) ------------------------------------------
+    @property
+    def heads(self) -> int:
+        return self.num_attention_heads // self.tp_size
+
+    @property
+    def kv_heads(self) -> int:
+        """KV heads split over the ranks, or one each (replicated) where there are fewer than ranks."""
+        return max(1, self.num_key_value_heads // self.tp_size)
+
+    @property
+    def kv_head_start(self) -> int:
+        """This rank's first KV head: the one its query heads read where KV heads are replicated."""
+        if self.num_key_value_heads >= self.tp_size:
+            return self.tp_rank * self.kv_heads
+        return self.tp_rank * self.heads // (self.num_attention_heads // self.num_key_value_heads)
+
+    @property
+    def intermediate(self) -> int:
+        return self.intermediate_size // self.tp_size
+
+    @property
+    def vocab(self) -> int:
+        """Rows of the vocabulary per rank: the last rank's share is padded with rows no id reads
+        (and whose logits are cut off) where the ranks do not divide the vocabulary."""
+        return -(-self.vocab_size // self.tp_size)
+
+    def check_split(self) -> None:
+        """ValueError when this geometry cannot be split over tp_size ranks."""
+        n = self.tp_size
+        bad = [what for what, ok in (
+            (f"{self.num_attention_heads} attention heads", self.num_attention_heads % n == 0),
+            (f"{self.num_key_value_heads} KV heads", self.num_key_value_heads % n == 0 or n % self.num_key_value_heads == 0),
+            (f"an intermediate size of {self.intermediate_size}", self.intermediate_size % n == 0)) if not ok]
+        if bad:
+            raise ValueError(f"tensor_parallel_size={n} does not divide this model's {', '.join(bad)}")
 
 
 class RMSNorm(nn.Module):
@@ -86,8 +125,8 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.num_heads = cfg.heads  # this rank's (all of them without tensor parallelism)
+        self.num_kv_heads = cfg.kv_heads
         self.head_dim = cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=True)
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
@@ -141,9 +180,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate, cfg.hidden_size, bias=False)
         self.gate_up_weight: torch.Tensor | Fp8Weight | None = None  # set by fuse()
         self.down_weight: torch.Tensor | Fp8Weight | None = None
 
@@ -176,6 +215,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
+        self.tp = None  # the tensor-parallel process group (set by the engine): o and down sum over it
         self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -190,8 +230,13 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, cos, sin, kv_cache, meta, backend)
+        if self.tp is not None:  # row-parallel o_proj: each rank holds a part of the sum
+            torch.distributed.all_reduce(h, group=self.tp)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        h = self.mlp(h)
+        if self.tp is not None:  # row-parallel down_proj
+            torch.distributed.all_reduce(h, group=self.tp)
+        return h, residual
 
 
 class Qwen2VLTextModel(nn.Module):
@@ -201,10 +246,11 @@ class Qwen2VLTextModel(nn.Module):
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.tp = None  # the tensor-parallel process group (set_tensor_parallel)
+        self.embed_tokens = nn.Embedding(cfg.vocab, cfg.hidden_size)  # this rank's rows of the vocabulary
         self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab, bias=False)
         self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
 
     def forward(
@@ -217,7 +263,14 @@ class Qwen2VLTextModel(nn.Module):
         image_rows: torch.Tensor | None = None,  # (M,) rows of the batch that are image tokens
         image_embeds: torch.Tensor | None = None,  # (M, hidden)
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # (N, hidden)
+        if self.tp is None:
+            x = self.embed_tokens(input_ids)  # (N, hidden)
+        else:  # vocabulary-parallel: each rank embeds the ids in its rows, the sum has them all
+            start = self.cfg.tp_rank * self.cfg.vocab
+            local = input_ids - start
+            outside = (local < 0) | (local >= self.cfg.vocab)
+            x = self.embed_tokens(local.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0.0)
+            torch.distributed.all_reduce(x, group=self.tp)
         if image_rows is not None and image_rows.numel():
             x = x.index_copy(0, image_rows, image_embeds.to(x.dtype))
         cos, sin = self.rotary(positions, x.dtype)
@@ -232,5 +285,15 @@ class Qwen2VLTextModel(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
+    def set_tensor_parallel(self, group) -> None:
+        self.tp = group
+        for layer in self.layers:
+            layer.tp = group
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head.weight).float()
+        logits = linear(hidden, self.lm_head.weight).float()
+        if self.tp is None:
+            return logits
+        parts = [torch.empty_like(logits) for _ in range(self.cfg.tp_size)]  # vocabulary-parallel head
+        torch.distributed.all_gather(parts, logits, group=self.tp)
+        return torch.cat(parts, dim=-1)[:, : self.cfg.vocab_size]

@@ -442,11 +442,12 @@ class RayPipeline(Pipeline):
         if self.s.device.startswith("cuda") and gpus == 0:
             raise ClusterUnavailable("--device cuda, but the Ray cluster has no GPU: pass --device cpu or auto, or "
                                      "add GPU nodes")
-        n = self.s.data_parallel_size or (gpus if use_gpu else 1)
-        if use_gpu and n > gpus:
-            raise ClusterUnavailable(f"{n} engine actors need {n} GPUs, and the Ray cluster has {gpus}: pass "
-                                     f"--data-parallel-size {gpus} or fewer")
-        self._gpus = 1 if use_gpu else 0
+        tp = self.s.tensor_parallel_size  # GPUs per engine actor
+        n = self.s.data_parallel_size or (max(1, gpus // tp) if use_gpu else 1)
+        if use_gpu and n * tp > gpus:
+            raise ClusterUnavailable(f"{n} engine actors of {tp} GPU(s) need {n * tp} GPUs, and the Ray cluster has "
+                                     f"{gpus}: pass --data-parallel-size {gpus // tp} or fewer")
+        self._gpus = tp if use_gpu else 0
         self._size = n
         self.ray_info.update(data_parallel_size=n, gpus_per_worker=self._gpus, cluster_gpus=gpus,
                              cluster_cpus=int(resources.get("CPU", 0)), nodes=len(ray.nodes()))

@@ -100,7 +100,8 @@ class EngineSetup:
                                gpu_memory_utilization=self.s.gpu_memory_utilization, seed=self.s.seed,
                                speculative_model=self.s.draft, num_speculative_tokens=self.s.spec_k,
                                draft_vision=self.s.draft_vision, enforce_eager=self.s.enforce_eager,
-                               fp4_value_slots=self.s.fp4_value_slots, quantization=self.s.quantization)
+                               fp4_value_slots=self.s.fp4_value_slots, quantization=self.s.quantization,
+                               tensor_parallel_size=self.s.tensor_parallel_size)
             except EnvironmentFault:
                 raise
             except Exception as e:  # noqa: BLE001 -- whatever loading raises stops the run, named

@@ -29,6 +29,7 @@ class RunSettings:
     enforce_eager: bool = False  # no CUDA graphs (debugging, profiling)
     fp4_value_slots: int | None = None  # FP4 KV: outlier slots per value vector (0, the default, or 2 as the keys)
     quantization: str | None = None  # "fp8": the model's language weights quantized to FP8 at load
+    tensor_parallel_size: int = 1  # the model's language weights split over this many GPUs (processes)
     debug: bool = False  # tracebacks of documents' unexpected errors on stderr
     ray: bool = False  # data-parallel over engine actors on a Ray cluster (pipeline/distributed.py)
     ray_address: str | None = None  # an existing cluster ("auto", "ray://host:10001", host:6379); else a local one
@@ -52,6 +53,8 @@ class RunSettings:
             raise ValueError(f"--kv-cache must be auto, bf16, fp16, fp32 or fp4, got {self.kv_cache}")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"--quantization must be fp8 (or left out), got {self.quantization}")
+        if not 1 <= self.tensor_parallel_size <= 64:
+            raise ValueError(f"--tensor-parallel-size must be from 1 to 64, got {self.tensor_parallel_size}")
         if self.fp4_value_slots not in (None, 0, 2):
             raise ValueError(f"--fp4-value-slots must be 0 or 2, got {self.fp4_value_slots}")
         if self.device not in ("auto", "cpu", "cuda") and not (

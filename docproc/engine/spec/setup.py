@@ -17,7 +17,8 @@ def draft_runner(config: EngineConfig, spec: SpecConfig) -> ModelRunner:
     # the draft's weights are its checkpoint's (float, or FP8 in a layout it ships): quantizing
     # the target at load leaves the draft as it is
     cfg = replace(config, model=str(spec.model), seed=config.seed + 1, quantization=None,
-                  cache=replace(config.cache, num_kv_blocks=None))
+                  cache=replace(config.cache, num_kv_blocks=None),
+                  tensor_parallel_size=1)  # the draft runs whole on rank 0
     return ModelRunner(cfg, allocate=False)
 
 

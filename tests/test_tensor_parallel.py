@@ -1,0 +1,126 @@
+"""Tensor parallelism on CPU (gloo, float32, the tiny random model: 4 heads, 2 KV heads): greedy
+tokens at tensor_parallel_size 2 and 4 (KV heads split, then replicated) equal one rank's, for
+prompts with 0-2 images, a batch, chunked prefill and prefix hits; with a one-rank draft; with
+FP4 KV. A killed rank ends the engine with an error at once. (One rank's tokens equal
+transformers': tests/test_parity.py.)"""
+from __future__ import annotations
+
+import time
+
+import pytest
+from PIL import Image
+
+from docproc import LLM, SamplingParams
+from docproc.engine.tensor_parallel import TensorParallelError
+
+pytestmark = pytest.mark.skipif(not __import__("torch").distributed.is_available(), reason="no torch.distributed")
+
+PAD = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def prompts():
+    red, blue = Image.new("RGB", (64, 48), (200, 30, 30)), Image.new("RGB", (40, 72), (20, 40, 220))
+    chat = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+    return [chat.format("Read the invoice number, the date and the total, please."),
+            {"prompt": chat.format(PAD + "What is the total?"), "multi_modal_data": {"image": [red]}},
+            {"prompt": chat.format(PAD + PAD + "Compare the pages."), "multi_modal_data": {"image": [red, blue]}}]
+
+
+def tokens(llm, ps, n=10):
+    return [o.outputs[0].token_ids for o in llm.generate(ps, SamplingParams(max_tokens=n, ignore_eos=True))]
+
+
+def engine(folder, tp, **kw):
+    # a small token budget: the image prompts are prefilled in several chunks
+    return LLM(str(folder), device="cpu", dtype="float32", max_num_batched_tokens=32, tensor_parallel_size=tp, **kw)
+
+
+def test_two_ranks_give_one_ranks_tokens(qwen2_vl_dir):
+    ps = prompts()
+    one = engine(qwen2_vl_dir, 1)
+    want = tokens(one, ps)
+    want_spec = tokens(engine(qwen2_vl_dir, 1, kv_cache_dtype="fp4"), ps)
+    llm = engine(qwen2_vl_dir, 2)
+    try:
+        text = llm.runner.model.text
+        assert text.layers[0].self_attn.q_proj.weight.shape[0] == 2 * 32  # 2 of the 4 heads (head_dim 32)
+        assert text.embed_tokens.weight.shape[0] == 384 // 2
+        assert llm.runner.model.text_fingerprint != one.runner.model.text_fingerprint
+        assert tokens(llm, ps) == want
+        again = llm.generate(ps, SamplingParams(max_tokens=10, ignore_eos=True))  # the prefixes are cached now
+        assert [o.outputs[0].token_ids for o in again] == want
+        assert all(o.metrics.num_cached_tokens > 0 for o in again)
+    finally:
+        llm.close()
+    fp4 = engine(qwen2_vl_dir, 2, kv_cache_dtype="fp4")
+    try:
+        assert tokens(fp4, ps) == want_spec  # each rank's share of the FP4 cache
+    finally:
+        fp4.close()
+    spec = engine(qwen2_vl_dir, 2, speculative_model=str(qwen2_vl_dir), num_speculative_tokens=3,
+                  speculative_draft_tensor_parallel_size=1)
+    try:
+        assert tokens(spec, ps) == want  # the draft whole on rank 0, verified by the split target
+        assert spec.spec_info()["draft_accepted"] > 0
+    finally:
+        spec.close()
+
+
+def test_four_ranks_replicate_the_kv_heads(qwen2_vl_dir):
+    ps = prompts()
+    want = tokens(engine(qwen2_vl_dir, 1), ps)
+    llm = engine(qwen2_vl_dir, 4)
+    try:
+        assert llm.runner.text_config.kv_heads == 1 and llm.runner.text_config.heads == 1
+        assert tokens(llm, ps) == want
+    finally:
+        llm.close()
+
+
+def test_a_killed_rank_ends_the_engine_with_an_error(qwen2_vl_dir):
+    llm = engine(qwen2_vl_dir, 2)
+    try:
+        tokens(llm, prompts()[:1], n=2)
+        proc = llm.runner.tp.procs[0]
+        proc.kill()
+        proc.join(10)
+        t0 = time.perf_counter()
+        with pytest.raises(TensorParallelError, match="rank 1 died"):
+            tokens(llm, prompts()[:1], n=2)
+        assert time.perf_counter() - t0 < 30
+        with pytest.raises(TensorParallelError):  # and it stays down
+            tokens(llm, prompts()[:1], n=2)
+    finally:
+        llm.close()
+
+
+def test_splits_that_cannot_be_made_are_refused(qwen2_vl_dir):
+    with pytest.raises(ValueError, match="4 attention heads"):
+        engine(qwen2_vl_dir, 3)
+    with pytest.raises(ValueError, match="draft runs whole on rank 0"):
+        engine(qwen2_vl_dir, 2, speculative_model=str(qwen2_vl_dir), speculative_draft_tensor_parallel_size=2)
+
+
+def test_docproc_run_with_two_ranks_answers_as_one(tmp_path):
+    """The CLI end to end on the bundled target, whose vocabulary of 899 the ranks do not divide
+    (the last rank's rows padded): the same answers as one rank."""
+    import shutil
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from docproc.cli import app
+    from docproc.pipeline.schema import read_table
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for n in ("doc_2026_00003.jpg", "doc_2026_00006.jpg"):
+        shutil.copy(Path(__file__).resolve().parent.parent / "sample_docs" / n, docs / n)
+    got = {}
+    for tp in (1, 2):
+        out = tmp_path / f"out{tp}"
+        res = CliRunner().invoke(app, ["run", str(docs), "--out", str(out), "--device", "cpu", "--quiet",
+                                       "--tensor-parallel-size", str(tp)])
+        assert res.exit_code == 0, res.output
+        got[tp] = {(r["path"], r["query"]): (r["answer"], r["value"]) for r in read_table(out / "results.parquet").to_pylist()}
+    assert got[2] == got[1] and len(got[1]) == 2 * 7
