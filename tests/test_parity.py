@@ -188,3 +188,19 @@ def test_vision_tower_in_place_activation_gives_transformers_floats(qwen2_vl_dir
         out = hf.model.visual(pv, grid_thw=grid)
     assert torch.equal(torch.cat(merged), out.pooler_output)
     assert torch.equal(torch.cat(trunk), out.last_hidden_state)
+
+
+def test_two_tensor_parallel_ranks_give_transformers_logits(pair):
+    """The language model split over 2 ranks (gloo): the mixed batch, prefilled in chunks, matches
+    transformers' logits and greedy tokens as one rank does (Qwen2-VL; Qwen2.5-VL's language
+    model is the same code)."""
+    folder, hf = pair
+    if hf.config.model_type != "qwen2_vl":
+        pytest.skip("one model type is enough: the split is the language model's")
+    llm = LLM(str(folder), device="cpu", tensor_parallel_size=2, max_num_batched_tokens=64)
+    try:
+        reqs = requests()
+        outs, logits = run_engine(llm, reqs)
+        check_against_hf(llm, hf, reqs, outs, logits)
+    finally:
+        llm.close()

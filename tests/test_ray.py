@@ -201,7 +201,7 @@ def test_workers_that_die_loading_the_model_stop_the_run_and_mark_nothing(cluste
     model = tmp_path / "dies-loading"
     model.symlink_to(bundled_model("target"))
     out = tmp_path / "out"
-    m = run(docs, out, model=str(model), device="cpu", data_parallel_size=2)
+    m = run(docs, out, model=str(model), device="cpu", data_parallel_size=1)
     assert m["status"] == "failed" and m["exit_code"] == 4, (m["fault"], m["ray"], m["stage_seconds"])
     assert "while loading the model" in m["fault"]["message"]
     assert m["totals"]["documents"] == 0 and not [f for f in m["failures"] if f["kind"] == "worker"]
