@@ -208,13 +208,13 @@ def test_overlapped_decode_with_constrained_rows_gives_the_plain_tokens(qwen2_vl
     same tokens as decoding step by step, for greedy and seeded sampled rows beside free ones."""
     from docproc.engine import model_runner
 
-    schema = SCHEMAS[1]
-    params = [SamplingParams(max_tokens=150, structured_outputs=StructuredOutputsParams(json=schema)),
-              SamplingParams(max_tokens=40, ignore_eos=True),
-              SamplingParams(max_tokens=40, temperature=1.0, seed=3,
-                             structured_outputs=StructuredOutputsParams(regex=r"INV-[0-9]{3,30}")),
-              SamplingParams(max_tokens=60, temperature=0.8, seed=5,
-                             structured_outputs=StructuredOutputsParams(json=SCHEMAS[0]))]
+    schema = SCHEMAS[0]
+    params = [SamplingParams(max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema)),
+              SamplingParams(max_tokens=24, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=1.0, seed=3,
+                             structured_outputs=StructuredOutputsParams(regex=r"INV-[0-9]{3,12}")),
+              SamplingParams(max_tokens=40, temperature=0.8, seed=5,
+                             structured_outputs=StructuredOutputsParams(json=SCHEMAS[1]))]
     prompts = [PROMPT + str(i) for i in range(len(params))]
     got = {}
     for overlap in (False, True):
@@ -223,11 +223,11 @@ def test_overlapped_decode_with_constrained_rows_gives_the_plain_tokens(qwen2_vl
             eng = LLM(str(qwen2_vl_dir), device="cpu", max_num_seqs=8, overlap_decode=overlap)
             outs = eng.generate(prompts, params)
         got[overlap] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text) for o in outs]
-        assert (eng.num_overlapped_steps >= 10) == overlap
+        assert (eng.num_overlapped_steps >= 8) == overlap
     assert got[True] == got[False]
     (_, why0, text0), _, (_, why2, text2), _ = got[True]
     assert why0 == "stop" and valid(schema, json.loads(text0)), text0
-    assert why2 == "stop" and re.fullmatch(r"INV-[0-9]{3,30}", text2), text2
+    assert why2 == "stop" and re.fullmatch(r"INV-[0-9]{3,12}", text2), text2
 
 
 @pytest.mark.gpu

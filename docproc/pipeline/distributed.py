@@ -453,22 +453,12 @@ class RayPipeline(Pipeline):
                              cluster_cpus=int(resources.get("CPU", 0)), nodes=len(ray.nodes()))
 
     # ---- the run -----------------------------------------------------------------------------
-    def _process(self) -> None:
-        self.check_models()
-        self.cfg = self._config()
-        t0 = time.perf_counter()
-        from docproc.pipeline.ingest import discover
+    NO_XGRAMMAR = ("xgrammar is not installed on the driver: answers are decoded as free text and checked against "
+                   "their query's rule afterwards; pip install 'docproc[structured]' on every node to decode under "
+                   "the rules")
 
-        candidates = discover(self.s.inputs, exclude=[self.s.out])
-        self.stage_seconds["discover"] += time.perf_counter() - t0
-        self.totals.files = len(candidates)
-        self.report("start", {"run_id": self.run_id, "files": len(candidates)})
-        if not self.constrain and self.queries.constrained:
-            self.report("warning", {"message": (
-                "xgrammar is not installed on the driver: answers are decoded as free text and checked against "
-                "their query's rule afterwards; pip install 'docproc[structured]' on every node to decode under "
-                "the rules")})
-        self._reconcile(candidates)
+    def _process(self) -> None:
+        candidates = self._start()
         groups: dict[str, list] = {}  # file hash -> its documents: identical files go to one engine
         for cand in candidates:
             sha = self._triage(cand)

@@ -166,7 +166,13 @@ class Pipeline(EngineSetup, DocumentRows):
         except OutputUnwritable:
             pass
 
-    def _process(self) -> None:
+    NO_XGRAMMAR = ("xgrammar is not installed: answers are decoded as free text and checked against their query's "
+                   "rule afterwards (those that break it are parse errors); pip install 'docproc[structured]' to "
+                   "decode under the rules")
+
+    def _start(self) -> list[Candidate]:
+        """The configuration fingerprint, discovery and the plan against the stored rows: the
+        candidates, in order."""
         self.check_models()
         self.cfg = self._config()  # read at each use below: loading the engine may correct it
         t0 = time.perf_counter()
@@ -175,11 +181,12 @@ class Pipeline(EngineSetup, DocumentRows):
         self.totals.files = len(candidates)
         self.report("start", {"run_id": self.run_id, "files": len(candidates)})
         if not self.constrain and self.queries.constrained:
-            self.report("warning", {"message": (
-                "xgrammar is not installed: answers are decoded as free text and checked against their query's "
-                "rule afterwards (those that break it are parse errors); pip install 'docproc[structured]' to "
-                "decode under the rules")})
+            self.report("warning", {"message": self.NO_XGRAMMAR})
         self._reconcile(candidates)
+        return candidates
+
+    def _process(self) -> None:
+        candidates = self._start()
         batch: list[_Window] = []
         for cand in candidates:
             sha = self._triage(cand)
