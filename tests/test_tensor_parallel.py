@@ -128,3 +128,17 @@ def test_docproc_run_with_two_ranks_answers_as_one(tmp_path):
         assert res.exit_code == 0, res.output
         got[tp] = {(r["path"], r["query"]): (r["answer"], r["value"]) for r in read_table(out / "results.parquet").to_pylist()}
     assert got[2] == got[1] and len(got[1]) == 2 and any(v[1] for v in got[1].values())
+
+
+def test_a_script_without_the_main_guard_gets_one_clear_error(qwen2_vl_dir, tmp_path):
+    """The ranks are spawned processes, which import the script again: without the guard, rank 1
+    dies as it starts and rank 0 says so at once (no wait for a rank that will never join)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "noguard.py"
+    script.write_text(f"from docproc import LLM\nLLM({str(qwen2_vl_dir)!r}, device='cpu', tensor_parallel_size=2)\n")
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and "TensorParallelError" in res.stderr and "__main__" in res.stderr, res.stderr[-2000:]
+    assert time.perf_counter() - t0 < 60

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import replace
 from datetime import timedelta
 
@@ -73,15 +74,30 @@ class TensorParallelGroup:
         self.size = config.tensor_parallel_size
         self.failed: str | None = None
         port = _free_port()
+        store = dist.TCPStore("127.0.0.1", port, self.size, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=START_TIMEOUT_S))
         ctx = mp.get_context("spawn")
         self.procs = [ctx.Process(target=_rank_main, args=(rank, self.size, port, config), daemon=True,
                                   name=f"docproc-tp{rank}") for rank in range(1, self.size)]
         for p in self.procs:
             p.start()
+        # every rank has started (its imports done) before the group forms: a rank that dies on
+        # the way is named at once instead of rank 0 waiting for it
+        t0 = time.monotonic()
+        while any(not store.check([f"started{r}"]) for r in range(1, self.size)):
+            dead = [(r, p.exitcode) for r, p in enumerate(self.procs, start=1) if not p.is_alive()]
+            if dead or time.monotonic() - t0 > START_TIMEOUT_S:
+                for p in self.procs:
+                    p.kill()
+                why = (f"tensor-parallel rank {dead[0][0]} exited (code {dead[0][1]}) as it started"
+                       if dead else "the tensor-parallel ranks did not start in time")
+                raise TensorParallelError(f"{why}: a script that builds LLM(tensor_parallel_size=N) needs the "
+                                          f"`if __name__ == \"__main__\":` guard (the ranks are spawned processes)")
+            time.sleep(0.05)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(_backend(device), init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                world_size=self.size, timeout=timedelta(seconds=START_TIMEOUT_S))
+        dist.init_process_group(_backend(device), store=store, rank=0, world_size=self.size,
+                                timeout=timedelta(seconds=START_TIMEOUT_S))
         self.group = dist.new_group(list(range(self.size)), timeout=COLLECTIVE_TIMEOUT)
         self.device = device
 
@@ -192,7 +208,9 @@ def _rank_main(rank: int, size: int, port: int, config) -> None:
         torch.cuda.set_device(base + rank)
         device_name = f"cuda:{base + rank}"
     device = torch.device(device_name if device_name != "auto" else "cpu")
-    dist.init_process_group(_backend(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timedelta(seconds=START_TIMEOUT_S))
+    store.set(f"started{rank}", "1")
+    dist.init_process_group(_backend(device), store=store, rank=rank, world_size=size,
                             timeout=timedelta(seconds=START_TIMEOUT_S))
     group = dist.new_group(list(range(size)), timeout=COLLECTIVE_TIMEOUT)
     runner = ModelRunner(replace(config, device=device_name), allocate=False, tp_rank=rank, tp_group=group)
