@@ -17,6 +17,7 @@ import torch
 
 from kernels._triton import tl, triton
 
+from kernels import pdl
 from kernels.gemv import _program_rows, _w_tile, _x_tile
 
 FP8 = torch.float8_e4m3fn
@@ -54,6 +55,21 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ---- Triton: one row ---------------------------------------------------------------------------------
 @triton.jit
+def _fp8_accumulate(acc, w, x_ptr, kk, k0, K, s_ptr, n, nmask, ss, num_groups, GATED: tl.constexpr,
+                    EVEN_K: tl.constexpr, dt: tl.constexpr, PER_ROW: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr):
+    """acc plus one (BLOCK_N, BLOCK_K) tile of codes w times the input at columns kk: summed per
+    group and scaled (group-wise), or kept per column (per-row scales, applied at the end)."""
+    prod = w.to(tl.float32) * _x_tile(x_ptr, kk, K, GATED, EVEN_K, dt)[None, :]
+    if PER_ROW:
+        return acc + prod
+    GROUPS: tl.constexpr = BLOCK_K // GROUP_K
+    g = k0 // GROUP_K + tl.arange(0, GROUPS)
+    s = tl.load(s_ptr + n[:, None] * ss + g[None, :], mask=nmask[:, None] & (g < num_groups)[None, :], other=0.0)
+    return acc + tl.sum(tl.reshape(prod, [BLOCK_N, GROUPS, GROUP_K]), 2) * s
+
+
+@triton.jit
 def _gemv_fp8_kernel(
     # pointers
     x_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
@@ -63,7 +79,7 @@ def _gemv_fp8_kernel(
     sw, ss,
     # meta
     GATED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_K: tl.constexpr, PER_ROW: tl.constexpr, EVEN_K: tl.constexpr,
+    GROUP_K: tl.constexpr, PER_ROW: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):
     n, nmask, k, rows = _program_rows(w_ptr, N, sw, BLOCK_N, BLOCK_K)
     dt = out_ptr.dtype.element_ty
@@ -72,17 +88,22 @@ def _gemv_fp8_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, GROUPS], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_first = 0
+    if PDL != 0:
+        # as kernels/gemv.py: the first tile of codes (weights only) before the wait, then
+        # everything that reads the input (kernels/pdl.py's rules)
+        w = _w_tile(rows, k, K, nmask, EVEN_K)
+        pdl.start(PDL)
+        pdl.wait(PDL)
+        acc = _fp8_accumulate(acc, w, x_ptr, k, 0, K, s_ptr, n, nmask, ss, num_groups, GATED, EVEN_K, dt, PER_ROW,
+                              BLOCK_N, BLOCK_K, GROUP_K)
+        k_first = BLOCK_K
+    for k0 in range(k_first, K, BLOCK_K):
         kk = k0 + k
         w = _w_tile(rows, kk, K, nmask, EVEN_K)
-        prod = w.to(tl.float32) * _x_tile(x_ptr, kk, K, GATED, EVEN_K, dt)[None, :]
-        if PER_ROW:
-            acc += prod
-        else:
-            g = k0 // GROUP_K + tl.arange(0, GROUPS)
-            s = tl.load(s_ptr + n[:, None] * ss + g[None, :], mask=nmask[:, None] & (g < num_groups)[None, :],
-                        other=0.0)
-            acc += tl.sum(tl.reshape(prod, [BLOCK_N, GROUPS, GROUP_K]), 2) * s
+        acc = _fp8_accumulate(acc, w, x_ptr, kk, k0, K, s_ptr, n, nmask, ss, num_groups, GATED, EVEN_K, dt, PER_ROW,
+                              BLOCK_N, BLOCK_K, GROUP_K)
+    pdl.end(PDL)
     y = tl.sum(acc, 1)
     if PER_ROW:
         y = y * tl.load(s_ptr + n * ss, mask=nmask, other=0.0)
@@ -92,10 +113,16 @@ def _gemv_fp8_kernel(
 
 
 def default_config(n: int, k: int, gated: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps): 1,024 codes a row per tile (16 bytes a thread, as the bf16
-    kernel's 512 values), 4 rows a program (8 for the wide gate|up and LM-head shapes)."""
-    if n >= 8 * k:
+    """(BLOCK_N, BLOCK_K, num_warps), from `scripts/bench_gemv.py --fp8` on the H200 at the 7B
+    geometry (every layer's weights, six configurations; BENCHMARKS.md):
+    - the gated down projection: 8 rows of 1,024 codes (its SiLU x up input, 4 bytes a column,
+      shared by more rows), 0.66 of the copy bandwidth against 0.59 with 4 rows;
+    - outputs wider than the input (gate|up, q|k|v): 8 rows of 512, 0.88 and 0.51 (against 0.76, 0.48);
+    - square ones (o): 4 rows of 1,024, 0.59 (the most programs per SM)."""
+    if gated:
         return 8, 1024, 4
+    if n > k:
+        return 8, 512, 4
     return 4, 1024, 4
 
 
@@ -117,7 +144,77 @@ def gemv_fp8(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, group: in
         x, data, scale, bias if bias is not None else scale, out, n, k, scale.shape[1], data.stride(0),
         scale.stride(0),
         GATED=gated, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_K=group_k,
-        PER_ROW=per_row, EVEN_K=k % block_k == 0, num_warps=warps)
+        PER_ROW=per_row, EVEN_K=k % block_k == 0, num_warps=warps,
+        **pdl.launch(x, early=not (gated and k >= 16384)))
+    return out
+
+
+# ---- Triton: a few rows (verification windows, small decode batches) -------------------------------
+ROWS_MAX = 16  # up to this many rows one program's tile covers them all (BLOCK_M)
+
+
+@triton.jit
+def _rows_fp8_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
+    M, N, K,
+    sx, sw, ss, so,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PER_ROW: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    m = tl.arange(0, BLOCK_M)
+    mmask = m < M
+    k = tl.arange(0, BLOCK_K)
+    dt = out_ptr.dtype.element_ty
+    rows = w_ptr + n[:, None].to(tl.int64) * sw
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + k
+        if EVEN_K:
+            w = tl.load(rows + kk[None, :], mask=nmask[:, None], other=0.0)
+            xv = tl.load(x_ptr + m[:, None] * sx + kk[None, :], mask=mmask[:, None], other=0.0)
+        else:
+            kmask = kk < K
+            w = tl.load(rows + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            xv = tl.load(x_ptr + m[:, None] * sx + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        # the codes exactly in the input's dtype (every e4m3 value is a bf16/fp16 value), float32 sums
+        part = tl.dot(xv, tl.trans(w.to(tl.float32).to(xv.dtype)), out_dtype=tl.float32)
+        if PER_ROW:
+            acc += part
+        else:  # one scale per row and BLOCK_K columns (the group)
+            acc += part * tl.load(s_ptr + n * ss + k0 // BLOCK_K, mask=nmask, other=0.0)[None, :]
+    if PER_ROW:
+        acc = acc * tl.load(s_ptr + n * ss, mask=nmask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + m[:, None] * so + n[None, :], acc.to(dt), mask=mmask[:, None] & nmask[None, :])
+
+
+def rows_config(group: int, per_row: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the few-row kernel: BLOCK_K is the group for
+    group-wise scales."""
+    return 64, 128 if per_row else group, 4, 4
+
+
+def gemm_fp8_rows(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, group: int,
+                  bias: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """fp8_linear_ref (weight-only: the input is not quantized) for 1 to ROWS_MAX rows in one pass
+    over the codes: each program streams BLOCK_N rows of W once for every input row, on the tensor
+    cores (the codes converted exactly to the input's dtype). torch._scaled_mm at a verification
+    window's 5-9 rows read the 72B weights at about half the copy bandwidth (BENCHMARKS.md)."""
+    mrows, k = x.shape
+    n = data.shape[0]
+    assert 1 <= mrows <= ROWS_MAX and x.stride(-1) == 1 and data.shape[1] == k and data.stride(1) == 1
+    per_row = scale.shape[1] == 1
+    block_n, block_k, warps, stages = config or rows_config(group, per_row)
+    assert per_row or block_k == group, f"group-wise scales need BLOCK_K = group ({group})"
+    out = torch.empty(mrows, n, dtype=x.dtype, device=x.device)
+    _rows_fp8_kernel[(triton.cdiv(n, block_n),)](
+        x, data, scale, bias if bias is not None else scale, out, mrows, n, k,
+        x.stride(0), data.stride(0), scale.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=ROWS_MAX, BLOCK_N=block_n, BLOCK_K=block_k, PER_ROW=per_row,
+        EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages)
     return out
 
 

@@ -216,3 +216,50 @@ def test_fp8_one_row_kernel_in_the_interpreter(gated, blocks):
     y = gemv_fp8(x, q.data, q.scale, q.group, bias, gated=gated, config=(8, 256, 4))
     ref = fp8_linear_ref(x, q.data, q.scale, q.group, bias, gated=gated)
     assert torch.allclose(y, ref, rtol=1e-5, atol=1e-6), (y - ref).abs().max()
+
+
+@pytest.mark.parametrize("blocks", [False, True])
+def test_fp8_few_row_kernel_in_the_interpreter(blocks):
+    """The few-row FP8 kernel (verification windows) under Triton's interpreter: 2, 7 and 16 rows,
+    per-row and per-(row, 128 columns) scales, a bias, a ragged K; weight-only, as the reference."""
+    from docproc.models.quant import from_blocks
+    from kernels.fp8 import fp8_linear_ref, gemm_fp8_rows
+
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter runs on CPU tensors")
+    g = torch.Generator().manual_seed(5)
+    n, k = 72, 320
+    if blocks:
+        codes = (torch.randn(n, k, generator=g) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
+        q = from_blocks(codes, torch.rand(1, 3, generator=g) * 1e-3 + 1e-4, (128, 128))
+    else:
+        q = quantize(torch.randn(n, k, generator=g) * 0.02)
+    bias = torch.randn(n, generator=g)
+    for rows in (2, 7, 16):
+        x = torch.randn(rows, k, generator=g)
+        want = fp8_linear_ref(x, q.data, q.scale, q.group, bias)
+        got = gemm_fp8_rows(x, q.data, q.scale, q.group, bias, config=(32, 128 if not blocks else 128, 4, 2))
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+@pytest.mark.parametrize("blocks", [False, True])
+def test_fp8_few_row_kernel_on_cuda(blocks):
+    """fp8_linear for 2-16 rows on CUDA (the few-row kernel) against the weight-only reference, at
+    a 7B layer's shapes."""
+    from docproc.models.quant import fp8_linear, quantize_blocks
+    from kernels.fp8 import fp8_linear_ref
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n, k, bias in ((4608, 3584, True), (3584, 18944, False)):
+        w = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
+        q = quantize_blocks(w, (128, 128)) if blocks else quantize(w)
+        b = torch.randn(n, device="cuda", generator=g, dtype=torch.bfloat16) if bias else None
+        for rows in (2, 5, 9, 16):
+            x = torch.randn(rows, k, device="cuda", generator=g, dtype=torch.bfloat16)
+            want = fp8_linear_ref(x, q.data, q.scale, q.group, b).float()
+            got = fp8_linear(x, q, b).float()
+            err = ((got - want).abs().max() / want.abs().max()).item()
+            assert err < 1e-2, (n, k, rows, err)

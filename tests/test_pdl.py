@@ -242,11 +242,11 @@ def test_pdl_kernels_wait_before_reading_activations(pdl_mode):
     res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
                          timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "checked 6 kernels" in res.stdout
+    assert "checked 8 kernels" in res.stdout
 
 
 def _check_load_order(pdl_mode: int) -> None:
-    from kernels import fused, gemv, paged_attention as pa
+    from kernels import fp8, fused, gemv, paged_attention as pa
 
 
     ints = {n: "*i32" for n in ("tile_seq_ptr", "tile_tok_ptr", "tile_nq_ptr", "tile_pos_ptr", "table_ptr")}
@@ -259,9 +259,14 @@ def _check_load_order(pdl_mode: int) -> None:
         (pa._paged_attn_kernel, dict(GROUP=7, TOKENS=1, BLOCK_M=16, BLOCK_N=32, HALF=64, SPLIT=True, DOT_FP32=False),
          set(), 2),
         (pa._combine_kernel, dict(GROUP=7, TOKENS=1, BLOCK_M=16, HALF=64, BLOCK_D=32, CHUNK=8), set(), 3),
+        # the FP8 one-row kernel: per-row scales, and group-wise (block-wise checkpoints) gated
+        (fp8._gemv_fp8_kernel, dict(GATED=False, HAS_BIAS=True, BLOCK_N=4, BLOCK_K=1024, GROUP_K=1024, PER_ROW=True,
+                                    EVEN_K=True), {"w_ptr"}, 3, dict(w_ptr="*fp8e4nv", s_ptr="*fp32")),
+        (fp8._gemv_fp8_kernel, dict(GATED=True, HAS_BIAS=False, BLOCK_N=4, BLOCK_K=256, GROUP_K=128, PER_ROW=False,
+                                    EVEN_K=False), {"w_ptr", "s_ptr"}, 3, dict(w_ptr="*fp8e4nv", s_ptr="*fp32")),
     ]
-    for fn, meta, weights, stages in cases:
-        ptx = _ptx(fn, {**meta, "PDL": pdl_mode}, ints, num_stages=stages)
+    for fn, meta, weights, stages, *types in cases:
+        ptx = _ptx(fn, {**meta, "PDL": pdl_mode}, {**ints, **(types[0] if types else {})}, num_stages=stages)
         params = [n for n in fn.arg_names if n not in meta and n != "PDL"]
         early = [{a for a in r if a.endswith("_ptr")} for r in _loads_before_wait(ptx, params)]  # pointers only
         assert all(r <= weights for r in early), (fn.__name__, meta, early)

@@ -40,6 +40,13 @@ def warm_fused(runner) -> float:
         else:
             gemv(gate_up, mlp.down_weight, gated=True)
         gemv(x1, text.lm_head.weight)
+        if isinstance(mlp.down_weight, Fp8Weight):  # the few-row FP8 kernel of verification windows
+            x2 = torch.zeros(2, tc.hidden_size, dtype=runner.dtype, device=runner.device)
+            project(x2, att.qkv_weight, att.qkv_bias)
+            project(torch.zeros(2, att.o_proj.in_features, dtype=runner.dtype, device=runner.device), att.o_weight)
+            project(x2, mlp.gate_up_weight)
+            fp8_linear(torch.zeros(2, 2 * tc.intermediate_size, dtype=runner.dtype, device=runner.device),
+                       mlp.down_weight, gated=True)
     if getattr(runner.model.vision, "fast_attention", False):  # the vision tower's (kernels/vision_fused.py)
         from kernels.vision_fused import quick_gelu, vision_rotary_qk
 

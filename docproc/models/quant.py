@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels.gemv as kernels_gemv
-from kernels.fp8 import FP8, FP8_MAX, dequantize_ref, gemv_fp8, quantize_rows, scaled_mm
+from kernels.fp8 import FP8, FP8_MAX, ROWS_MAX, dequantize_ref, gemm_fp8_rows, gemv_fp8, quantize_rows, scaled_mm
 
 QUANTIZATION_METHODS = ("fp8",)
 LOAD_FORMATS = ("auto", "dummy")
@@ -95,14 +95,20 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> Fp8Weight:
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
                gated: bool = False) -> torch.Tensor:
-    """x W^T (+ bias): on CUDA one row through the FP8 one-row kernel, several rows through the
-    FP8 tensor cores (per-row weights) or, for block-wise weights, the dequantized product; on
-    CPU the dequantized product (weight-only reference semantics)."""
+    """x W^T (+ bias): on CUDA one row through the FP8 one-row kernel, up to ROWS_MAX rows (a
+    verification window, a small batch) through the few-row kernel (the codes read once,
+    weight-only), more rows through the FP8 tensor cores with the input quantized per token
+    (per-row weights) or, for block-wise weights, the dequantized product; on CPU the dequantized
+    product (weight-only reference semantics)."""
     if x.is_cuda and kernels_gemv.ENABLED and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1:
         return gemv_fp8(x, w.data, w.scale, w.group, bias, gated=gated)
     if gated:
         gate, up = x.chunk(2, dim=-1)
         x = torch.nn.functional.silu(gate) * up
+    if (x.is_cuda and kernels_gemv.ENABLED and x.dim() == 2 and x.shape[0] <= ROWS_MAX and x.stride(-1) == 1
+            and (w.per_channel or (w.group >= 16 and w.group & (w.group - 1) == 0))):
+        # a verification window or a small batch: the codes read once for all rows (weight-only)
+        return gemm_fp8_rows(x, w.data, w.scale, w.group, bias)
     if x.is_cuda and w.per_channel and w.act_quant and x.dtype == torch.bfloat16 and x.shape[-1] % 16 == 0 \
             and w.shape[0] % 16 == 0:
         lead = x.shape[:-1]
