@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -194,7 +197,54 @@ def load_model(folder: str | Path, device: torch.device, dtype: torch.dtype, qua
                        scheme.method if scheme is not None else None)
 
 
+class _Hasher:
+    """The weights' SHA-256 digests (the model fingerprint), computed on a pool of threads while
+    the loading thread copies the tensors to the device (hashlib releases the GIL: single-threaded,
+    hashing 15 GB of 7B weights took longer than reading and copying them). At most `window`
+    tensors wait at once, so slices made for the hash are not all held together."""
+
+    def __init__(self, window: int = 64) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=max(1, min(8, (os.cpu_count() or 1))),
+                                       thread_name_prefix="docproc-hash")
+        self.window = window
+        self.pending: deque[tuple[dict, str, Future]] = deque()
+
+    def add(self, into: dict, name: str, *tensors: torch.Tensor) -> None:
+        while len(self.pending) >= self.window:
+            self._settle()
+        self.pending.append((into, name, self.pool.submit(_sha256, tensors)))
+
+    def _settle(self) -> None:
+        into, name, fut = self.pending.popleft()
+        into[name] = fut.result()
+
+    def finish(self) -> None:
+        try:
+            while self.pending:
+                self._settle()
+        finally:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _sha256(tensors: tuple[torch.Tensor, ...]) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(_tensor_bytes(t))
+    return h.hexdigest()
+
+
 def _fill_from_files(folder, text, vision, fp8_modules, scheme, device, dtype, cfg) -> dict:
+    hasher = _Hasher()
+    try:
+        digests = _fill_files(folder, text, vision, fp8_modules, scheme, device, dtype, cfg, hasher)
+    finally:
+        hasher.finish()
+    if scheme is not None and scheme.method == "online":
+        digests["text"]["quantization"] = "fp8-per-channel"  # other weights than the checkpoint's
+    return digests
+
+
+def _fill_files(folder, text, vision, fp8_modules, scheme, device, dtype, cfg, hasher: _Hasher) -> dict:
     from safetensors import safe_open
 
     files = weight_files(folder)
@@ -239,14 +289,14 @@ def _fill_from_files(folder, text, vision, fp8_modules, scheme, device, dtype, c
                             f"{folder}: unexpected weight {key!r} (no parameter {name} in the {comp} model)")
                     t = _text_share(cfg, name, sf.get_slice(key)) if comp == "text" else sf.get_tensor(key)
                     _copy_param(folder, key, params[name], t)
-                    digests[_which(comp, name)][name] = hashlib.sha256(_tensor_bytes(t)).hexdigest()
+                    hasher.add(digests[_which(comp, name)], name, t)
                     loaded.add((comp, name))
                     continue
                 entry = staged[(comp, module)]
                 if "weight" in entry and ("scale" in entry or entry["weight"].dtype != torch.float8_e4m3fn):
                     staged.pop((comp, module))
                     _place(folder, comp, module, entry, text_params, vision_params, fp8_modules, scheme,
-                           device, dtype, digests)
+                           device, dtype, digests, hasher)
                     loaded.add((comp, module + ".weight"))
     for (comp, module), entry in staged.items():
         what = f"its scale ({scale_key})" if "weight" in entry else "its codes (weight)"
@@ -260,8 +310,6 @@ def _fill_from_files(folder, text, vision, fp8_modules, scheme, device, dtype, c
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"{folder}: weights missing from the checkpoint: {', '.join(missing[:5])}{more}")
-    if scheme is not None and scheme.method == "online":
-        digests["text"]["quantization"] = "fp8-per-channel"  # other weights than the checkpoint's
     return digests
 
 
@@ -308,7 +356,7 @@ def _copy_param(folder, key: str, p: torch.Tensor, t: torch.Tensor) -> None:
 
 
 def _place(folder, comp, module, entry, text_params, vision_params, fp8_modules, scheme, device, dtype,
-           digests) -> None:
+           digests, hasher: _Hasher) -> None:
     """One product's weight, from its codes and scale (or a float weight): an FP8 weight for the
     language model's products, dequantized into the parameter anywhere else."""
     w = entry["weight"]
@@ -316,10 +364,7 @@ def _place(folder, comp, module, entry, text_params, vision_params, fp8_modules,
     if w.dtype in (torch.float8_e5m2, getattr(torch, "float8_e4m3fnuz", None), getattr(torch, "float8_e5m2fnuz", None)):
         raise CheckpointError(f"{folder}: weight {comp}:{name} is {str(w.dtype).removeprefix('torch.')}: docproc reads "
                               f"float8_e4m3fn weights only")
-    digest = hashlib.sha256(_tensor_bytes(w))
-    if "scale" in entry:
-        digest.update(_tensor_bytes(entry["scale"]))
-    digests[_which(comp, name)][name] = digest.hexdigest()
+    hasher.add(digests[_which(comp, name)], name, w, *([entry["scale"]] if "scale" in entry else []))
     if w.dtype == torch.float8_e4m3fn:
         try:
             q = (from_blocks(w, entry["scale"], scheme.block) if scheme.method == "fp8"
