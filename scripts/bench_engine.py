@@ -156,6 +156,9 @@ def flops(llm: LLM, image_tokens: int, patches: int, prompt_tokens: int, new_tok
 
 # ---- ours and transformers ----------------------------------------------------------------------------
 def ours(folder: Path, args, **kw) -> LLM:
+    # --quantization applies to the target (the engine leaves a draft in its checkpoint's format);
+    # --load-format dummy draws every model's weights from its config.json (sizes no disk holds)
+    kw = {"quantization": args.quantization, "load_format": args.load_format, **kw}
     return LLM(str(folder), device=args.device, dtype=args.dtype, gpu_memory_utilization=args.gpu_util,
                max_num_batched_tokens=args.batched_tokens, image_prefetch_workers=args.prefetch_workers, **kw)
 
@@ -412,8 +415,11 @@ def part_b(folder: Path, args, env: dict) -> dict:
     reqs = [request(1000 + i, QUESTIONS[j % len(QUESTIONS)], args) for i in range(d) for j in range(q)]
     sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     res: dict = {"documents": d, "queries_per_document": q, "new_tokens": n}
-    for kv in args.kv:
-        llm = ours(folder, args, kv_cache_dtype=kv)
+    # --b-weights model,fp8: the checkpoint's weights and FP8 quantized at load, each with every KV format
+    runs = [(w, kv) for w in args.b_weights for kv in args.kv]
+    for w, kv in runs:
+        llm = ours(folder, args, kv_cache_dtype=kv, **({"quantization": "fp8"} if w == "fp8" else {}))
+        key = kv if w == "model" else f"fp8w_{kv}"
         llm.generate([request(7, QUESTIONS[0], args)], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         sync(args.device)
         before = llm.cache_info()
@@ -448,7 +454,7 @@ def part_b(folder: Path, args, env: dict) -> dict:
         image_tokens = patches // llm.processor.merge_size ** 2
         f = flops(llm, image_tokens, patches, m.num_prompt_tokens, n, q)
         roofline_pages = env["matmul_flops"] / f["total"]
-        res[f"ours_{kv}"] = {"seconds": round(dt, 3), "pages_per_s": round(d / dt, 3),
+        res[f"ours_{key}"] = {"seconds": round(dt, 3), "pages_per_s": round(d / dt, 3),
                              "tokens_per_s": round(d * q * n / dt, 1),
                              "cached_prompt_tokens": sum(o.metrics.num_cached_tokens for o in outs),
                              "preemptions": llm.cache_info()["num_preemptions"],
@@ -458,27 +464,35 @@ def part_b(folder: Path, args, env: dict) -> dict:
                                                 "inline": llm.runner.prefetcher.num_inline},
                              "first_use": first_use, "second_pass": second,
                              "kernel_warmup_seconds": before["kernel_warmup_seconds"],
-                             "kernel_warmup_compiles": before["kernel_warmup_compiles"]}
+                             "kernel_warmup_compiles": before["kernel_warmup_compiles"],
+                             "weights_fp8": before["weights_fp8"], "weight_bytes": before["weight_bytes"]}
         res["flops_per_page"] = f
         res["compute_roofline_pages_per_s"] = round(roofline_pages, 3)
-        if kv == args.kv[0]:
+        first = (w, kv) == runs[0]
+        if first and not args.no_vision_backends:
             res["vision_tower_sdpa_backends"] = vision_backends(llm, args, f["vision"], pages=1 if args.small else 4,
                                                                 repeats=1 if args.small else 3)
-        if args.profile_docs and kv == args.kv[0]:
+        if args.profile_docs and first:
             # where the offline batch's time goes: fresh documents (nothing cached), profiled
             preqs = [request(5000 + i, QUESTIONS[j % len(QUESTIONS)], args)
                      for i in range(args.profile_docs) for j in range(q)]
             res[f"profile_{kv}"] = {"documents": args.profile_docs,
                                     **profile_summary(lambda: llm.generate(preqs, sp), args.device)}
-        if args.host_profile_docs and kv == args.kv[0]:
+        if args.host_profile_docs and first:
             hreqs = [request(7000 + i, QUESTIONS[j % len(QUESTIONS)], args)
                      for i in range(args.host_profile_docs) for j in range(q)]
             res[f"host_profile_{kv}"] = {"documents": args.host_profile_docs,
                                          **host_profile(lambda: (llm.generate(hreqs, sp), sync(args.device)))}
-        if kv == args.kv[0]:
+        if first and not args.no_transformers:
             inputs_all = [hf_batch(llm, reqs[i:i + b], args.device) for b in args.hf_batches for i in [0]]
         del llm
         free()
+    if "fp8" in args.b_weights and "model" in args.b_weights:
+        for kv in args.kv:
+            res[f"fp8w_vs_model_{kv}_pages_per_s"] = round(res[f"ours_fp8w_{kv}"]["second_pass"]["pages_per_s"]
+                                                            / res[f"ours_{kv}"]["second_pass"]["pages_per_s"], 3)
+    if args.no_transformers:
+        return res
     model = hf_model(folder, args)
     best = None
     for b, inputs in zip(args.hf_batches, inputs_all):
@@ -500,8 +514,9 @@ def part_b(folder: Path, args, env: dict) -> dict:
     free()
     if best:
         res["transformers_best"] = {"batch": best[0], "tokens_per_s": round(best[1], 1)}
-        for kv in args.kv:
-            res[f"ours_{kv}"]["speedup_vs_transformers_best"] = round(res[f"ours_{kv}"]["tokens_per_s"] / best[1], 2)
+        for w, kv in runs:
+            r = res[f"ours_{kv}" if w == "model" else f"ours_fp8w_{kv}"]
+            r["speedup_vs_transformers_best"] = round(r["tokens_per_s"] / best[1], 2)
     return res
 
 
@@ -544,6 +559,23 @@ def paired(plain_s: list[float], spec_s: list[float]) -> dict:
             "paired_seconds": [[round(p, 6), round(q, 6)] for p, q in zip(plain_s, spec_s)]}
 
 
+@contextlib.contextmanager
+def draft_detached(llm: LLM):
+    """The speculative engine as a plain one: the same target runner, graphs and KV pool, its
+    draft out of every step (for targets two copies of which do not fit the device)."""
+    spec, llm.speculator = llm.speculator, None
+    try:
+        yield llm
+    finally:
+        llm.speculator = spec
+
+
+def set_k(llm: LLM, k) -> None:
+    """A fixed K (at most the engine's k_max of 8) or the adaptive policy, on one engine."""
+    pol = llm.speculator.policy
+    pol.fixed, pol.k_max = (False, 8) if k == "auto" else (True, int(k))
+
+
 def part_c(folder: Path, draft: Path, args, env: dict) -> dict:
     """Speculation with controlled acceptance. The plain engine stays loaded beside each
     speculative engine (one per K) and the two alternate, pass by pass, for every batch size and
@@ -555,14 +587,32 @@ def part_c(folder: Path, draft: Path, args, env: dict) -> dict:
     sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     warm = [request(5, QUESTIONS[0], args)]
     batches = {b: [request(2000 + i, QUESTIONS[i % len(QUESTIONS)], args) for i in range(b)] for b in args.spec_batches}
-    plain = ours(folder, args, kv_cache_memory_bytes=args.spec_kv_bytes)
+    one = args.spec_one_engine
+    if one:
+        if any(k != "auto" and k > 8 for k in args.spec_k):
+            raise ValueError("--spec-one-engine takes fixed K values up to 8 (the adaptive engine's k_max)")
+        res["baseline"] = "the speculative engine with its draft detached (one target on the device)"
+        shared = ours(folder, args, speculative_model=str(draft), num_speculative_tokens="auto",
+                      kv_cache_memory_bytes=args.spec_kv_bytes)
+        res["engine"] = {k: v for k, v in shared.cache_info().items()
+                         if k in ("weights_fp8", "weight_bytes", "load_seconds", "kernel_warmup_seconds")}
+        plain_cm = draft_detached(shared)
+        plain = plain_cm.__enter__()
+    else:
+        plain = ours(folder, args, kv_cache_memory_bytes=args.spec_kv_bytes)
     plain.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True))
     base_all: dict[int, list[float]] = {b: [] for b in batches}
     for reqs in batches.values():
         plain.generate(reqs, sp)  # prompts cached, graphs of every batch size captured
+    if one:
+        plain_cm.__exit__(None, None, None)
     for k in args.spec_k:
-        llm = ours(folder, args, speculative_model=str(draft), num_speculative_tokens=k,
-                   kv_cache_memory_bytes=args.spec_kv_bytes)
+        if one:
+            llm = shared
+            set_k(llm, k)
+        else:
+            llm = ours(folder, args, speculative_model=str(draft), num_speculative_tokens=k,
+                       kv_cache_memory_bytes=args.spec_kv_bytes)
         llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True))
         for b, reqs in batches.items():
             llm.generate(reqs, SamplingParams(max_tokens=2, ignore_eos=True))  # prompts cached, as for plain
@@ -587,7 +637,11 @@ def part_c(folder: Path, draft: Path, args, env: dict) -> dict:
                     ctl.close()
                 plain_s, spec_s = [], []
                 for _ in range(args.spec_repeats):  # the same acceptance pattern each time
-                    plain_s.append(timed(plain, reqs, sp, args.device)[0])
+                    if one:
+                        with draft_detached(llm):
+                            plain_s.append(timed(llm, reqs, sp, args.device)[0])
+                    else:
+                        plain_s.append(timed(plain, reqs, sp, args.device)[0])
                     ctl = ControlledAcceptance(a, seed=seed)
                     try:
                         dt, outs = timed(llm, reqs, sp, args.device)
@@ -615,13 +669,16 @@ def part_c(folder: Path, draft: Path, args, env: dict) -> dict:
                     row["analytic_speedup_with_r"] = round(expected_tokens(a, k) / (1 + k * (c + r)), 3)
                 res["runs"].append(row)
                 print(json.dumps(row), flush=True)
-        del llm
-        free()
+        if not one:
+            del llm
+            free()
     for b, times in base_all.items():
         if times:
             best = min(times)
             res["baselines"][str(b)] = {"seconds": round(best, 3), "median_seconds": round(statistics.median(times), 3),
                                         "tokens_per_s": round(b * n / best, 1)}
+    if one:
+        del shared
     del plain
     free()
     return res
@@ -700,6 +757,12 @@ def main() -> None:
                     help="part c: greedy draft rounds chained on the device (on), a sync per round (off), "
                          "or both, alternated on the same engine (on,off)")
     ap.add_argument("--spec-new-tokens", type=int, default=128)
+    ap.add_argument("--spec-one-engine", action="store_true",
+                    help="part c: one speculative engine for every K, its baseline the same engine with the draft "
+                         "detached (a 72B target fits the device once)")
+    ap.add_argument("--quantization", default=None, choices=(None, "fp8"), help="the target's weights (parts a-d)")
+    ap.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                    help="dummy: every model's weights drawn from its config.json (no checkpoint written)")
     ap.add_argument("--spec-reset-acceptance", action="store_true",
                     help="part c: the adaptive policy forgets the acceptance it saw before each (batch, a)")
     ap.add_argument("--spec-repeats", type=int, default=5,
@@ -726,10 +789,16 @@ def main() -> None:
     ap.add_argument("--max-pixels", type=int, default=28 * 28 * 1280,
                     help="the random checkpoints' image pixel cap (1,280 tokens a page by default); with a larger "
                          "--page-w/--page-h, a long context (part a at 28*28*16384 and a 3584x3584 page: 16k tokens)")
-    ap.add_argument("--no-transformers", action="store_true", help="part a: ours only (no transformers run)")
+    ap.add_argument("--no-transformers", action="store_true", help="parts a, b: ours only (no transformers run)")
+    ap.add_argument("--b-weights", default="model",
+                    help="part b: model (the checkpoint's weights, or --quantization), fp8 (quantized at load), or both")
+    ap.add_argument("--no-vision-backends", action="store_true", help="part b: skip the vision tower's SDPA probe")
     ap.add_argument("--small", action="store_true", help="CPU check: tiny sizes everywhere")
     a = ap.parse_args()
     a.kv = a.kv.split(",")
+    a.b_weights = a.b_weights.split(",")
+    if not set(a.b_weights) <= {"model", "fp8"}:
+        ap.error(f"--b-weights takes model, fp8 or model,fp8, not {a.b_weights}")
     a.hf_batches = [int(x) for x in a.hf_batches.split(",")]
     a.spec_batches = [int(x) for x in a.spec_batches.split(",")]
     a.spec_k = [x if x == "auto" else int(x) for x in a.spec_k.split(",")]
@@ -761,7 +830,8 @@ def main() -> None:
 
     def model(geometry: str, seed: int = 0) -> Path:
         if geometry not in folders:
-            folders[geometry] = make_model(work / geometry, geometry=geometry, seed=seed, **mk)
+            folders[geometry] = make_model(work / geometry, geometry=geometry, seed=seed,
+                                           weights=a.load_format != "dummy", **mk)
             free()
         return folders[geometry]
 

@@ -93,6 +93,9 @@ def main() -> None:
     ap.add_argument("--configs", default="8x512x4,4x512x4,16x256x4,8x1024x8,4x256x2",
                     help="BLOCK_N x BLOCK_K x warps of the Triton GEMV to time")
     ap.add_argument("--chain", action="store_true", help="time the dependent chain, PDL on and off (above)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="per-row FP8 weights: kernels/fp8.gemv_fp8 for each config against torch._scaled_mm "
+                         "(the several-row path, its input quantized per token)")
     a = ap.parse_args()
     dt = torch.bfloat16
     bw = copy_bandwidth()
@@ -107,32 +110,65 @@ def main() -> None:
         fn, cfgs, default = gemv, configs, default_config
         t, h, inter, layers, nqkv, W, w = layer_weights(geo, dt)
         head = w(t["vocab_size"], h)
+        lin = torch.nn.functional.linear
+        if a.fp8:  # the engine's FP8 layout: codes + one float32 scale per output row; the LM head stays bf16
+            from kernels.fp8 import default_config as fp8_default, fp8_linear_ref, gemv_fp8, scaled_mm
+            from docproc.models.quant import quantize
+
+            key = geo + "_fp8"
+            W = [{n: (quantize(v) if v.dim() == 2 else v) for n, v in L.items()} for L in W]
+            default = fp8_default
+
+            def fn(x, q, bias=None, gated=False, config=None):
+                if not hasattr(q, "scale"):  # the bf16 LM head
+                    return gemv(x, q, bias, gated=gated, config=config)
+                return gemv_fp8(x, q.data, q.scale, q.group, bias, gated=gated, config=config)
+
+            def lin(x, q, bias=None):
+                return lin_bf16(x, q, bias) if not hasattr(q, "scale") else scaled_mm(x, q.data, q.scale, bias)
+
+            lin_bf16 = torch.nn.functional.linear
+
+            def ref_check(x, q, bias=None):
+                if not hasattr(q, "scale"):
+                    return lin_bf16(x, q, bias)
+                return fp8_linear_ref(x, q.data, q.scale, q.group, bias)
         x = torch.randn(rows, h, device="cuda", dtype=dt)
         xgu = torch.randn(rows, 2 * inter, device="cuda", dtype=dt)
+        wb = 1 if a.fp8 else 2  # bytes a weight (FP8: codes; their row scales are 4 bytes a row more)
+        sb = 4 if a.fp8 else 0
         ops = {  # name -> (cuBLAS step, gemv step(config), bytes)
-            "qkv": (lambda: [torch.nn.functional.linear(x, L["qkv"], L["qkv_b"]) for L in W],
-                    lambda c: [fn(x, L["qkv"], L["qkv_b"], config=c) for L in W], layers * nqkv * h * 2),
-            "o": (lambda: [torch.nn.functional.linear(x, L["o"]) for L in W],
-                  lambda c: [fn(x, L["o"], config=c) for L in W], layers * h * h * 2),
-            "gate_up": (lambda: [torch.nn.functional.linear(x, L["gu"]) for L in W],
-                        lambda c: [fn(x, L["gu"], config=c) for L in W], layers * 2 * inter * h * 2),
-            "silu_down": (lambda: [torch.nn.functional.linear(silu_mul(xgu), L["down"]) for L in W],
-                          lambda c: [fn(xgu, L["down"], gated=True, config=c) for L in W], layers * h * inter * 2),
-            "lm_head": (lambda: torch.nn.functional.linear(x, head),
+            "qkv": (lambda: [lin(x, L["qkv"], L["qkv_b"]) for L in W],
+                    lambda c: [fn(x, L["qkv"], L["qkv_b"], config=c) for L in W], layers * nqkv * (h * wb + sb)),
+            "o": (lambda: [lin(x, L["o"]) for L in W],
+                  lambda c: [fn(x, L["o"], config=c) for L in W], layers * h * (h * wb + sb)),
+            "gate_up": (lambda: [lin(x, L["gu"]) for L in W],
+                        lambda c: [fn(x, L["gu"], config=c) for L in W], layers * 2 * inter * (h * wb + sb)),
+            "silu_down": (lambda: [lin(silu_mul(xgu), L["down"]) for L in W],
+                          lambda c: [fn(xgu, L["down"], gated=True, config=c) for L in W], layers * h * (inter * wb + sb)),
+            "lm_head": (lambda: lin(x, head),
                         lambda c: fn(x, head, config=c), head.numel() * 2),
         }
+        checks = {"qkv": lambda: ref_check(x, W[0]["qkv"], W[0]["qkv_b"]), "o": lambda: ref_check(x, W[0]["o"]),
+                  "gate_up": lambda: ref_check(x, W[0]["gu"]), "silu_down": lambda: ref_check(silu_mul(xgu), W[0]["down"]),
+                  "lm_head": lambda: ref_check(x, head)} if a.fp8 else {}
         # the outputs agree (bf16 rounding of float32 sums in another order)
         for name, (ref, ours, _) in ops.items():
-            r, o = ref(), ours(None)
-            r, o = (r[0], o[0]) if isinstance(r, list) else (r, o)
+            r, o = (checks[name]() if a.fp8 else ref()), ours(None)
+            r, o = (r[0] if isinstance(r, list) else r), (o[0] if isinstance(o, list) else o)
             err = ((r.float() - o.float()).abs().max() / r.float().abs().max()).item()
             assert err < 2e-2, (geo, name, err)
         out = {}
         total = {"cublas": 0.0}
         for name, (ref, ours, nbytes) in ops.items():
-            row = {"bytes": nbytes, "cublas_us": round(graph_us(ref), 2)}
-            row["cublas_bw"] = round(nbytes / (row["cublas_us"] * 1e-6) / bw, 3)
-            total["cublas"] += row["cublas_us"]
+            row = {"bytes": nbytes}
+            try:
+                row["cublas_us"] = round(graph_us(ref), 2)
+                row["cublas_bw"] = round(nbytes / (row["cublas_us"] * 1e-6) / bw, 3)
+                total["cublas"] += row["cublas_us"]
+            except RuntimeError as e:  # _scaled_mm refuses some one-row shapes
+                row["cublas"] = f"failed: {str(e)[:120]}"
+
             for c in cfgs + [None]:
                 name_c = "gemv_default" if c is None else "gemv_" + "x".join(str(v) for v in c)
                 try:
