@@ -194,23 +194,28 @@ def test_fp8_tensor_core_product_matches_the_reference_within_activation_roundin
     assert rel < 0.05, rel  # the input's per-token FP8 rounding: ~2-3% relative for random data
 
 
+def _small_fp8_weight(n: int, k: int, blocks: bool, g: torch.Generator) -> Fp8Weight:
+    """A small FP8 weight for the interpreter tests: per-row scales, or 128 x 128 blocks."""
+    from docproc.models.quant import from_blocks
+
+    if blocks:
+        codes = (torch.randn(n, k, generator=g) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
+        return from_blocks(codes, torch.rand(-(-n // 128), -(-k // 128), generator=g) * 1e-3 + 1e-4, (128, 128))
+    return quantize(torch.randn(n, k, generator=g) * 0.02)
+
+
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("blocks", [False, True])
 def test_fp8_one_row_kernel_in_the_interpreter(gated, blocks):
     """The one-row FP8 kernel at small sizes under Triton's interpreter (the GPU test above takes
     the real shapes): per-row and per-(row, 128 columns) scales, plain and gated, a ragged K."""
-    from docproc.models.quant import from_blocks
     from kernels.fp8 import fp8_linear_ref, gemv_fp8
 
     if torch.cuda.is_available():
         pytest.skip("the interpreter runs on CPU tensors")
     g = torch.Generator().manual_seed(3)
     n, k = 40, 320
-    if blocks:
-        codes = (torch.randn(n, k, generator=g) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
-        q = from_blocks(codes, torch.rand(1, 3, generator=g) * 1e-3 + 1e-4, (128, 128))
-    else:
-        q = quantize(torch.randn(n, k, generator=g) * 0.02)
+    q = _small_fp8_weight(n, k, blocks, g)
     x = torch.randn(1, 2 * k if gated else k, generator=g)
     bias = torch.randn(n, generator=g)
     y = gemv_fp8(x, q.data, q.scale, q.group, bias, gated=gated, config=(8, 256, 4))
@@ -222,23 +227,18 @@ def test_fp8_one_row_kernel_in_the_interpreter(gated, blocks):
 def test_fp8_few_row_kernel_in_the_interpreter(blocks):
     """The few-row FP8 kernel (verification windows) under Triton's interpreter: 2, 7 and 16 rows,
     per-row and per-(row, 128 columns) scales, a bias, a ragged K; weight-only, as the reference."""
-    from docproc.models.quant import from_blocks
     from kernels.fp8 import fp8_linear_ref, gemm_fp8_rows
 
     if torch.cuda.is_available():
         pytest.skip("the interpreter runs on CPU tensors")
     g = torch.Generator().manual_seed(5)
     n, k = 72, 320
-    if blocks:
-        codes = (torch.randn(n, k, generator=g) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
-        q = from_blocks(codes, torch.rand(1, 3, generator=g) * 1e-3 + 1e-4, (128, 128))
-    else:
-        q = quantize(torch.randn(n, k, generator=g) * 0.02)
+    q = _small_fp8_weight(n, k, blocks, g)
     bias = torch.randn(n, generator=g)
     for rows in (2, 7, 16):
         x = torch.randn(rows, k, generator=g)
         want = fp8_linear_ref(x, q.data, q.scale, q.group, bias)
-        got = gemm_fp8_rows(x, q.data, q.scale, q.group, bias, config=(32, 128 if not blocks else 128, 4, 2))
+        got = gemm_fp8_rows(x, q.data, q.scale, q.group, bias, config=(32, 128, 4, 2))
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
