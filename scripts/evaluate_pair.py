@@ -96,7 +96,8 @@ def draft_agreement(docs: Path, args) -> dict:
 
 
 def speed(args, docs: Path) -> dict:
-    """Decode tokens/s of the real extraction workload, without and with the draft, at batch 1 and 16.
+    """Decode tokens/s of the real extraction workload, without and with the draft, at batch 1 and 16
+    (--speed-batches).
 
     The workload is every query of the default set on the first page of the first --speed-docs
     documents (greedy, natural answer lengths, as `docproc run` asks, with the page's SHA-256 as
@@ -119,7 +120,7 @@ def speed(args, docs: Path) -> dict:
                                             "draft_vision": "none"}}
     res: dict = {"requests": len(reqs), "documents": num_docs, "repeats": args.speed_repeats, "configs": {}}
     cuda = torch.cuda.is_available() and args.device != "cpu"
-    for b in (1, 16):
+    for b in args.speed_batches:
         # every configuration is built and warmed first, then the timed passes alternate between
         # them, so clock ramps and background noise do not favour whichever runs last
         llms = {name: LLM(args.target, device=args.device, max_num_seqs=b, kv_cache_memory_bytes=512 << 20, **kw)
@@ -318,6 +319,8 @@ def main() -> None:
     ap.add_argument("--spec-k", default="auto")
     ap.add_argument("--speed", action="store_true", help="also measure decode tokens/s with and without the draft")
     ap.add_argument("--speed-docs", type=int, default=16, help="documents in the --speed workload (x7 queries)")
+    ap.add_argument("--speed-batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 16],
+                    help="the --speed workload's batch sizes (max_num_seqs), comma-separated")
     ap.add_argument("--speed-repeats", type=int, default=3,
                     help="repeats; each times every configuration once, back to back")
     ap.add_argument("--anchor-text", action="store_true", help="also evaluate with `docproc run --anchor-text`")
