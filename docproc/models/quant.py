@@ -105,9 +105,11 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
     if gated:
         gate, up = x.chunk(2, dim=-1)
         x = torch.nn.functional.silu(gate) * up
-    if (x.is_cuda and kernels_gemv.ENABLED and x.dim() == 2 and x.shape[0] <= ROWS_MAX and x.stride(-1) == 1
+    if (x.is_cuda and kernels_gemv.ENABLED and x.dim() == 2 and 1 <= x.shape[0] <= ROWS_MAX and x.stride(-1) == 1
+            and x.dtype in (torch.bfloat16, torch.float16)
             and (w.per_channel or (w.group >= 16 and w.group & (w.group - 1) == 0))):
-        # a verification window or a small batch: the codes read once for all rows (weight-only)
+        # a verification window or a small batch: the codes read once for all rows (weight-only;
+        # 16-bit inputs only: the tensor cores would round a float32 input to TF32)
         return gemm_fp8_rows(x, w.data, w.scale, w.group, bias)
     if x.is_cuda and w.per_channel and w.act_quant and x.dtype == torch.bfloat16 and x.shape[-1] % 16 == 0 \
             and w.shape[0] % 16 == 0:
