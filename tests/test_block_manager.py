@@ -21,7 +21,7 @@ def run_prefill(bm: BlockManager, s: Sequence) -> None:
 
 
 def all_refs_zero(bm: BlockManager) -> bool:
-    return all(b.ref_count == 0 for b in bm.blocks) and bm.num_free_blocks == bm.num_blocks
+    return not any(bm.ref_counts) and bm.num_free_blocks == bm.num_blocks
 
 
 def test_allocate_and_free_returns_every_ref():
@@ -44,7 +44,7 @@ def test_prefix_hit_shares_blocks_and_counts_tokens():
     bm.allocate(b)
     assert b.num_cached_tokens == 8 and b.num_computed_tokens == 8
     assert b.block_table[:2] == a.block_table[:2]
-    assert bm.blocks[a.block_table[0]].ref_count == 2
+    assert bm.ref_counts[a.block_table[0]] == 2
     assert bm.stats.num_hit_tokens == 8 and bm.stats.num_query_tokens == 20
     bm.deallocate(a)
     bm.deallocate(b)
@@ -115,6 +115,43 @@ def test_freed_cached_blocks_are_reused_lru_and_evicted_only_when_needed():
     assert bm.stats.num_evicted_blocks > 0
     bm.deallocate(d)
     assert all_refs_zero(bm)
+
+
+def test_blocks_are_taken_freed_first_then_unused_then_cached_oldest_first():
+    bm = BlockManager(8, BS)
+    old = seq(range(8))  # 2 full blocks, cached once freed
+    run_prefill(bm, old)
+    new = seq(range(50, 58))
+    run_prefill(bm, new)
+    scratch = seq(range(100, 102))  # one partial block: freed without a hash
+    run_prefill(bm, scratch)
+    old_blocks = list(old.block_table)
+    bm.deallocate(old)
+    bm.deallocate(new)
+    (scratch_block,) = scratch.block_table
+    bm.deallocate(scratch)
+    assert bm.num_free_blocks == 8
+    # 5 blocks: the freed block without a hash, then the 3 never used, then the oldest cached one
+    big = seq(range(200, 220))
+    bm.allocate(big)
+    assert big.block_table[0] == scratch_block
+    assert sorted(big.block_table[1:4]) == [5, 6, 7]
+    assert big.block_table[4] == old_blocks[1]  # a document's tail is evicted before its head
+    assert bm.stats.num_evicted_blocks == 1
+    # the newer document's prefix is still served from the cache
+    again = seq(range(50, 59))
+    bm.allocate(again)
+    assert again.num_cached_tokens == 8
+
+
+def test_a_pool_of_millions_of_blocks_is_bookkeeping_of_plain_lists():
+    bm = BlockManager(4_000_000, 16)
+    assert bm.num_free_blocks == 4_000_000 and not bm.free
+    s = seq(range(40))
+    run_prefill(bm, s)
+    assert s.block_table == [0, 1, 2] and bm.num_free_blocks == 4_000_000 - 3
+    bm.deallocate(s)
+    assert bm.num_free_blocks == 4_000_000
 
 
 def test_can_allocate_counts_hits_in_use():

@@ -77,7 +77,7 @@ def test_preemption_takes_the_latest_admitted_and_requeues_it_first():
     assert out.scheduled[0].seq is b and out.scheduled[0].num_new_tokens == len(b)
     apply(out)
     sch.finish(b, "stop")
-    assert all(blk.ref_count == 0 for blk in bm.blocks) and bm.num_free_blocks == 3
+    assert not any(bm.ref_counts) and bm.num_free_blocks == 3
 
 
 def test_request_larger_than_the_pool_fails_alone():

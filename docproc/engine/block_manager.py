@@ -23,13 +23,6 @@ def cdiv(a: int, b: int) -> int:
 
 
 @dataclass
-class Block:
-    block_id: int
-    ref_count: int = 0
-    hash: bytes | None = None  # set once the block is full, committed and registered
-
-
-@dataclass
 class PrefixCacheStats:
     num_query_tokens: int = 0  # prompt tokens looked up at admission
     num_hit_tokens: int = 0  # of those, served from cached blocks
@@ -43,10 +36,17 @@ class BlockManager:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        # Free blocks; the first entry is reused first. Blocks without a hash go to the front;
-        # freed cached blocks go to the back, so the least recently used cached block goes first.
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # Per block: its reference count and, once full, committed and registered, its hash.
+        # Plain lists, no object per block: a small model's pool on a large card is millions of
+        # blocks, and building them must not delay the engine's start.
+        self.ref_counts = [0] * num_blocks
+        self.hashes: list[bytes | None] = [None] * num_blocks
+        # Free blocks that have been used; the first entry is reused first. Blocks without a hash
+        # go to the front; freed cached blocks go to the back, so the least recently used cached
+        # block goes first. Blocks never used yet are the range [num_fresh_from, num_blocks): they
+        # are taken after the freed blocks without a hash and before any cached block.
+        self.free: OrderedDict[int, None] = OrderedDict()
+        self.num_fresh_from = 0
         self.hash_to_block: dict[bytes, int] = {}
         self.stats = PrefixCacheStats()
         # can_allocate then allocate look up the same prefix: keep the last lookup while the
@@ -57,7 +57,7 @@ class BlockManager:
     # ---- queries -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free)
+        return len(self.free) + self.num_blocks - self.num_fresh_from
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -87,7 +87,7 @@ class BlockManager:
 
     def can_allocate(self, seq: Sequence) -> bool:
         hits, _ = self._prefix_hits(seq)
-        hits_in_use = sum(1 for b in hits if self.blocks[b].ref_count > 0)
+        hits_in_use = sum(1 for b in hits if self.ref_counts[b] > 0)
         needed = self.num_blocks_for(len(seq)) - hits_in_use
         return needed <= self.num_free_blocks
 
@@ -97,15 +97,21 @@ class BlockManager:
 
     # ---- actions -------------------------------------------------------------------------
     def _take_free_block(self) -> int:
-        block_id, _ = self.free.popitem(last=False)
-        block = self.blocks[block_id]
-        if block.hash is not None:  # evict: its content is about to be overwritten
-            if self.hash_to_block.get(block.hash) == block_id:
-                del self.hash_to_block[block.hash]
+        if self.free and self.hashes[next(iter(self.free))] is None:
+            block_id, _ = self.free.popitem(last=False)
+        elif self.num_fresh_from < self.num_blocks:
+            block_id = self.num_fresh_from
+            self.num_fresh_from += 1
+        else:
+            block_id, _ = self.free.popitem(last=False)
+        h = self.hashes[block_id]
+        if h is not None:  # evict: its content is about to be overwritten
+            if self.hash_to_block.get(h) == block_id:
+                del self.hash_to_block[h]
                 self._version += 1
-            block.hash = None
+            self.hashes[block_id] = None
             self.stats.num_evicted_blocks += 1
-        block.ref_count = 1
+        self.ref_counts[block_id] = 1
         return block_id
 
     def allocate(self, seq: Sequence) -> None:
@@ -115,10 +121,9 @@ class BlockManager:
             raise RuntimeError("allocate() called without room: check can_allocate() first")
         hits, hashes = self._prefix_hits(seq)
         for block_id in hits:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
+            if self.ref_counts[block_id] == 0:
                 del self.free[block_id]
-            block.ref_count += 1
+            self.ref_counts[block_id] += 1
         table = list(hits)
         for _ in range(self.num_blocks_for(len(seq)) - len(hits)):
             table.append(self._take_free_block())
@@ -152,10 +157,10 @@ class BlockManager:
             prev = h
             if not self.enable_prefix_caching:
                 continue
-            block = self.blocks[seq.block_table[i]]
-            if block.hash is None and h not in self.hash_to_block:
-                block.hash = h
-                self.hash_to_block[h] = block.block_id
+            block_id = seq.block_table[i]
+            if self.hashes[block_id] is None and h not in self.hash_to_block:
+                self.hashes[block_id] = h
+                self.hash_to_block[h] = block_id
                 self._version += 1
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
@@ -171,12 +176,11 @@ class BlockManager:
         del seq.block_hashes[num_tokens // self.block_size:]
 
     def _release(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        block.ref_count -= 1
-        assert block.ref_count >= 0, f"block {block_id} freed twice"
-        if block.ref_count == 0:
+        self.ref_counts[block_id] -= 1
+        assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
+        if self.ref_counts[block_id] == 0:
             self.free[block_id] = None
-            if block.hash is None:
+            if self.hashes[block_id] is None:
                 self.free.move_to_end(block_id, last=False)
 
     def discard(self, seq: Sequence) -> None:
@@ -185,12 +189,12 @@ class BlockManager:
         K/V that was never written). Blocks it hit in the cache go with them: lost entries, never
         wrong ones."""
         for block_id in seq.block_table:
-            block = self.blocks[block_id]
-            if block.hash is not None:
-                if self.hash_to_block.get(block.hash) == block_id:
-                    del self.hash_to_block[block.hash]
+            h = self.hashes[block_id]
+            if h is not None:
+                if self.hash_to_block.get(h) == block_id:
+                    del self.hash_to_block[h]
                     self._version += 1
-                block.hash = None
+                self.hashes[block_id] = None
         self.deallocate(seq)
 
     def deallocate(self, seq: Sequence) -> None:
