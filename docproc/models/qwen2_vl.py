@@ -247,7 +247,9 @@ class Qwen2VLTextModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tp = None  # the tensor-parallel process group (set_tensor_parallel)
-        self.embed_tokens = nn.Embedding(cfg.vocab, cfg.hidden_size)  # this rank's rows of the vocabulary
+        # this rank's rows of the vocabulary; an uninitialised weight (the loader fills it): a random
+        # init on the meta device would import torch._dynamo, seconds of every engine's start
+        self.embed_tokens = nn.Embedding(cfg.vocab, cfg.hidden_size, _weight=torch.empty(cfg.vocab, cfg.hidden_size))
         self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab, bias=False)

@@ -40,10 +40,12 @@ class MRotaryEmbedding(torch.nn.Module):
         super().__init__()
         if sum(mrope_section) * 2 != head_dim:
             raise ValueError(f"mrope_section {mrope_section} must sum to head_dim/2 = {head_dim // 2}")
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        # made on the CPU whatever the default device: arithmetic on the meta device (where the
+        # loader builds the model) would import torch._dynamo, seconds of every engine's start
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         # which of (t, h, w) drives each frequency
-        axis = torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(mrope_section)])
+        axis = torch.cat([torch.full((n,), i % 3, dtype=torch.long, device="cpu") for i, n in enumerate(mrope_section)])
         self.register_buffer("axis", axis, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
