@@ -10,6 +10,7 @@ Cases: `bundled` (the bundled target and draft, as `docproc run` loads them) and
 geometry bf16 checkpoint of random weights, written to local disk first: 15 GB).
 
     python3 scripts/bench_startup.py --json startup.json [--cases bundled,7b] [--work /tmp/docproc-startup]
+        [--profile profile.txt]
 """
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ T0 = time.perf_counter()
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def child(model: str, draft: str | None, device: str) -> dict:
-    """One start-up, in this process (called as `--child`)."""
+def child(model: str, draft: str | None, device: str, profile: str | None = None) -> dict:
+    """One start-up, in this process (called as `--child`). With `profile`, `LLM(...)` runs under
+    cProfile: its 40 largest cumulative entries and every subprocess it started go to that file."""
     import torch
 
     sys.path.insert(0, str(ROOT))
@@ -40,9 +42,31 @@ def child(model: str, draft: str | None, device: str) -> dict:
     torch.zeros(1, device=device)
     torch.cuda.synchronize() if device.startswith("cuda") else None
     t_cuda = time.perf_counter() - T0 - t_import
+    spawned: list[str] = []
+    if profile:
+        import cProfile
+
+        real_init = subprocess.Popen.__init__
+
+        def logged_init(self, args, *rest, **kw):
+            spawned.append(" ".join(map(str, args)) if isinstance(args, (list, tuple)) else str(args))
+            real_init(self, args, *rest, **kw)
+
+        subprocess.Popen.__init__ = logged_init
+        prof = cProfile.Profile()
+        prof.enable()
     t1 = time.perf_counter()
     llm = LLM(model, device=device, speculative_model=draft, num_speculative_tokens="auto" if draft else None)
     t_llm = time.perf_counter() - t1
+    if profile:
+        import io
+        import pstats
+
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(40)
+        buf.write(f"\n{len(spawned)} subprocesses:\n" + "\n".join(spawned) + "\n")
+        Path(profile).write_text(buf.getvalue())
     info = llm.cache_info()
     img = Image.new("RGB", (620, 877), "white")
     t2 = time.perf_counter()
@@ -75,10 +99,12 @@ def drop_from_page_cache(folders: list[Path]) -> int:
     return dropped
 
 
-def run_child(model: Path, draft: Path | None, device: str, triton_cache: str) -> dict:
+def run_child(model: Path, draft: Path | None, device: str, triton_cache: str, profile: str | None = None) -> dict:
     cmd = [sys.executable, __file__, "--child", str(model), "--device", device]
     if draft is not None:
         cmd += ["--draft", str(draft)]
+    if profile:
+        cmd += ["--profile", profile]
     env = {**os.environ, "TRITON_CACHE_DIR": triton_cache}
     t0 = time.perf_counter()
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -99,9 +125,11 @@ def main() -> None:
     ap.add_argument("--warm-repeats", type=int, default=2)
     ap.add_argument("--child")
     ap.add_argument("--draft")
+    ap.add_argument("--profile", help="a file: after the warm runs, one more warm run of each case under cProfile "
+                                      "writes its top entries and subprocesses there (CASE.FILE per case)")
     a = ap.parse_args()
     if a.child:
-        print(json.dumps(child(a.child, a.draft, a.device)))
+        print(json.dumps(child(a.child, a.draft, a.device, a.profile)))
         return
     import torch
 
@@ -140,6 +168,9 @@ def main() -> None:
         if ok:
             r["warm_best_process_to_ready_seconds"] = min(ok)
             r["warm_best_engine_seconds"] = min(w["engine_seconds"] for w in warm if "engine_seconds" in w)
+        if a.profile:
+            target = Path(a.profile)
+            run_child(model, draft, a.device, cache, str(target.with_name(f"{case}.{target.name}")))
         report["cases"][case] = r
         print(json.dumps({case: r}), flush=True)
     if a.json:
