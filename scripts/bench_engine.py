@@ -367,8 +367,7 @@ def vision_backends(llm: LLM, args, vision_flops: float, pages: int = 4, repeats
     """The vision tower alone on fresh pages with each SDPA backend torch offers for its per-image
     attention (head dim 80 at Qwen2-VL's geometry; torch's default is cuDNN's flash kernel on the
     H200): ms per page (best of `repeats`) and TFLOP/s on the tower's FLOPs, or the backend's
-    error where it cannot run these shapes. On CPU the tower runs transformers' own path, so the
-    rows are all the same path."""
+    error where it cannot run these shapes (on a CPU, those it has no CPU kernel for)."""
     from torch.nn.attention import SDPBackend
 
     vision = llm.runner.model.vision
@@ -379,7 +378,7 @@ def vision_backends(llm: LLM, args, vision_flops: float, pages: int = 4, repeats
     res: dict = {"pages": pages, "fast_path": bool(vision.fast_attention and args.device == "cuda")}
     try:
         for name in ("default", *names):
-            vision._call.sdpa_backends = None if name == "default" else [names[name]]
+            vision.sdpa_backends = None if name == "default" else [names[name]]
             try:
                 vision.encode(pv, grid)  # warm: this backend's kernels loaded
                 sync(args.device)
@@ -394,7 +393,7 @@ def vision_backends(llm: LLM, args, vision_flops: float, pages: int = 4, repeats
             except RuntimeError as e:
                 res[name] = f"error: {str(e)[:200]}"
     finally:
-        vision._call.sdpa_backends = None
+        vision.sdpa_backends = None
     return res
 
 

@@ -190,6 +190,50 @@ def test_vision_tower_in_place_activation_gives_transformers_floats(qwen2_vl_dir
     assert torch.equal(torch.cat(trunk), out.last_hidden_state)
 
 
+@pytest.mark.parametrize("config", [
+    None,  # the bundled target's (size: shortest_edge / longest_edge)
+    {"min_pixels": 3136, "max_pixels": 200704, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+     "image_mean": [0.5, 0.4, 0.3], "image_std": [0.2, 0.3, 0.25]},  # published checkpoints' keys
+])
+def test_image_processor_gives_transformers_patches(config, tmp_path):
+    """Our preprocessing (resize, rescale, normalise, patch order) equals transformers'
+    Qwen2VLImageProcessorPil value for value: large pages shrunk, small ones grown, thin strips."""
+    import json
+
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from docproc.cli import bundled_model
+    from docproc.models.image_processor import ImageProcessor
+
+    folder = bundled_model("target")
+    if config is not None:
+        folder = tmp_path
+        (folder / "preprocessor_config.json").write_text(json.dumps(config))
+    hf, ours = Qwen2VLImageProcessorPil.from_pretrained(str(folder)), ImageProcessor.from_folder(folder)
+    for w, h in ((620, 877), (2000, 3000), (28, 28), (2000, 30), (113, 57)):
+        img = image(w, h, w + h)
+        want = hf(images=[img], return_tensors="pt")
+        patches, grid = ours.patches(img)
+        assert [list(grid)] == want["image_grid_thw"].tolist()
+        assert torch.equal(torch.from_numpy(np.ascontiguousarray(patches)), want["pixel_values"]), (w, h)
+
+
+def test_engine_start_imports_no_transformers_modeling_code():
+    """The engine's start imports transformers' configuration and tokenizer only: its modeling code
+    pulls in torch._dynamo, torch.distributed's FSDP and more, seconds of every start."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from docproc import LLM; from docproc.cli import bundled_model; "
+            "LLM(str(bundled_model('target')), device='cpu', speculative_model=str(bundled_model('draft'))); "
+            "print(sorted(m for m in ('transformers.modeling_utils', 'torch._dynamo', "
+            "'transformers.models.qwen2_vl.modeling_qwen2_vl', 'transformers.image_processing_utils') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_two_tensor_parallel_ranks_give_transformers_logits(pair):
     """The language model split over 2 ranks (gloo): the mixed batch, prefilled in chunks, matches
     transformers' logits and greedy tokens as one rank does (Qwen2-VL; Qwen2.5-VL's language

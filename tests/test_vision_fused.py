@@ -57,7 +57,10 @@ def test_vision_kernels_bf16_on_gpu():
 
 
 def _encode_both(folder, device, dtype):
+    """The tower's fused path (forced onto CPU tensors under Triton's interpreter), its reference
+    path, and transformers' tower on the same weights, over two images of different sizes."""
     from PIL import Image
+    from transformers import Qwen2VLForConditionalGeneration
 
     from docproc.models.loader import load_model
     from docproc.models.processor import Processor
@@ -70,28 +73,31 @@ def _encode_both(folder, device, dtype):
     pv, grid = proc.pixel_values(imgs)
     vision = model.vision
     pv = pv.to(device)
-    vision._call.force = device == "cpu"
+    vision.force_fused = device == "cpu"
     fast, fast_trunk = vision.encode(pv, grid)
-    vision._call.force = False
-    vision.fast_attention = False  # transformers' own forward, per-layer spans read from the device
+    vision.force_fused = False
+    vision.fast_attention = False  # the reference rotation
     ref, ref_trunk = vision.encode(pv, grid)
     vision.fast_attention = True
-    return fast, ref, fast_trunk, ref_trunk
+    hf = Qwen2VLForConditionalGeneration.from_pretrained(folder, dtype=dtype).model.visual.to(device)
+    with torch.no_grad():
+        out = hf(pv, grid_thw=grid.to(device))
+    return fast, ref, fast_trunk, ref_trunk, out
 
 
 def test_fast_vision_attention_equals_transformers_on_cpu(qwen2_vl_dir):
-    """The encoder's fast path (fused rotation, spans from the host), forced onto CPU tensors
-    under Triton's interpreter, gives transformers' float32 output on two images of different
-    sizes in one call."""
-    fast, ref, fast_trunk, ref_trunk = _encode_both(qwen2_vl_dir, "cpu", torch.float32)
+    """The fused path gives the reference path's float32 output, and both transformers', on two
+    images of different sizes in one call."""
+    fast, ref, fast_trunk, ref_trunk, hf = _encode_both(qwen2_vl_dir, "cpu", torch.float32)
     assert len(fast) == len(ref) == 2
     for a, b in zip(fast + fast_trunk, ref + ref_trunk):
         assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-5), (a - b).abs().max()
+    assert torch.equal(torch.cat(ref), hf.pooler_output) and torch.equal(torch.cat(ref_trunk), hf.last_hidden_state)
 
 
 @pytest.mark.gpu
 def test_fast_vision_attention_matches_transformers_on_gpu(qwen2_vl_dir):
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
-        fast, ref, _, _ = _encode_both(qwen2_vl_dir, "cuda", dtype)
-        for a, b in zip(fast, ref):
+        fast, ref, _, _, hf = _encode_both(qwen2_vl_dir, "cuda", dtype)
+        for a, b in zip([torch.cat(fast), torch.cat(ref)], [torch.cat(ref), hf.pooler_output]):
             assert torch.allclose(a.float(), b.float(), rtol=tol, atol=tol), (dtype, (a - b).abs().max())

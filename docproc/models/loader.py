@@ -180,9 +180,7 @@ def load_model(folder: str | Path, device: torch.device, dtype: torch.dtype, qua
                 fp8_modules[name] = mod
     text = text.to_empty(device=device).to(dtype)
     text.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section).to(device)
-    with torch.device(device if tp_rank == 0 else "meta"):
-        vision = VisionEncoder(hf_config)
-    vision = vision.to(dtype)
+    vision = build_vision(hf_config, device if tp_rank == 0 else torch.device("meta"), dtype)
     if load_format == "dummy":
         digests = _fill_random(text, vision, fp8_modules, scheme, seed, device, dtype,
                                (Path(folder) / "config.json").read_bytes() + f"|tp:{tp_rank}/{tp_size}".encode())
@@ -195,6 +193,18 @@ def load_model(folder: str | Path, device: torch.device, dtype: torch.dtype, qua
     vision_fp = _combine({"trunk": fp["trunk"], "merger": fp["merger"]})
     return LoadedModel(hf_config, text, vision, vision_fp, fp["trunk"], fp["text"],
                        scheme.method if scheme is not None else None)
+
+
+def build_vision(hf_config, device: torch.device, dtype: torch.dtype) -> VisionEncoder:
+    """The vision tower with uninitialised weights (the loader fills them): our own tower is built
+    on the meta device and given memory on `device`; transformers' (Qwen2.5-VL) is built on
+    `device`, since its rotary tables are buffers that must keep their values."""
+    with torch.device("meta"):
+        probe = VisionEncoder(hf_config)
+    if probe.own_tower:
+        return probe.to(dtype).to_empty(device=device)
+    with torch.device(device):
+        return VisionEncoder(hf_config).to(dtype)
 
 
 class _Hasher:

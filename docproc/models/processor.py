@@ -13,9 +13,11 @@ import io
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image
 
+from docproc.models.image_processor import ImageProcessor
 from docproc.models.loader import CheckpointError
 from docproc.multimodal import IMAGE_PAD, ImageSpan, fit_aspect, padded_size, pixel_hash, to_rgb
 
@@ -62,7 +64,6 @@ def load_image(obj, content_hash: str | None = None) -> LoadedImage:
 class Processor:
     def __init__(self, folder: str | Path, hf_config) -> None:
         from transformers import AutoTokenizer
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         folder = Path(folder)
         if not (folder / "preprocessor_config.json").is_file():
@@ -71,7 +72,10 @@ class Processor:
             self.tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{folder}: cannot load the tokenizer: {e}") from None
-        self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(folder), local_files_only=True)
+        try:
+            self.image_processor = ImageProcessor.from_folder(folder)
+        except (OSError, ValueError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{folder}: cannot read preprocessor_config.json: {e}") from None
         self.image_token_id = hf_config.image_token_id
         self.merge_size = hf_config.vision_config.spatial_merge_size
         ip = self.image_processor
@@ -82,13 +86,10 @@ class Processor:
             )
 
     def grid_thw(self, image: Image.Image) -> tuple[int, int, int]:
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
         ip = self.image_processor
         w, h = padded_size(*image.size)  # what load_image hands the vision tower
         try:
-            rh, rw = smart_resize(h, w, factor=ip.patch_size * ip.merge_size,
-                                  min_pixels=ip.size["shortest_edge"], max_pixels=ip.size["longest_edge"])
+            rh, rw = ip.resized_size(h, w)
         except ValueError as e:
             raise PromptError(f"image of {w}x{h} pixels: {e}") from None
         return (1, rh // ip.patch_size, rw // ip.patch_size)
@@ -98,8 +99,9 @@ class Processor:
         return grid[0] * grid[1] * grid[2] // self.merge_size ** 2
 
     def pixel_values(self, images: list[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.image_processor(images=images, return_tensors="pt")
-        return out["pixel_values"], out["image_grid_thw"]
+        """(num_patches, C*T*P*P) float32 patches of all images, and their (num_images, 3) grids."""
+        patches, grids = zip(*(self.image_processor.patches(im) for im in images))
+        return torch.from_numpy(np.concatenate(patches)), torch.tensor(grids, dtype=torch.int64)
 
     def process(self, prompt: str | None, prompt_token_ids: list[int] | None, images: list,
                 uuids: list[str] | None = None, memo: dict | None = None,

@@ -1,31 +1,29 @@
-"""The vision tower: transformers' own module for the matching architecture (it runs once per
-unique image), wrapped so the engine sees one call: pixels of several images in, one tensor of
-merged embeddings per image out."""
+"""The vision tower: pixels of several images in, one tensor of merged embeddings per image out
+(and, for trunk sharing with a draft, the trunk's output per image).
+
+Qwen2-VL's tower is our own module here, with transformers' parameter names (`patch_embed.proj`,
+`blocks.N.{norm1,attn.qkv,attn.proj,norm2,mlp.fc1,mlp.fc2}`, `merger.{ln_q,mlp.0,mlp.2}`), so a
+checkpoint loads as it is. It computes what transformers' Qwen2VisionTransformerPretrainedModel
+computes, op for op (float32 on a CPU: the same floats, bit for bit; a test holds it to that).
+Why not transformers' module: importing its modeling code pulls in torch._dynamo,
+torch.distributed's tensor and FSDP packages, custom-op registrations and more, 4-5 s of every
+engine's start on the H200 for a tower the engine runs once per unique page. Qwen2.5-VL's tower
+(window attention) is still transformers' module, imported only for such a checkpoint.
+
+On CUDA in inference the attention rotates q and k with one Triton kernel (kernels/vision_fused.py,
+the same float32 math and rounding) and takes each image's span from the host (no read-back of
+cu_seqlens in every layer); QuickGELU is one kernel in place.
+"""
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import sdpa_kernel
 
-from kernels.vision_fused import quick_gelu, vision_rotary_qk
-
-
-def build_vision_tower(hf_config) -> nn.Module:
-    if hf_config.model_type == "qwen2_vl":
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel as cls
-    elif hf_config.model_type == "qwen2_5_vl":
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-            Qwen2_5_VisionTransformerPretrainedModel as cls,
-        )
-    else:  # the loader has already refused other model types
-        raise ValueError(f"no vision tower for model_type {hf_config.model_type!r}")
-    vcfg = hf_config.vision_config
-    vcfg._attn_implementation = "sdpa"
-    return cls._from_config(vcfg)
+from kernels.vision_fused import quick_gelu, vision_rotary_qk, vision_rotary_qk_ref
 
 
 class QuickGELUInPlace(nn.Module):
@@ -45,144 +43,215 @@ class QuickGELUInPlace(nn.Module):
         return y.mul_(x)
 
 
-class _EncodeCall:
-    """What the encoder knows on the host about the call in progress: each image's patch count
-    (the attention's per-image spans), so no layer reads them back from the device."""
-
-    lengths: list[int] | None = None
-    force: bool = False  # tests: take the fast path on CPU tensors too (Triton's interpreter)
-    # the SDPA backends the per-image attention may use (torch.nn.attention.SDPBackend), None:
-    # torch's choice (cuDNN's flash kernel on the H200); bench_engine times each for head dim 80
-    sdpa_backends: list | None = None
+ACTIVATIONS = {"quick_gelu": QuickGELUInPlace, "gelu": nn.GELU}
 
 
-def _fast_vision_attention(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
-                           position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-                           max_seqlen: int | None = None, **kwargs) -> torch.Tensor:
-    """transformers' Qwen2-VL VisionAttention.forward on CUDA in inference, with q and k rotated by
-    one Triton kernel (the same float32 math and rounding as apply_rotary_pos_emb_vision) and the
-    per-image spans taken from the host (transformers reads cu_seqlens back from the device in
-    every layer, a sync that keeps the host from queueing work ahead). Everything else as
-    transformers does it: one SDPA call per image on the same strided q/k/v views, the outputs
-    concatenated, the projection. Elsewhere (CPU, training, no spans) transformers' own forward."""
-    call: _EncodeCall = self._docproc_call
-    if not ((hidden_states.is_cuda or call.force) and call.lengths is not None and position_embeddings is not None
-            and not torch.is_grad_enabled()):
-        return self.hf_forward(hidden_states, cu_seqlens, position_embeddings=position_embeddings,
-                               max_seqlen=max_seqlen, **kwargs)
-    n = hidden_states.shape[0]
-    qkv = self.qkv(hidden_states)
-    cos, sin = position_embeddings
-    q, k = vision_rotary_qk(qkv, cos, sin, self.num_heads)
-    v = qkv.view(n, 3, self.num_heads, -1)[:, 2]
-    out = torch.empty(n, self.num_heads, q.shape[-1], dtype=q.dtype, device=q.device)
-    with contextlib.nullcontext() if call.sdpa_backends is None else sdpa_kernel(call.sdpa_backends):
-        s0 = 0
-        for length in call.lengths:
-            sl = slice(s0, s0 + length)
-            o = F.scaled_dot_product_attention(q[sl].transpose(0, 1).unsqueeze(0),
-                                               k[sl].transpose(0, 1).unsqueeze(0),
-                                               v[sl].transpose(0, 1).unsqueeze(0), scale=self.scaling)
-            out[sl] = o[0].transpose(0, 1)
-            s0 += length
-    return self.proj(out.view(n, -1))
+class EncodeCall:
+    """What one encode knows on the host: each attention span's patch count (one per image frame),
+    and the tower's choices for this call."""
+
+    def __init__(self, lengths: list[int], fused: bool, sdpa_backends: list | None) -> None:
+        self.lengths = lengths
+        self.fused = fused  # q and k rotated by the Triton kernel
+        self.sdpa_backends = sdpa_backends
 
 
-def _fast_attention(module: nn.Module, call: _EncodeCall) -> None:
-    """Route each Qwen2-VL vision attention of the tower through _fast_vision_attention (the module
-    and its weights unchanged; its own forward kept for the other cases)."""
-    from transformers.models.qwen2_vl.modeling_qwen2_vl import VisionAttention
+class PatchEmbed(nn.Module):
+    """Each patch (C x T x P x P values, flattened) to embed_dim: a Conv3d whose kernel is its stride."""
 
-    fast = _fast_attention_class()
-    for m in module.modules():
-        if type(m) is VisionAttention:
-            m._docproc_call = call
-            m.__class__ = fast
+    def __init__(self, patch_size: int, temporal_patch_size: int, in_channels: int, embed_dim: int) -> None:
+        super().__init__()
+        self.shape = (in_channels, temporal_patch_size, patch_size, patch_size)
+        self.embed_dim = embed_dim
+        self.proj = nn.Conv3d(in_channels, embed_dim, kernel_size=self.shape[1:], stride=self.shape[1:], bias=False)
 
-
-@functools.cache
-def _fast_attention_class() -> type:
-    """VisionAttention with _fast_vision_attention as its forward: a subclass swapped in, made once
-    (a bound method stored on each module would make every attention module a reference cycle,
-    and the tower's weights would outlive the engine until the garbage collector runs)."""
-    from transformers.models.qwen2_vl.modeling_qwen2_vl import VisionAttention
-
-    return type("FastVisionAttention", (VisionAttention,),
-                {"forward": _fast_vision_attention, "hf_forward": VisionAttention.forward})
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.view(-1, *self.shape)  # (num_patches, C, T, P, P)
+        return self.proj(x.to(self.proj.weight.dtype)).view(-1, self.embed_dim)
 
 
-def _has_vision_utils() -> bool:
-    """Whether this transformers computes the tower's position ids and cumulative lengths with the
-    `transformers.vision_utils` helpers, which take precomputed ones from the call's kwargs (5.17
-    and 5.24 do; where they are missing the tower runs transformers' own way throughout)."""
-    try:
-        from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids  # noqa: F401
-    except ImportError:
-        return False
-    return True
+class VisionAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.scaling = (dim // num_heads) ** -0.5
+        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, call: EncodeCall) -> torch.Tensor:
+        n = x.shape[0]
+        qkv = self.qkv(x)  # (N, 3 * heads * D)
+        rotate = vision_rotary_qk if call.fused else vision_rotary_qk_ref
+        q, k = rotate(qkv, cos, sin, self.num_heads)  # (N, heads, D) each
+        v = qkv.view(n, 3, self.num_heads, -1)[:, 2]
+        out = torch.empty(n, self.num_heads, q.shape[-1], dtype=q.dtype, device=q.device)
+        # full attention within each image (frame), one SDPA call each on strided views
+        with contextlib.nullcontext() if call.sdpa_backends is None else sdpa_kernel(call.sdpa_backends):
+            s0 = 0
+            for length in call.lengths:
+                sl = slice(s0, s0 + length)
+                o = F.scaled_dot_product_attention(q[sl].transpose(0, 1).unsqueeze(0),
+                                                   k[sl].transpose(0, 1).unsqueeze(0),
+                                                   v[sl].transpose(0, 1).unsqueeze(0), scale=self.scaling)
+                out[sl] = o[0].transpose(0, 1)
+                s0 += length
+        return self.proj(out.view(n, -1))
 
 
-def _host_vision_inputs(visual: nn.Module, grid_thw: torch.Tensor, device) -> tuple[dict, list[int]]:
-    """transformers' own position ids and cumulative lengths for the tower, computed from a host
-    copy of grid_thw and sent to the device without a sync (transformers would compute them on the
-    device from a grid it reads back), and each image's patch count."""
-    from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids
+class VisionMlp(nn.Module):
+    def __init__(self, dim: int, hidden: int, act: str) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.act = ACTIVATIONS[act]()
+        self.fc2 = nn.Linear(hidden, dim)
 
-    grid = grid_thw.cpu()
-    pos = get_vision_position_ids(grid, visual.spatial_merge_size)
-    cu = get_vision_cu_seqlens(grid)
-    lengths = (cu[1:] - cu[:-1]).tolist()
-    return {"position_ids": pos.to(device, non_blocking=True), "cu_seqlens": cu.to(device, non_blocking=True)}, lengths
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
 
 
-def _inplace_activations(module: nn.Module) -> None:
+class VisionBlock(nn.Module):
+    def __init__(self, dim: int, num_heads: int, mlp_hidden: int, act: str) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = VisionAttention(dim, num_heads)
+        self.mlp = VisionMlp(dim, mlp_hidden, act)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, call: EncodeCall) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, call)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """merge x merge neighbouring trunk outputs (adjacent rows in patch order) to one LM embedding."""
+
+    def __init__(self, dim: int, context_dim: int, merge: int) -> None:
+        super().__init__()
+        self.hidden = context_dim * merge**2
+        self.ln_q = nn.LayerNorm(context_dim, eps=1e-6)
+        self.mlp = nn.Sequential(nn.Linear(self.hidden, self.hidden), nn.GELU(), nn.Linear(self.hidden, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.hidden))
+
+
+def vision_positions(grid: list[list[int]], merge: int) -> torch.Tensor:
+    """(num_patches, 2) row and column of every patch, in the processor's patch order: merge x
+    merge windows row by row, each window's patches row by row; a frame's positions repeat per frame."""
+    out = []
+    for t, h, w in grid:
+        rows = torch.arange(h).view(h // merge, merge, 1, 1).expand(-1, -1, w // merge, merge)
+        cols = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, -1, -1)
+        pos = torch.stack([rows.transpose(1, 2).flatten(), cols.transpose(1, 2).flatten()], dim=-1)
+        out.append(pos.repeat(t, 1))
+    return torch.cat(out)
+
+
+class Qwen2VisionTower(nn.Module):
+    def __init__(self, vcfg) -> None:
+        super().__init__()
+        self.merge = vcfg.spatial_merge_size
+        self.num_heads = vcfg.num_heads
+        act = getattr(vcfg, "hidden_act", "quick_gelu")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"vision hidden_act {act!r} is not supported (one of {', '.join(ACTIVATIONS)})")
+        self.patch_embed = PatchEmbed(vcfg.patch_size, vcfg.temporal_patch_size, getattr(vcfg, "in_channels", 3),
+                                      vcfg.embed_dim)
+        hidden = int(vcfg.embed_dim * vcfg.mlp_ratio)
+        self.blocks = nn.ModuleList(VisionBlock(vcfg.embed_dim, vcfg.num_heads, hidden, act) for _ in range(vcfg.depth))
+        self.merger = PatchMerger(vcfg.hidden_size, vcfg.embed_dim, self.merge)
+        # 2-D rotary angles: a quarter of head_dim's frequencies per axis, rows then columns
+        rope = getattr(vcfg, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", 10000.0)
+        quarter = vcfg.embed_dim // vcfg.num_heads // 2
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, quarter, 2, dtype=torch.float, device="cpu") / quarter))
+        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (num_patches, head_dim) float32 for (num_patches, 2) positions."""
+        dev = positions.device
+        if dev not in self._inv_freq_on:
+            self._inv_freq_on[dev] = self.inv_freq.to(dev)
+        freqs = positions[..., None].float() * self._inv_freq_on[dev]  # (N, 2, head_dim / 4)
+
+        def layout(f):  # (N, 2, D/4) -> (N, D): [rows | columns], twice (rotate_half pairs i and i + D/2)
+            f = torch.cat([f[:, 0], f[:, 1]], dim=-1)
+            return torch.cat([f, f], dim=-1)
+
+        return layout(freqs.cos()), layout(freqs.sin())
+
+    def forward(self, pixel_values: torch.Tensor, grid: list[list[int]], fused: bool = False,
+                sdpa_backends: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """pixel_values: (num_patches, C*T*P*P); grid: (t, h, w) per image, on the host.
+        Returns the trunk's output (num_patches, embed_dim) and the merged (num_patches / merge^2, hidden)."""
+        device = pixel_values.device
+        call = EncodeCall([h * w for t, h, w in grid for _ in range(t)], fused, sdpa_backends)
+        cos, sin = self.rotary(vision_positions(grid, self.merge).to(device, non_blocking=True))
+        x = self.patch_embed(pixel_values)
+        for block in self.blocks:
+            x = block(x, cos, sin, call)
+        return x, self.merger(x)
+
+
+def build_transformers_tower(hf_config) -> nn.Module:
+    """Qwen2.5-VL: transformers' own tower (imported only here)."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    vcfg = hf_config.vision_config
+    vcfg._attn_implementation = "sdpa"
+    tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(vcfg)
     from transformers.activations import QuickGELUActivation
 
-    for name, child in module.named_children():
-        if isinstance(child, QuickGELUActivation):
-            setattr(module, name, QuickGELUInPlace())
-        else:
-            _inplace_activations(child)
+    for module in list(tower.modules()):
+        for name, child in module.named_children():
+            if isinstance(child, QuickGELUActivation):
+                setattr(module, name, QuickGELUInPlace())
+    return tower
 
 
 class VisionEncoder(nn.Module):
     def __init__(self, hf_config) -> None:
         super().__init__()
-        self.visual = build_vision_tower(hf_config)
-        _inplace_activations(self.visual)
+        if hf_config.model_type == "qwen2_vl":
+            self.visual = Qwen2VisionTower(hf_config.vision_config)
+        elif hf_config.model_type == "qwen2_5_vl":
+            self.visual = build_transformers_tower(hf_config)
+        else:  # the loader has already refused other model types
+            raise ValueError(f"no vision tower for model_type {hf_config.model_type!r}")
         self.spatial_merge_size = hf_config.vision_config.spatial_merge_size
         # Qwen2-VL's merger reads the trunk output in patch order, so another model's merger can
         # be applied to it; Qwen2.5-VL's trunk output is window-permuted, so it is not shared.
         self.shares_trunk = hf_config.model_type == "qwen2_vl"
-        # Qwen2-VL on CUDA: the fused rotation and host-side spans (_fast_vision_attention)
-        self._call = _EncodeCall()
-        self.fast_attention = hf_config.model_type == "qwen2_vl" and _has_vision_utils()
-        if self.fast_attention:
-            _fast_attention(self.visual, self._call)
+        self.own_tower = isinstance(self.visual, Qwen2VisionTower)
+        # the fused rotation on CUDA in inference (force_fused: on CPU tensors too, tests under
+        # Triton's interpreter); sdpa_backends: the SDPA backends the per-image attention may use
+        # (torch.nn.attention.SDPBackend; None: torch's choice; bench_engine times each)
+        self.fast_attention = self.own_tower
+        self.force_fused = False
+        self.sdpa_backends: list | None = None
 
-    def _run(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
+    def _run(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(trunk output, merged) over all images."""
         dtype = next(self.visual.parameters()).dtype
-        if not (self.fast_attention and (pixel_values.is_cuda or self._call.force)):
-            return self.visual(pixel_values.to(dtype), grid_thw=grid_thw.to(pixel_values.device))
-        kwargs, self._call.lengths = _host_vision_inputs(self.visual, grid_thw, pixel_values.device)
-        try:
-            return self.visual(pixel_values.to(dtype), grid_thw=grid_thw.to(pixel_values.device), **kwargs)
-        finally:
-            self._call.lengths = None
+        if not self.own_tower:
+            out = self.visual(pixel_values.to(dtype), grid_thw=grid_thw.to(pixel_values.device))
+            return getattr(out, "last_hidden_state", None), getattr(out, "pooler_output", out)
+        fused = self.fast_attention and (pixel_values.is_cuda or self.force_fused) and not torch.is_grad_enabled()
+        return self.visual(pixel_values.to(dtype), grid_thw.tolist(), fused, self.sdpa_backends)
+
+    def _sizes(self, grid_thw: torch.Tensor) -> tuple[list[int], list[int]]:
+        patches = grid_thw.cpu().prod(-1)
+        return patches.tolist(), (patches // self.spatial_merge_size**2).tolist()
 
     @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[list[torch.Tensor], list | None]:
         """Like forward, and also the trunk output per image (before the merger) when this
         architecture can share it: (merged per image, trunk per image or None). grid_thw may stay
         on the host (it is read there)."""
-        out = self._run(pixel_values, grid_thw)
-        merged = getattr(out, "pooler_output", out)
-        grid = grid_thw.cpu()
-        sizes = (grid.prod(-1) // self.spatial_merge_size**2).tolist()
-        trunk = None
-        if self.shares_trunk and hasattr(out, "last_hidden_state"):
-            trunk = list(torch.split(out.last_hidden_state, grid.prod(-1).tolist()))
-        return list(torch.split(merged, sizes)), trunk
+        trunk, merged = self._run(pixel_values, grid_thw)
+        patches, sizes = self._sizes(grid_thw)
+        shared = list(torch.split(trunk, patches)) if self.shares_trunk and trunk is not None else None
+        return list(torch.split(merged, sizes)), shared
 
     @torch.inference_mode()
     def merge(self, trunk: torch.Tensor) -> torch.Tensor:
@@ -193,7 +262,4 @@ class VisionEncoder(nn.Module):
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
         """pixel_values: (num_patches, C*T*P*P) for all images; grid_thw: (num_images, 3).
         Returns one (t*h*w/merge^2, hidden) tensor per image."""
-        out = self._run(pixel_values, grid_thw)
-        merged = getattr(out, "pooler_output", out)
-        sizes = (grid_thw.cpu().prod(-1) // self.spatial_merge_size**2).tolist()
-        return list(torch.split(merged, sizes))
+        return self.encode(pixel_values, grid_thw)[0]

@@ -30,10 +30,11 @@ def attach(target: ModelRunner, draft: ModelRunner, spec: SpecConfig) -> Propose
     draft.allocate_kv(num_blocks=target.num_usable_blocks)
     if spec.draft_vision != "none":
         t_ip, d_ip = target.processor.image_processor, draft.processor.image_processor
-        if (t_ip.size, t_ip.patch_size, t_ip.merge_size) != (d_ip.size, d_ip.patch_size, d_ip.merge_size):
+        if t_ip.signature != d_ip.signature:
             raise ValueError(
-                f"draft image processor differs from target ({dict(d_ip.size)} vs {dict(t_ip.size)}): the draft "
-                f"must see the same image tokens; use draft_vision='none' or a matching draft")
+                f"draft image processor differs from target (min/max pixels, patch, temporal patch, merge "
+                f"{d_ip.signature} vs {t_ip.signature}): the draft must see the same image tokens; use "
+                f"draft_vision='none' or a matching draft")
     cache = target.config.cache
     proposer = Proposer(draft, spec.k_max, spec.adaptive, spec.draft_vision, target.hf_config.image_token_id,
                         cache.enable_prefix_caching, target_vocab=target.text_config.vocab_size)
