@@ -66,10 +66,11 @@ def main() -> None:
     work = Path(a.work)
     docs = work / "docs"
     t0 = time.perf_counter()
-    if not (docs / "truth.jsonl").is_file():
+    generated = not (docs / "truth.jsonl").is_file()
+    if generated:
         generate(docs, a.count, a.seed, a.workers)
     report: dict = {"documents": a.count, "seed": a.seed, "device": a.device,
-                    "generate_seconds": round(time.perf_counter() - t0, 1), "runs": {}}
+                    "generate_seconds": round(time.perf_counter() - t0, 1) if generated else None, "runs": {}}
     if a.device.startswith("cuda"):
         import torch
 
