@@ -67,6 +67,10 @@ class ImageProcessor:
 
     def resized_size(self, height: int, width: int) -> tuple[int, int]:
         if not self.do_resize:
+            factor = self.patch_size * self.merge_size
+            if height % factor or width % factor:
+                raise ValueError(f"the checkpoint's preprocessor does not resize (do_resize false), and "
+                                 f"{width}x{height} is not a multiple of {factor} pixels a side")
             return height, width
         return smart_resize(height, width, self.patch_size * self.merge_size, self.min_pixels, self.max_pixels)
 
