@@ -218,17 +218,73 @@ def test_image_processor_gives_transformers_patches(config, tmp_path):
         assert torch.equal(torch.from_numpy(np.ascontiguousarray(patches)), want["pixel_values"]), (w, h)
 
 
+PUBLISHED_QWEN2_VL_2B = {  # the flat layout published Qwen2-VL checkpoints use (Qwen2-VL-2B-Instruct's fields)
+    "architectures": ["Qwen2VLForConditionalGeneration"], "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151645, "vision_start_token_id": 151652, "vision_end_token_id": 151653,
+    "vision_token_id": 151654, "image_token_id": 151655, "video_token_id": 151656, "hidden_act": "silu",
+    "hidden_size": 1536, "initializer_range": 0.02, "intermediate_size": 8960, "max_position_embeddings": 32768,
+    "max_window_layers": 28, "model_type": "qwen2_vl", "num_attention_heads": 12, "num_hidden_layers": 28,
+    "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.41.2", "use_cache": True,
+    "use_sliding_window": False,
+    "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "in_chans": 3,
+                      "hidden_size": 1536, "patch_size": 14, "spatial_merge_size": 2, "spatial_patch_size": 14,
+                      "temporal_patch_size": 2},
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "vocab_size": 151936,
+}
+
+
+@pytest.mark.parametrize("which", ["bundled_target", "bundled_draft", "fixture", "published_flat", "minimal",
+                                   "null_kv_heads"])
+def test_config_reader_reads_what_transformers_reads(which, qwen2_vl_dir, tmp_path):
+    """docproc's config.json reader (no transformers import) against transformers' Qwen2VLConfig:
+    the language model's geometry and rope, the vision tower's fields, the image token, tied
+    embeddings and the eos fallback, for both layouts and for a config that leans on the defaults."""
+    import json
+
+    from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLConfig
+
+    from docproc.cli import bundled_model
+    from docproc.models.hf_config import VISION_DEFAULTS, qwen2_vl_config
+    from docproc.models.loader import text_config
+
+    folders = {"bundled_target": bundled_model("target"), "bundled_draft": bundled_model("draft"),
+               "fixture": qwen2_vl_dir}
+    if which in folders:
+        raw = json.loads((folders[which] / "config.json").read_text())
+    elif which == "published_flat":
+        raw = PUBLISHED_QWEN2_VL_2B
+    else:
+        raw = {"model_type": "qwen2_vl", "vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "vision_config": {"depth": 1, "embed_dim": 32, "num_heads": 2}}
+        if which == "null_kv_heads":
+            raw["num_key_value_heads"] = None
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    theirs = Qwen2VLConfig.from_pretrained(str(tmp_path))
+    ours = qwen2_vl_config(json.loads(json.dumps(raw)))
+    assert text_config(ours) == text_config(theirs)
+    for k in VISION_DEFAULTS:
+        assert getattr(ours.vision_config, k) == getattr(theirs.vision_config, k), k
+    for k in ("model_type", "image_token_id", "tie_word_embeddings"):
+        assert getattr(ours, k) == getattr(theirs, k), k
+
+    def eos(c):
+        return getattr(c, "eos_token_id", None) or getattr(c.text_config, "eos_token_id", None)
+    assert eos(ours) == eos(theirs)
+
+
 def test_engine_start_imports_no_transformers_modeling_code():
-    """The engine's start imports transformers' configuration and tokenizer only: its modeling code
-    pulls in torch._dynamo, torch.distributed's FSDP and more, seconds of every start."""
+    """The engine's start imports transformers' tokenizer backend only: its modeling, image
+    processing and auto-class code pulls in torch._dynamo, torch.distributed's FSDP and more,
+    seconds of every start."""
     import subprocess
     import sys
 
     code = ("import sys; from docproc import LLM; from docproc.cli import bundled_model; "
             "LLM(str(bundled_model('target')), device='cpu', speculative_model=str(bundled_model('draft'))); "
             "print(sorted(m for m in ('transformers.modeling_utils', 'torch._dynamo', "
-            "'transformers.models.qwen2_vl.modeling_qwen2_vl', 'transformers.image_processing_utils') "
-            "if m in sys.modules))")
+            "'transformers.models.qwen2_vl.modeling_qwen2_vl', 'transformers.image_processing_utils', "
+            "'transformers.models.auto.auto_factory', 'torch.distributed.fsdp') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from docproc.errors import ModelUnavailable
+from docproc.models.hf_config import qwen2_vl_config
 from docproc.models.quant import (LINEAR_NAMES, LOAD_FORMATS, Fp8Scheme, Fp8Weight, UnsupportedQuantization,
                                   from_blocks, from_channel, quantize, quantize_blocks, resolve_scheme)
 from docproc.models.qwen2_vl import Qwen2VLTextModel, TextConfig
@@ -56,9 +57,11 @@ def read_config(folder: str | Path):
             f"{folder}: model_type {model_type!r} is not supported; docproc loads "
             f"{' and '.join(SUPPORTED_MODEL_TYPES)} checkpoints"
         )
-    from transformers import AutoConfig
+    if model_type == "qwen2_vl":  # read by docproc/models/hf_config.py (why: its docstring)
+        return qwen2_vl_config(raw)
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLConfig  # its tower is transformers'
 
-    return AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    return Qwen2_5_VLConfig.from_pretrained(str(folder), local_files_only=True)
 
 
 def text_config(hf_config) -> TextConfig:

@@ -85,13 +85,12 @@ def tokenizer_hash(tokenizer) -> str:
 
 def check_tokenizers(target: str, draft: str) -> None:
     """The draft must encode text exactly as the target does; checked before any weights load."""
-    from transformers import AutoTokenizer
-
     from docproc.models.loader import check_folder
+    from docproc.models.processor import load_tokenizer
 
     for folder in (target, draft):
         check_folder(folder)  # a missing folder is named as such, not looked up on a model hub
-    hashes = [tokenizer_hash(AutoTokenizer.from_pretrained(str(p), local_files_only=True)) for p in (target, draft)]
+    hashes = [tokenizer_hash(load_tokenizer(p)) for p in (target, draft)]
     if hashes[0] != hashes[1]:
         raise ValueError(f"draft tokenizer differs from target (vocab hash {hashes[1]} vs {hashes[0]}): "
                          f"pick a draft trained with the same tokenizer")

@@ -1,0 +1,60 @@
+"""A Qwen2-VL checkpoint's config.json as the engine reads it: the fields it uses, with
+transformers' Qwen2VLConfig defaults, from either layout (transformers 5's `text_config` /
+`vision_config`, or the flat layout published checkpoints use, text fields at the top). Our own
+reader because transformers' config classes import its auto-model machinery (torch.distributed's
+FSDP among it) as they are defined: 6 s of an engine's start with transformers 5.17 on the H200
+machine. A test compares every field against transformers' own parse of each layout.
+"""
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+TEXT_DEFAULTS = {
+    "vocab_size": 152064, "hidden_size": 8192, "intermediate_size": 29568, "num_hidden_layers": 80,
+    "num_attention_heads": 64, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+    "max_position_embeddings": 32768, "use_sliding_window": False, "tie_word_embeddings": False,
+    "eos_token_id": 151645, "rope_parameters": None,
+}
+VISION_DEFAULTS = {
+    "depth": 32, "embed_dim": 1280, "hidden_size": 3584, "hidden_act": "quick_gelu", "mlp_ratio": 4,
+    "num_heads": 16, "in_channels": 3, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "axial"},
+}
+TOP_DEFAULTS = {
+    "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
+    "vision_end_token_id": 151653, "tie_word_embeddings": False, "eos_token_id": None,
+}
+TEXT_ROPE_THETA = 1000000.0
+
+
+def _fill(defaults: dict, given: dict) -> dict:
+    out = copy.deepcopy(defaults)
+    out.update({k: v for k, v in given.items() if k in defaults and v is not None})
+    return out
+
+
+def qwen2_vl_config(raw: dict) -> SimpleNamespace:
+    """model_type, image_token_id, tie_word_embeddings, eos_token_id, text_config and
+    vision_config (namespaces), as transformers' Qwen2VLConfig would hold them."""
+    if isinstance(raw.get("text_config"), dict):
+        text_raw, top_raw = raw["text_config"], raw
+    else:  # the flat layout: the text fields (eos_token_id with them) at the top
+        text_raw = raw
+        top_raw = {k: v for k, v in raw.items() if k not in TEXT_DEFAULTS or k == "tie_word_embeddings"}
+    text = _fill(TEXT_DEFAULTS, text_raw)
+    if "num_key_value_heads" in text_raw and text_raw["num_key_value_heads"] is None:  # given as null
+        text["num_key_value_heads"] = text["num_attention_heads"]
+    rope = dict(text_raw.get("rope_parameters") or text_raw.get("rope_scaling") or {})
+    rope.setdefault("rope_theta", text_raw.get("rope_theta") or TEXT_ROPE_THETA)
+    if rope.get("rope_type", rope.get("type")) == "mrope":  # M-RoPE is the model's, not a rope type
+        rope.pop("type", None)
+        rope["rope_type"] = "default"
+    rope.setdefault("rope_type", "default")
+    text["rope_parameters"] = rope
+    vision = _fill(VISION_DEFAULTS, raw.get("vision_config") or {})
+    top = _fill(TOP_DEFAULTS, top_raw)
+    # transformers 4 saved tie_word_embeddings inside text_config; the outer flag wins only if set
+    top["tie_word_embeddings"] = bool(top["tie_word_embeddings"] or text["tie_word_embeddings"])
+    return SimpleNamespace(model_type="qwen2_vl", text_config=SimpleNamespace(**text),
+                           vision_config=SimpleNamespace(**vision), **top)
