@@ -171,6 +171,18 @@ def test_loader_errors_name_what_is_wrong(tmp_path, qwen2_vl_dir):
     (pickled / "pytorch_model.bin").write_bytes(b"\x80")
     with pytest.raises(CheckpointError, match="pickle"):
         LLM(str(pickled), device="cpu")
+    for field, value, message in (("hidden_size", "wide", "hidden_size must be a positive integer, got 'wide'"),
+                                  ("vision_config", [1], "vision_config must be an object")):
+        broken = tmp_path / f"broken_{field}"
+        broken.mkdir()
+        for f in qwen2_vl_dir.iterdir():
+            (broken / f.name).symlink_to(f)
+        raw = json.loads((qwen2_vl_dir / "config.json").read_text())
+        (raw["text_config"] if field in raw.get("text_config", {}) else raw)[field] = value
+        (broken / "config.json").unlink()
+        (broken / "config.json").write_text(json.dumps(raw))
+        with pytest.raises(CheckpointError, match=message):
+            LLM(str(broken), device="cpu")
 
 
 def test_loader_reports_missing_weights(tmp_path, qwen2_vl_dir):

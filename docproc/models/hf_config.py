@@ -52,9 +52,19 @@ def qwen2_vl_config(raw: dict) -> SimpleNamespace:
         rope["rope_type"] = "default"
     rope.setdefault("rope_type", "default")
     text["rope_parameters"] = rope
-    vision = _fill(VISION_DEFAULTS, raw.get("vision_config") or {})
+    vision_raw = raw.get("vision_config") or {}
+    if not isinstance(vision_raw, dict):
+        raise ValueError(f"config.json: vision_config must be an object, got {type(vision_raw).__name__}")
+    vision = _fill(VISION_DEFAULTS, vision_raw)
     top = _fill(TOP_DEFAULTS, top_raw)
     # transformers 4 saved tie_word_embeddings inside text_config; the outer flag wins only if set
     top["tie_word_embeddings"] = bool(top["tie_word_embeddings"] or text["tie_word_embeddings"])
+    for where, fields in (("", text), ("vision_config.", vision)):
+        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "max_position_embeddings", "depth", "embed_dim", "num_heads",
+                  "patch_size", "spatial_merge_size", "temporal_patch_size"):
+            v = fields.get(k)
+            if k in fields and not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+                raise ValueError(f"config.json: {where}{k} must be a positive integer, got {v!r}")
     return SimpleNamespace(model_type="qwen2_vl", text_config=SimpleNamespace(**text),
                            vision_config=SimpleNamespace(**vision), **top)

@@ -58,7 +58,10 @@ def read_config(folder: str | Path):
             f"{' and '.join(SUPPORTED_MODEL_TYPES)} checkpoints"
         )
     if model_type == "qwen2_vl":  # read by docproc/models/hf_config.py (why: its docstring)
-        return qwen2_vl_config(raw)
+        try:
+            return qwen2_vl_config(raw)
+        except (ValueError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{folder}: {e}") from None
     from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLConfig  # its tower is transformers'
 
     return Qwen2_5_VLConfig.from_pretrained(str(folder), local_files_only=True)
