@@ -11,10 +11,30 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # a pytest-xdist worker (README runs one per core): one intra-op thread, for it and for the
+    # processes its tests start; two per process oversubscribe the cores and the suite took 21 min
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+else:
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+# Under pytest-xdist --dist loadfile the longest files start first. xdist's default order (the
+# files with the most tests first) left test_ray.py's 150 s to the end on one worker, the other idle.
+SLOW_FILES = ("test_ray.py", "test_graph_runner.py", "test_train_tiny.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    config.option.loadscopereorder = False  # the workers' collection order, SLOW_FILES first
+    return None  # xdist's own scheduler
 
 
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        rank = {name: i for i, name in enumerate(SLOW_FILES)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
