@@ -23,7 +23,9 @@ On the device so far (2026-11-30): every part, several times (BENCHMARKS.md); pa
     proposal counts as the target's own greedy token with probability a (else as one it rejects);
     speedup over no draft at each a, batch size and K, next to E(a,K)/(1+Kc) with c = draft
     forward time / target step time measured by the engine in the run (and with r, the target's
-    extra cost per verified position).
+    extra cost per verified position). Each pass draws a new acceptance pattern; the acceptance
+    the passes realized is recorded, and each K's speedups are interpolated in it at
+    --spec-interpolate-at (between the --accept cells whose realized acceptance brackets it).
 (d) memory: at one fixed KV budget, the most sequences running at once (measured in the
     scheduler) for bf16 and FP4 KV, with 1 query per page and with 4 queries per page, and the
     tokens/s of the steps that only decoded (the memory-bound phase; the whole run's tokens/s is
@@ -529,11 +531,15 @@ class ControlledAcceptance:
         import docproc.engine.spec.rejection as rejection
 
         self.mod, self.real, self.a, self.rng = rejection, rejection.accept_greedy, a, random.Random(seed)
+        self.tried = self.passed = 0  # positions decided (up to the first rejection) and accepted
         rejection.accept_greedy = self.accept
 
     def accept(self, top, draft_tokens):
         toks = [top[i] if self.rng.random() < self.a else -1 for i in range(len(draft_tokens))]
-        return self.real(top, toks)
+        emitted, j = self.real(top, toks)
+        self.passed += j
+        self.tried += j + (1 if j < len(toks) else 0)
+        return emitted, j
 
     def close(self) -> None:
         self.mod.accept_greedy = self.real
@@ -573,6 +579,29 @@ def set_k(llm: LLM, k) -> None:
     """A fixed K (at most the engine's k_max of 8) or the adaptive policy, on one engine."""
     pol = llm.speculator.policy
     pol.fixed, pol.k_max = (False, 8) if k == "auto" else (True, int(k))
+
+
+def interpolate(runs: list[dict], at: list[float]) -> list[dict]:
+    """Each (batch, K)'s speedups at the acceptances `at`, linear in the acceptance the passes
+    realized between the two cells whose realized acceptance brackets it (none where no two do)."""
+    out = []
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        if r.get("acceptance_realized") is not None:
+            groups.setdefault((r["batch"], str(r["k"]), r.get("draft_chain")), []).append(r)
+    for (b, k, chain), rows in groups.items():
+        rows = sorted(rows, key=lambda r: r["acceptance_realized"])
+        for target in at:
+            for lo, hi in zip(rows, rows[1:]):
+                x0, x1 = lo["acceptance_realized"], hi["acceptance_realized"]
+                if x0 <= target <= x1 and x1 > x0:
+                    f = (target - x0) / (x1 - x0)
+                    out.append({"batch": b, "k": k, "draft_chain": chain, "a": target,
+                                "between": [x0, x1],
+                                **{key: round(lo[key] + f * (hi[key] - lo[key]), 3)
+                                   for key in ("speedup", "speedup_paired_median")}})
+                    break
+    return out
 
 
 def part_c(folder: Path, draft: Path, args, env: dict) -> dict:
@@ -635,18 +664,25 @@ def part_c(folder: Path, draft: Path, args, env: dict) -> dict:
                 finally:
                     ctl.close()
                 plain_s, spec_s = [], []
-                for _ in range(args.spec_repeats):  # the same acceptance pattern each time
+                tried = passed = 0
+                k_hist_before = dict(llm.spec_info()["k_histogram"])
+                for rep in range(args.spec_repeats):
                     if one:
                         with draft_detached(llm):
                             plain_s.append(timed(llm, reqs, sp, args.device)[0])
                     else:
                         plain_s.append(timed(plain, reqs, sp, args.device)[0])
-                    ctl = ControlledAcceptance(a, seed=seed)
+                    # a new acceptance pattern each pass: one seed's luck (a few dozen
+                    # verifications a pass at batch 1) would otherwise repeat in every pass
+                    ctl = ControlledAcceptance(a, seed=seed + 7919 * (rep + 1))
                     try:
                         dt, outs = timed(llm, reqs, sp, args.device)
                     finally:
                         ctl.close()
+                    tried, passed = tried + ctl.tried, passed + ctl.passed
                     spec_s.append(dt)
+                k_hist = {int(kk): n - k_hist_before.get(kk, 0)
+                          for kk, n in llm.spec_info()["k_histogram"].items() if n - k_hist_before.get(kk, 0)}
                 base_all[b].extend(plain_s)
                 prop = sum(o.metrics.draft_proposed for o in outs)
                 acc = sum(o.metrics.draft_accepted for o in outs)
@@ -656,6 +692,10 @@ def part_c(folder: Path, draft: Path, args, env: dict) -> dict:
                 row = {"batch": b, "k": k, "a": a, "seconds": round(min(spec_s), 3),
                        "baseline_seconds": round(min(plain_s), 3), **paired(plain_s, spec_s),
                        "acceptance_rate": round(acc / prop, 4) if prop else None,
+                       # the per-position acceptance the timed passes drew (a of E(a, K)), and the
+                       # K each verification used (the adaptive policy's choices)
+                       "acceptance_realized": round(passed / tried, 4) if tried else None,
+                       "k_histogram": k_hist,
                        "cost_ratio_c": round(c, 4), "verify_cost_r": round(r, 4), "draft_chain": chain,
                        "overlap_ratio": round(pol.overlap_ratio, 4),
                        "draft_chained_rounds": llm.spec_info()["draft_chained_rounds"] - chained_before,
@@ -671,6 +711,7 @@ def part_c(folder: Path, draft: Path, args, env: dict) -> dict:
         if not one:
             del llm
             free()
+    res["interpolated"] = interpolate(res["runs"], args.spec_interpolate_at)
     for b, times in base_all.items():
         if times:
             best = min(times)
@@ -764,6 +805,9 @@ def main() -> None:
                     help="dummy: every model's weights drawn from its config.json (no checkpoint written)")
     ap.add_argument("--spec-reset-acceptance", action="store_true",
                     help="part c: the adaptive policy forgets the acceptance it saw before each (batch, a)")
+    ap.add_argument("--spec-interpolate-at", default="0.8",
+                    help="part c: acceptances to interpolate each K's speedup at (between the --accept cells "
+                         "whose realized acceptance brackets them)")
     ap.add_argument("--spec-repeats", type=int, default=5,
                     help="part c: alternated plain/speculative pass pairs per figure")
     ap.add_argument("--spec-kv-bytes", type=int, default=8 << 30,
@@ -802,6 +846,7 @@ def main() -> None:
     a.spec_batches = [int(x) for x in a.spec_batches.split(",")]
     a.spec_k = [x if x == "auto" else int(x) for x in a.spec_k.split(",")]
     a.accept = [float(x) for x in a.accept.split(",")]
+    a.spec_interpolate_at = [float(x) for x in a.spec_interpolate_at.split(",")] if a.spec_interpolate_at else []
     a.spec_chain = a.spec_chain.split(",")
     if not set(a.spec_chain) <= {"on", "off"}:
         ap.error(f"--spec-chain takes on, off or on,off, not {a.spec_chain}")

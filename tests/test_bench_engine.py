@@ -49,8 +49,18 @@ def test_bench_engine_small_on_cpu(tmp_path):
     # both draft modes, alternated on one engine; on CPU there are no graphs, so nothing is chained
     assert {x["draft_chain"] for x in runs} == {"on", "off"} and all(x["draft_chained_rounds"] == 0 for x in runs)
     assert all(x["acceptance_rate"] == 1.0 for x in runs if x["a"] == 1.0 and x["k"] == 4)
-    assert all(0.2 < x["acceptance_rate"] < 0.8 for x in runs if x["a"] == 0.5 and x["k"] == 4)
+    # (at a = 0.5 the share of drafts kept, acceptance_rate, is about (E(0.5, 4) - 1) / 4 = 0.23;
+    # the per-position acceptance the passes drew, acceptance_realized, about 0.5: below)
+    assert all(0 < x["acceptance_rate"] < 0.5 for x in runs if x["a"] == 0.5 and x["k"] == 4)
     assert {x["k"] for x in runs} == {4, "auto"} and all("analytic_speedup" not in x for x in runs if x["k"] == "auto")
+    # the per-position acceptance the timed passes drew, and the K of each of their verifications
+    # (a window is cut shorter only where max_tokens ends)
+    assert all(x["acceptance_realized"] == 1.0 and x["k_histogram"].get("4") == max(x["k_histogram"].values())
+               for x in runs if x["a"] == 1.0 and x["k"] == 4)
+    assert all(0.2 < x["acceptance_realized"] < 0.8 for x in runs if x["a"] == 0.5 and x["k"] == 4)
+    # (the default --spec-interpolate-at 0.8 lies between a = 0.5 and a = 1.0 for K = 4)
+    interp = [x for x in r["c_speculation"]["interpolated"] if x["k"] == "4"]
+    assert {x["draft_chain"] for x in interp} == {"on", "off"} and all(x["a"] == 0.8 for x in interp)
     assert all(x["analytic_speedup"] > 0 and x["cost_ratio_c"] > 0 for x in runs if x["k"] == 4)
     # the adaptive policy's beliefs around each (batch, a): fixed K reports fixed; costs measured after the runs
     assert all(x["policy_before"]["fixed"] == (x["k"] == 4) for x in runs)
@@ -72,3 +82,19 @@ def test_bench_engine_small_on_cpu(tmp_path):
     assert all(d[f"{kv}_q{q}"]["decode_steps"] > 0 and d[f"{kv}_q{q}"]["mean_decode_batch"] >= 1
                and d[f"{kv}_q{q}"]["decode_tokens_per_s"] > 0 for kv in ("fp32", "fp4") for q in (1, 4))
     assert d["fp4_vs_fp32_q1_decode_tokens_per_s"] > 0
+
+
+def test_interpolate_in_the_realized_acceptance():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_engine import interpolate
+
+    def row(k, realized, speedup):
+        return {"batch": 1, "k": k, "draft_chain": "on", "acceptance_realized": realized,
+                "speedup": speedup, "speedup_paired_median": speedup - 0.1}
+
+    runs = [row(6, 0.9, 3.0), row(6, 0.3, 1.0), row(6, 0.7, 2.0), row("auto", 0.75, 2.2)]
+    out = interpolate(runs, [0.8, 0.95])
+    # K = 6: 0.8 lies between the cells that realized 0.7 and 0.9 (the sort is by realized a);
+    # 0.95 lies past every cell, and auto has one cell only: neither is interpolated
+    assert out == [{"batch": 1, "k": "6", "draft_chain": "on", "a": 0.8, "between": [0.7, 0.9],
+                    "speedup": 2.5, "speedup_paired_median": 2.4}]
