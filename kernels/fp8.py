@@ -193,8 +193,11 @@ def _rows_fp8_kernel(
 
 def rows_config(group: int, per_row: bool) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the few-row kernel: BLOCK_K is the group for
-    group-wise scales."""
-    return 64, 128 if per_row else group, 4, 4
+    group-wise scales. From `scripts/bench_gemv.py --fp8 --rows 7` on the H200 (BENCHMARKS.md): 32
+    output rows a program, twice the programs of 64, read the codes of a 72B layer at 0.65-0.95
+    of the copy bandwidth against 0.54-0.72 (one verification's products 20.9 ms against 25.7 ms
+    at 72B; a decode step's are 19.7 ms), and 32 x 128 beats 64 x 128 at both geometries."""
+    return (32, 256, 4, 3) if per_row else (32, group, 4, 4)
 
 
 def gemm_fp8_rows(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, group: int,

@@ -7,6 +7,11 @@ measured in the same run.
 
     python scripts/bench_gemv.py --json OUT/gemv.json [--geometries 7b,2b] [--configs 8x512x4,4x512x4,...]
 
+--rows M (with --fp8) times instead the few-row FP8 kernel (kernels/fp8.gemm_fp8_rows: a
+verification window of M positions) for each --rows-configs (BLOCK_N x BLOCK_K x warps x stages)
+against the one-row kernel on one row and torch._scaled_mm on M, over the first --layers layers
+(a 72B geometry's 80 layers do not fit the device in bf16 before quantizing).
+
 --chain times instead one step's dependent chain of the layers' kernels without attention (add +
 RMSNorm, qkv, o, add + RMSNorm, gate|up, SiLU x down; each reads the one before), with
 programmatic dependent launch (kernels/pdl.py) on and off, and with cuBLAS for the products.
@@ -96,11 +101,16 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true",
                     help="per-row FP8 weights: kernels/fp8.gemv_fp8 for each config against torch._scaled_mm "
                          "(the several-row path, its input quantized per token)")
+    ap.add_argument("--rows", type=int, default=0, help="with --fp8: the few-row kernel at this many rows (above)")
+    ap.add_argument("--rows-configs", default="64x128x4x4,32x256x4x3,64x256x4x3,128x128x4x4,32x128x4x4,64x128x8x4")
+    ap.add_argument("--layers", type=int, default=0, help="with --rows: this many layers (0: all)")
     a = ap.parse_args()
     dt = torch.bfloat16
     bw = copy_bandwidth()
     if a.chain:
         return chain(a, bw)
+    if a.rows:
+        return rows_sweep(a, bw)
     res = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "copy_bandwidth_GBps": round(bw / 1e9, 1), "geometries": {}}
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -191,6 +201,74 @@ def main() -> None:
         del W, head
         torch.cuda.empty_cache()
         Path(a.json).write_text(json.dumps(res, indent=1))
+    Path(a.json).write_text(json.dumps(res, indent=1))
+
+
+def rows_sweep(a, bw: float) -> None:
+    """The few-row FP8 kernel at --rows rows against one row and _scaled_mm (module docstring)."""
+    from docproc.models.quant import quantize
+    from kernels.fp8 import fp8_linear_ref, gemm_fp8_rows, gemv_fp8, rows_config, scaled_mm
+
+    m = a.rows
+    res = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "copy_bandwidth_GBps": round(bw / 1e9, 1), "rows": m, "geometries": {}}
+    configs = [tuple(int(v) for v in c.split("x")) for c in a.rows_configs.split(",")]
+    for geo in a.geometries.split(","):
+        t = GEOMETRIES[geo]["text"]
+        h, inter, all_layers = t["hidden_size"], t["intermediate_size"], t["num_hidden_layers"]
+        layers = min(a.layers or all_layers, all_layers)
+        nqkv = h + 2 * t["num_key_value_heads"] * (h // t["num_attention_heads"])
+        g = torch.Generator(device="cuda").manual_seed(0)
+
+        def w(n, k):  # quantized at once: a 72B layer's bf16 weights are 1.7 GB
+            return quantize((torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16))
+
+        W = [dict(qkv=w(nqkv, h), qkv_b=torch.randn(nqkv, device="cuda", dtype=torch.bfloat16) * 0.02,
+                  o=w(h, h), gu=w(2 * inter, h), down=w(h, inter)) for _ in range(layers)]
+        x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+        act = torch.randn(m, inter, device="cuda", dtype=torch.bfloat16)
+        xgu1 = torch.randn(1, 2 * inter, device="cuda", dtype=torch.bfloat16)
+        ops = {"qkv": ("qkv", x, "qkv_b", nqkv, h), "o": ("o", x, None, h, h), "gate_up": ("gu", x, None, 2 * inter, h),
+               "down": ("down", act, None, h, inter)}
+        out = {"layers": layers, "all_layers": all_layers, "default_config": list(rows_config(0, True))}
+        totals: dict[str, float] = {}
+        for name, (key, inp, bias, n, k) in ops.items():
+            nbytes = layers * n * (k + 4)
+            row = {"bytes": nbytes}
+            q0 = W[0][key]
+            ref = fp8_linear_ref(inp, q0.data, q0.scale, q0.group, W[0][bias] if bias else None)
+            runs = {"one_row": lambda: [gemv_fp8(xgu1 if key == "down" else inp[:1], L[key].data, L[key].scale,
+                                                 L[key].group, L[bias] if bias else None, gated=key == "down")
+                                        for L in W],
+                    "scaled_mm": lambda: [scaled_mm(inp, L[key].data, L[key].scale, L[bias] if bias else None)
+                                          for L in W]}
+            for c in configs + [None]:
+                label = "rows_default" if c is None else "rows_" + "x".join(map(str, c))
+                try:
+                    got = gemm_fp8_rows(inp, q0.data, q0.scale, q0.group, W[0][bias] if bias else None, config=c)
+                except Exception as e:  # a config that does not compile or launch
+                    row[label] = f"failed: {type(e).__name__}"
+                    continue
+                err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+                assert err < 2e-2, (geo, name, c, err)
+                runs[label] = (lambda c=c: [gemm_fp8_rows(inp, L[key].data, L[key].scale, L[key].group,
+                                                          L[bias] if bias else None, config=c) for L in W])
+            for label, fn in runs.items():
+                try:
+                    us = graph_us(fn)
+                except RuntimeError as e:
+                    row[label] = f"failed: {str(e)[:120]}"
+                    continue
+                row[label + "_us"] = round(us, 2)
+                row[label + "_bw"] = round(nbytes / (us * 1e-6) / bw, 3)
+                totals[label] = totals.get(label, 0.0) + us * all_layers / layers
+            out[name] = row
+            print(geo, name, json.dumps(row), flush=True)
+        out["step_total_us_all_layers"] = {k: round(v, 1) for k, v in totals.items()}
+        print(geo, "totals", json.dumps(out["step_total_us_all_layers"]), flush=True)
+        res["geometries"][geo] = out
+        del W
+        torch.cuda.empty_cache()
     Path(a.json).write_text(json.dumps(res, indent=1))
 
 

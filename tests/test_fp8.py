@@ -241,6 +241,10 @@ def test_fp8_few_row_kernel_in_the_interpreter(blocks):
         got = gemm_fp8_rows(x, q.data, q.scale, q.group, bias, config=(32, 128, 4, 2))
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # the default tiles (per-row scales: 256 columns, K = 320 ragged in them)
+    x = torch.randn(7, k, generator=g)
+    torch.testing.assert_close(gemm_fp8_rows(x, q.data, q.scale, q.group, bias),
+                               fp8_linear_ref(x, q.data, q.scale, q.group, bias), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu

@@ -23,6 +23,7 @@ import torch
 
 import kernels.gemv as kernels_gemv
 from kernels.fp8 import FP8, FP8_MAX, ROWS_MAX, dequantize_ref, gemm_fp8_rows, gemv_fp8, quantize_rows, scaled_mm
+from kernels.fused import silu_mul, silu_mul_ref
 
 QUANTIZATION_METHODS = ("fp8",)
 LOAD_FORMATS = ("auto", "dummy")
@@ -102,9 +103,9 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
     product (weight-only reference semantics)."""
     if x.is_cuda and kernels_gemv.ENABLED and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1:
         return gemv_fp8(x, w.data, w.scale, w.group, bias, gated=gated)
-    if gated:
-        gate, up = x.chunk(2, dim=-1)
-        x = torch.nn.functional.silu(gate) * up
+    if gated:  # (one kernel on CUDA)
+        x = silu_mul(x) if x.is_cuda and kernels_gemv.ENABLED and x.dim() == 2 and x.stride(-1) == 1 \
+            else silu_mul_ref(x)
     if (x.is_cuda and kernels_gemv.ENABLED and x.dim() == 2 and 1 <= x.shape[0] <= ROWS_MAX and x.stride(-1) == 1
             and x.dtype in (torch.bfloat16, torch.float16)
             and (w.per_channel or (w.group >= 16 and w.group & (w.group - 1) == 0))):
