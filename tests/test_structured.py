@@ -250,21 +250,50 @@ def test_cuda_overlapped_decode_with_constrained_rows_gives_the_plain_tokens(qwe
 
 
 def test_the_device_mask_kernel_equals_xgrammars():
-    """apply_bitmask (CUDA's path: device kernels only, no index tensor) against xgrammar's own
-    apply, on random masks over a width that is not a multiple of 32, and logits wider than it."""
+    """kernels/token_mask.py (CUDA's path: one kernel, no index tensor; here in Triton's
+    interpreter) and its torch reference against xgrammar's own apply, on random masks over a
+    tokenizer of 1,000 ids (not a multiple of 32) and logits 24 ids wider: those ids are -inf in
+    the constrained rows and untouched in the row without a constraint (tail 1)."""
     import torch
     import xgrammar as xgr
 
-    from docproc.engine.structured import apply_bitmask
+    from kernels.token_mask import apply_token_mask, apply_token_mask_ref
 
     g = torch.Generator().manual_seed(0)
     width = 1000
     bitmask = torch.randint(-2**31, 2**31 - 1, (5, (width + 31) // 32), generator=g, dtype=torch.int64).to(torch.int32)
+    bitmask[3] = -1  # row 3: no constraint (what _apply writes for it)
+    tail = torch.tensor([0, 0, 0, 1, 0], dtype=torch.int32)
     logits = torch.randn(5, width + 24, generator=g)
     want = logits.clone()
     xgr.apply_token_bitmask_inplace(want, bitmask, vocab_size=width)
-    got = logits.clone()
-    apply_bitmask(got, bitmask, width)
-    assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.isinf(got).any()
-    assert torch.equal(got[~torch.isinf(got)], want[~torch.isinf(want)])
-    assert not torch.isinf(got[:, width:]).any()  # past the width: untouched
+    want[[0, 1, 2, 4], width:] = float("-inf")
+    for apply in (apply_token_mask_ref, apply_token_mask):
+        got = logits.clone()
+        apply(got, bitmask, tail, width)
+        assert torch.equal(got, want) and torch.isinf(got).any(), apply.__name__
+        assert not torch.isinf(got[3]).any()
+    # bf16 logits, as on the GPU
+    got = logits.to(torch.bfloat16)
+    apply_token_mask(got, bitmask, tail, width)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+
+
+def test_a_padded_vocabulary_stays_outside_the_grammar(llm):
+    """A model whose logits are wider than its tokenizer (embeddings padded): xgrammar sees only
+    the tokenizer's ids (its masks and matchers would otherwise carry every padded id), and a
+    constrained row never samples an id past them, while a free row still may."""
+    import torch
+
+    from docproc.engine.structured import GrammarCompiler, tokenizer_size
+    from docproc.sampling_params import StructuredOutputsParams
+
+    known = tokenizer_size(llm.tokenizer)
+    gc = GrammarCompiler(llm.tokenizer, known + 500, llm.eos_token_ids)
+    assert gc.num_tokens == known
+    logits = torch.zeros(2, known + 500)
+    logits[:, known:] = 10.0  # the padded ids would win every argmax
+    m = gc.matcher(StructuredOutputsParams(regex="[0-9]+"))
+    gc.mask_logits(logits, [m, None])
+    assert int(logits[0].argmax()) < known and torch.isinf(logits[0, known:]).all()
+    assert int(logits[1].argmax()) >= known  # the free row: untouched

@@ -19,6 +19,7 @@ from collections import OrderedDict
 import torch
 
 from docproc.sampling_params import StructuredOutputsParams
+from kernels.token_mask import apply_token_mask
 
 INSTALL_HINT = "structured outputs need xgrammar: pip install 'docproc[structured]'"
 CACHE_ENTRIES = 256  # compiled grammars kept
@@ -38,23 +39,31 @@ def _xgrammar():
 
 class GrammarCompiler:
     """Compiles constraints for one tokenizer and vocabulary width (the model's logits' width,
-    which may exceed the tokenizer's: ids past it are never allowed)."""
+    which may exceed the tokenizer's: ids past it are never allowed).
+
+    xgrammar sees only the ids the tokenizer knows (`num_tokens`): a model's embedding padded past
+    its tokenizer would otherwise give it that many tokens without text to carry through every
+    mask and every accepted token (a 384-token tokenizer on 152,064 logits: fills of ~400 us a row
+    instead of ~20, accepts of ~100 us instead of ~25, on 2 CPU cores). The ids past it are masked
+    with the rest, in kernels/token_mask.py on CUDA."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int]) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.stop_token_ids = sorted(stop_token_ids)
+        self.num_tokens = min(vocab_size, tokenizer_size(tokenizer))
+        self.stop_token_ids = sorted(t for t in stop_token_ids if t < self.num_tokens)
         self._compiler = None
         self._xgr = None
         self._cache: OrderedDict[str, object] = OrderedDict()
         self._batch = None  # xgrammar's BatchGrammarMatcher: fills a step's masks in parallel
         self._pinned: torch.Tensor | None = None  # the host side of CUDA masks
-        self._copied = None  # a CUDA event after the last copy out of it
+        self._tail: torch.Tensor | None = None  # per row: 1 where the ids past num_tokens stay allowed
+        self._copied = None  # a CUDA event after the last copy out of them
 
     def _ensure(self):
         if self._compiler is None:
             xgr = _xgrammar()
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.num_tokens,
                                                       stop_token_ids=self.stop_token_ids or None)
             self._xgr, self._compiler = xgr, xgr.GrammarCompiler(info, cache_enabled=False)
         return self._xgr, self._compiler
@@ -111,29 +120,39 @@ class GrammarCompiler:
         xgr, _ = self._ensure()
         n = logits.shape[0]
         if not logits.is_cuda:
-            return xgr.allocate_token_bitmask(n, self.vocab_size)
+            return xgr.allocate_token_bitmask(n, self.num_tokens)
         if self._pinned is None or self._pinned.shape[0] < n:
-            self._pinned = torch.empty((max(n, 64), (self.vocab_size + 31) // 32), dtype=torch.int32,
-                                       pin_memory=True)
+            rows = max(n, 64)
+            self._pinned = torch.empty((rows, (self.num_tokens + 31) // 32), dtype=torch.int32, pin_memory=True)
+            self._tail = torch.empty(rows, dtype=torch.int32, pin_memory=True)
         elif self._copied is not None:
             self._copied.synchronize()  # its last copy to the device is done before it is written again
         return self._pinned[:n]
 
     def _apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         # (a draft's logits may be narrower than the target's vocabulary the masks are made for)
-        width = min(self.vocab_size, logits.shape[-1])
+        width = min(self.num_tokens, logits.shape[-1])
         if not logits.is_cuda:
             self._xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=width, indices=rows)
+            if logits.shape[-1] > width:  # ids without text: never allowed under a grammar
+                logits[torch.tensor(rows), width:] = float("-inf")
             return
         # on the device without an index tensor from the host (whose copy would wait for the
         # forward queued before it): rows without a mask allow everything
-        if len(rows) < bitmask.shape[0]:
-            free = sorted(set(range(bitmask.shape[0])) - set(rows))
+        n = bitmask.shape[0]
+        tail = self._tail[:n]
+        if len(rows) < n:
+            free = sorted(set(range(n)) - set(rows))
             bitmask[free] = -1
+            tail.fill_(0)
+            tail[free] = 1
+        else:
+            tail.fill_(0)
         device_mask = bitmask.to(logits.device, non_blocking=True)
+        device_tail = tail.to(logits.device, non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record()
-        apply_bitmask(logits, device_mask, width)
+        apply_token_mask(logits, device_mask, device_tail, self.num_tokens)
 
     def mask_windows(self, logits: torch.Tensor, windows: list[tuple[int, object, list[int]]]) -> None:
         """Speculative windows of constrained rows: (first row, matcher, proposals). Row r0 + j of
@@ -162,18 +181,9 @@ class GrammarCompiler:
             self._apply(logits, bitmask, rows)
 
 
-_SHIFTS: dict = {}
-
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, width: int) -> None:
-    """logits[:, :width] = -inf wherever bitmask (n, ceil(width / 32)) int32, token t at bit t % 32
-    of word t // 32 (xgrammar's layout), has a 0; in place, with device kernels only."""
-    shifts = _SHIFTS.get(logits.device)
-    if shifts is None:
-        shifts = _SHIFTS[logits.device] = torch.arange(32, dtype=torch.int32, device=logits.device)
-    n = logits.shape[0]
-    bits = (bitmask[:n].unsqueeze(-1) >> shifts) & 1  # (n, words, 32)
-    logits[:, :width].masked_fill_(bits.view(n, -1)[:, :width] == 0, float("-inf"))
+def tokenizer_size(tokenizer) -> int:
+    """The ids a tokenizer has text for: one past its largest (added tokens included)."""
+    return max(tokenizer.get_vocab().values()) + 1
 
 
 def _strict_strings(schema):
