@@ -101,6 +101,8 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true",
                     help="per-row FP8 weights: kernels/fp8.gemv_fp8 for each config against torch._scaled_mm "
                          "(the several-row path, its input quantized per token)")
+    ap.add_argument("--plain-down", action="store_true",
+                    help="also the down projection after a separate SiLU x up kernel (against the gated one)")
     ap.add_argument("--rows", type=int, default=0, help="with --fp8: the few-row kernel at this many rows (above)")
     ap.add_argument("--rows-configs", default="64x128x4x4,32x256x4x3,64x256x4x3,128x128x4x4,32x128x4x4,64x128x8x4")
     ap.add_argument("--layers", type=int, default=0, help="with --rows: this many layers (0: all)")
@@ -159,9 +161,14 @@ def main() -> None:
             "lm_head": (lambda: lin(x, head),
                         lambda c: fn(x, head, config=c), head.numel() * 2),
         }
+        if a.plain_down:  # SiLU x up in its own kernel, then the down projection on its output
+            ops["silu_then_down"] = (lambda: [lin(silu_mul(xgu), L["down"]) for L in W],
+                                     lambda c: [fn(silu_mul(xgu), L["down"], config=c) for L in W],
+                                     layers * h * (inter * wb + sb))
         checks = {"qkv": lambda: ref_check(x, W[0]["qkv"], W[0]["qkv_b"]), "o": lambda: ref_check(x, W[0]["o"]),
                   "gate_up": lambda: ref_check(x, W[0]["gu"]), "silu_down": lambda: ref_check(silu_mul(xgu), W[0]["down"]),
-                  "lm_head": lambda: ref_check(x, head)} if a.fp8 else {}
+                  "lm_head": lambda: ref_check(x, head),
+                  "silu_then_down": lambda: ref_check(silu_mul(xgu), W[0]["down"])} if a.fp8 else {}
         # the outputs agree (bf16 rounding of float32 sums in another order)
         for name, (ref, ours, _) in ops.items():
             r, o = (checks[name]() if a.fp8 else ref()), ours(None)
