@@ -204,9 +204,8 @@ def test_properties_come_in_the_schema_order(llm):
 
 def test_overlapped_decode_with_constrained_rows_gives_the_plain_tokens(qwen2_vl_dir, monkeypatch):
     """Constrained rows take the overlapped decode path (the next step's forward queued before the
-    tokens are read, its masks filled on the worker thread once the matchers took them, its
-    sampling queued at the next step): the same tokens as decoding step by step, for greedy and
-    seeded sampled rows beside free ones."""
+    tokens are read, its masks filled and its sampling queued after the matchers took them): the
+    same tokens as decoding step by step, for greedy and seeded sampled rows beside free ones."""
     from docproc.engine import model_runner
 
     schema = SCHEMAS[0]
@@ -225,7 +224,6 @@ def test_overlapped_decode_with_constrained_rows_gives_the_plain_tokens(qwen2_vl
             outs = eng.generate(prompts, params)
         got[overlap] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text) for o in outs]
         assert (eng.num_overlapped_steps >= 8) == overlap
-        assert (eng.runner.grammar.num_worker_fills >= 8) == overlap
     assert got[True] == got[False]
     (_, why0, text0), _, (_, why2, text2), _ = got[True]
     assert why0 == "stop" and valid(schema, json.loads(text0)), text0
@@ -279,34 +277,6 @@ def test_the_device_mask_kernel_equals_xgrammars():
     got = logits.to(torch.bfloat16)
     apply_token_mask(got, bitmask, tail, width)
     assert torch.equal(torch.isinf(got), torch.isinf(want))
-
-
-def test_masks_filled_on_the_worker_thread_equal_the_masks_filled_at_once(llm):
-    """start_masks / finish_masks (the overlapped path's two halves) give mask_logits' logits; a
-    fill that fails on the worker raises at finish_masks; an abandoned job can be waited for."""
-    import torch
-
-    from docproc.engine.structured import GrammarCompiler
-
-    gc = GrammarCompiler(llm.tokenizer, llm.runner.text_config.vocab_size, llm.eos_token_ids)
-    params = [StructuredOutputsParams(json=SCHEMAS[0]), None, StructuredOutputsParams(regex="[0-9]+"),
-              StructuredOutputsParams(choice=["yes", "no"])]
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(len(params), gc.vocab_size, generator=g)
-    want, got = logits.clone(), logits.clone()
-    gc.mask_logits(want, [gc.matcher(p) if p else None for p in params])
-    job = gc.start_masks(len(params), [gc.matcher(p) if p else None for p in params], cuda=False)
-    gc.finish_masks(job, got)
-    assert torch.equal(got, want) and torch.isinf(got[0]).any() and not torch.isinf(got[1]).any()
-    assert gc.start_masks(2, [None, None], cuda=False) is None  # nothing to fill
-    done = gc.matcher(StructuredOutputsParams(choice=["yes"]))
-    for t in llm.tokenizer.encode("yes", add_special_tokens=False) + [min(llm.eos_token_ids)]:
-        assert done.accept_token(t)
-    assert done.is_terminated()
-    job = gc.start_masks(1, [done], cuda=False)  # xgrammar refuses a terminated matcher's mask
-    job.wait()
-    with pytest.raises(RuntimeError):
-        gc.finish_masks(job, logits[:1].clone())
 
 
 def test_a_padded_vocabulary_stays_outside_the_grammar(llm):

@@ -114,7 +114,6 @@ class PendingStep:
     captured: bool  # a CUDA graph was captured for it (a one-off cost: not a step time to learn from)
     overlapped: bool = False  # launched while the step before it was still in flight
     logits: torch.Tensor | None = None  # (rows, V) until the step samples (sample_pending)
-    masks: object | None = None  # its grammar masks being filled meanwhile (defer_sampling)
 
 
 class ModelRunner:
@@ -458,23 +457,6 @@ class ModelRunner:
         else:
             host = tokens
         step.tokens, step.host, step.event = tokens, host, event
-
-    def defer_sampling(self, step: PendingStep, matchers: list) -> None:
-        """sample_pending in two halves: the rows' grammar masks filled on a worker thread from
-        now (GrammarCompiler.start_masks), finish_sampling applies them and queues the rest.
-        Meanwhile the matchers are that thread's. Without a constrained row: sample_pending now."""
-        job = self.grammar.start_masks(len(step.scheduled), matchers, step.logits.is_cuda) \
-            if self.grammar is not None else None
-        if job is None:
-            self.sample_pending(step)
-        else:
-            step.masks = job
-
-    def finish_sampling(self, step: PendingStep) -> None:
-        """The second half of defer_sampling: the masks applied, the sampling queued."""
-        job, step.masks = step.masks, None
-        self.grammar.finish_masks(job, step.logits)
-        self.sample_pending(step)
 
     def collect(self, step: PendingStep) -> list[int]:
         """The launched step's sampled tokens: waits for that step only (work queued after it keeps running)."""

@@ -1,12 +1,9 @@
 """Overlapped decode: the next decode step is queued on the device before the host reads the
 tokens of the one in flight, so the host's per-token work (reading the tokens, stop checks,
 scheduling, filling the next step's inputs) runs while the device computes instead of between
-steps. Rows under a grammar take part: the next step's forward is queued at once, and its masks are
-filled on a worker thread once the host has read the tokens before it and its matchers have
-accepted them (GrammarCompiler.start_masks: xgrammar's fill releases the GIL). Its sampling is
-queued at the start of the step() after, just before the forward that reads its tokens: the fill
-runs while that forward runs and while the caller handles the step's outputs, off the host's
-critical path.
+steps. Rows under a grammar take part: the next step's forward is queued at once and its sampling
+after the host has read the tokens and its matchers have accepted them, so the grammar masks are
+filled while that forward runs.
 
 While a step is in flight each of its sequences holds a placeholder for the token it will emit
 (pushed and taken out here only): the next step's input id is read from the device, never from
@@ -69,8 +66,6 @@ class OverlapDecoder:
         return self.step()
 
     def abort(self) -> None:
-        if self.pending is not None and self.pending.masks is not None:
-            self.pending.masks.wait()  # the worker thread is done with the matchers and the buffer
         self.pending = None
         self.next_k = None
 
@@ -124,8 +119,6 @@ class OverlapDecoder:
         eng = self.engine
         prev = self.pending
         self.pending = None
-        if prev.tokens is None:  # its masks were filled since the last step(): its sampling now
-            eng.runner.finish_sampling(prev)
         nxt = self._continue(prev)
         tokens = eng.runner.collect(prev)
         now = time.perf_counter()
@@ -143,10 +136,9 @@ class OverlapDecoder:
                 seq.num_computed_tokens = end
             if eng.append_token(seq, token, now):
                 finished.append(seq)
-        if nxt is not None and nxt.tokens is None and not all(sc.seq.is_finished for sc in nxt.scheduled):
-            # the masks of the step in flight, filled on a worker thread while its forward runs
-            # and the caller takes this step's outputs; its sampling at the next step()
-            eng.runner.defer_sampling(nxt, [None if sc.seq.is_finished else sc.seq.grammar for sc in nxt.scheduled])
+        if nxt is not None and nxt.tokens is None:
+            # the masks of the step in flight, filled while its forward runs, then its sampling
+            eng.runner.sample_pending(nxt, [None if sc.seq.is_finished else sc.seq.grammar for sc in nxt.scheduled])
         eng.count_step(rows, seconds, True)
         spec = eng.speculator
         if spec is not None and not prev.captured:  # a bypassed step

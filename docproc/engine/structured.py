@@ -15,8 +15,6 @@ from __future__ import annotations
 import json
 import re
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 
 import torch
 
@@ -39,29 +37,6 @@ def _xgrammar():
     return xgrammar
 
 
-@dataclass
-class _HostMasks:
-    """A pinned bitmask buffer, each row's tail flag (1: the ids past the tokenizer's stay allowed,
-    a row without a constraint), and a CUDA event after their last copy to the device."""
-
-    bitmask: torch.Tensor
-    tail: torch.Tensor
-    copied: "torch.cuda.Event | None" = None
-
-
-@dataclass
-class MaskJob:
-    """Masks being filled on GrammarCompiler's worker thread (start_masks)."""
-
-    future: Future
-    bitmask: torch.Tensor
-    rows: list[int]
-
-    def wait(self) -> None:
-        """Until the fill is over, whatever its outcome (an abandoned job's buffer is free again)."""
-        wait([self.future])
-
-
 class GrammarCompiler:
     """Compiles constraints for one tokenizer and vocabulary width (the model's logits' width,
     which may exceed the tokenizer's: ids past it are never allowed).
@@ -81,9 +56,9 @@ class GrammarCompiler:
         self._xgr = None
         self._cache: OrderedDict[str, object] = OrderedDict()
         self._batch = None  # xgrammar's BatchGrammarMatcher: fills a step's masks in parallel
-        self._host: list[_HostMasks | None] = [None, None]  # the host side of CUDA masks (_bitmask's slots)
-        self._worker: ThreadPoolExecutor | None = None  # start_masks' thread
-        self.num_worker_fills = 0  # steps whose masks start_masks filled
+        self._pinned: torch.Tensor | None = None  # the host side of CUDA masks
+        self._tail: torch.Tensor | None = None  # per row: 1 where the ids past num_tokens stay allowed
+        self._copied = None  # a CUDA event after the last copy out of them
 
     def _ensure(self):
         if self._compiler is None:
@@ -128,56 +103,33 @@ class GrammarCompiler:
         fills = [(i, m) for i, m in enumerate(matchers) if m is not None]
         if not fills:
             return
-        bitmask = self._bitmask(logits.shape[0], logits.is_cuda)
-        self._fill(bitmask, fills)
-        self._apply(logits, bitmask, [i for i, _ in fills])
-
-    def start_masks(self, n: int, matchers: list, cuda: bool) -> MaskJob | None:
-        """mask_logits in two halves: the masks of n rows (matchers: one per row, or None) filled
-        on a worker thread from now, while the caller goes on (xgrammar's fill releases the GIL);
-        finish_masks applies them. None when no row has a matcher. Until finish_masks the
-        matchers and the mask buffer belong to that thread."""
-        fills = [(i, m) for i, m in enumerate(matchers) if m is not None]
-        if not fills:
-            return None
-        bitmask = self._bitmask(n, cuda, slot=1)
-        self.num_worker_fills += 1
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="docproc-masks")
-        return MaskJob(self._worker.submit(self._fill, bitmask, fills), bitmask, [i for i, _ in fills])
-
-    def finish_masks(self, job: MaskJob, logits: torch.Tensor) -> None:
-        """Wait for start_masks' fill (its error, if any, raised here) and apply it to logits."""
-        job.future.result()
-        self._apply(logits, job.bitmask, job.rows, slot=1)
-
-    def _fill(self, bitmask: torch.Tensor, fills: list) -> None:
+        bitmask = self._bitmask(logits)
+        rows = [i for i, _ in fills]
         if len(fills) == 1:
-            fills[0][1].fill_next_token_bitmask(bitmask, fills[0][0])
+            fills[0][1].fill_next_token_bitmask(bitmask, rows[0])
         else:  # the rows' masks on several threads (half the host's cores): ~30 us a row on one
             if self._batch is None:
                 self._batch = self._xgr.BatchGrammarMatcher()
-            self._batch.batch_fill_next_token_bitmask([m for _, m in fills], bitmask, [i for i, _ in fills])
+            self._batch.batch_fill_next_token_bitmask([m for _, m in fills], bitmask, rows)
+        self._apply(logits, bitmask, rows)
 
-    def _bitmask(self, n: int, cuda: bool, slot: int = 0) -> torch.Tensor:
+    def _bitmask(self, logits: torch.Tensor) -> torch.Tensor:
         """(n, ceil(V / 32)) int32 on the host; for CUDA logits a pinned buffer, so that its copy to
         the device does not make the host wait for the work queued before it (an overlapped
-        step's forward). Only the rows a fill writes are applied. Slot 0 serves the masks filled
-        and applied at once, slot 1 start_masks' (whose buffer is its thread's until applied)."""
+        step's forward). Only the rows a fill writes are applied."""
         xgr, _ = self._ensure()
-        if not cuda:
+        n = logits.shape[0]
+        if not logits.is_cuda:
             return xgr.allocate_token_bitmask(n, self.num_tokens)
-        buf = self._host[slot]
-        if buf is None or buf.bitmask.shape[0] < n:
+        if self._pinned is None or self._pinned.shape[0] < n:
             rows = max(n, 64)
-            buf = self._host[slot] = _HostMasks(
-                torch.empty((rows, (self.num_tokens + 31) // 32), dtype=torch.int32, pin_memory=True),
-                torch.empty(rows, dtype=torch.int32, pin_memory=True))
-        elif buf.copied is not None:
-            buf.copied.synchronize()  # its last copy to the device is done before it is written again
-        return buf.bitmask[:n]
+            self._pinned = torch.empty((rows, (self.num_tokens + 31) // 32), dtype=torch.int32, pin_memory=True)
+            self._tail = torch.empty(rows, dtype=torch.int32, pin_memory=True)
+        elif self._copied is not None:
+            self._copied.synchronize()  # its last copy to the device is done before it is written again
+        return self._pinned[:n]
 
-    def _apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], slot: int = 0) -> None:
+    def _apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         # (a draft's logits may be narrower than the target's vocabulary the masks are made for)
         width = min(self.num_tokens, logits.shape[-1])
         if not logits.is_cuda:
@@ -187,18 +139,19 @@ class GrammarCompiler:
             return
         # on the device without an index tensor from the host (whose copy would wait for the
         # forward queued before it): rows without a mask allow everything
-        buf = self._host[slot]
         n = bitmask.shape[0]
-        tail = buf.tail[:n]
-        tail.fill_(0)
+        tail = self._tail[:n]
         if len(rows) < n:
             free = sorted(set(range(n)) - set(rows))
             bitmask[free] = -1
+            tail.fill_(0)
             tail[free] = 1
+        else:
+            tail.fill_(0)
         device_mask = bitmask.to(logits.device, non_blocking=True)
         device_tail = tail.to(logits.device, non_blocking=True)
-        buf.copied = torch.cuda.Event()
-        buf.copied.record()
+        self._copied = torch.cuda.Event()
+        self._copied.record()
         apply_token_mask(logits, device_mask, device_tail, self.num_tokens)
 
     def mask_windows(self, logits: torch.Tensor, windows: list[tuple[int, object, list[int]]]) -> None:
@@ -210,7 +163,7 @@ class GrammarCompiler:
         into it as they are appended."""
         if not windows:
             return
-        bitmask = self._bitmask(logits.shape[0], logits.is_cuda)
+        bitmask = self._bitmask(logits)
         rows: list[int] = []
         for r0, matcher, tokens in windows:
             advanced = 0
