@@ -46,9 +46,11 @@ def fp8_linear_ref(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, gro
     return torch.nn.functional.linear(x, dequantize_ref(data, scale, group, x.dtype), bias)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row (token) dynamic FP8: (codes (M, K), scales (M, 1) float32), x ~ codes x scale."""
-    amax = x.abs().amax(dim=-1, keepdim=True).float()
+def quantize_rows(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (token) dynamic FP8: (codes (M, K), scales (M, 1) float32), x ~ codes x scale.
+    amax (M, 1) float32: each row's max |value| where x holds only some of its columns."""
+    if amax is None:
+        amax = x.abs().amax(dim=-1, keepdim=True).float()
     s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     return (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
 

@@ -16,6 +16,31 @@ from fixtures.checkpoints import to_fp8
 from test_parity import check_against_hf, hf_model, requests, run_engine
 
 
+@pytest.mark.parametrize("group", [128, 48, 384])
+def test_a_share_of_an_fp8_weight_keeps_its_values(group):
+    """share_scales: the rows or the columns of a block-wise (or per-channel: group = K) weight
+    that a tensor-parallel rank holds dequantize to exactly those rows or columns of the whole
+    weight, also where a share starts inside a group (72B's down projection at two ranks starts
+    at column 14,784 of its 128-column blocks: regrouped by 64 here too)."""
+    from docproc.models.quant import share_scales
+
+    g = torch.Generator().manual_seed(5)
+    n, k = 96, 384
+    codes = (torch.randn(n, k, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    whole = Fp8Weight(codes, torch.rand(n, -(-k // group), generator=g) + 0.1, group)
+    want = whole.dequantize()
+    for lo, hi in [(0, 192), (192, 384), (0, 96), (96, 192), (288, 384), (64, 320)]:
+        scale, gr = share_scales(whole.scale, group, cols=(lo, hi))
+        share = Fp8Weight(codes[:, lo:hi].contiguous(), scale, gr)
+        assert torch.equal(share.dequantize(), want[:, lo:hi]), (lo, hi)
+        if group == k:  # per output channel: one scale a row, the share's whole width its group
+            assert gr == hi - lo
+        elif (lo, hi) == (192, 384):
+            assert gr == {128: 64, 48: 48}[group]  # 192 is inside a 128-column group, at a 48-column one
+    scale, gr = share_scales(whole.scale, group, rows=(32, 64))
+    assert torch.equal(Fp8Weight(codes[32:64].contiguous(), scale, gr).dequantize(), want[32:64])
+
+
 @pytest.mark.parametrize("layout,block", [("compressed-tensors", None), ("block", (16, 32))])
 def test_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(qwen2_vl_dir, tmp_path, layout, block):
     fp8 = to_fp8(qwen2_vl_dir, tmp_path / "fp8", layout, block=block or (128, 128), dequantized=tmp_path / "deq")
@@ -267,3 +292,29 @@ def test_fp8_few_row_kernel_on_cuda(blocks):
             got = fp8_linear(x, q, b).float()
             err = ((got - want).abs().max() / want.abs().max()).item()
             assert err < 1e-2, (n, k, rows, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+def test_fp8_products_of_a_tensor_parallel_share_on_cuda():
+    """A rank's share of 72B's block-wise down projection (K = 29,568, 128-column blocks): at 4
+    ranks rank 3 starts at column 22,176 (groups of 32), at 2 ranks rank 1 at 14,784 (of 64). The
+    one-row (gated), few-row and many-row products on CUDA against the reference."""
+    from docproc.models.quant import fp8_linear, quantize_blocks, share_scales
+    from kernels.fp8 import fp8_linear_ref
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    n, k = 1024, 29568
+    whole = quantize_blocks(torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02, (128, 128))
+    for ranks, rank, group in ((4, 3, 32), (2, 1, 64)):
+        lo, hi = rank * k // ranks, (rank + 1) * k // ranks
+        scale, gr = share_scales(whole.scale, whole.group, cols=(lo, hi))
+        assert gr == group
+        q = Fp8Weight(whole.data[:, lo:hi].contiguous(), scale, gr)
+        for rows, gated in ((1, True), (1, False), (5, False), (37, False)):
+            x = torch.randn(rows, 2 * (hi - lo) if gated else hi - lo, device="cuda", generator=g,
+                            dtype=torch.bfloat16)
+            want = fp8_linear_ref(x, whole.data[:, lo:hi], scale, gr, gated=gated).float()
+            got = fp8_linear(x, q, gated=gated).float()
+            err = ((got - want).abs().max() / want.abs().max()).item()
+            assert err < 1e-2, (ranks, rows, gated, err)

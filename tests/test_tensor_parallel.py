@@ -1,13 +1,15 @@
 """Tensor parallelism on CPU (gloo, float32, the tiny random model: 4 heads, 2 KV heads): greedy
 tokens at tensor_parallel_size 2 and 4 (KV heads split, then replicated) equal one rank's, for
 prompts with 0-2 images, a batch, chunked prefill and prefix hits; with a one-rank draft; with
-FP4 KV. A killed rank ends the engine with an error at once. (One rank's tokens equal
+FP4 KV; with FP8 weights (both checkpoint layouts, a block split inside a rank's columns, and
+quantization at load). A killed rank ends the engine with an error at once. (One rank's tokens equal
 transformers': tests/test_parity.py.)"""
 from __future__ import annotations
 
 import time
 
 import pytest
+import torch
 from PIL import Image
 
 from docproc import LLM, SamplingParams
@@ -64,6 +66,41 @@ def test_two_ranks_give_one_ranks_tokens(qwen2_vl_dir):
         assert spec.spec_info()["draft_accepted"] > 0
     finally:
         spec.close()
+
+
+def test_fp8_weights_split_over_two_ranks_give_one_ranks_tokens(qwen2_vl_dir, tmp_path):
+    """Each rank's FP8 share: codes sliced as the float weights are, with the scales of its rows
+    (q/k/v, gate/up) or columns (o, down). In blocks 48 columns wide the splits of the tiny
+    model's o (at column 64) and down (at 128) fall inside a block: rank 0's shares end in a part
+    of one, rank 1's start in one and are regrouped by 16 (tests/test_fp8.py checks the
+    regrouping's values directly). Quantization at load takes each row's scale over the whole row, so the
+    ranks' codes are one rank's, as are the tokens (float32, the dequantized products)."""
+    from docproc.models.quant import Fp8Weight
+    from fixtures.checkpoints import to_fp8
+
+    ps = prompts()
+    cases = [(to_fp8(qwen2_vl_dir, tmp_path / "ct", "compressed-tensors"), {}),
+             (to_fp8(qwen2_vl_dir, tmp_path / "block", "block", block=(32, 48)), {}),
+             (qwen2_vl_dir, {"quantization": "fp8"})]
+    for folder, kw in cases:
+        one = engine(folder, 1, **kw)
+        want = tokens(one, ps)
+        whole = one.runner.model.text.layers[0]
+        llm = engine(folder, 2, **kw)
+        try:
+            layer = llm.runner.model.text.layers[0]
+            o, down, qkv = layer.self_attn.o_weight, layer.mlp.down_weight, layer.self_attn.qkv_weight
+            assert isinstance(o, Fp8Weight) and o.shape == (128, 64) and down.shape == (128, 128)
+            if "block" in str(folder):
+                assert o.group == 48 and o.scale.shape == (128, 2)  # columns 0-47 and 48-63 of 48-64
+            # rank 0 holds exactly the first columns of one rank's o and down and the first rows of its q
+            assert torch.equal(o.dequantize(), whole.self_attn.o_weight.dequantize()[:, :64])
+            assert torch.equal(down.dequantize(), whole.mlp.down_weight.dequantize()[:, :128])
+            assert torch.equal(qkv.dequantize()[:64], whole.self_attn.qkv_weight.dequantize()[:64])
+            assert llm.cache_info()["weights_fp8"] == one.cache_info()["weights_fp8"]
+            assert tokens(llm, ps) == want, folder
+        finally:
+            llm.close()
 
 
 def test_four_ranks_replicate_the_kv_heads(qwen2_vl_dir):

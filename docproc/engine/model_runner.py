@@ -141,7 +141,7 @@ class ModelRunner:
             tp_group = self.tp.group
         try:
             self.model = load_model(config.model, self.device, self.dtype, config.quantization, config.load_format,
-                                    config.seed, tp_rank=tp_rank, tp_size=tp_size)
+                                    config.seed, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
         except BaseException:
             if self.tp is not None:
                 self.tp.close()

@@ -19,8 +19,9 @@ import torch
 
 from docproc.errors import ModelUnavailable
 from docproc.models.hf_config import qwen2_vl_config
-from docproc.models.quant import (LINEAR_NAMES, LOAD_FORMATS, Fp8Scheme, Fp8Weight, UnsupportedQuantization,
-                                  from_blocks, from_channel, quantize, quantize_blocks, resolve_scheme)
+from docproc.models.quant import (FP8, LINEAR_NAMES, LOAD_FORMATS, Fp8Scheme, Fp8Weight, UnsupportedQuantization,
+                                  block_scales, channel_scales, quantize, quantize_blocks, resolve_scheme,
+                                  share_scales)
 from docproc.models.qwen2_vl import Qwen2VLTextModel, TextConfig
 from docproc.models.rope import MRotaryEmbedding
 from docproc.models.vision import VisionEncoder
@@ -155,24 +156,25 @@ def quant_scheme(folder: str | Path, quantization: str | None) -> Fp8Scheme | No
 
 
 def load_model(folder: str | Path, device: torch.device, dtype: torch.dtype, quantization: str | None = None,
-               load_format: str = "auto", seed: int = 0, tp_rank: int = 0, tp_size: int = 1) -> LoadedModel:
+               load_format: str = "auto", seed: int = 0, tp_rank: int = 0, tp_size: int = 1,
+               tp_group=None) -> LoadedModel:
     """Build the text model and vision tower and fill them from the folder's safetensors
     (load_format "auto") or with random weights from config.json alone ("dummy": benchmarks at
     sizes whose checkpoints the disk cannot hold). With an FP8 scheme (the checkpoint's, or
     quantization="fp8" for a float checkpoint) the language model's products hold FP8 weights and
     their float parameters are never allocated. With tp_size > 1 the language model holds rank
     tp_rank's share (Megatron's split: q/k/v and gate/up by rows, o and down by columns, the
-    vocabulary by rows), read as slices of the checkpoint's tensors; the vision tower is loaded
-    on rank 0 only (the other ranks get its image embeddings with each step)."""
+    vocabulary by rows), read as slices of the checkpoint's tensors, FP8 codes with the scales of
+    their rows and columns (models/quant.share_scales); the vision tower is loaded on rank 0 only
+    (the other ranks get its image embeddings with each step). Quantization at load then takes
+    each row's scale over the whole row: the ranks of a row-parallel product (o, down) agree on
+    it over tp_group, so a rank's codes are the one-rank model's."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r}: pick one of {', '.join(LOAD_FORMATS)}")
     scheme = quant_scheme(folder, quantization)
     hf_config = read_config(folder)
     cfg = text_config(hf_config)
     if tp_size > 1:
-        if scheme is not None:
-            raise CheckpointError(f"{folder}: FP8 weights with tensor parallelism are not supported yet: run FP8 on "
-                                  f"one GPU (tensor_parallel_size=1) or load the bf16 checkpoint")
         cfg.tp_size, cfg.tp_rank = tp_size, tp_rank
         cfg.check_split()
 
@@ -191,7 +193,7 @@ def load_model(folder: str | Path, device: torch.device, dtype: torch.dtype, qua
         digests = _fill_random(text, vision, fp8_modules, scheme, seed, device, dtype,
                                (Path(folder) / "config.json").read_bytes() + f"|tp:{tp_rank}/{tp_size}".encode())
     else:
-        digests = _fill_from_files(folder, text, vision, fp8_modules, scheme, device, dtype, cfg)
+        digests = _fill_from_files(folder, text, vision, fp8_modules, scheme, device, dtype, cfg, tp_group)
     text.fuse_projections()
     text.eval()
     vision.eval()
@@ -249,10 +251,10 @@ def _sha256(tensors: tuple[torch.Tensor, ...]) -> str:
     return h.hexdigest()
 
 
-def _fill_from_files(folder, text, vision, fp8_modules, scheme, device, dtype, cfg) -> dict:
+def _fill_from_files(folder, text, vision, fp8_modules, scheme, device, dtype, cfg, tp_group) -> dict:
     hasher = _Hasher()
     try:
-        digests = _fill_files(folder, text, vision, fp8_modules, scheme, device, dtype, cfg, hasher)
+        digests = _fill_files(folder, text, vision, fp8_modules, scheme, device, dtype, cfg, tp_group, hasher)
     finally:
         hasher.finish()
     if scheme is not None and scheme.method == "online":
@@ -260,7 +262,7 @@ def _fill_from_files(folder, text, vision, fp8_modules, scheme, device, dtype, c
     return digests
 
 
-def _fill_files(folder, text, vision, fp8_modules, scheme, device, dtype, cfg, hasher: _Hasher) -> dict:
+def _fill_files(folder, text, vision, fp8_modules, scheme, device, dtype, cfg, tp_group, hasher: _Hasher) -> dict:
     from safetensors import safe_open
 
     files = weight_files(folder)
@@ -294,7 +296,9 @@ def _fill_files(folder, text, vision, fp8_modules, scheme, device, dtype, cfg, h
                                               f"(only dynamic per-token FP8 activations)")
                     staged.setdefault((comp, module), {})["scale"] = sf.get_tensor(key)
                 elif comp == "text" and module in fp8_modules and leaf == "weight":
-                    staged.setdefault((comp, module), {})["weight"] = sf.get_tensor(key)
+                    sl = sf.get_slice(key)  # this rank's share; the whole shape for its scales
+                    staged.setdefault((comp, module), {}).update(weight=_text_share(cfg, name, sl),
+                                                                 shape=tuple(sl.get_shape()))
                 elif scheme is not None and leaf == "weight" and sf.get_slice(key).get_dtype().startswith("F8"):
                     staged.setdefault((comp, module), {})["weight"] = sf.get_tensor(key)  # dequantized below
                 else:
@@ -312,7 +316,7 @@ def _fill_files(folder, text, vision, fp8_modules, scheme, device, dtype, cfg, h
                 if "weight" in entry and ("scale" in entry or entry["weight"].dtype != torch.float8_e4m3fn):
                     staged.pop((comp, module))
                     _place(folder, comp, module, entry, text_params, vision_params, fp8_modules, scheme,
-                           device, dtype, digests, hasher)
+                           device, dtype, cfg, tp_group, digests, hasher)
                     loaded.add((comp, module + ".weight"))
     for (comp, module), entry in staged.items():
         what = f"its scale ({scale_key})" if "weight" in entry else "its codes (weight)"
@@ -329,29 +333,36 @@ def _fill_files(folder, text, vision, fp8_modules, scheme, device, dtype, cfg, h
     return digests
 
 
+def _share_bounds(cfg: TextConfig, name: str) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+    """The rows or the columns of a language-model tensor that are this rank's (Megatron's split;
+    (None, None): all of it, the norms' case)."""
+    r, d = cfg.tp_rank, cfg.head_dim
+    if ".q_proj." in name:
+        return (r * cfg.heads * d, (r + 1) * cfg.heads * d), None
+    if ".k_proj." in name or ".v_proj." in name:
+        return (cfg.kv_head_start * d, (cfg.kv_head_start + cfg.kv_heads) * d), None
+    if ".o_proj." in name:
+        return None, (r * cfg.heads * d, (r + 1) * cfg.heads * d)
+    if ".gate_proj." in name or ".up_proj." in name:
+        return (r * cfg.intermediate, (r + 1) * cfg.intermediate), None
+    if ".down_proj." in name:
+        return None, (r * cfg.intermediate, (r + 1) * cfg.intermediate)
+    return None, None
+
+
 def _text_share(cfg: TextConfig, name: str, sl) -> torch.Tensor:
-    """This rank's part of a language-model tensor, read from a safetensors slice (all of it
-    without tensor parallelism)."""
+    """This rank's part of a language-model tensor, read from a safetensors slice (or a tensor;
+    all of it without tensor parallelism)."""
     if cfg.tp_size == 1:
         return sl[:]
-    r, d = cfg.tp_rank, cfg.head_dim
-    rows = cols = None
-    if ".q_proj." in name:
-        rows = (r * cfg.heads * d, (r + 1) * cfg.heads * d)
-    elif ".k_proj." in name or ".v_proj." in name:
-        rows = (cfg.kv_head_start * d, (cfg.kv_head_start + cfg.kv_heads) * d)
-    elif ".o_proj." in name:
-        cols = (r * cfg.heads * d, (r + 1) * cfg.heads * d)
-    elif ".gate_proj." in name or ".up_proj." in name:
-        rows = (r * cfg.intermediate, (r + 1) * cfg.intermediate)
-    elif ".down_proj." in name:
-        cols = (r * cfg.intermediate, (r + 1) * cfg.intermediate)
-    elif name in ("embed_tokens.weight", "lm_head.weight"):
+    if name in ("embed_tokens.weight", "lm_head.weight"):
+        r = cfg.tp_rank
         lo, hi = r * cfg.vocab, min((r + 1) * cfg.vocab, cfg.vocab_size)
         part = sl[lo:hi]
         if hi - lo < cfg.vocab:  # the last rank's padding rows: zeros
             part = torch.cat([part, part.new_zeros(cfg.vocab - (hi - lo), *part.shape[1:])])
         return part
+    rows, cols = _share_bounds(cfg, name)
     if rows is not None:
         return sl[rows[0]: rows[1]]
     if cols is not None:
@@ -371,11 +382,13 @@ def _copy_param(folder, key: str, p: torch.Tensor, t: torch.Tensor) -> None:
         p.copy_(t.to(p.dtype))
 
 
-def _place(folder, comp, module, entry, text_params, vision_params, fp8_modules, scheme, device, dtype,
-           digests, hasher: _Hasher) -> None:
+def _place(folder, comp, module, entry, text_params, vision_params, fp8_modules, scheme, device, dtype, cfg,
+           tp_group, digests, hasher: _Hasher) -> None:
     """One product's weight, from its codes and scale (or a float weight): an FP8 weight for the
-    language model's products, dequantized into the parameter anywhere else."""
+    language model's products (this rank's share), dequantized into the parameter anywhere else."""
     w = entry["weight"]
+    shape = entry.get("shape", tuple(w.shape))  # the whole weight's, where w is a rank's share
+    rows, cols = _share_bounds(cfg, module + ".") if shape != tuple(w.shape) else (None, None)
     name = module + ".weight"
     if w.dtype in (torch.float8_e5m2, getattr(torch, "float8_e4m3fnuz", None), getattr(torch, "float8_e5m2fnuz", None)):
         raise CheckpointError(f"{folder}: weight {comp}:{name} is {str(w.dtype).removeprefix('torch.')}: docproc reads "
@@ -383,10 +396,13 @@ def _place(folder, comp, module, entry, text_params, vision_params, fp8_modules,
     hasher.add(digests[_which(comp, name)], name, w, *([entry["scale"]] if "scale" in entry else []))
     if w.dtype == torch.float8_e4m3fn:
         try:
-            q = (from_blocks(w, entry["scale"], scheme.block) if scheme.method == "fp8"
-                 else from_channel(w, entry["scale"]))
+            if scheme.method == "fp8":
+                scale, group = block_scales(entry["scale"], shape, scheme.block), scheme.block[1]
+            else:
+                scale, group = channel_scales(entry["scale"], shape), shape[1]
         except UnsupportedQuantization as e:
             raise CheckpointError(f"{folder}: {comp}:{module}: {e}") from None
+        q = Fp8Weight(w.view(FP8), *share_scales(scale, group, rows, cols))
     else:
         q = None
     mod = fp8_modules.get(module) if comp == "text" else None
@@ -396,14 +412,22 @@ def _place(folder, comp, module, entry, text_params, vision_params, fp8_modules,
                                   f"implies {(mod.out_features, mod.in_features)}")
         if q is None:  # a float weight: quantized at load (online), else kept as the checkpoint has it
             t = w.to(device=device, dtype=dtype)
-            mod.loaded_weight = quantize(t) if scheme.method == "online" else t
+            if scheme.method != "online":
+                mod.loaded_weight = t
+                return
+            amax = None
+            if cols is not None:  # a share of each row: the scale is the whole row's, max over the ranks
+                amax = t.abs().amax(dim=-1, keepdim=True).float()
+                torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=tp_group)
+            mod.loaded_weight = quantize(t, amax)
         else:
             mod.loaded_weight = Fp8Weight(q.data.to(device), q.scale.to(device), q.group, scheme.dynamic_activations)
         return
     params = text_params if comp == "text" else vision_params
     if name not in params:
         raise CheckpointError(f"{folder}: unexpected weight {comp}:{name}")
-    _copy_param(folder, name, params[name], q.dequantize(torch.float32) if q is not None else w)
+    t = q.dequantize(torch.float32) if q is not None else w
+    _copy_param(folder, name, params[name], _text_share(cfg, name, t) if comp == "text" else t)
 
 
 def _fill_random(text, vision, fp8_modules, scheme, seed: int, device, dtype, config_bytes: bytes) -> dict:

@@ -16,6 +16,7 @@ dtype and the product is the float one (weight-only reference semantics).
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -74,10 +75,12 @@ class Fp8Weight:
         return dequantize_ref(self.data, self.scale, self.group, dtype)
 
 
-def quantize(w: torch.Tensor) -> Fp8Weight:
+def quantize(w: torch.Tensor, row_amax: torch.Tensor | None = None) -> Fp8Weight:
     """Per-output-channel FP8 of a float weight (N, K): scale = max |row| / 448 (rows of zeros
-    get scale 1), codes = round-to-nearest(W / scale)."""
-    data, scale = quantize_rows(w)
+    get scale 1), codes = round-to-nearest(W / scale). row_amax (N, 1) float32: the rows' max
+    |value| over all their columns where w holds some of them (a tensor-parallel rank's share of
+    a row-parallel product), so that the share's codes are those of the whole weight."""
+    data, scale = quantize_rows(w, row_amax)
     return Fp8Weight(data, scale, w.shape[1])
 
 
@@ -120,28 +123,59 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
     return torch.nn.functional.linear(x, w.dequantize(x.dtype), bias)
 
 
-def from_channel(data: torch.Tensor, scale: torch.Tensor) -> Fp8Weight:
-    """A compressed-tensors weight: codes (N, K) and weight_scale (N, 1), (N,) or a scalar."""
-    n, k = data.shape
+def channel_scales(scale: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """A compressed-tensors weight_scale ((N, 1), (N,) or a scalar) for an (N, K) weight, as the
+    (N, 1) float32 scales of Fp8Weight."""
+    n, k = shape
     s = scale.float().reshape(-1)
     if s.numel() == 1:
         s = s.expand(n)
     if s.numel() != n:
         raise UnsupportedQuantization(f"weight_scale of shape {tuple(scale.shape)} for a ({n}, {k}) weight")
-    return Fp8Weight(data.view(FP8), s.reshape(n, 1).contiguous(), k)
+    return s.reshape(n, 1).contiguous()
 
 
-def from_blocks(data: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> Fp8Weight:
-    """A block-wise weight: codes (N, K) and weight_scale_inv (ceil(N / bn), ceil(K / bk)), the
-    factor each block's codes are multiplied by."""
-    n, k = data.shape
+def block_scales(scale_inv: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
+    """A block-wise weight_scale_inv (ceil(N / bn), ceil(K / bk)) for an (N, K) weight, as the
+    (N, ceil(K / bk)) float32 scales of Fp8Weight (each block's scale repeated over its rows)."""
+    n, k = shape
     bn, bk = block
     want = (-(-n // bn), -(-k // bk))
     if tuple(scale_inv.shape) != want:
         raise UnsupportedQuantization(f"weight_scale_inv of shape {tuple(scale_inv.shape)} for a ({n}, {k}) "
                                       f"weight in {bn} x {bk} blocks (expected {want})")
-    rows = scale_inv.float().repeat_interleave(bn, dim=0)[:n]  # (N, ceil(K / bk)): the block's scale per row
-    return Fp8Weight(data.view(FP8), rows.contiguous(), bk)
+    return scale_inv.float().repeat_interleave(bn, dim=0)[:n].contiguous()
+
+
+def from_channel(data: torch.Tensor, scale: torch.Tensor) -> Fp8Weight:
+    """A compressed-tensors weight: codes (N, K) and weight_scale (N, 1), (N,) or a scalar."""
+    return Fp8Weight(data.view(FP8), channel_scales(scale, tuple(data.shape)), data.shape[1])
+
+
+def from_blocks(data: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> Fp8Weight:
+    """A block-wise weight: codes (N, K) and weight_scale_inv (ceil(N / bn), ceil(K / bk)), the
+    factor each block's codes are multiplied by."""
+    return Fp8Weight(data.view(FP8), block_scales(scale_inv, tuple(data.shape), block), block[1])
+
+
+def share_scales(scale: torch.Tensor, group: int, rows: tuple[int, int] | None = None,
+                 cols: tuple[int, int] | None = None) -> tuple[torch.Tensor, int]:
+    """The scales (and group) of a share of a weight whose scales are `scale` (N, G) in groups of
+    `group` columns: its rows [rows) or its columns [cols) (a tensor-parallel rank's share).
+    A column share that starts inside a group keeps exact values in smaller groups: each group's
+    scale repeated over groups of gcd(group, start) columns (a power of two where group is one),
+    e.g. 72B's down projection at two ranks starts at column 14,784, inside a 128-column block."""
+    if rows is not None:
+        scale = scale[rows[0]: rows[1]]
+    if cols is not None:
+        lo, hi = cols
+        if scale.shape[1] == 1:  # per output channel: one scale for the whole row
+            return scale.contiguous(), hi - lo
+        g = math.gcd(group, lo) if lo else group
+        if g != group:
+            scale = scale.repeat_interleave(group // g, dim=1)
+        scale, group = scale[:, lo // g: -(-hi // g)], g
+    return scale.contiguous(), group
 
 
 def stack(weights: list[Fp8Weight]) -> Fp8Weight:
