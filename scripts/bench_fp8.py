@@ -1,6 +1,7 @@
 """FP8 weights on the GPU: batch-1 decode at 7B (bf16 against FP8 in one run) and at 72B geometry
 (FP8; its bf16 weights do not fit one H200), each against the bandwidth roofline of its step
-(weight bytes + the KV bytes the step reads, over the copy bandwidth measured in the same run),
+(the weight bytes a step reads, all but the embedding table, + the KV bytes it reads, over the
+copy bandwidth measured in the same run),
 and the relative error of FP8 logits against bf16 on the same weights. Random weights from
 config.json alone (load_format="dummy"): no checkpoint on disk.
 
@@ -79,6 +80,14 @@ def last_logits(llm: LLM, texts: list[str]) -> torch.Tensor:
     return torch.stack(rows)
 
 
+def read_bytes(llm: LLM, held: int) -> int:
+    """The weight bytes a decode step reads: all the language model holds but the embedding
+    table, of which one row is gathered (unless the LM head is that table, tied)."""
+    text = llm.runner.model.text
+    emb = text.embed_tokens.weight
+    return held if text.lm_head.weight is emb else held - emb.numel() * emb.element_size()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", required=True)
@@ -106,9 +115,11 @@ def main() -> None:
         info = llm.cache_info()
         r = decode(llm, text, a.new_tokens)
         ctx = r["prompt_tokens"] + a.new_tokens // 2  # the mean context of the timed steps
-        step_bytes = info["weight_bytes"] + ctx * info["bytes_per_token"]
+        read = read_bytes(llm, info["weight_bytes"])
+        step_bytes = read + ctx * info["bytes_per_token"]
         roof = bw * 1e9 / step_bytes
-        r.update(weight_bytes=info["weight_bytes"], kv_bytes_per_token=info["bytes_per_token"],
+        r.update(weight_bytes=info["weight_bytes"], weight_bytes_read_per_step=read,
+                 kv_bytes_per_token=info["bytes_per_token"],
                  step_bytes=step_bytes, roofline_tokens_per_s=round(roof, 2),
                  share_of_roofline=round(r["tokens_per_s"] / roof, 3), start_seconds=round(start, 2),
                  load_seconds=round(llm.runner.load_seconds, 2), warmup_seconds=info["kernel_warmup_seconds"],
