@@ -297,3 +297,65 @@ def test_a_padded_vocabulary_stays_outside_the_grammar(llm):
     gc.mask_logits(logits, [m, None])
     assert int(logits[0].argmax()) < known and torch.isinf(logits[0, known:]).all()
     assert int(logits[1].argmax()) >= known  # the free row: untouched
+
+
+def test_the_masks_are_filled_on_the_thread_count_measured_fastest(llm):
+    """FillThreads times each thread count on the calls it fills (a clock given to it here), per
+    bucket of row counts, then takes the fastest, timing the others again every REMEASURE calls;
+    the masks xgrammar writes are the same whatever the count."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from docproc.engine.structured import FillThreads, GrammarCompiler, tokenizer_size
+
+    now = [0.0]
+    cost = {1: 1.0, 2: 0.5, 4: 3.0}  # seconds a call, by thread count: 2 is fastest
+    used = []
+
+    class Batch:
+        def __init__(self, max_threads):
+            self.threads = max_threads
+
+        def batch_fill_next_token_bitmask(self, matchers, bitmask, rows):
+            used.append((len(rows), self.threads))
+            now[0] += cost[self.threads]
+
+    fills = FillThreads(SimpleNamespace(BatchGrammarMatcher=Batch), cores=8, clock=lambda: now[0])
+    assert fills.counts == (1, 2, 4)
+    for _ in range(130):
+        fills.fill([None] * 64, None, list(range(64)))
+    threads = [t for _, t in used]
+    assert threads[:3] == [1, 2, 4]  # each timed once
+    assert threads[3:64] == [2] * 61  # then the fastest
+    assert threads[64] == 2 and threads[128] == 4  # timed again in turn (4 once more, then left)
+    assert threads.count(2) == 127
+    cost[2] = 9.0  # the fastest turns slow: its own calls time it, so it is left within a few
+    for _ in range(70):
+        fills.fill([None] * 64, None, list(range(64)))
+    assert [t for _, t in used[-5:]] == [1] * 5
+    fills.fill([None] * 3, None, [0, 1, 2])  # another bucket of rows: timed afresh
+    assert used[-1] == (3, 1)
+    assert FillThreads(SimpleNamespace(BatchGrammarMatcher=Batch), cores=2).counts == (1,)
+
+    # xgrammar's own, on several thread counts: the masks one fill a row writes
+    import xgrammar as xgr
+
+    gc = GrammarCompiler(llm.tokenizer, tokenizer_size(llm.tokenizer), llm.eos_token_ids)
+    params = [StructuredOutputsParams(json=SCHEMAS[i % 2]) for i in range(6)] + \
+        [StructuredOutputsParams(regex="[0-9]{2,5}"), StructuredOutputsParams(choice=["yes", "no"])]
+    matchers = [gc.matcher(p) for p in params]
+    for step in range(3):  # walk each matcher along the first token its mask allows
+        want = xgr.allocate_token_bitmask(len(matchers), gc.num_tokens)
+        for i, m in enumerate(matchers):
+            m.fill_next_token_bitmask(want, i)
+        real = FillThreads(xgr, cores=8)
+        for threads in real.counts:
+            got = torch.zeros_like(want)
+            real._matchers[threads] = xgr.BatchGrammarMatcher(max_threads=threads)
+            real.choose = lambda rows, t=threads: t
+            real.fill(matchers, got, list(range(len(matchers))))
+            assert torch.equal(got, want), (step, threads)
+        for i, m in enumerate(matchers):
+            allowed = [t for t in range(gc.num_tokens) if (int(want[i, t // 32]) >> (t % 32)) & 1]
+            assert m.accept_token(allowed[step % len(allowed)])

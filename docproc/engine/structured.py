@@ -13,7 +13,9 @@ CPU install otherwise does without.
 from __future__ import annotations
 
 import json
+import os
 import re
+import time
 from collections import OrderedDict
 
 import torch
@@ -23,6 +25,60 @@ from kernels.token_mask import apply_token_mask
 
 INSTALL_HINT = "structured outputs need xgrammar: pip install 'docproc[structured]'"
 CACHE_ENTRIES = 256  # compiled grammars kept
+
+
+class FillThreads:
+    """How many threads xgrammar's batch fill of a step's masks gets: measured, not assumed.
+
+    Its default (half the host's cores) suits costly fills (a large vocabulary's masks), but each
+    call pays for its threads: on the H200 machine's 16 cores a step of the bundled target at
+    batch 64 took 1,003 us on 8 threads against 158 us on one (`bench/mask_fill_threads.py`,
+    BENCHMARKS.md). So each thread count in THREADS (up to the default) is timed on the steps
+    it fills, per bucket of row counts, and a step takes the count with the lowest mean seconds
+    so far; every REMEASURE-th call of a bucket times the next count in turn again, so a change
+    of grammars or load is followed. The masks are the same whatever the count."""
+
+    THREADS = (1, 2, 4)
+    REMEASURE = 64
+    DECAY = 0.8  # weight of the mean so far against the newest time
+
+    def __init__(self, xgr, cores: int | None = None, clock=time.perf_counter) -> None:
+        most = max(1, (cores or os.cpu_count() or 2) // 2)
+        self.clock = clock
+        self.counts = tuple(sorted({t for t in self.THREADS if t <= most} | {most}))
+        self._xgr = xgr
+        self._matchers: dict[int, object] = {}
+        self.seconds: dict[tuple[int, int], float] = {}  # (bucket, threads) -> mean seconds a call
+        self.calls: dict[int, int] = {}  # bucket -> calls
+
+    @staticmethod
+    def bucket(rows: int) -> int:
+        return max(1, rows - 1).bit_length()  # 2, 3-4, 5-8, ... rows
+
+    def choose(self, rows: int) -> int:
+        b = self.bucket(rows)
+        calls = self.calls.get(b, 0)
+        untimed = [t for t in self.counts if (b, t) not in self.seconds]
+        if untimed:
+            return untimed[0]
+        if calls % self.REMEASURE == 0:
+            return self.counts[(calls // self.REMEASURE) % len(self.counts)]
+        return min(self.counts, key=lambda t: self.seconds[(b, t)])
+
+    def record(self, rows: int, threads: int, seconds: float) -> None:
+        b = self.bucket(rows)
+        self.calls[b] = self.calls.get(b, 0) + 1
+        old = self.seconds.get((b, threads))
+        self.seconds[(b, threads)] = seconds if old is None else self.DECAY * old + (1 - self.DECAY) * seconds
+
+    def fill(self, matchers: list, bitmask: torch.Tensor, rows: list[int]) -> None:
+        threads = self.choose(len(rows))
+        batch = self._matchers.get(threads)
+        if batch is None:
+            batch = self._matchers[threads] = self._xgr.BatchGrammarMatcher(max_threads=threads)
+        t0 = self.clock()
+        batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        self.record(len(rows), threads, self.clock() - t0)
 
 
 class StructuredOutputError(ValueError):
@@ -55,7 +111,7 @@ class GrammarCompiler:
         self._compiler = None
         self._xgr = None
         self._cache: OrderedDict[str, object] = OrderedDict()
-        self._batch = None  # xgrammar's BatchGrammarMatcher: fills a step's masks in parallel
+        self._fills = None  # FillThreads: a step's masks filled on the thread count measured fastest
         self._pinned: torch.Tensor | None = None  # the host side of CUDA masks
         self._tail: torch.Tensor | None = None  # per row: 1 where the ids past num_tokens stay allowed
         self._copied = None  # a CUDA event after the last copy out of them
@@ -107,10 +163,10 @@ class GrammarCompiler:
         rows = [i for i, _ in fills]
         if len(fills) == 1:
             fills[0][1].fill_next_token_bitmask(bitmask, rows[0])
-        else:  # the rows' masks on several threads (half the host's cores): ~30 us a row on one
-            if self._batch is None:
-                self._batch = self._xgr.BatchGrammarMatcher()
-            self._batch.batch_fill_next_token_bitmask([m for _, m in fills], bitmask, rows)
+        else:
+            if self._fills is None:
+                self._fills = FillThreads(self._xgr)
+            self._fills.fill([m for _, m in fills], bitmask, rows)
         self._apply(logits, bitmask, rows)
 
     def _bitmask(self, logits: torch.Tensor) -> torch.Tensor:
