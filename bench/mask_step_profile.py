@@ -4,7 +4,8 @@
 
 The default query set's rules at --batch requests (as scripts/bench_masks.py), timed per phase
 by wrapping the engine's methods: collect (waiting for the step's tokens), append (stop checks,
-matchers accepting the tokens), fill (the masks: xgrammar's batch fill), apply (the bitmask copy
+matchers accepting the tokens), fill (the masks: xgrammar's batch fill on the
+thread count measured fastest), apply (the bitmask copy
 and its kernel) and the rest of the sampling launch; against the step time of the same batch
 decoding free (same lengths). Per decode step, in microseconds.
 """
@@ -67,8 +68,8 @@ def main() -> None:
     g = runner.grammar
     wrap(g, "mask_logits", "mask_logits")
     wrap(g, "_apply", "apply")
-    if g._batch is not None:
-        wrap(g._batch, "batch_fill_next_token_bitmask", "fill")
+    if g._fills is not None:
+        wrap(g._fills, "fill", "fill")
     wrap(llm.overlap, "_continue", "continue_launch")
     res = {"batch": args.batch, "model": args.model or "bundled target"}
     for name, params in (("rules", rules), ("free_same_lengths",
@@ -83,6 +84,9 @@ def main() -> None:
         res[name] = {"wall_s": round(wall, 4), "decode_steps": steps,
                      "us_per_step": {k: round(v / max(steps, 1) * 1e6, 1) for k, v in sorted(acc.items())},
                      "calls": dict(counts)}
+    if g._fills is not None:  # the fill's mean seconds a call by (bucket of rows, threads)
+        res["fill_threads_mean_us"] = {f"{2 ** (b - 1) + 1}-{2 ** b} rows, {t} threads": round(v * 1e6, 1)
+                                       for (b, t), v in sorted(g._fills.seconds.items())}
     Path(args.json).write_text(json.dumps(res, indent=1))
     print(json.dumps(res))
 

@@ -34,9 +34,10 @@ class FillThreads:
     call pays for its threads: on the H200 machine's 16 cores a step of the bundled target at
     batch 64 took 1,003 us on 8 threads against 158 us on one (`bench/mask_fill_threads.py`,
     BENCHMARKS.md). So each thread count in THREADS (up to the default) is timed on the steps
-    it fills, per bucket of row counts, and a step takes the count with the lowest mean seconds
-    so far; every REMEASURE-th call of a bucket times the next count in turn again, so a change
-    of grammars or load is followed. The masks are the same whatever the count."""
+    it fills, per bucket of row counts (twice: the first call warms it up), and a step takes the
+    count with the lowest mean seconds so far; the count taken is timed on every call, and every
+    REMEASURE-th call of a bucket times the next count in turn again, so a change of grammars or
+    load is followed. The masks are the same whatever the count."""
 
     THREADS = (1, 2, 4)
     REMEASURE = 64
@@ -49,6 +50,7 @@ class FillThreads:
         self._xgr = xgr
         self._matchers: dict[int, object] = {}
         self.seconds: dict[tuple[int, int], float] = {}  # (bucket, threads) -> mean seconds a call
+        self.samples: dict[tuple[int, int], int] = {}  # (bucket, threads) -> calls timed
         self.calls: dict[int, int] = {}  # bucket -> calls
 
     @staticmethod
@@ -58,7 +60,7 @@ class FillThreads:
     def choose(self, rows: int) -> int:
         b = self.bucket(rows)
         calls = self.calls.get(b, 0)
-        untimed = [t for t in self.counts if (b, t) not in self.seconds]
+        untimed = [t for t in self.counts if self.samples.get((b, t), 0) < 2]
         if untimed:
             return untimed[0]
         if calls % self.REMEASURE == 0:
@@ -66,10 +68,15 @@ class FillThreads:
         return min(self.counts, key=lambda t: self.seconds[(b, t)])
 
     def record(self, rows: int, threads: int, seconds: float) -> None:
+        """A call's time. A count's first call in a bucket only warms it up (xgrammar's first fills
+        of fresh matchers took 5 ms on one thread where the next took 0.15): its second call's
+        time replaces it, and the mean starts there."""
         b = self.bucket(rows)
         self.calls[b] = self.calls.get(b, 0) + 1
+        n = self.samples.get((b, threads), 0)
+        self.samples[(b, threads)] = n + 1
         old = self.seconds.get((b, threads))
-        self.seconds[(b, threads)] = seconds if old is None else self.DECAY * old + (1 - self.DECAY) * seconds
+        self.seconds[(b, threads)] = seconds if n < 2 else self.DECAY * old + (1 - self.DECAY) * seconds
 
     def fill(self, matchers: list, bitmask: torch.Tensor, rows: list[int]) -> None:
         threads = self.choose(len(rows))
