@@ -136,6 +136,13 @@ def test_compressed_tensors_details(qwen2_vl_dir, tmp_path):
     save_file(t, str(fp8 / "model.safetensors"))
     with pytest.raises(CheckpointError, match="float8_e5m2"):
         LLM(str(fp8), device="cpu")
+    t[key] = t[key].float().to(torch.float8_e4m3fn)
+    scale_key = key + "_scale"  # a per-tensor scale stored 0-d, as some checkpoints do
+    t[scale_key] = t[scale_key].float().amax().reshape(())
+    save_file(t, str(fp8 / "model.safetensors"))
+    up = LLM(str(fp8), device="cpu").runner.model.text.layers[0].mlp.gate_up_weight
+    half = up.shape[0] // 2
+    assert torch.equal(up.scale[half:], t[scale_key].expand(half, 1))
     cfg["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float"}
     (fp8 / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="kv_cache_scheme"):

@@ -179,3 +179,96 @@ def test_a_script_without_the_main_guard_gets_one_clear_error(qwen2_vl_dir, tmp_
     res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert res.returncode != 0 and "TensorParallelError" in res.stderr and "__main__" in res.stderr, res.stderr[-2000:]
     assert time.perf_counter() - t0 < 60
+
+
+def _two_shards(src, dst, change):
+    """src's checkpoint written as two files, the vision tower's first, after change(tensors)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors"):
+            shutil.copy(f, dst / f.name)
+    tensors = change(load_file(str(src / "model.safetensors")))
+    names = {"model-00001-of-00002.safetensors": {k: v for k, v in tensors.items() if "visual" in k},
+             "model-00002-of-00002.safetensors": {k: v for k, v in tensors.items() if "visual" not in k}}
+    for name, part in names.items():
+        save_file(part, str(dst / name))
+    (dst / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: name for name, part in names.items() for k in part}}))
+    return dst
+
+
+def test_a_load_that_fails_on_one_rank_ends_at_once_with_its_error(qwen2_vl_dir, tmp_path):
+    """Rank 0 fails on a vision weight (only it reads the tower) while rank 1 loads on, with FP8
+    quantized at load (whose row maxima the ranks agree on with a collective): the error is the
+    checkpoint's, at once, and rank 1 is stopped rather than left waiting in that collective.
+    Split, a tensor whose share would fit but whose whole does not is refused too."""
+    import multiprocessing
+
+    from docproc.models.loader import CheckpointError
+
+    def narrow_vision(t):
+        t["model.visual.blocks.0.mlp.fc1.weight"] = t["model.visual.blocks.0.mlp.fc1.weight"][:-1]
+        return t
+
+    bad = _two_shards(qwen2_vl_dir, tmp_path / "vision", narrow_vision)
+    t0 = time.perf_counter()
+    with pytest.raises(CheckpointError, match="visual.blocks.0.mlp.fc1.weight"):
+        engine(bad, 2, quantization="fp8")
+    assert time.perf_counter() - t0 < 60
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("docproc-tp")]
+
+    def narrow_o(t):  # rank 0's columns (0-63) are all there; rank 1's (64-127) are cut short
+        k = "model.language_model.layers.1.self_attn.o_proj.weight"
+        t[k] = t[k][:, :96].contiguous()
+        return t
+
+    with pytest.raises(CheckpointError, match=r"o_proj.weight' has shape \(128, 96\) but the config implies"):
+        engine(_two_shards(qwen2_vl_dir, tmp_path / "o", narrow_o), 2, quantization="fp8")
+
+
+def test_rank_0_names_a_rank_that_failed_to_load():
+    """wait_loaded: a rank's failure, recorded in the group's store, is raised on rank 0 with that
+    rank's error (a CheckpointError as such), and the ranks are stopped."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from docproc.engine.tensor_parallel import TensorParallelGroup, _free_port
+    from docproc.models.loader import CheckpointError
+
+    class Proc:
+        exitcode = None
+        killed = False
+
+        def is_alive(self):
+            return not self.killed
+
+        def kill(self):
+            self.killed = True
+
+        def join(self, timeout=None):
+            pass
+
+    store = dist.TCPStore("127.0.0.1", _free_port(), 3, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=5))
+    group = object.__new__(TensorParallelGroup)
+    group.size, group.store, group.failed, group.procs = 3, store, None, [Proc(), Proc()]
+    store.set("loaded1", "1")
+    store.set("failed2", "CheckpointError\n/m: weight 'x' has shape (1,) but the config implies (2,)")
+    with pytest.raises(CheckpointError, match=r"weight 'x' has shape \(1,\)"):
+        group.wait_loaded()
+    assert all(p.killed for p in group.procs)
+    group.procs, group.failed = [Proc(), Proc()], None
+    store.delete_key("failed2")
+    store.set("failed2", "OutOfMemoryError\nCUDA out of memory")
+    with pytest.raises(TensorParallelError, match="rank 2 failed to load its share: OutOfMemoryError"):
+        group.wait_loaded()
+    group.procs, group.failed = [Proc(), Proc()], None
+    store.delete_key("failed2")
+    store.set("loaded2", "1")
+    group.wait_loaded()  # every rank loaded

@@ -117,11 +117,13 @@ class PendingStep:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, allocate: bool = True, tp_rank: int = 0, tp_group=None) -> None:
+    def __init__(self, config: EngineConfig, allocate: bool = True, tp_rank: int = 0, tp_group=None,
+                 tp_sync=None) -> None:
         """Loads the weights; with allocate=False the KV pool waits for allocate_kv() (a
         speculative pair sizes its two pools together). With config.tensor_parallel_size > 1
         this is rank 0 (it starts the other ranks: engine/tensor_parallel.py), or, given
-        tp_rank > 0 and the group, one of them."""
+        tp_rank > 0 and the group, one of them (tp_sync: called once its share is loaded, before the
+        loader's collectives)."""
         self.config = config
         self.device = resolve_device(config.device)
         apply_kernel_choices(config)
@@ -138,13 +140,13 @@ class ModelRunner:
             check_split(config, hf_config)  # before any rank starts
 
             self.tp = TensorParallelGroup(config, self.device)  # the other ranks load beside this one
-            tp_group = self.tp.group
+            tp_group, tp_sync = self.tp.group, self.tp.wait_loaded
         try:
             self.model = load_model(config.model, self.device, self.dtype, config.quantization, config.load_format,
-                                    config.seed, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
+                                    config.seed, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, tp_sync=tp_sync)
         except BaseException:
             if self.tp is not None:
-                self.tp.close()
+                self.tp.abort()  # the ranks may be loading still, or waiting in the loader's collective
             raise
         if tp_size > 1:
             self.model.text.set_tensor_parallel(tp_group)

@@ -72,8 +72,8 @@ class TensorParallelGroup:
         self.size = config.tensor_parallel_size
         self.failed: str | None = None
         port = _free_port()
-        store = dist.TCPStore("127.0.0.1", port, self.size, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=START_TIMEOUT_S))
+        self.store = store = dist.TCPStore("127.0.0.1", port, self.size, is_master=True, wait_for_workers=False,
+                                           timeout=timedelta(seconds=START_TIMEOUT_S))
         ctx = mp.get_context("spawn")
         self.procs = [ctx.Process(target=_rank_main, args=(rank, self.size, port, config), daemon=True,
                                   name=f"docproc-tp{rank}") for rank in range(1, self.size)]
@@ -99,13 +99,59 @@ class TensorParallelGroup:
         self.group = dist.new_group(list(range(self.size)), timeout=COLLECTIVE_TIMEOUT)
         self.device = device
 
+    def wait_loaded(self) -> None:
+        """Rank 0 after its own load: wait until every rank has loaded its share (the loader's
+        collectives come after this, so no rank waits in one for a rank that failed). A rank that
+        failed or died is named with its error and the others are stopped."""
+        t0 = time.monotonic()
+        while True:
+            for rank, p in enumerate(self.procs, start=1):
+                if self.store.check([f"failed{rank}"]):
+                    kind, _, message = self.store.get(f"failed{rank}").decode().partition("\n")
+                    self.abort()
+                    if kind == "CheckpointError":
+                        from docproc.models.loader import CheckpointError
+
+                        raise CheckpointError(message)
+                    raise TensorParallelError(f"tensor-parallel rank {rank} failed to load its share: {kind}: "
+                                              f"{message}")
+                if not p.is_alive():
+                    self.abort()
+                    raise TensorParallelError(f"tensor-parallel rank {rank} exited (code {p.exitcode}) while "
+                                              f"loading its share")
+            if all(self.store.check([f"loaded{r}"]) for r in range(1, self.size)):
+                return
+            if time.monotonic() - t0 > START_TIMEOUT_S:
+                self.abort()
+                raise TensorParallelError(f"the tensor-parallel ranks did not load in {START_TIMEOUT_S:.0f} s")
+            time.sleep(0.02)
+
+    def abort(self) -> None:
+        """Stop the other ranks without a collective (rank 0 failed, or a rank did, while loading:
+        the others may be in the middle of their load or waiting in a collective)."""
+        self.failed = self.failed or "the engine failed to start"
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=10)
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 -- best effort while failing
+                pass
+
     # ---- steps -----------------------------------------------------------------------------
     def check(self) -> None:
         if self.failed is not None:
             raise TensorParallelError(self.failed)
         for rank, p in enumerate(self.procs, start=1):
             if not p.is_alive():
-                self.fail(f"tensor-parallel rank {rank} died (exit code {p.exitcode}): the engine is down; "
+                why = ""
+                if self.store.check([f"failed{rank}"]):
+                    kind, _, message = self.store.get(f"failed{rank}").decode().partition("\n")
+                    why = f" after {kind}: {message}"
+                self.fail(f"tensor-parallel rank {rank} died (exit code {p.exitcode}){why}: the engine is down; "
                           f"start a new one")
 
     def fail(self, message: str) -> None:
@@ -211,7 +257,12 @@ def _rank_main(rank: int, size: int, port: int, config) -> None:
     dist.init_process_group(_backend(device), store=store, rank=rank, world_size=size,
                             timeout=timedelta(seconds=START_TIMEOUT_S))
     group = dist.new_group(list(range(size)), timeout=COLLECTIVE_TIMEOUT)
-    runner = ModelRunner(replace(config, device=device_name), allocate=False, tp_rank=rank, tp_group=group)
+    try:
+        runner = ModelRunner(replace(config, device=device_name), allocate=False, tp_rank=rank, tp_group=group,
+                             tp_sync=lambda: store.set(f"loaded{rank}", "1"))
+    except BaseException as e:  # rank 0 names it (wait_loaded), then stops this process
+        store.set(f"failed{rank}", f"{type(e).__name__}\n{e}")
+        raise
     text = runner.model.text
     hidden = None
     while True:

@@ -140,7 +140,7 @@ class LoadedModel:
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.contiguous().view(torch.uint8).numpy())
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())  # (a per-tensor scale may be 0-d)
 
 
 def _raw_config(folder: Path) -> dict:
@@ -157,7 +157,7 @@ def quant_scheme(folder: str | Path, quantization: str | None) -> Fp8Scheme | No
 
 def load_model(folder: str | Path, device: torch.device, dtype: torch.dtype, quantization: str | None = None,
                load_format: str = "auto", seed: int = 0, tp_rank: int = 0, tp_size: int = 1,
-               tp_group=None) -> LoadedModel:
+               tp_group=None, tp_sync=None) -> LoadedModel:
     """Build the text model and vision tower and fill them from the folder's safetensors
     (load_format "auto") or with random weights from config.json alone ("dummy": benchmarks at
     sizes whose checkpoints the disk cannot hold). With an FP8 scheme (the checkpoint's, or
@@ -168,7 +168,9 @@ def load_model(folder: str | Path, device: torch.device, dtype: torch.dtype, qua
     their rows and columns (models/quant.share_scales); the vision tower is loaded on rank 0 only
     (the other ranks get its image embeddings with each step). Quantization at load then takes
     each row's scale over the whole row: the ranks of a row-parallel product (o, down) agree on
-    it over tp_group, so a rank's codes are the one-rank model's."""
+    it over tp_group, so a rank's codes are the one-rank model's. That collective comes after
+    tp_sync(), which every rank calls once its share is read (rank 0's waits for the others and
+    names a rank that failed), so that no rank waits in it for one that will never come."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r}: pick one of {', '.join(LOAD_FORMATS)}")
     scheme = quant_scheme(folder, quantization)
@@ -189,11 +191,16 @@ def load_model(folder: str | Path, device: torch.device, dtype: torch.dtype, qua
     text = text.to_empty(device=device).to(dtype)
     text.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section).to(device)
     vision = build_vision(hf_config, device if tp_rank == 0 else torch.device("meta"), dtype)
+    pending: list = []  # quantization at load of row-parallel shares: their rows' maxima agree over the ranks
     if load_format == "dummy":
         digests = _fill_random(text, vision, fp8_modules, scheme, seed, device, dtype,
                                (Path(folder) / "config.json").read_bytes() + f"|tp:{tp_rank}/{tp_size}".encode())
     else:
-        digests = _fill_from_files(folder, text, vision, fp8_modules, scheme, device, dtype, cfg, tp_group)
+        digests = _fill_from_files(folder, text, vision, fp8_modules, scheme, device, dtype, cfg, pending)
+    if tp_sync is not None:
+        tp_sync()
+    if pending:
+        _quantize_shares(pending, tp_group)
     text.fuse_projections()
     text.eval()
     vision.eval()
@@ -251,10 +258,10 @@ def _sha256(tensors: tuple[torch.Tensor, ...]) -> str:
     return h.hexdigest()
 
 
-def _fill_from_files(folder, text, vision, fp8_modules, scheme, device, dtype, cfg, tp_group) -> dict:
+def _fill_from_files(folder, text, vision, fp8_modules, scheme, device, dtype, cfg, pending: list) -> dict:
     hasher = _Hasher()
     try:
-        digests = _fill_files(folder, text, vision, fp8_modules, scheme, device, dtype, cfg, tp_group, hasher)
+        digests = _fill_files(folder, text, vision, fp8_modules, scheme, device, dtype, cfg, pending, hasher)
     finally:
         hasher.finish()
     if scheme is not None and scheme.method == "online":
@@ -262,7 +269,8 @@ def _fill_from_files(folder, text, vision, fp8_modules, scheme, device, dtype, c
     return digests
 
 
-def _fill_files(folder, text, vision, fp8_modules, scheme, device, dtype, cfg, tp_group, hasher: _Hasher) -> dict:
+def _fill_files(folder, text, vision, fp8_modules, scheme, device, dtype, cfg, pending: list,
+                hasher: _Hasher) -> dict:
     from safetensors import safe_open
 
     files = weight_files(folder)
@@ -297,7 +305,7 @@ def _fill_files(folder, text, vision, fp8_modules, scheme, device, dtype, cfg, t
                     staged.setdefault((comp, module), {})["scale"] = sf.get_tensor(key)
                 elif comp == "text" and module in fp8_modules and leaf == "weight":
                     sl = sf.get_slice(key)  # this rank's share; the whole shape for its scales
-                    staged.setdefault((comp, module), {}).update(weight=_text_share(cfg, name, sl),
+                    staged.setdefault((comp, module), {}).update(weight=_text_share(folder, cfg, name, sl),
                                                                  shape=tuple(sl.get_shape()))
                 elif scheme is not None and leaf == "weight" and sf.get_slice(key).get_dtype().startswith("F8"):
                     staged.setdefault((comp, module), {})["weight"] = sf.get_tensor(key)  # dequantized below
@@ -307,7 +315,7 @@ def _fill_files(folder, text, vision, fp8_modules, scheme, device, dtype, cfg, t
                             continue
                         raise CheckpointError(
                             f"{folder}: unexpected weight {key!r} (no parameter {name} in the {comp} model)")
-                    t = _text_share(cfg, name, sf.get_slice(key)) if comp == "text" else sf.get_tensor(key)
+                    t = _text_share(folder, cfg, name, sf.get_slice(key)) if comp == "text" else sf.get_tensor(key)
                     _copy_param(folder, key, params[name], t)
                     hasher.add(digests[_which(comp, name)], name, t)
                     loaded.add((comp, name))
@@ -316,7 +324,7 @@ def _fill_files(folder, text, vision, fp8_modules, scheme, device, dtype, cfg, t
                 if "weight" in entry and ("scale" in entry or entry["weight"].dtype != torch.float8_e4m3fn):
                     staged.pop((comp, module))
                     _place(folder, comp, module, entry, text_params, vision_params, fp8_modules, scheme,
-                           device, dtype, cfg, tp_group, digests, hasher)
+                           device, dtype, cfg, pending, digests, hasher)
                     loaded.add((comp, module + ".weight"))
     for (comp, module), entry in staged.items():
         what = f"its scale ({scale_key})" if "weight" in entry else "its codes (weight)"
@@ -350,11 +358,30 @@ def _share_bounds(cfg: TextConfig, name: str) -> tuple[tuple[int, int] | None, t
     return None, None
 
 
-def _text_share(cfg: TextConfig, name: str, sl) -> torch.Tensor:
+def _full_shape(cfg: TextConfig, name: str) -> tuple[int, ...] | None:
+    """The shape the config gives a language-model tensor whole (None: a norm, checked on load)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    for part, shape in ((".q_proj.", (q, h)), (".k_proj.", (kv, h)), (".v_proj.", (kv, h)), (".o_proj.", (h, q)),
+                        (".gate_proj.", (cfg.intermediate_size, h)), (".up_proj.", (cfg.intermediate_size, h)),
+                        (".down_proj.", (h, cfg.intermediate_size))):
+        if part in name:
+            return shape if name.endswith(".weight") else shape[:1]
+    if name in ("embed_tokens.weight", "lm_head.weight"):
+        return cfg.vocab_size, h
+    return None
+
+
+def _text_share(folder, cfg: TextConfig, name: str, sl) -> torch.Tensor:
     """This rank's part of a language-model tensor, read from a safetensors slice (or a tensor;
-    all of it without tensor parallelism)."""
+    all of it without tensor parallelism). Split, the whole tensor's shape is checked first: a
+    rank's share alone could fit a tensor of another shape."""
     if cfg.tp_size == 1:
         return sl[:]
+    shape = tuple(sl.shape) if isinstance(sl, torch.Tensor) else tuple(sl.get_shape())
+    full = _full_shape(cfg, name)
+    if full is not None and shape != full:
+        raise CheckpointError(f"{folder}: weight {name!r} has shape {shape} but the config implies {full}")
     if name in ("embed_tokens.weight", "lm_head.weight"):
         r = cfg.tp_rank
         lo, hi = r * cfg.vocab, min((r + 1) * cfg.vocab, cfg.vocab_size)
@@ -370,6 +397,17 @@ def _text_share(cfg: TextConfig, name: str, sl) -> torch.Tensor:
     return sl[:]  # norms: every rank holds them
 
 
+def _quantize_shares(pending: list, tp_group) -> None:
+    """Quantization at load of row-parallel shares (o, down): each row's scale is the maximum over
+    the whole row, one all-reduce over the ranks for all of them (every rank holds the same
+    products, in the same order), so that each rank's codes are the one-rank model's."""
+    amax = torch.cat([t.abs().amax(dim=-1).float() for _, t in pending])
+    torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=tp_group)
+    for (mod, t), row_amax in zip(pending, amax.split([t.shape[0] for _, t in pending])):
+        mod.loaded_weight = quantize(t, row_amax[:, None])
+    pending.clear()
+
+
 def _which(comp: str, name: str) -> str:
     return "text" if comp == "text" else ("merger" if name.startswith("merger.") else "trunk")
 
@@ -383,7 +421,7 @@ def _copy_param(folder, key: str, p: torch.Tensor, t: torch.Tensor) -> None:
 
 
 def _place(folder, comp, module, entry, text_params, vision_params, fp8_modules, scheme, device, dtype, cfg,
-           tp_group, digests, hasher: _Hasher) -> None:
+           pending: list, digests, hasher: _Hasher) -> None:
     """One product's weight, from its codes and scale (or a float weight): an FP8 weight for the
     language model's products (this rank's share), dequantized into the parameter anywhere else."""
     w = entry["weight"]
@@ -415,11 +453,10 @@ def _place(folder, comp, module, entry, text_params, vision_params, fp8_modules,
             if scheme.method != "online":
                 mod.loaded_weight = t
                 return
-            amax = None
-            if cols is not None:  # a share of each row: the scale is the whole row's, max over the ranks
-                amax = t.abs().amax(dim=-1, keepdim=True).float()
-                torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=tp_group)
-            mod.loaded_weight = quantize(t, amax)
+            if cols is not None:  # a share of each row: quantized once the ranks agree on each row's maximum
+                pending.append((mod, t))
+            else:
+                mod.loaded_weight = quantize(t)
         else:
             mod.loaded_weight = Fp8Weight(q.data.to(device), q.scale.to(device), q.group, scheme.dynamic_activations)
         return
@@ -427,7 +464,7 @@ def _place(folder, comp, module, entry, text_params, vision_params, fp8_modules,
     if name not in params:
         raise CheckpointError(f"{folder}: unexpected weight {comp}:{name}")
     t = q.dequantize(torch.float32) if q is not None else w
-    _copy_param(folder, name, params[name], _text_share(cfg, name, t) if comp == "text" else t)
+    _copy_param(folder, name, params[name], _text_share(folder, cfg, name, t) if comp == "text" else t)
 
 
 def _fill_random(text, vision, fp8_modules, scheme, seed: int, device, dtype, config_bytes: bytes) -> dict:
