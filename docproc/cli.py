@@ -201,6 +201,7 @@ def run(
         raise typer.Exit(EXIT_INTERNAL)
     finally:
         pipeline.report.close()
+        pipeline.close_engine()
     try:
         if log_json:
             print(json.dumps({"event": "end", **manifest}), flush=True)

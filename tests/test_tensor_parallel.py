@@ -140,7 +140,7 @@ def test_splits_that_cannot_be_made_are_refused(qwen2_vl_dir):
 
 def test_docproc_run_with_two_ranks_answers_as_one(tmp_path):
     """The CLI end to end on the bundled target, whose vocabulary of 899 the ranks do not divide
-    (the last rank's rows padded): the same answers as one rank."""
+    (the last rank's rows padded): the same answers as one rank, and the ranks stopped after."""
     import shutil
     from pathlib import Path
 
@@ -164,6 +164,9 @@ def test_docproc_run_with_two_ranks_answers_as_one(tmp_path):
                                        "--queries", str(queries), "--tensor-parallel-size", str(tp)])
         assert res.exit_code == 0, res.output
         got[tp] = {(r["path"], r["query"]): (r["answer"], r["value"]) for r in read_table(out / "results.parquet").to_pylist()}
+        # the run closed its engine: its ranks stopped and the process group is gone (the result
+        # still holds the run's frames, so the engine is not left to the garbage collector)
+        assert not __import__("torch").distributed.is_initialized()
     assert got[2] == got[1] and len(got[1]) == 2 and any(v[1] for v in got[1].values())
 
 

@@ -95,6 +95,7 @@ class EngineSetup:
 
             t0 = time.perf_counter()
             try:
+                self._own_llm = True  # this run loads it, so this run closes it (close_engine)
                 self.llm = LLM(self.s.model, device=self.s.device, kv_cache_dtype=self.s.kv_cache,
                                max_num_batched_tokens=self.s.max_num_batched_tokens,
                                gpu_memory_utilization=self.s.gpu_memory_utilization, seed=self.s.seed,
@@ -120,6 +121,13 @@ class EngineSetup:
                     self.report("warning", {"message": "the cached configuration fingerprint was stale; "
                                                        "documents skipped as done are rechecked by the next run"})
         return self.llm
+
+    def close_engine(self) -> None:
+        """Close the engine this run loaded (its tensor-parallel ranks stop now, not when the object
+        is collected); an engine the caller passed in stays theirs."""
+        if getattr(self, "_own_llm", False) and self.llm is not None:
+            self.llm.close()
+            self.llm = None
 
     def model_fingerprint(self) -> dict:
         if self.llm is None and self._cached_model:
