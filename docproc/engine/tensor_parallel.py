@@ -71,6 +71,10 @@ class TensorParallelGroup:
 
         self.size = config.tensor_parallel_size
         self.failed: str | None = None
+        if dist.is_initialized():
+            raise TensorParallelError("torch.distributed is already initialized in this process: another "
+                                      "tensor-parallel engine is open (close it first: llm.close()), or the "
+                                      "program uses its own process group, which docproc's ranks cannot share")
         port = _free_port()
         self.store = store = dist.TCPStore("127.0.0.1", port, self.size, is_master=True, wait_for_workers=False,
                                            timeout=timedelta(seconds=START_TIMEOUT_S))
