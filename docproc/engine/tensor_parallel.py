@@ -17,7 +17,9 @@ per vision layer for a model that is a few percent of a 72B target's work.
 
 Faults: rank 0 checks that every rank is alive before each broadcast, and every collective has
 a timeout; a rank that dies or hangs ends the engine with TensorParallelError (no hang), and the
-engine refuses further work.
+engine refuses further work. Loading has no collective until every rank has read its share
+(wait_loaded): a rank whose load fails records its error in the group's store, rank 0 raises
+it and kills the ranks; if rank 0's own load fails, it kills them too.
 """
 from __future__ import annotations
 
