@@ -15,11 +15,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
-from docproc import LLM, SamplingParams  # noqa: E402
+from bench_masks import rule_requests  # noqa: E402
+from docproc import LLM  # noqa: E402
 from docproc.cli import bundled_model  # noqa: E402
-from docproc.pipeline.queries import build_prompt, load_queries  # noqa: E402
 
 
 def main() -> None:
@@ -30,17 +30,10 @@ def main() -> None:
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
     import xgrammar as xgr
-    from PIL import Image
 
-    pages = [Image.open(p).convert("RGB") for p in sorted((ROOT / "sample_docs").iterdir())
-             if p.suffix.lower() in (".png", ".jpg", ".jpeg", ".tif", ".tiff")]
-    queries = load_queries().queries
     llm = LLM(str(bundled_model("target")), device=args.device)
     n = args.batch
-    reqs = [{"prompt": build_prompt(1, queries[i % len(queries)].question),
-             "multi_modal_data": {"image": [pages[i % len(pages)]]}} for i in range(n)]
-    params = [SamplingParams(max_tokens=queries[i % len(queries)].max_tokens,
-                             structured_outputs=queries[i % len(queries)].structured_outputs()) for i in range(n)]
+    reqs, params = rule_requests(n)
     seqs = [list(o.outputs[0].token_ids) for o in llm.generate(reqs, params)]
     grammar = llm.runner.grammar
     bitmask = xgr.allocate_token_bitmask(n, grammar.num_tokens)

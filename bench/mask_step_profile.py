@@ -19,11 +19,11 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
+from bench_masks import rule_requests  # noqa: E402
 from docproc import LLM, SamplingParams  # noqa: E402
 from docproc.cli import bundled_model  # noqa: E402
-from docproc.pipeline.queries import build_prompt, load_queries  # noqa: E402
 
 
 def main() -> None:
@@ -33,16 +33,8 @@ def main() -> None:
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
-    from PIL import Image
-
-    pages = [Image.open(p).convert("RGB") for p in sorted((ROOT / "sample_docs").iterdir())
-             if p.suffix.lower() in (".png", ".jpg", ".jpeg", ".tif", ".tiff")]
-    queries = load_queries().queries
     llm = LLM(args.model or str(bundled_model("target")), device="cuda", load_format=args.load_format)
-    reqs = [{"prompt": build_prompt(1, queries[i % len(queries)].question),
-             "multi_modal_data": {"image": [pages[i % len(pages)]]}} for i in range(args.batch)]
-    rules = [SamplingParams(max_tokens=q.max_tokens, structured_outputs=q.structured_outputs())
-             for q in (queries[i % len(queries)] for i in range(args.batch))]
+    reqs, rules = rule_requests(args.batch)
     outs = llm.generate(reqs, rules)  # warm-up: graphs, grammars
     lengths = [max(1, len(o.outputs[0].token_ids)) for o in outs]
 

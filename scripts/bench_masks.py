@@ -34,6 +34,20 @@ from docproc.cli import bundled_model  # noqa: E402
 from docproc.pipeline.queries import build_prompt, load_queries  # noqa: E402
 
 
+def rule_requests(n: int) -> tuple[list[dict], list[SamplingParams]]:
+    """n requests over the sample pages that are images, the default query set's questions in
+    turn, and each one's SamplingParams under its query's rule (bench/ probes use the same)."""
+    from PIL import Image
+
+    pages = [Image.open(p).convert("RGB") for p in sorted((ROOT / "sample_docs").iterdir())
+             if p.suffix.lower() in (".png", ".jpg", ".jpeg", ".tif", ".tiff")]
+    queries = load_queries().queries
+    asked = [queries[i % len(queries)] for i in range(n)]
+    reqs = [{"prompt": build_prompt(1, q.question), "multi_modal_data": {"image": [pages[i % len(pages)]]}}
+            for i, q in enumerate(asked)]
+    return reqs, [SamplingParams(max_tokens=q.max_tokens, structured_outputs=q.structured_outputs()) for q in asked]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
@@ -45,16 +59,10 @@ def main() -> None:
     ap.add_argument("--long", action="store_true", help="also the long counted text rule")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
-    from PIL import Image
-
-    pages = [Image.open(p).convert("RGB") for p in sorted((ROOT / "sample_docs").iterdir())
-             if p.suffix.lower() in (".png", ".jpg", ".jpeg", ".tif", ".tiff")]
-    queries = load_queries().queries
     draft = str(bundled_model("draft")) if args.draft == "bundled" else args.draft
     llm = LLM(args.model or str(bundled_model("target")), device=args.device, load_format=args.load_format,
               speculative_model=draft)
-    reqs = [{"prompt": build_prompt(1, queries[i % len(queries)].question),
-             "multi_modal_data": {"image": [pages[i % len(pages)]]}} for i in range(args.batch)]
+    reqs, rules_params = rule_requests(args.batch)
 
     def timed(params):
         best, outs = None, None
@@ -75,8 +83,7 @@ def main() -> None:
     res = {"device": args.device, "batch": args.batch, "model": args.model or "bundled target",
            "load_format": args.load_format, "draft": args.draft,
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
-    rules, outs = timed([SamplingParams(max_tokens=q.max_tokens, structured_outputs=q.structured_outputs())
-                         for q in (queries[i % len(queries)] for i in range(args.batch))])
+    rules, outs = timed(rules_params)
     lengths = [max(1, len(o.outputs[0].token_ids)) for o in outs]
     free, _ = timed([SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths])
     res.update(default_rules=rules, default_free_same_lengths=free,

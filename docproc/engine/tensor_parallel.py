@@ -112,8 +112,9 @@ class TensorParallelGroup:
         t0 = time.monotonic()
         while True:
             for rank, p in enumerate(self.procs, start=1):
-                if self.store.check([f"failed{rank}"]):
-                    kind, _, message = self.store.get(f"failed{rank}").decode().partition("\n")
+                failure = self._failure(rank)
+                if failure is not None:
+                    kind, message = failure
                     self.abort()
                     if kind == "CheckpointError":
                         from docproc.models.loader import CheckpointError
@@ -131,6 +132,13 @@ class TensorParallelGroup:
                 self.abort()
                 raise TensorParallelError(f"the tensor-parallel ranks did not load in {START_TIMEOUT_S:.0f} s")
             time.sleep(0.02)
+
+    def _failure(self, rank: int) -> tuple[str, str] | None:
+        """(exception type, message) a rank recorded as it failed (_rank_main), or None."""
+        if not self.store.check([f"failed{rank}"]):
+            return None
+        kind, _, message = self.store.get(f"failed{rank}").decode().partition("\n")
+        return kind, message
 
     def abort(self) -> None:
         """Stop the other ranks without a collective (rank 0 failed, or a rank did, while loading:
@@ -153,10 +161,8 @@ class TensorParallelGroup:
             raise TensorParallelError(self.failed)
         for rank, p in enumerate(self.procs, start=1):
             if not p.is_alive():
-                why = ""
-                if self.store.check([f"failed{rank}"]):
-                    kind, _, message = self.store.get(f"failed{rank}").decode().partition("\n")
-                    why = f" after {kind}: {message}"
+                failure = self._failure(rank)
+                why = f" after {failure[0]}: {failure[1]}" if failure is not None else ""
                 self.fail(f"tensor-parallel rank {rank} died (exit code {p.exitcode}){why}: the engine is down; "
                           f"start a new one")
 

@@ -41,6 +41,7 @@ class EngineSetup:
     _key: str | None = None  # config_key() of this run
     cfg: str | None = None  # the run's configuration fingerprint
     constrain: bool = True  # answers decoded under their queries' rules (xgrammar is installed)
+    _own_llm: bool = False  # this run loaded the engine (close_engine closes it)
 
     def config_key(self) -> str | None:
         """What a run's configuration fingerprint is computed from, short of loading the model: the
@@ -95,7 +96,7 @@ class EngineSetup:
 
             t0 = time.perf_counter()
             try:
-                self._own_llm = True  # this run loads it, so this run closes it (close_engine)
+                self._own_llm = True
                 self.llm = LLM(self.s.model, device=self.s.device, kv_cache_dtype=self.s.kv_cache,
                                max_num_batched_tokens=self.s.max_num_batched_tokens,
                                gpu_memory_utilization=self.s.gpu_memory_utilization, seed=self.s.seed,
@@ -125,7 +126,7 @@ class EngineSetup:
     def close_engine(self) -> None:
         """Close the engine this run loaded (its tensor-parallel ranks stop now, not when the object
         is collected); an engine the caller passed in stays theirs."""
-        if getattr(self, "_own_llm", False) and self.llm is not None:
+        if self._own_llm and self.llm is not None:
             self.llm.close()
             self.llm = None
 
