@@ -22,7 +22,7 @@ else:
 
 # Under pytest-xdist --dist loadfile the longest files start first. xdist's default order (the
 # files with the most tests first) left test_ray.py's 150 s to the end on one worker, the other idle.
-SLOW_FILES = ("test_ray.py", "test_graph_runner.py", "test_train_tiny.py")
+SLOW_FILES = ("test_ray.py", "test_graph_runner.py", "test_train_tiny.py", "test_tensor_parallel.py")
 
 
 @pytest.hookimpl(optionalhook=True)
