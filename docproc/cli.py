@@ -312,6 +312,9 @@ def stats(
     except (FileNotFoundError, KeyError) as e:
         error(e.args[0] if e.args else e)
         raise typer.Exit(EXIT_USAGE)
+    for d in [] if failures else data["damaged_manifests"]:
+        error(f"{d['file']} is {d['reason']}: run {d['run_id']} is skipped (its rows, if any, are reported "
+              f"as a run without a manifest)", "warning", "yellow")
     if as_json:
         print(json.dumps(data, indent=2))
         return
@@ -324,18 +327,26 @@ def stats(
         out_console.print(t)
         return
     r = data["run"]
-    out_console.print(f"[bold]run {r['run_id']}[/bold] started {r['started_at']}, {r['seconds']:.1f} s, "
-                      f"exit {r['exit_code']}")
-    out_console.print(f"  documents {r['documents']} (already done {r['already_done']}), pages {r['pages']} "
-                      f"(unique {r['unique_pages']}, vision encodes {r['dedup']['vision_encodes']}), "
-                      f"failures {r['failures']}, partial {r['partial']}, skipped {r['skipped']}")
-    out_console.print(f"  tokens/s {_fmt(r['tokens_per_second'])}, acceptance {_fmt(r['acceptance_rate'])}, "
-                      f"cache hit rate {_fmt(r['cache_hit_rate'])}")
-    out_console.print("  stages (s): " + "  ".join(f"{k} {v}" for k, v in r["stage_seconds"].items()))
+    for rid in data["runs_without_manifest"]:
+        why = ("its manifest is damaged" if rid in {d["run_id"] for d in data["damaged_manifests"]}
+               else "no manifest (the run was killed or is still running)")
+        out_console.print(f"run {escape(rid)}: {why}; figures from its rows", soft_wrap=True)
+    seconds = "-" if r["seconds"] is None else f"{r['seconds']:.1f}"
+    out_console.print(f"[bold]run {escape(r['run_id'])}[/bold] started {escape(_fmt(r['started_at']))}, "
+                      f"{seconds} s, exit {escape(_fmt(r['exit_code']))}, {escape(_fmt(r['status']))}")
+    out_console.print(f"  documents {_fmt(r['documents'])} (ok {_fmt(r['ok'])}, already done "
+                      f"{_fmt(r['already_done'])}), pages {_fmt(r['pages'])} (unique {_fmt(r['unique_pages'])}, "
+                      f"vision encodes {_fmt(r['vision_encodes'])}), failures {_fmt(r['failures'])}, "
+                      f"partial {_fmt(r['partial'])}, skipped {_fmt(r['skipped'])}")
+    out_console.print(f"  generated tokens {_fmt(r['generated_tokens'])}, tokens/s {_fmt(r['tokens_per_second'])}, "
+                      f"acceptance {_fmt(r['acceptance_rate'])}, cache hit rate {_fmt(r['cache_hit_rate'])}")
+    stages = r["stage_seconds"] if isinstance(r["stage_seconds"], dict) else {}
+    out_console.print("  stages (s): " + ("  ".join(f"{escape(str(k))} {escape(_fmt(v))}" for k, v in stages.items())
+                                          or "-"))
     if data["per_query"]:
         q = Table(title="per query")
         for c in ("query", "rows", "answered", "errors", "mean tokens", "acceptance", "accepted/step",
-                  "mean latency s"):
+                  "mean latency s (arrival to finish)"):
             q.add_column(c)
         for name, v in data["per_query"].items():
             q.add_row(escape(name), str(v["rows"]), str(v["answered"]), str(v["errors"]), _fmt(v["mean_generated_tokens"]),
@@ -352,11 +363,11 @@ def stats(
         out_console.print(w)
     t = Table(title="recent runs")
     cols = ("run_id", "documents", "pages", "unique_pages", "generated_tokens", "tokens_per_second",
-            "acceptance_rate", "cache_hit_rate", "failures", "partial", "seconds")
+            "acceptance_rate", "cache_hit_rate", "failures", "partial", "seconds", "status")
     for c in cols:
         t.add_column(c.replace("_", " "))
     for row in data["recent_runs"]:
-        t.add_row(*[_fmt(row[c]) for c in cols])
+        t.add_row(*[escape(_fmt(row[c])) for c in cols])
     out_console.print(t)
 
 

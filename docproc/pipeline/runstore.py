@@ -313,13 +313,67 @@ class RunStore:
             raise output_fault(e, self.out) from None
 
     def manifests(self) -> list[dict]:
-        out = []
+        """The readable manifests, oldest run first (read_manifests also says which were not)."""
+        return self.read_manifests()[0]
+
+    def read_manifests(self) -> tuple[list[dict], list[dict]]:
+        """(manifests, damaged): each runs/<id>/manifest.json that holds a JSON object, oldest run
+        first, its run_id filled from its folder where missing; and, for every other one (not
+        UTF-8, not JSON, not an object, unreadable), {"run_id", "file", "reason"}. Keys inside a
+        manifest are not checked: a reader takes what is there."""
+        found, damaged = [], []
         if self.runs_dir.is_dir():
             for d in sorted(self.runs_dir.iterdir()):
-                m = d / "manifest.json"
-                if m.is_file():
-                    try:
-                        out.append(json.loads(m.read_text()))
-                    except (json.JSONDecodeError, OSError, UnicodeDecodeError):
+                path = d / "manifest.json"
+                if not path.is_file():
+                    continue
+                try:
+                    m = json.loads(path.read_bytes().decode("utf-8"))
+                except UnicodeDecodeError:
+                    reason = "not UTF-8 text"
+                except (ValueError, RecursionError) as e:
+                    reason = f"not JSON ({e})"
+                except OSError as e:
+                    reason = f"unreadable ({e.strerror or e})"
+                else:
+                    if isinstance(m, dict):
+                        if not isinstance(m.get("run_id"), str) or not m["run_id"]:
+                            m["run_id"] = d.name
+                        found.append(m)
                         continue
-        return sorted(out, key=lambda m: m.get("started_at", ""))
+                    reason = f"{json_kind(m)}, not a JSON object"
+                damaged.append({"run_id": d.name, "file": str(path), "reason": reason})
+        return sorted(found, key=lambda m: run_order(m["run_id"], m.get("started_at"))), damaged
+
+
+_RUN_ID_TIME = re.compile(r"(\d{8}T\d{12})Z-")
+
+
+def run_started_at(run_id: str) -> str | None:
+    """A run's start time read from its id (Pipeline makes ids as UTC time + '-' + random hex),
+    in the manifests' started_at format; None for an id of another shape."""
+    from datetime import datetime, timezone
+
+    m = _RUN_ID_TIME.match(run_id)
+    if not m:
+        return None
+    try:
+        t = datetime.strptime(m[1], "%Y%m%dT%H%M%S%f").replace(tzinfo=timezone.utc)
+    except ValueError:
+        return None
+    return t.isoformat(timespec="microseconds")
+
+
+def run_order(run_id: str, started_at=None) -> tuple[str, str]:
+    """Sort key of runs, oldest first: the start time recorded in the manifest, else the one in
+    the id; a run with neither sorts before the others (never taken for the latest)."""
+    started = started_at if isinstance(started_at, str) else run_started_at(run_id)
+    return started or "", run_id
+
+
+def json_kind(value) -> str:
+    """A decoded JSON value's kind as a message names it: "null", "a list", "an object"."""
+    if value is None:
+        return "null"
+    return {bool: "a boolean", str: "a string", int: "a number", float: "a number", list: "a list",
+            dict: "an object"}[type(value)]
