@@ -7,11 +7,13 @@ correct when the answer is empty/none.
 """
 from __future__ import annotations
 
+import codecs
 import json
 from collections import defaultdict
 from pathlib import Path
 
 from docproc.pipeline.normalize import normalize_amount, normalize_date, normalize_text
+from docproc.pipeline.runstore import json_kind
 from docproc.pipeline.schema import json_value, read_table
 
 FIELD_TYPES = {"date": "date", "due_date": "date", "total": "number"}
@@ -45,11 +47,69 @@ def _f1(pred: str | None, truth: str | None) -> float:
     return 2 * prec * rec / (prec + rec)
 
 
+class TruthFileError(ValueError):
+    """A ground-truth file that cannot be scored against: the message names the file, the line
+    and what a line must hold."""
+
+
+RECORD = 'a record must be a JSON object with "file" (a string) and "fields" (an object)'
+
+
+def read_truth(path: str | Path) -> list[dict]:
+    """Every record of a truth.jsonl, each checked before any is scored: one JSON object per
+    line, with "file" (the document's file name) and "fields" (field -> expected value); blank
+    lines are skipped but counted, so that a message's line number is the editor's."""
+    path = Path(path)
+    if path.is_dir():
+        raise TruthFileError(f"{path} is a folder: pass the truth file itself (one JSON record per line)")
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise TruthFileError(f"{path} does not exist: pass a truth file (one JSON record per line)") from None
+    except OSError as e:
+        raise TruthFileError(f"{path} cannot be read ({e.strerror or e}): pass a readable truth file") from None
+    records = []
+    for number, raw in enumerate(data.split(b"\n"), 1):
+        where = f"{path} line {number}"
+        if number == 1 and raw.startswith(codecs.BOM_UTF8):  # as some Windows editors save UTF-8
+            raw = raw[len(codecs.BOM_UTF8):]
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise TruthFileError(f"{where}: not UTF-8 text (byte {e.start + 1} of the line is "
+                                 f"{raw[e.start]:#04x}): save the file as UTF-8") from None
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:  # its own position is within the line: the column only
+            raise TruthFileError(f"{where}: not JSON ({e.msg} at column {e.colno}); {RECORD}, one per line") from None
+        except RecursionError:
+            raise TruthFileError(f"{where}: JSON nested too deep; {RECORD}") from None
+        if not isinstance(rec, dict):
+            raise TruthFileError(f"{where}: {RECORD}; got {json_kind(rec)}")
+        if "file" not in rec:
+            raise TruthFileError(f'{where}: {RECORD}; "file" is missing')
+        if not isinstance(rec["file"], str) or not rec["file"].strip():
+            got = "an empty string" if isinstance(rec["file"], str) else json_kind(rec['file'])
+            raise TruthFileError(f'{where}: "file" must be the document\'s file name (a string); got {got}')
+        if "fields" not in rec:
+            raise TruthFileError(f'{where}: {RECORD}; "fields" is missing')
+        if not isinstance(rec["fields"], dict):
+            raise TruthFileError(f'{where}: "fields" must be an object (field name -> expected value); '
+                                 f'got {json_kind(rec["fields"])}')
+        records.append(rec)
+    if not records:
+        raise TruthFileError(f"{path} holds no records: {RECORD}, one per line")
+    return records
+
+
 def evaluate(out: str | Path, truth_file: str | Path) -> dict:
     out = Path(out)
     results = out / "results.parquet"
     if not results.is_file():
         raise FileNotFoundError(f"{results} does not exist: run `docproc run ... --out {out}` first")
+    truth = read_truth(truth_file)
     table = read_table(results).to_pylist()
     answers: dict[str, dict[str, str | None]] = defaultdict(dict)
     properties: dict[str, dict[str, str | None]] = defaultdict(dict)  # QUERY.FIELD of JSON answers
@@ -69,7 +129,6 @@ def evaluate(out: str | Path, truth_file: str | Path) -> dict:
             else:  # a schema whose root is not an object: the value itself
                 value = _text(obj)
         answers[name][r["query"]] = value
-    truth = [json.loads(line) for line in Path(truth_file).read_text().splitlines() if line.strip()]
     per_field: dict[str, list[tuple[float, float]]] = defaultdict(list)
     per_group: dict[str, list[float]] = defaultdict(list)
     missing = []

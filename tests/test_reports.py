@@ -1,0 +1,201 @@
+"""`docproc stats` and `docproc eval` on damaged or unfinished output folders and truth files:
+every answer is a report or one line naming the file and the fix, never a traceback. The folders
+are written by hand (RunStore, the result schema), without a model."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from docproc.cli import app
+from docproc.pipeline.runstore import RunStore, atomic_write_table
+from docproc.pipeline.schema import to_table
+
+cli = CliRunner()
+QUERIES = ("vendor", "total")
+FIRST = "20250103T100000000000Z-aaaaaa"  # run ids as Pipeline makes them: their start time first
+KILLED = "20250103T110000000000Z-bbbbbb"
+
+
+def doc_rows(run_id: str, path: str, status: str = "ok", latency: float = 2.0) -> list[dict]:
+    """One document's rows: a row per query, or one row of no query for a file that failed."""
+    base = {"run_id": run_id, "path": path, "doc_sha256": "0" * 64, "pages": 2, "config_fingerprint": "cfg1",
+            "part": 1}
+    if status == "error":
+        return [{**base, "pages": None, "doc_status": "error", "status": "error", "error": "not a PDF",
+                 "error_kind": "input"}]
+    return [{**base, "doc_status": status, "query": q, "query_type": "string", "answer": "x", "value": "x",
+             "status": "ok", "prompt_tokens": 100, "cached_tokens": 40, "generated_tokens": 5, "draft_proposed": 0,
+             "draft_accepted": 0, "draft_verifications": 0, "latency_s": latency} for q in QUERIES]
+
+
+def manifest(run_id: str, started_at: str, documents: int) -> dict:
+    totals = {"files": documents, "documents": documents, "ok": documents, "partial": 0, "errors": 0,
+              "skipped": 0, "already_done": 0, "moved": 0, "removed": 0, "pages": 2 * documents,
+              "unique_pages": 2 * documents, "generated_tokens": 10 * documents}
+    return {"run_id": run_id, "started_at": started_at, "seconds": 3.5, "status": "completed", "fault": None,
+            "totals": totals, "tokens_per_second": 12.5, "acceptance_rate": None, "prefix_cache_hit_rate": 0.4,
+            "dedup": {"pages": 2 * documents, "unique_pages": 2 * documents, "vision_encodes": 2 * documents},
+            "model": {"path": "m"}, "config_fingerprint": "cfg1", "stage_seconds": {"engine": 2.0},
+            "peak_memory": {}, "exit_code": 0}
+
+
+def stats(out, *args):
+    return cli.invoke(app, ["stats", str(out), *args])
+
+
+# ---- docproc eval: the truth file ------------------------------------------------------------
+
+GOOD = json.dumps({"file": "a.pdf", "fields": {"vendor": "Acme"}})
+RECORD = 'a record must be a JSON object with "file" (a string) and "fields" (an object)'
+
+
+@pytest.fixture
+def scored_out(tmp_path):
+    out = tmp_path / "out"
+    atomic_write_table(out / "results.parquet", to_table(doc_rows(FIRST, "a.pdf")))
+    return out
+
+
+@pytest.mark.parametrize("line, line_number, message", [
+    ("[1, 2]", 3, f"{RECORD}; got a list"),
+    ("null", 3, f"{RECORD}; got null"),
+    ('"a.pdf"', 3, f"{RECORD}; got a string"),
+    ("7", 3, f"{RECORD}; got a number"),
+    ('{"file": "a.pdf", "fields": ["vendor"]}', 3, '"fields" must be an object (field name -> expected value); '
+                                                   'got a list'),
+    ('{"file": 7, "fields": {}}', 3, '"file" must be the document\'s file name (a string); got a number'),
+    ('{"fields": {"vendor": "Acme"}}', 3, f'{RECORD}; "file" is missing'),
+    ('{"file": "a.pdf"}', 3, f'{RECORD}; "fields" is missing'),
+    ('{"file": "a.pdf", "fields": {', 3, "not JSON (Expecting property name enclosed in double quotes at column 30); "
+                                                 f"{RECORD}, one per line"),
+])
+def test_eval_names_the_truth_line_and_what_it_must_hold(scored_out, tmp_path, line, line_number, message):
+    """A bad record after a good one and a blank line: exit 2 and one line naming the file, the
+    line (blank lines counted) and what a record must hold; nothing is scored."""
+    truth = tmp_path / "truth.jsonl"
+    truth.write_text(f"{GOOD}\n\n{line}\n{GOOD}\n")
+    res = cli.invoke(app, ["eval", str(scored_out), "--truth", str(truth), "--json"])
+    assert res.exit_code == 2, res.output
+    assert res.stdout == "" and isinstance(res.exception, SystemExit)
+    assert res.stderr == f"error: {truth} line {line_number}: {message}\n"
+
+
+def test_eval_refuses_a_truth_file_it_cannot_read(scored_out, tmp_path):
+    folder = tmp_path / "truths"
+    folder.mkdir()
+    not_utf8 = tmp_path / "latin1.jsonl"
+    not_utf8.write_bytes(GOOD.encode() + b"\n" + '{"file": "é.pdf", "fields": {}}'.encode("latin-1") + b"\n")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    for path, expected in [(folder, f"{folder} is a folder: pass the truth file itself"),
+                           (not_utf8, f"{not_utf8} line 2: not UTF-8 text (byte 11 of the line is 0xe9)"),
+                           (tmp_path / "none.jsonl", f"{tmp_path / 'none.jsonl'} does not exist"),
+                           (empty, f"{empty} holds no records")]:
+        res = cli.invoke(app, ["eval", str(scored_out), "--truth", str(path)])
+        assert res.exit_code == 2 and res.stderr.startswith(f"error: {expected}"), res.stderr
+        assert res.stderr.count("\n") == 1 and res.stdout == ""
+
+
+def test_eval_scores_a_truth_file_with_blank_lines_and_a_bom(scored_out, tmp_path):
+    truth = tmp_path / "truth.jsonl"
+    truth.write_bytes(b"\xef\xbb\xbf" + GOOD.encode() + b"\r\n\r\n")
+    res = cli.invoke(app, ["eval", str(scored_out), "--truth", str(truth), "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["per_field"]["vendor"] == {"exact_match": 0.0, "f1": 0.0, "n": 1}
+
+
+# ---- docproc stats: damaged manifests, killed runs ---------------------------------------------
+
+def test_stats_skips_a_damaged_manifest_with_a_warning_and_reports_the_others(tmp_path):
+    out = tmp_path / "out"
+    store = RunStore(out)
+    store.write_part(1, doc_rows(FIRST, "a.pdf"))
+    store.write_manifest(FIRST, manifest(FIRST, "2025-01-03T10:00:00.000000+00:00", 1))
+    damaged = {"20250101T000000000000Z-000001": b"null", "20250101T000000000000Z-000002": b"[]",
+               "20250101T000000000000Z-000003": b"{not json", "20250101T000000000000Z-000004": b"\xff\xfe{}"}
+    for run_id, text in damaged.items():
+        (out / "runs" / run_id).mkdir(parents=True)
+        (out / "runs" / run_id / "manifest.json").write_bytes(text)
+    # the latest run's manifest holds no figures: shown as "-", not a traceback
+    sparse = "20250104T000000000000Z-cccccc"
+    store.write_manifest(sparse, {"run_id": sparse, "started_at": None, "totals": None, "seconds": None,
+                                  "stage_seconds": None, "dedup": None, "ray": {"workers": [None]}})
+    res = stats(out)
+    assert res.exit_code == 0, res.output
+    warnings = res.stderr.splitlines()
+    assert len(warnings) == 4 and all(w.startswith("warning: ") for w in warnings)
+    for run_id in damaged:
+        assert sum(str(out / "runs" / run_id / "manifest.json") in w for w in warnings) == 1
+    assert "is null, not a JSON object" in res.stderr and "is a list, not a JSON object" in res.stderr
+    assert "is not JSON" in res.stderr and "is not UTF-8 text" in res.stderr
+    assert f"run {sparse} started -, - s, exit -" in res.stdout
+    assert "documents - (ok -, already done -)" in res.stdout and FIRST in res.stdout  # in recent runs
+
+    data = json.loads(stats(out, "--json").stdout)
+    assert [r["run_id"] for r in data["recent_runs"]] == [FIRST, sparse]
+    assert data["recent_runs"][0]["documents"] == 1 and data["run"]["seconds"] is None
+    assert sorted(d["run_id"] for d in data["damaged_manifests"]) == sorted(damaged)
+    assert json.loads(stats(out, "--run", FIRST, "--json").stdout)["per_query"]["vendor"]["rows"] == 1
+
+
+def test_stats_reports_a_killed_first_run_from_its_rows(tmp_path):
+    """kill -9 leaves no manifest: stats reports the documents the parts hold and says why."""
+    out = tmp_path / "out"
+    store = RunStore(out)
+    store.write_part(1, doc_rows(KILLED, "a.pdf") + doc_rows(KILLED, "b.pdf", "partial"))
+    store.write_part(2, doc_rows(KILLED, "c.pdf", "error"))
+    res = stats(out)
+    assert res.exit_code == 0, res.output
+    assert f"run {KILLED}: no manifest (the run was killed or is still running); figures from its rows" in res.stdout
+    assert "documents 3 (ok 1, already done -), pages 4" in res.stdout and "failures 1, partial 1" in res.stdout
+    data = json.loads(stats(out, "--json").stdout)
+    run = data["run"]
+    assert run["run_id"] == KILLED and run["status"] == "no manifest" and run["manifest"] is None
+    assert run["started_at"] == "2025-01-03T11:00:00.000000+00:00"
+    assert (run["documents"], run["ok"], run["partial"], run["failures"], run["generated_tokens"]) == (3, 1, 1, 1, 20)
+    assert run["cache_hit_rate"] == 0.4 and run["seconds"] is None and run["config_fingerprint"] == "cfg1"
+    assert data["per_query"]["vendor"] == {"rows": 2, "answered": 2, "errors": 0, "mean_generated_tokens": 5.0,
+                                           "acceptance_rate": None, "mean_accepted_length": None,
+                                           "mean_latency_s": 2.0}
+    assert data["runs_without_manifest"] == [KILLED] and data["damaged_manifests"] == []
+
+
+def test_stats_lists_a_killed_run_after_a_completed_one(tmp_path):
+    out = tmp_path / "out"
+    store = RunStore(out)
+    store.write_part(1, doc_rows(FIRST, "a.pdf", latency=1.0))
+    store.write_manifest(FIRST, manifest(FIRST, "2025-01-03T10:00:00.000000+00:00", 1))
+    store.consolidate()
+    store.write_part(store.next_part(), doc_rows(KILLED, "b.pdf", latency=3.0))  # results.parquet now stale
+    data = json.loads(stats(out, "--json").stdout)
+    assert data["run"]["run_id"] == KILLED and data["per_query"]["total"]["mean_latency_s"] == 3.0
+    assert [(r["run_id"], r["status"]) for r in data["recent_runs"]] == [(FIRST, "completed"), (KILLED, "no manifest")]
+    first = json.loads(stats(out, "--run", FIRST, "--json").stdout)
+    assert first["run"]["manifest"] == str(out / "runs" / FIRST / "manifest.json")
+    assert first["run"]["vision_encodes"] == 2 and first["per_query"]["total"]["mean_latency_s"] == 1.0
+    res = stats(out, "--run", FIRST)
+    assert res.exit_code == 0 and f"run {KILLED}: no manifest" in res.stdout and "completed" in res.stdout
+
+
+def test_stats_names_what_latency_measures(tmp_path):
+    """latency_s runs from a request's arrival in the engine to its last token (queueing
+    included): the column says so; the JSON key stays mean_latency_s."""
+    out = tmp_path / "out"
+    store = RunStore(out)
+    store.write_part(1, doc_rows(FIRST, "a.pdf"))
+    store.write_manifest(FIRST, manifest(FIRST, "2025-01-03T10:00:00.000000+00:00", 1))
+    res = stats(out)
+    assert res.exit_code == 0 and "mean latency s (arrival to finish)" in res.stdout
+    assert json.loads(stats(out, "--json").stdout)["per_query"]["vendor"]["mean_latency_s"] == 2.0
+
+
+def test_stats_on_a_folder_with_no_readable_run_says_why(tmp_path):
+    out = tmp_path / "out"
+    (out / "runs" / "x").mkdir(parents=True)
+    (out / "runs" / "x" / "manifest.json").write_text("[]")
+    res = stats(out)
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr == f"error: no runs recorded in {out} ({out / 'runs' / 'x' / 'manifest.json'} is a list, not " \
+                         f"a JSON object): run `docproc run ... --out {out}` first\n"
