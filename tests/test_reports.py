@@ -98,6 +98,17 @@ def test_eval_refuses_a_truth_file_it_cannot_read(scored_out, tmp_path):
         assert res.stderr.count("\n") == 1 and res.stdout == ""
 
 
+def test_eval_refuses_a_results_file_that_is_not_parquet(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "results.parquet").write_bytes(b"PAR1 cut short")
+    truth = tmp_path / "truth.jsonl"
+    truth.write_text(GOOD + "\n")
+    res = cli.invoke(app, ["eval", str(tmp_path / "out"), "--truth", str(truth)])
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.startswith(f"error: {tmp_path / 'out' / 'results.parquet'} cannot be read as Parquet (")
+    assert res.stderr.endswith("again to rewrite it\n") and res.stderr.count("\n") == 1
+
+
 def test_eval_scores_a_truth_file_with_blank_lines_and_a_bom(scored_out, tmp_path):
     truth = tmp_path / "truth.jsonl"
     truth.write_bytes(b"\xef\xbb\xbf" + GOOD.encode() + b"\r\n\r\n")

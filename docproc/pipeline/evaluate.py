@@ -12,6 +12,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+import pyarrow as pa
+
 from docproc.pipeline.normalize import normalize_amount, normalize_date, normalize_text
 from docproc.pipeline.runstore import json_kind
 from docproc.pipeline.schema import json_value, read_table
@@ -110,7 +112,11 @@ def evaluate(out: str | Path, truth_file: str | Path) -> dict:
     if not results.is_file():
         raise FileNotFoundError(f"{results} does not exist: run `docproc run ... --out {out}` first")
     truth = read_truth(truth_file)
-    table = read_table(results).to_pylist()
+    try:
+        table = read_table(results).to_pylist()
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{results} cannot be read as Parquet ({e}): run `docproc run ... --out {out}` again "
+                         f"to rewrite it") from None
     answers: dict[str, dict[str, str | None]] = defaultdict(dict)
     properties: dict[str, dict[str, str | None]] = defaultdict(dict)  # QUERY.FIELD of JSON answers
     fields_of: dict[str, set[str]] = defaultdict(set)  # the fields each JSON query has answered anywhere
