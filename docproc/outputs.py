@@ -1,7 +1,7 @@
 """Request outputs returned by LLM.generate (vLLM-shaped), with metrics as a dataclass."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 
 def ratio(num: int, den: int) -> float | None:
@@ -45,7 +45,10 @@ class SpecStats:
 
 @dataclass
 class RequestMetrics:
-    """What the engine did for one request. Times are seconds (time.perf_counter based)."""
+    """What the engine did for one request. Times are seconds (time.perf_counter based). A request
+    with n > 1 sampled outputs runs as n sequences: the counts of work (cached and generated
+    tokens, encoded images, preemptions, drafts) add up over them, the prompt's tokens and images
+    count once, the first token is the earliest and the total time the longest."""
 
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
@@ -93,3 +96,38 @@ class RequestOutput:
     finished: bool = True
     error: str | None = None  # set when this request failed alone (e.g. longer than max_model_len)
     extra: dict = field(default_factory=dict)
+
+
+def merge_samples(runs: list[RequestOutput], n: int) -> RequestOutput:
+    """One request's output from the runs of its sequences (SamplingParams.sequences): n runs of
+    a sampled request, or one run of a greedy request, whose completion is repeated n times.
+    `error` is the first error among the runs (each completion keeps its own finish_reason)."""
+    if len(runs) == 1 and n == 1:
+        return runs[0]
+    first = runs[0]
+    outputs = [replace(runs[i % len(runs)].outputs[0], index=i) for i in range(n)]
+    if len(runs) == 1:
+        return replace(first, outputs=outputs)
+    ms = [r.metrics for r in runs]
+    merged = {}
+    for f in fields(RequestMetrics):
+        values = [getattr(m, f.name) for m in ms]
+        if f.name in ("num_prompt_tokens", "num_images", "finish_reason"):  # the prompt's, once
+            merged[f.name] = values[0]
+        elif f.name == "time_to_first_token":
+            known = [v for v in values if v is not None]
+            merged[f.name] = min(known) if known else None
+        elif f.name == "total_time":
+            merged[f.name] = max(values)
+        elif isinstance(values[0], dict):  # histograms
+            hist: dict = {}
+            for h in values:
+                for k, v in h.items():
+                    hist[k] = hist.get(k, 0) + v
+            merged[f.name] = dict(sorted(hist.items()))
+        else:
+            merged[f.name] = sum(values)
+    prompt_ids = next((r.prompt_token_ids for r in runs if r.prompt_token_ids), first.prompt_token_ids)
+    error = next((r.error for r in runs if r.error is not None), None)
+    return RequestOutput(first.request_id, first.prompt, prompt_ids, outputs, RequestMetrics(**merged),
+                         first.finished, error, dict(first.extra))

@@ -2,9 +2,57 @@
 form a request's output must take."""
 from __future__ import annotations
 
+import functools
 import json
-from dataclasses import dataclass, field
+import math
+import numbers
+import os
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
+
+# The checks below raise ValueError for a value of the wrong type as for one out of range, as vLLM
+# does: one `except ValueError` catches every bad argument. An unknown keyword is a TypeError, as
+# Python makes it for any function.
+
+
+def shown(value: Any) -> str:
+    """A value for an error message: its repr (cut at 60 characters) and its type."""
+    text = repr(value)
+    return f"{text if len(text) <= 60 else text[:57] + '...'} ({type(value).__name__})"
+
+
+def whole_number(owner: str, name: str, value: Any, minimum: int | None = None, optional: bool = False) -> int | None:
+    """value as an int (a bool is not a whole number here); ValueError naming owner.name."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or (minimum is not None and value < minimum):
+        bound = "" if minimum is None else f" >= {minimum}"
+        raise ValueError(f"{owner}.{name} must be a whole number{bound}{' or None' if optional else ''}, "
+                         f"got {shown(value)}")
+    return int(value)
+
+
+def real_number(owner: str, name: str, value: Any, what: str = "a number") -> float:
+    """value as a finite float; the range is the caller's to check (`what` words it)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{owner}.{name} must be {what}, got {shown(value)}")
+    return float(value)
+
+
+def flag(owner: str, name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{owner}.{name} must be True or False, got {shown(value)}")
+    return value
+
+
+def text(owner: str, name: str, value: Any, optional: bool = False, path: bool = False) -> str | None:
+    """value as a str; path: a str or an os.PathLike (a folder), returned as its str."""
+    if value is None and optional:
+        return None
+    if isinstance(value, str) or (path and isinstance(value, os.PathLike)):
+        return os.fspath(value) if path else value
+    what = "a path (str or pathlib.Path)" if path else "a string"
+    raise ValueError(f"{owner}.{name} must be {what}{' or None' if optional else ''}, got {shown(value)}")
 
 
 @dataclass
@@ -60,7 +108,9 @@ class SamplingParams:
 
     temperature 0 means greedy. top_k -1 and top_p 1.0 disable those filters. `stop` strings end
     the output (the stop string itself is not included in the text). `seed` makes a sampled
-    request reproducible whatever else is in the batch.
+    request reproducible whatever else is in the batch. `n` outputs per prompt: a sampled request
+    runs as n sequences drawn independently (with a seed, sequence i draws from seed + i); a
+    greedy one runs once and its output is repeated n times, as every greedy run gives it.
     """
 
     temperature: float = 0.0
@@ -71,21 +121,35 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = [s for s in (self.stop or []) if s]
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        own = "SamplingParams"
+        if real_number(own, "temperature", self.temperature, "a number >= 0 (0 is greedy)") < 0:
+            raise ValueError(f"{own}.temperature must be a number >= 0 (0 is greedy), got {shown(self.temperature)}")
+        self.temperature = float(self.temperature)
+        if not 0.0 < real_number(own, "top_p", self.top_p, "a number in (0, 1]") <= 1.0:
+            raise ValueError(f"{own}.top_p must be a number in (0, 1], got {shown(self.top_p)}")
+        self.top_p = float(self.top_p)
+        self.top_k = whole_number(own, "top_k", self.top_k)
         if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise ValueError(f"{own}.top_k must be -1 (off) or a whole number >= 1, got {shown(self.top_k)}")
+        self.max_tokens = whole_number(own, "max_tokens", self.max_tokens, 1)
+        self.n = whole_number(own, "n", self.n, 1)
+        # torch.Generator.manual_seed takes 0 .. 2**64 - 1; sequence i of n draws from seed + i
+        self.seed = whole_number(own, "seed", self.seed, 0, optional=True)
+        if self.seed is not None and self.seed + self.n > 2 ** 64:
+            raise ValueError(f"{own}.seed must be below 2**64 - n ({2 ** 64 - self.n}), got {self.seed}")
+        self.ignore_eos = flag(own, "ignore_eos", self.ignore_eos)
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stop is None:
+            stop = []
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise ValueError(f"{own}.stop must be a string or a list of strings, got {shown(self.stop)}")
+        self.stop = [s for s in stop if s]
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
-            raise ValueError("structured_outputs must be a StructuredOutputsParams")
+            raise ValueError(f"{own}.structured_outputs must be a StructuredOutputsParams, "
+                             f"got {shown(self.structured_outputs)}")
         if self.structured_outputs is not None and self.stop:
             raise ValueError("stop strings and structured_outputs do not go together: a stop string would cut the "
                              "constrained output short of valid (the constraint ends the output by itself)")
@@ -93,3 +157,31 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def sequences(self) -> list[SamplingParams]:
+        """The parameters of each sequence the request runs as (each with n = 1): n for a sampled
+        request, one for a greedy one (its n outputs are copies)."""
+        if self.n == 1:
+            return [self]
+        if self.is_greedy:
+            return [replace(self, n=1)]
+        return [replace(self, n=1, seed=None if self.seed is None else self.seed + i) for i in range(self.n)]
+
+
+def _refuse_unknown_keywords(init):
+    """The dataclass __init__, refusing every keyword it does not take in one TypeError (vLLM's
+    logprobs, presence_penalty, ... are not implemented: one message lists all of those given)."""
+    known = [f.name for f in fields(SamplingParams)]
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        unknown = [k for k in kwargs if k not in known]
+        if unknown:
+            raise TypeError(f"SamplingParams does not support {', '.join(unknown)}: remove "
+                            f"{'it' if len(unknown) == 1 else 'them'}; it takes {', '.join(known)}")
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+SamplingParams.__init__ = _refuse_unknown_keywords(SamplingParams.__init__)

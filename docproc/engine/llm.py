@@ -7,10 +7,14 @@ speculative step (engine/spec/verifier.py).
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import itertools
+import os
+import warnings
 import weakref
 import time
-from typing import Sequence as Seq
+from typing import Any, Sequence as Seq
 
 import torch
 
@@ -29,8 +33,9 @@ from docproc.engine.spec import setup as spec_setup
 from docproc.engine.spec.verifier import Verifier
 from docproc.errors import DeviceUnavailable
 from docproc.models.processor import PromptError
-from docproc.outputs import RequestOutput
-from docproc.sampling_params import SamplingParams
+from docproc.multimodal import IMAGE_PAD
+from docproc.outputs import RequestOutput, merge_samples
+from docproc.sampling_params import SamplingParams, flag, real_number, shown, text, whole_number
 
 PREFETCH_LOOKAHEAD = 16  # queued sequences whose pages are preprocessed ahead (engine/prefetch.py)
 
@@ -41,6 +46,116 @@ def is_device_failure(e: BaseException) -> bool:
     if isinstance(e, torch.OutOfMemoryError) or not isinstance(e, RuntimeError):
         return False
     return type(e).__name__ == "AcceleratorError" or "CUDA error" in str(e)
+
+
+# LLM's scalar arguments and their checks (the configs check the ranges these leave open)
+WHOLE_ARGUMENTS = {"block_size": 1, "max_num_batched_tokens": 1, "max_num_seqs": 1, "seed": 0,
+                   "encoder_cache_entries": 1, "tensor_parallel_size": 1, "speculative_draft_tensor_parallel_size": 1}
+OPTIONAL_WHOLE_ARGUMENTS = {"max_model_len": 2, "kv_cache_memory_bytes": 1, "num_kv_blocks": 1,
+                            "image_prefetch_workers": 0, "fp4_value_slots": 0}
+FLAG_ARGUMENTS = ("enable_prefix_caching", "enforce_eager", "overlap_decode", "one_row_kernels", "pdl", "fp4_gluon",
+                  "trust_remote_code")
+TEXT_ARGUMENTS = ("device", "kv_cache_dtype", "draft_vision", "load_format")
+
+
+def check_arguments(args: dict[str, Any]) -> None:
+    """ValueError naming the first of LLM's arguments whose type is wrong."""
+    text("LLM", "model", args["model"], path=True)
+    text("LLM", "speculative_model", args["speculative_model"], optional=True, path=True)
+    for name, minimum in WHOLE_ARGUMENTS.items():
+        whole_number("LLM", name, args[name], minimum)
+    for name, minimum in OPTIONAL_WHOLE_ARGUMENTS.items():
+        whole_number("LLM", name, args[name], minimum, optional=True)
+    for name in FLAG_ARGUMENTS:
+        flag("LLM", name, args[name])
+    for name in TEXT_ARGUMENTS:
+        text("LLM", name, args[name])
+    text("LLM", "quantization", args["quantization"], optional=True)
+    if not isinstance(args["dtype"], torch.dtype):
+        text("LLM", "dtype", args["dtype"])
+    real_number("LLM", "gpu_memory_utilization", args["gpu_memory_utilization"], "a number in (0, 1]")
+    if not isinstance(args["num_speculative_tokens"], str):
+        whole_number("LLM", "num_speculative_tokens", args["num_speculative_tokens"], 1)
+
+
+# ---- chat messages -------------------------------------------------------------------------------
+CHAT_PART_TYPES = ("text", "image_url", "image", "image_pil")
+
+
+def image_from_url(url: Any, where: str):
+    """An image_url part's image: the bytes of a base64 `data:` URL, or a local path (`file://` or
+    none). Nothing is fetched from the network."""
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"{where}: image_url must be {{'url': '...'}} with a data: URL or a local path, "
+                         f"got {shown(url)}")
+    if url.startswith("data:"):
+        header, comma, data = url.partition(",")
+        if not comma or not header.endswith(";base64"):
+            raise ValueError(f"{where}: a data: URL must be base64 (data:image/png;base64,...)")
+        try:
+            return base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError(f"{where}: the data: URL's base64 does not decode") from None
+    scheme = url.partition("://")[0].lower() if "://" in url else ""
+    if scheme in ("http", "https"):
+        raise ValueError(f"{where}: {url[:80]} is on the network and docproc fetches nothing: download the image "
+                         f"and give its path, a PIL image or a data: URL")
+    if scheme == "file":
+        from urllib.parse import unquote, urlparse
+
+        return unquote(urlparse(url).path)
+    if scheme:
+        raise ValueError(f"{where}: {scheme}:// URLs are not supported: give a local path, a PIL image or a data: URL")
+    return url
+
+
+def chat_messages(conversation: Any, where: str) -> tuple[list[dict], list]:
+    """OpenAI-style messages -> (the messages a chat template reads, every image part written
+    {"type": "image"}; the images in order: PIL images, paths or bytes). ValueError naming the
+    message or part that is malformed."""
+    from PIL import Image
+
+    if not isinstance(conversation, (list, tuple)) or not conversation:
+        raise ValueError(f"{where} must be a non-empty list of messages ({{'role': ..., 'content': ...}} dicts), "
+                         f"got {shown(conversation)}")
+    messages, images = [], []
+    for k, m in enumerate(conversation):
+        at = f"{where}[{k}]"
+        if not isinstance(m, dict):
+            raise ValueError(f"{at} must be a dict with 'role' and 'content', got {shown(m)}")
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"{at}['role'] must be a non-empty string (system, user, assistant), got {shown(role)}")
+        if isinstance(content, str):
+            messages.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, (list, tuple)):
+            raise ValueError(f"{at}['content'] must be a string or a list of parts, got {shown(content)}")
+        parts = []
+        for q, part in enumerate(content):
+            pat = f"{at}['content'][{q}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in CHAT_PART_TYPES:
+                raise ValueError(f"{pat} must be a dict whose 'type' is one of {', '.join(CHAT_PART_TYPES)}, "
+                                 f"got {shown(kind if isinstance(part, dict) else part)}")
+            if kind == "text":
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"{pat}['text'] must be a string, got {shown(part.get('text'))}")
+                parts.append({"type": "text", "text": part["text"]})
+                continue
+            if kind == "image_url":
+                url = part.get("image_url")
+                image = image_from_url(url.get("url") if isinstance(url, dict) else url, pat)
+            else:
+                image = part.get(kind)
+                if isinstance(image, str) and (image.startswith("data:") or "://" in image):
+                    image = image_from_url(image, pat)
+                elif not isinstance(image, (Image.Image, str, os.PathLike, bytes)):
+                    raise ValueError(f"{pat}['{kind}'] must be a PIL image, a path or a data: URL, got {shown(image)}")
+            images.append(image)
+            parts.append({"type": "image"})
+        messages.append({"role": role, "content": parts})
+    return messages, images
 
 
 class LLM:
@@ -75,7 +190,14 @@ class LLM:
         load_format: str = "auto",
         tensor_parallel_size: int = 1,
         speculative_draft_tensor_parallel_size: int = 1,
+        trust_remote_code: bool = False,
     ) -> None:
+        check_arguments(locals())
+        if trust_remote_code:
+            warnings.warn("LLM(trust_remote_code=True) changes nothing: docproc runs its own model classes, never "
+                          "code from a model folder", stacklevel=2)
+        if isinstance(dtype, torch.dtype):
+            dtype = str(dtype).removeprefix("torch.")
         if speculative_draft_tensor_parallel_size != 1:
             raise ValueError(f"speculative_draft_tensor_parallel_size={speculative_draft_tensor_parallel_size}: the "
                              f"draft runs whole on rank 0 (1 is the only choice)")
@@ -141,18 +263,24 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: give one or one each")
 
-        results: list[RequestOutput | None] = [None] * len(prompts)
-        index: dict[int, int] = {}
+        # a request runs as one sequence, or as several for n > 1 (SamplingParams.sequences)
+        results: list[list[RequestOutput | None]] = []
+        index: dict[int, tuple[int, int]] = {}
         images: dict = {}  # one conversion and content hash per image object in this call
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params)):
+                if not isinstance(sp, SamplingParams):
+                    raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}")
                 try:
-                    seq = make_sequence(self.processor, prompt, sp, str(i), self.max_model_len, images, self._matcher)
+                    seqs = [make_sequence(self.processor, prompt, one, str(i), self.max_model_len, images,
+                                          self._matcher) for one in sp.sequences()]
                 except PromptError as e:
-                    results[i] = error_output(str(i), prompt, [], str(e))
+                    results.append([error_output(str(i), prompt, [], str(e))])
                     continue
-                index[seq.seq_id] = i
-                self.scheduler.add(seq)
+                results.append([None] * len(seqs))
+                for j, seq in enumerate(seqs):
+                    index[seq.seq_id] = (i, j)
+                    self.scheduler.add(seq)
         except BaseException:
             self._abort_unfinished()  # none of this call's requests stays queued for the next one
             raise
@@ -161,10 +289,11 @@ class LLM:
         try:
             while self.scheduler.has_unfinished:
                 for seq in self.step():
-                    i = index.pop(seq.seq_id, None)
-                    if i is None:
+                    where = index.pop(seq.seq_id, None)
+                    if where is None:
                         continue
-                    results[i] = request_output(seq, prompts[i], self.tokenizer)
+                    i, j = where
+                    results[i][j] = request_output(seq, prompts[i], self.tokenizer)
                     if progress:
                         progress.advance(seq.num_generated_tokens)
         except BaseException as e:
@@ -178,7 +307,53 @@ class LLM:
                 progress.close()
             if not self.scheduler.has_unfinished:
                 self.runner.prefetcher.drop()  # pixels of requests that failed before their encode
-        return results  # type: ignore[return-value]
+        return [merge_samples(runs, sp.n) for runs, sp in zip(results, params)]  # type: ignore[arg-type]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """generate() on OpenAI-style conversations: `messages` is one conversation (a list of
+        {"role", "content"} dicts) or a list of them; content is a string or a list of parts:
+        {"type": "text", "text": ...}, {"type": "image_url", "image_url": {"url": ...}} (a base64
+        data: URL or a local path; nothing is fetched from the network), {"type": "image",
+        "image": PIL image or path}. The model's chat template (or `chat_template`) makes each
+        prompt; every image becomes one placeholder that the engine expands. One RequestOutput
+        per conversation; ValueError for a message that cannot become a prompt."""
+        conversations = messages if (isinstance(messages, (list, tuple)) and messages
+                                     and all(isinstance(c, (list, tuple)) for c in messages)) else [messages]
+        template = chat_template if chat_template is not None else getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise ValueError(f"{self.config.model} has no chat template (chat_template.jinja, or chat_template in "
+                             f"tokenizer_config.json): pass chat_template=, or build the prompt and call generate")
+        from jinja2 import TemplateError
+
+        requests: list[PromptType] = []
+        for c, conversation in enumerate(conversations):
+            where = "messages" if len(conversations) == 1 and conversations[0] is messages else f"messages[{c}]"
+            msgs, images = chat_messages(conversation, where)
+            try:
+                prompt = self.tokenizer.apply_chat_template(msgs, chat_template=template, tokenize=False,
+                                                            add_generation_prompt=add_generation_prompt,
+                                                            **(chat_template_kwargs or {}))
+            except TemplateError as e:
+                raise ValueError(f"{where}: the chat template refused the messages: {e}") from None
+            if prompt.count(IMAGE_PAD) != len(images):
+                raise ValueError(f"{where}: the prompt the chat template made has {prompt.count(IMAGE_PAD)} "
+                                 f"{IMAGE_PAD} for {len(images)} image(s): the template must write "
+                                 f"<|vision_start|>{IMAGE_PAD}<|vision_end|> for each {{'type': 'image'}} part, and "
+                                 f"the text may not hold {IMAGE_PAD}")
+            requests.append({"prompt": prompt, "multi_modal_data": {"image": images}} if images else prompt)
+        return self.generate(requests, sampling_params, use_tqdm)
+
+    def get_tokenizer(self):
+        """The target model's tokenizer (a transformers tokenizer)."""
+        return self.tokenizer
 
     def _matcher(self, params):
         """A grammar matcher for a structured-output request (the compiler made on first use)."""
