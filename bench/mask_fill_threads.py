@@ -41,7 +41,7 @@ def main() -> None:
     def replay(fill, accept) -> dict:
         best = None
         for _ in range(args.repeats):
-            ms = [grammar.matcher(p.structured_outputs) for p in params]
+            ms = [grammar.matcher(p.structured_outputs, p.max_tokens) for p in params]
             t_fill = t_acc = 0.0
             steps = 0
             for step in range(max(map(len, seqs))):

@@ -189,26 +189,26 @@ def test_query_rules_accept_what_the_normaliser_reads_and_nothing_else():
 
 
 def test_schema_violation_finds_the_first_broken_rule():
-    from docproc.pipeline.constraints import schema_violation
+    from docproc.pipeline.json_schema import violation
 
     schema = {"type": "object", "required": ["a", "b"], "additionalProperties": False,
               "properties": {"a": {"type": "integer", "minimum": 0}, "b": {"anyOf": [{"type": "string"}, {"type": "null"}]},
                              "c": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 2}}}
-    assert schema_violation({"a": 1, "b": None}, schema) is None
-    assert schema_violation({"a": 1, "b": "s", "c": ["x"]}, schema) is None
-    assert "missing" in schema_violation({"a": 1}, schema)
-    assert "type" in schema_violation({"a": 1.5, "b": None}, schema)
-    assert "range" in schema_violation({"a": -1, "b": None}, schema)
-    assert "anyOf" in schema_violation({"a": 1, "b": 3}, schema)
-    assert "not one of" in schema_violation({"a": 1, "b": None, "c": ["z"]}, schema)
-    assert "items" in schema_violation({"a": 1, "b": None, "c": ["x", "y", "x"]}, schema)
-    assert "not a property" in schema_violation({"a": 1, "b": None, "d": 0}, schema)
+    assert violation({"a": 1, "b": None}, schema) is None
+    assert violation({"a": 1, "b": "s", "c": ["x"]}, schema) is None
+    assert "'b' is a required property" in violation({"a": 1}, schema)
+    assert violation({"a": 1.5, "b": None}, schema).startswith("$.a:")
+    assert "minimum" in violation({"a": -1, "b": None}, schema)
+    assert violation({"a": 1, "b": 3}, schema).startswith("$.b:")
+    assert violation({"a": 1, "b": None, "c": ["z"]}, schema).startswith("$.c[0]:")
+    assert "too long" in violation({"a": 1, "b": None, "c": ["x", "y", "x"]}, schema)
+    assert "'d' was unexpected" in violation({"a": 1, "b": None, "d": 0}, schema)
     # JSON's own rules: true is not 1, NaN is no number, oneOf means exactly one
-    assert schema_violation(True, {"enum": [1, 2]}) and schema_violation(False, {"const": 0})
-    assert schema_violation(1, {"enum": [1, 2]}) is None
-    assert schema_violation(float("nan"), {"type": "number"})
-    assert schema_violation(3, {"oneOf": [{"type": "integer"}, {"type": "number"}]})
-    assert schema_violation({"x": "s"}, {"type": "object", "additionalProperties": {"type": "integer"}})
+    assert violation(True, {"enum": [1, 2]}) and violation(False, {"const": 0})
+    assert violation(1, {"enum": [1, 2]}) is None
+    assert violation(float("nan"), {"type": "number"})
+    assert violation(3, {"oneOf": [{"type": "integer"}, {"type": "number"}]})
+    assert violation({"x": "s"}, {"type": "object", "additionalProperties": {"type": "integer"}})
 
 
 def test_documents_table_types_each_query_by_its_type_and_schema(tmp_path):

@@ -293,7 +293,7 @@ def test_a_padded_vocabulary_stays_outside_the_grammar(llm):
     assert gc.num_tokens == known
     logits = torch.zeros(2, known + 500)
     logits[:, known:] = 10.0  # the padded ids would win every argmax
-    m = gc.matcher(StructuredOutputsParams(regex="[0-9]+"))
+    m = gc.matcher(StructuredOutputsParams(regex="[0-9]+"), 16)
     gc.mask_logits(logits, [m, None])
     assert int(logits[0].argmax()) < known and torch.isinf(logits[0, known:]).all()
     assert int(logits[1].argmax()) >= known  # the free row: untouched
@@ -345,7 +345,7 @@ def test_the_masks_are_filled_on_the_thread_count_measured_fastest(llm):
     gc = GrammarCompiler(llm.tokenizer, tokenizer_size(llm.tokenizer), llm.eos_token_ids)
     params = [StructuredOutputsParams(json=SCHEMAS[i % 2]) for i in range(6)] + \
         [StructuredOutputsParams(regex="[0-9]{2,5}"), StructuredOutputsParams(choice=["yes", "no"])]
-    matchers = [gc.matcher(p) for p in params]
+    matchers = [gc.matcher(p, 64).matcher for p in params]  # xgrammar's own
     for step in range(3):  # walk each matcher along the first token its mask allows
         want = xgr.allocate_token_bitmask(len(matchers), gc.num_tokens)
         for i, m in enumerate(matchers):

@@ -355,7 +355,7 @@ class LLM:
         """The target model's tokenizer (a transformers tokenizer)."""
         return self.tokenizer
 
-    def _matcher(self, params):
+    def _matcher(self, params, max_tokens: int):
         """A grammar matcher for a structured-output request (the compiler made on first use)."""
         if self.runner.grammar is None:
             from docproc.engine.structured import GrammarCompiler
@@ -364,7 +364,7 @@ class LLM:
                                                   self.eos_token_ids)
             if self.speculator is not None:  # the draft proposes under the same grammars
                 self.speculator.grammar = self.runner.grammar
-        return self.runner.grammar.matcher(params)
+        return self.runner.grammar.matcher(params, max_tokens)
 
     def model_fingerprint(self) -> dict:
         """The target's weights as two short hashes: its language model and its vision tower."""

@@ -58,7 +58,7 @@ def make_sequence(processor, prompt: PromptType, sp: SamplingParams, request_id:
     seq.sampling = sp
     if sp.structured_outputs is not None:
         try:
-            seq.grammar = grammar(sp.structured_outputs)
+            seq.grammar = grammar(sp.structured_outputs, seq.max_tokens)
         except ValueError as e:  # StructuredOutputError: a constraint that does not compile, or no xgrammar
             raise PromptError(str(e)) from None
     return seq

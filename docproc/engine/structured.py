@@ -7,6 +7,13 @@ and the row's logits outside it become -inf; after the token is chosen the match
 When the grammar is complete only the stop tokens remain allowed, so the output ends by itself.
 Equal constraints share one compiled grammar (a cache keyed by the constraint's text).
 
+A grammar alone does not make an output whole: one that runs to max_tokens is cut wherever it
+is. So what a schema lets grow without end is bounded at compile time (numbers: at most 15 integer
+digits and 6 decimals, no exponent), and each matcher knows its request's token budget
+(BudgetMatcher): when the shortest completion of the output so far needs nearly all the tokens
+left, the rows are steered onto it, one forced token per step, so that the output closes within
+max_tokens.
+
 xgrammar is an optional dependency (`pip install 'docproc[structured]'`): it pulls Triton, which a
 CPU install otherwise does without.
 """
@@ -88,6 +95,123 @@ class FillThreads:
         self.record(len(rows), threads, self.clock() - t0)
 
 
+class BudgetMatcher:
+    """A request's grammar matcher with its token budget (max_tokens).
+
+    Before each token the row is masked by the grammar, unless the shortest completion of the
+    output so far (GrammarCompiler.completion: the text the grammar forces, and at each choice the
+    character that closes soonest, `null` before an empty string) takes at least all but MARGIN
+    of the tokens left: then only that completion's first token is allowed. The decision depends
+    on the matcher's state and the tokens generated only, so plain decoding, a draft's proposals
+    and the target's verification of them mask a position alike (speculation stays lossless).
+    MARGIN leaves room for a token that opens more than it writes (an object with required
+    fields); an output whose completion never fits (a max_tokens smaller than the schema's
+    shortest answer) is cut as before, and the pipeline reports it as truncated."""
+
+    MARGIN = 4
+
+    def __init__(self, matcher, max_tokens: int, compiler: "GrammarCompiler", json_text: bool) -> None:
+        self.matcher = matcher
+        self.max_tokens = max_tokens
+        self.num_accepted = 0
+        self._compiler = compiler
+        # JSON outputs: (inside a string, after a backslash) after each accepted token, which
+        # decides what closes soonest (a quote inside a string, a brace outside)
+        self._scan: list[tuple[bool, bool]] | None = [(False, False)] if json_text else None
+
+    def accept_token(self, token: int) -> bool:
+        if not self.matcher.accept_token(token):
+            return False
+        self.num_accepted += 1
+        if self._scan is not None:
+            self._scan.append(scan_json(self._compiler.token_text(token), self._scan[-1]))
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        self.matcher.rollback(num_tokens)
+        self.num_accepted -= num_tokens
+        if self._scan is not None:
+            del self._scan[len(self._scan) - num_tokens:]
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def is_completed(self) -> bool:
+        return self.matcher.is_completed()
+
+    def forced_token(self) -> int | None:
+        """The only token the next position may take, or None (the grammar's mask applies)."""
+        left = self.max_tokens - self.num_accepted
+        if left <= 0 or self.matcher.is_terminated():
+            return None
+        if self.matcher.is_completed():  # the output may end here: end it rather than open more
+            stops = self._compiler.stop_token_ids
+            return stops[0] if stops and left <= self.MARGIN + 1 else None
+        text = self._compiler.completion(self.matcher, self._scan[-1] if self._scan is not None else None)
+        if text is None or len(text.encode()) + self.MARGIN < left:  # (a token holds at least a byte)
+            return None
+        ids = self._compiler.encode(text)
+        return ids[0] if ids and len(ids) + self.MARGIN >= left else None
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        token = self.forced_token()
+        if token is None:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+        else:
+            only_token(bitmask, row, token)
+
+
+def only_token(bitmask: torch.Tensor, row: int, token: int) -> None:
+    """Row of an (n, ceil(V / 32)) int32 bitmask allowing token alone."""
+    bitmask[row].zero_()
+    bit = 1 << (token & 31)
+    bitmask[row, token >> 5] = bit - (1 << 32) if bit >= 1 << 31 else bit
+
+
+def scan_json(text: str, state: tuple[bool, bool]) -> tuple[bool, bool]:
+    """(inside a JSON string, after a backslash) after text, from state."""
+    inside, escaped = state
+    for ch in text:
+        if escaped:
+            escaped = False
+        elif inside and ch == "\\":
+            escaped = True
+        elif ch == '"':
+            inside = not inside
+    return inside, escaped
+
+
+_PRINTABLE = "".join(chr(c) for c in range(32, 127))
+CLOSE_OUTSIDE = '}]0n"' + _PRINTABLE  # outside a string: close, else the shortest value (0, null, "")
+CLOSE_INSIDE = '"0' + _PRINTABLE  # inside a string: its closing quote
+CLOSE_OTHER = '0 "' + _PRINTABLE  # other grammars: a digit, then anything printable
+COMPLETION_CHARS = 512  # a completion longer than this is not looked for (the output is cut)
+
+
+def bounded_numbers(schema):
+    """The schema with every number and integer given a range where it has none (at most 15
+    integer digits; xgrammar then writes at most 6 decimals and no exponent): an unbounded
+    number's grammar lets a model write digits until max_tokens (`261.85E2645101416...`). The
+    answer is validated against the schema as written."""
+    if isinstance(schema, list):
+        return [bounded_numbers(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (bounded_numbers(v) if k not in ("enum", "const", "default", "examples") else v)
+           for k, v in schema.items()}
+    types = out.get("type")
+    types = types if isinstance(types, list) else [types]
+    if "number" in types or "integer" in types:
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -NUMBER_LIMIT
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = NUMBER_LIMIT
+    return out
+
+
+NUMBER_LIMIT = 10**15 - 1
+
+
 class StructuredOutputError(ValueError):
     """A constraint that cannot be compiled (or xgrammar missing): its request fails alone."""
 
@@ -118,6 +242,7 @@ class GrammarCompiler:
         self._compiler = None
         self._xgr = None
         self._cache: OrderedDict[str, object] = OrderedDict()
+        self._vocab: list[bytes] = []  # each token's bytes (xgrammar's decoded vocabulary)
         self._fills = None  # FillThreads: a step's masks filled on the thread count measured fastest
         self._pinned: torch.Tensor | None = None  # the host side of CUDA masks
         self._tail: torch.Tensor | None = None  # per row: 1 where the ids past num_tokens stay allowed
@@ -129,10 +254,47 @@ class GrammarCompiler:
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.num_tokens,
                                                       stop_token_ids=self.stop_token_ids or None)
             self._xgr, self._compiler = xgr, xgr.GrammarCompiler(info, cache_enabled=False)
+            self._vocab = info.decoded_vocab
         return self._xgr, self._compiler
 
-    def matcher(self, params: StructuredOutputsParams):
-        """A fresh matcher for the constraint (StructuredOutputError if it does not compile)."""
+    def matcher(self, params: StructuredOutputsParams, max_tokens: int) -> BudgetMatcher:
+        """A fresh matcher for the constraint and a request of max_tokens (StructuredOutputError if
+        it does not compile)."""
+        return BudgetMatcher(self._matcher(params), max_tokens, self, json_text=params.kind == "json")
+
+    def token_text(self, token: int) -> str:
+        """A token's bytes as latin-1 text (one character a byte: quotes and backslashes are
+        single bytes in UTF-8, all scan_json looks for)."""
+        return self._vocab[token].decode("latin-1") if token < len(self._vocab) else ""
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def completion(self, matcher, scan: tuple[bool, bool] | None) -> str | None:
+        """The shortest text that completes matcher's output (greedy: the text the grammar forces,
+        else the first character of the state's preference list it accepts), or None when none of
+        at most COMPLETION_CHARS characters is found. matcher itself does not move."""
+        fork = matcher.fork()
+        out: list[str] = []
+        length = 0
+        while length <= COMPLETION_CHARS:
+            if fork.is_completed():
+                return "".join(out)
+            forced = fork.find_jump_forward_string()
+            if forced and fork.accept_string(forced):
+                chunk = forced
+            else:
+                order = CLOSE_OTHER if scan is None else CLOSE_INSIDE if scan[0] else CLOSE_OUTSIDE
+                chunk = next((ch for ch in order if fork.accept_string(ch)), None)
+                if chunk is None:  # mid-character (a multi-byte token cut), or nothing printable
+                    return None
+            out.append(chunk)
+            length += len(chunk)
+            if scan is not None:
+                scan = scan_json(chunk, scan)
+        return None
+
+    def _matcher(self, params: StructuredOutputsParams):
         xgr, compiler = self._ensure()
         key = params.key()  # (the parameters checked themselves: a JSON-able text)
         compiled = self._cache.get(key)
@@ -143,7 +305,8 @@ class GrammarCompiler:
                 raise StructuredOutputError(f"the json constraint is not valid JSON: {e}") from None
             try:
                 if params.kind == "json":
-                    compiled = compiler.compile_json_schema(json.dumps(_strict_strings(schema)), any_whitespace=False)
+                    compiled = compiler.compile_json_schema(json.dumps(bounded_numbers(_strict_strings(schema))),
+                                                           any_whitespace=False)
                 elif params.kind == "regex":
                     compiled = compiler.compile_regex(params.regex)
                 elif params.kind == "choice":
@@ -163,17 +326,23 @@ class GrammarCompiler:
     def mask_logits(self, logits: torch.Tensor, matchers: list) -> None:
         """Rows of logits (n, V) whose matcher is not None: every token the grammar does not allow
         next becomes -inf (in place)."""
-        fills = [(i, m) for i, m in enumerate(matchers) if m is not None]
-        if not fills:
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
             return
         bitmask = self._bitmask(logits)
-        rows = [i for i, _ in fills]
+        fills = []  # (row, xgrammar matcher): the rows the grammar's mask applies to
+        for i in rows:
+            token = matchers[i].forced_token()
+            if token is None:
+                fills.append((i, matchers[i].matcher))
+            else:
+                only_token(bitmask, i, token)
         if len(fills) == 1:
-            fills[0][1].fill_next_token_bitmask(bitmask, rows[0])
-        else:
+            fills[0][1].fill_next_token_bitmask(bitmask, fills[0][0])
+        elif fills:
             if self._fills is None:
                 self._fills = FillThreads(self._xgr)
-            self._fills.fill([m for _, m in fills], bitmask, rows)
+            self._fills.fill([m for _, m in fills], bitmask, [i for i, _ in fills])
         self._apply(logits, bitmask, rows)
 
     def _bitmask(self, logits: torch.Tensor) -> torch.Tensor:

@@ -7,14 +7,17 @@ thousands separators and one to two decimals, a currency code or symbol before o
 "none"; a `string` is one line of printable text. The value column then holds the normalised
 form: an ISO date, a plain decimal. A `json` query's answer is one JSON object, valid for its
 schema when it has one. The patterns are written in the regex subset that xgrammar and Python's
-`re` read alike.
+`re` read alike. What they let grow is bounded (an amount has at most 18 integer digits, a date's
+spaces come one to three at a time), so no answer can run on without end; an answer that nears its
+max_tokens is closed by the engine (engine/structured.py, BudgetMatcher).
 """
 from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import re
+
+from docproc.pipeline import json_schema
 
 _MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
            "November", "December"]
@@ -31,14 +34,14 @@ DATE_PATTERN = (" ?(" + "|".join([
     f"{_YEAR}-{_MONTH}-{_DAY}",  # ISO
     f"{_DAY}\\.{_MONTH}\\.{_YEAR}\\.?",  # 31.12.2024
     f"[0-9]{{1,2}}/[0-9]{{1,2}}/{_YEAR}",  # either order: the normaliser decides
-    f"{_MONTH_NAME}\\.? +{_DAY},? +{_YEAR}\\.?",  # December 31, 2024
-    f"{_DAY}\\.? +{_MONTH_NAME}\\.?,? +{_YEAR}\\.?",  # 31 Dec 2024
+    f"{_MONTH_NAME}\\.? {{1,3}}{_DAY},? {{1,3}}{_YEAR}\\.?",  # December 31, 2024
+    f"{_DAY}\\.? {{1,3}}{_MONTH_NAME}\\.?,? {{1,3}}{_YEAR}\\.?",  # 31 Dec 2024
     NONE_PATTERN]) + ")")
 _CURRENCY = "([A-Za-z]{3}|[$€£¥₹])"
 _SIGN = "[-−]?"  # ASCII or Unicode minus
 # groups of three (1,234,567.89; 1 234,56; 1'234.50, also with a no-break space), Indian grouping
 # (1,23,456.00), plain digits, or decimals alone (.50)
-_INTEGER = "([0-9]{1,3}([ ,.'\u00a0][0-9]{3})+|[0-9]{1,2}(,[0-9]{2})+,[0-9]{3}|[0-9]+)"
+_INTEGER = "([0-9]{1,3}([ ,.'\u00a0][0-9]{3}){1,5}|[0-9]{1,2}(,[0-9]{2}){1,6},[0-9]{3}|[0-9]{1,18})"
 _AMOUNT = f"({_INTEGER}([.,][0-9]{{1,2}})?|[.,][0-9]{{1,2}})"
 # one sign at most, before the currency or after it (-$12.00, $-12.00)
 NUMBER_PATTERN = f" ?(({_SIGN}({_CURRENCY} ?)?|{_CURRENCY} ?{_SIGN}){_AMOUNT}( ?{_CURRENCY})?|{NONE_PATTERN})"
@@ -46,6 +49,8 @@ STRING_PATTERN = " ?[^\\x00-\\x1f]+"  # one line of printable text
 ANY_OBJECT = {"type": "object"}  # a json query without a schema: some JSON object
 # what the parser reads as no answer (queries.NONE_ANSWERS): allowed when answers are checked
 _NONE_WORDS = {"", "none", "null", "n/a", "na", "-"}
+
+SCHEMA_PROBLEM = "not valid for the schema"  # how answer_allowed's schema breaches begin
 
 PATTERNS = {"date": DATE_PATTERN, "number": NUMBER_PATTERN, "string": STRING_PATTERN}
 _COMPILED = {k: re.compile(v) for k, v in PATTERNS.items()}
@@ -70,51 +75,17 @@ def answer_allowed(qtype: str, text: str, schema: str | None = None, choices: tu
         if schema is None:
             return None  # parse_answer looks for the object
         try:
-            value = json.loads(text, parse_constant=_no_constant)
+            value = json_schema.loads(text)
         except (ValueError, RecursionError):  # (JSONDecodeError; a number of more than 4,300 digits)
             return "not one JSON value"
-        problem = schema_violation(value, json.loads(schema))
-        return None if problem is None else f"not valid for the schema: {problem}"
+        problem = json_schema.violation(value, json.loads(schema))
+        return None if problem is None else f"{SCHEMA_PROBLEM}: {problem}"
     t = text.strip()
     if not constrained or t.lower().rstrip(".") in _NONE_WORDS or _COMPILED[qtype].fullmatch(t):
         return None
     return f"not a {qtype} answer: {text[:40]!r}"
 
 
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not JSON")
-
-
-_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
-
-
-def _is(value, t: str) -> bool:
-    if t == "integer":
-        return isinstance(value, int) and not isinstance(value, bool)
-    if t == "number":
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return isinstance(value, _TYPES.get(t, object))
-
-
-def _same(a, b) -> bool:
-    """JSON equality: true is not 1, false is not 0."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return isinstance(a, bool) and isinstance(b, bool) and a == b
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return a == b
-
-
-def schema_violation(value, schema, where: str = "$") -> str | None:
-    """The first place where value breaks schema, or None: the keywords an extraction schema uses
-    (type, enum, const, properties, required, additionalProperties, items, min/maxItems,
-    min/maxLength, pattern (found anywhere in the string, as JSON Schema reads it),
-    minimum/maximum, anyOf/oneOf). Unknown keywords are not checked; NaN and infinities are not
-    numbers, true and false are not 1 and 0."""
-    if not isinstance(schema, dict):
-        return None
     t = schema.get("type")
     if t is not None and not any(_is(value, x) for x in (t if isinstance(t, list) else [t])):
         return f"{where} is not of type {t}"

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from docproc.multimodal import IMAGE_PLACEHOLDER
 from docproc.pipeline.constraints import ANY_OBJECT, PATTERNS, answer_allowed
+from docproc.pipeline.json_schema import MAX_DEPTH, SchemaProblem, check_schema, unenforced
 from docproc.pipeline.normalize import normalize_amount, normalize_date
 
 QUERY_TYPES = ("string", "number", "date", "json")
@@ -70,6 +71,19 @@ class QuerySet:
     source: str
 
     @property
+    def warnings(self) -> list[str]:
+        """What the query set asks that decoding cannot guarantee, one line per query: schema
+        keywords the grammar does not enforce (answers are validated against them after)."""
+        out = []
+        for q in self.queries:
+            keys = unenforced(json.loads(q.schema)) if q.schema is not None else []
+            if keys:
+                out.append(f"query {q.name!r}: the schema keyword(s) {', '.join(keys)} are not enforced while "
+                           f"decoding; each answer is validated against them after (status schema_violation "
+                           f"where one fails)")
+        return out
+
+    @property
     def constrained(self) -> list[str]:
         """Names of the queries whose answers are decoded under a constraint."""
         return [q.name for q in self.queries if q.structured_outputs() is not None]
@@ -106,6 +120,9 @@ def load_queries(path: str | Path | None = None) -> QuerySet:
         raise QueryFileError(f"query file {path} is not UTF-8 text") from None
     except tomllib.TOMLDecodeError as e:
         raise QueryFileError(f"query file {path} is not valid TOML: {e}") from None
+    except RecursionError:
+        raise QueryFileError(f"query file {path} nests tables more than {MAX_DEPTH} levels deep: flatten its "
+                             f"schemas") from None
     unknown = sorted(set(data) - set(FILE_KEYS))
     if unknown:
         raise QueryFileError(f"{path}: unknown top-level key(s) {', '.join(map(repr, unknown))}; "
@@ -184,8 +201,15 @@ def _constraint(q: dict, qtype: str, where: str, path: Path) -> tuple[str | None
                 raise QueryFileError(f"{where}: cannot read schema_file {file}: {e}") from None
             except json.JSONDecodeError as e:
                 raise QueryFileError(f"{where}: schema_file {file} is not valid JSON: {e}") from None
+            except RecursionError:
+                raise QueryFileError(f"{where}: its schema cannot be used: the schema is nested more than "
+                                     f"{MAX_DEPTH} levels deep: flatten it") from None
             if not isinstance(schema, dict):
                 raise QueryFileError(f"{where}: schema_file {file} must hold a JSON object (a JSON Schema)")
+        try:
+            check_schema(schema)
+        except SchemaProblem as e:
+            raise QueryFileError(f"{where}: its schema cannot be used: {e}") from None
         # as written: the order of an object's properties is the order the answer gives them in
         # (sorting them would have the model write its values under the wrong keys)
         schema = json.dumps(schema, ensure_ascii=False)

@@ -9,8 +9,9 @@ import traceback
 from dataclasses import dataclass, field
 
 from docproc.pipeline.ingest import Candidate, Document, DocumentError
+from docproc.pipeline.constraints import SCHEMA_PROBLEM
 from docproc.pipeline.queries import parse_answer
-from docproc.pipeline.schema import document_json, to_table
+from docproc.pipeline.schema import BAD_STATUSES, document_json, to_table
 
 
 @dataclass
@@ -30,6 +31,25 @@ class _DocState:
     failure: tuple[str, str] | None = None  # (kind, message): the engine failed on this document
 
 
+def answer_row(q, text: str, cut: bool, constrained: bool) -> dict:
+    """value, status and error of a query's answer. Every answer is checked against its query's
+    rule, choices or whole schema, decoded under them or not: a decoded answer can still break a
+    schema keyword that decoding does not enforce (schema_violation), or be cut by max_tokens
+    short of valid (truncated)."""
+    problem = q.check(text)
+    if problem is None:
+        value, err = parse_answer(q.type, text, schema=q.schema is not None)
+        return {"value": value, "status": "parse_error" if err else ("ok" if value is not None else "empty"),
+                "error": err}
+    if cut and constrained and q.structured_outputs() is not None:
+        return {"value": None, "status": "truncated",
+                "error": f"the answer ran out of max_tokens ({q.max_tokens}) before it was complete: raise the "
+                         f"query's max_tokens ({problem})"}
+    if q.schema is not None and problem.startswith(SCHEMA_PROBLEM):
+        return {"value": None, "status": "schema_violation", "error": problem}
+    return {"value": None, "status": "parse_error", "error": problem}
+
+
 class DocumentRows:
     def _answers(self, w: _Window, outs: list) -> None:
         """One window's outputs (one per query) as rows of its document, counted in the totals."""
@@ -44,11 +64,8 @@ class DocumentRows:
             if out.error:
                 row.update(value=None, status="error", error=out.error, error_kind="engine")
             else:
-                text = out.outputs[0].text
-                err = None if self.constrain else q.check(text)
-                value, err = (None, err) if err else parse_answer(q.type, text, schema=q.schema is not None)
-                row.update(value=value, status="parse_error" if err else ("ok" if value is not None else "empty"),
-                           error=err)
+                row.update(answer_row(q, out.outputs[0].text, out.outputs[0].finish_reason == "length",
+                                      self.constrain))
             rows.append((q, m, row))
         for q, m, row in rows:  # counted only once every row of the window is made
             self.totals.requests += 1
@@ -87,7 +104,7 @@ class DocumentRows:
                 merged[k] = sum(r[k] for _, r in candidates)
             merged["latency_s"] = round(sum(r["latency_s"] for _, r in candidates), 4)
             rows.append(merged)
-        bad = sum(r["status"] in ("error", "parse_error") for r in rows)
+        bad = sum(r["status"] in BAD_STATUSES for r in rows)
         status = "ok" if bad == 0 else ("error" if bad == len(rows) else "partial")
         self.totals.documents += 1
         if status == "error":

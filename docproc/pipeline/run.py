@@ -182,6 +182,8 @@ class Pipeline(EngineSetup, DocumentRows):
         self.report("start", {"run_id": self.run_id, "files": len(candidates)})
         if not self.constrain and self.queries.constrained:
             self.report("warning", {"message": self.NO_XGRAMMAR})
+        for message in self.queries.warnings:
+            self.report("warning", {"message": message})
         self._reconcile(candidates)
         return candidates
 

@@ -27,7 +27,8 @@ RESULT_SCHEMA = pa.schema([
     pa.field("query_type", pa.string()),
     pa.field("answer", pa.string()),  # raw model text
     pa.field("value", pa.string()),  # parsed and normalised (ISO date, plain decimal, sorted JSON)
-    pa.field("status", pa.string(), nullable=False),  # ok | empty | parse_error | error | skipped
+    # ok | empty | parse_error | schema_violation | truncated | error | skipped
+    pa.field("status", pa.string(), nullable=False),
     pa.field("error", pa.string()),
     pa.field("error_kind", pa.string()),  # a document's error or skip class (README: "Outcomes")
     pa.field("prompt_tokens", pa.int32()),
@@ -42,6 +43,10 @@ RESULT_SCHEMA = pa.schema([
 ])
 
 COLUMNS = [f.name for f in RESULT_SCHEMA]
+# a row's status when its answer is not usable: the engine failed on it; it does not parse; it
+# breaks its JSON Schema (a keyword decoding does not enforce); it ran out of max_tokens before its
+# constraint could close (its shortest valid form did not fit)
+BAD_STATUSES = ("error", "parse_error", "schema_violation", "truncated")
 
 
 def _cell(v):

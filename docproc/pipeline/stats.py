@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from docproc.pipeline.runstore import RunStore, run_order, run_started_at
-from docproc.pipeline.schema import RESULT_SCHEMA, read_table
+from docproc.pipeline.schema import BAD_STATUSES, RESULT_SCHEMA, read_table
 
 NO_MANIFEST = "no manifest"  # the status of a run known only from its rows
 DAMAGED_MANIFEST = "manifest damaged"
@@ -101,7 +101,7 @@ def per_query(rows: list[dict], run_id: str | None) -> dict:
         a = acc[r["query"]]
         a["rows"] += 1
         a["answered"] += r["status"] == "ok"
-        a["errors"] += r["status"] in ("error", "parse_error")
+        a["errors"] += r["status"] in BAD_STATUSES
         a["generated_tokens"] += r["generated_tokens"] or 0
         a["draft_proposed"] += r["draft_proposed"] or 0
         a["draft_accepted"] += r["draft_accepted"] or 0
@@ -174,8 +174,8 @@ def list_failures(out: str | Path) -> list[dict]:
             continue
         d = docs.setdefault(r["path"], {"path": r["path"], "status": r["doc_status"], "kind": r.get("error_kind"),
                                         "error": None, "run_id": r["run_id"]})
-        if r["status"] in ("error", "parse_error") and r["error"]:
+        if r["status"] in BAD_STATUSES and r["error"]:
             reason = r["error"] if r["query"] is None else f"{r['query']}: {r['error']}"
             d["error"] = reason if d["error"] is None else f"{d['error']}; {reason}"
-            d["kind"] = d["kind"] or r.get("error_kind") or ("answer" if r["status"] == "parse_error" else None)
+            d["kind"] = d["kind"] or r.get("error_kind") or ("answer" if r["status"] != "error" else None)
     return sorted(docs.values(), key=lambda d: (d["status"] != "error", d["path"]))

@@ -1,0 +1,169 @@
+"""A query's JSON Schema: checked whole before any model loads, and every answer validated
+against the whole schema after decoding. Torch-free.
+
+Decoding under a schema (engine/structured.py) enforces the structure a grammar can express:
+types, properties and their order, required, enum and const, anyOf, string lengths and patterns,
+number ranges and multiples, array lengths, property counts and names. Some keywords are not
+enforced that way (UNENFORCED; oneOf is decoded as anyOf, allOf not at all): an answer
+is decoded without them and then validated against the whole schema with the `jsonschema`
+package (Draft 2020-12); one that breaks it is stored with status `schema_violation`.
+"""
+from __future__ import annotations
+
+import json
+
+MAX_DEPTH = 128  # nesting of objects and arrays in a query's schema (a property of a property: 2 levels)
+# keywords the grammar does not enforce while decoding (validated after, named in a warning): what
+# xgrammar's JSON Schema grammars leave out (tests/test_answers.py holds it to that)
+UNENFORCED = ("not", "allOf", "oneOf", "uniqueItems", "contains", "minContains", "maxContains", "if", "then",
+              "else", "dependentRequired", "dependentSchemas", "unevaluatedProperties", "unevaluatedItems")
+_BOUNDS = (("minLength", "maxLength"), ("minItems", "maxItems"), ("minimum", "maximum"),
+           ("minProperties", "maxProperties"), ("minContains", "maxContains"))
+# keywords whose value is a schema, a list of schemas, or a map of names to schemas
+_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+              "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+_SUBSCHEMAS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+class SchemaProblem(ValueError):
+    """A schema that cannot be used: the message names the keyword and where it is."""
+
+
+def _where(path) -> str:
+    return "/" + "/".join(str(p) for p in path) if path else "the root"
+
+
+def _depth_ok(schema) -> None:
+    """Nesting within MAX_DEPTH, checked without recursion (a schema nested thousands of levels
+    deep would otherwise end in a RecursionError anywhere it is walked)."""
+    stack = [(schema, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise SchemaProblem(f"the schema is nested more than {MAX_DEPTH} levels deep: flatten it")
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+
+
+def _walk(schema, path=()):
+    """Every subschema with its path (keywords that hold schemas only; not enum or const values)."""
+    if not isinstance(schema, dict):
+        return
+    yield schema, path
+    for key in _SUBSCHEMA:
+        if key in schema:
+            yield from _walk(schema[key], path + (key,))
+    for key in _SUBSCHEMAS:
+        if isinstance(schema.get(key), list):
+            for i, s in enumerate(schema[key]):
+                yield from _walk(s, path + (key, i))
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for name, s in schema[key].items():
+                yield from _walk(s, path + (key, name))
+
+
+def _pointer(root, ref: str, where: str):
+    """The subschema a local $ref names ("#" or "#/a/b"), or SchemaProblem."""
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        raise SchemaProblem(f"$ref {ref!r} at {where} is not a reference inside the schema (\"#/$defs/NAME\"): "
+                            f"docproc reads no other documents")
+    node = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            raise SchemaProblem(f"$ref {ref!r} at {where} points to nothing in the schema: define it under $defs")
+    if not isinstance(node, (dict, bool)):
+        raise SchemaProblem(f"$ref {ref!r} at {where} points to a {type(node).__name__}, not a schema")
+    return node
+
+
+def check_schema(schema) -> None:
+    """SchemaProblem naming the keyword and its place if schema is not a usable JSON Schema: its
+    nesting, the Draft 2020-12 meta-schema (types, keyword value types, regex patterns), empty
+    enums, lower bounds over upper bounds, and $refs that are dangling, not local, or circular
+    without a value in between."""
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import best_match
+
+    if not isinstance(schema, dict):
+        raise SchemaProblem(f"a schema must be a JSON object, got {type(schema).__name__}")
+    _depth_ok(schema)
+    err = best_match(Draft202012Validator(Draft202012Validator.META_SCHEMA,
+                                          format_checker=Draft202012Validator.FORMAT_CHECKER).iter_errors(schema))
+    if err is not None:
+        path = list(err.absolute_path)
+        keyword = next((p for p in reversed(path) if isinstance(p, str)), None)
+        hint = ""
+        if keyword == "type":
+            hint = ": use string, number, integer, boolean, object, array or null"
+        raise SchemaProblem(f"keyword {keyword or err.validator!r} at {_where(path)}: {err.message}{hint}")
+    for sub, path in _walk(schema):
+        if sub.get("enum") == []:
+            raise SchemaProblem(f"keyword 'enum' at {_where(path + ('enum',))} is empty: no answer could match it")
+        for lo, hi in _BOUNDS:
+            if isinstance(sub.get(lo), (int, float)) and isinstance(sub.get(hi), (int, float)) and sub[lo] > sub[hi]:
+                raise SchemaProblem(f"keywords {lo!r} {sub[lo]} and {hi!r} {sub[hi]} at {_where(path)} "
+                                    f"contradict each other: no answer could match")
+        if "$ref" in sub:
+            seen = {id(sub)}
+            node, where = sub, _where(path)
+            while isinstance(node, dict) and "$ref" in node:
+                node = _pointer(schema, node["$ref"], where)
+                if id(node) in seen:
+                    raise SchemaProblem(f"$ref {sub['$ref']!r} at {where} is circular: it refers back to "
+                                        f"itself without a value in between")
+                seen.add(id(node))
+
+
+def unenforced(schema) -> list[str]:
+    """The keywords of schema that decoding does not enforce (each answer is validated against
+    them after)."""
+    return sorted({k for sub, _ in _walk(schema) for k in sub if k in UNENFORCED})
+
+
+def violation(value, schema) -> str | None:
+    """Where value breaks schema, or None (the whole of Draft 2020-12; a number outside float's
+    range, NaN or an infinity is not a JSON number)."""
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import best_match
+
+    bad = _not_finite(value)
+    if bad is not None:
+        return f"{bad} is not a finite number"
+    try:
+        err = best_match(Draft202012Validator(schema, format_checker=Draft202012Validator.FORMAT_CHECKER)
+                         .iter_errors(value))
+    except RecursionError:
+        return "the answer is nested too deeply to validate"
+    if err is None:
+        return None
+    return f"{'$' + ''.join(f'[{p}]' if isinstance(p, int) else f'.{p}' for p in err.absolute_path)}: {err.message}"
+
+
+def _not_finite(value, where: str = "$") -> str | None:
+    stack = [(value, where)]
+    while stack:
+        v, w = stack.pop()
+        if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf"))):
+            return w
+        if isinstance(v, dict):
+            stack.extend((x, f"{w}.{k}") for k, x in v.items())
+        elif isinstance(v, list):
+            stack.extend((x, f"{w}[{i}]") for i, x in enumerate(v))
+    return None
+
+
+def loads(text: str):
+    """One JSON value (json.loads; ValueError for NaN, Infinity and text that is not JSON)."""
+    def constant(name: str):
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(text, parse_constant=constant)
+

@@ -1,0 +1,235 @@
+"""Every answer whole: query schemas checked before any model loads, constrained outputs that close
+within max_tokens (the budget steers them onto their shortest completion), numbers bounded in the
+grammar, and every answer validated against its whole schema after decoding."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from docproc.pipeline.json_schema import SchemaProblem, check_schema, unenforced, violation
+from docproc.pipeline.queries import QueryFileError, load_queries
+
+PROMPT = "<|im_start|>user\nRead the invoice.<|im_end|>\n<|im_start|>assistant\n"
+
+
+DEEP: dict[int, int] = {}  # id of a deeply nested schema -> its levels
+
+
+def _deep(levels: int) -> dict:
+    schema: dict = {"type": "object"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    DEEP[id(schema)] = levels
+    return schema
+
+
+BAD_SCHEMAS = [  # (schema, what the message names)
+    ({"type": "objekt"}, "'type'"),
+    ({"type": "object", "properties": 5}, "'properties'"),
+    ({"type": "object", "required": "a"}, "'required'"),
+    ({"$ref": "#/$defs/missing"}, "points to nothing"),
+    ({"$ref": "#"}, "circular"),
+    ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "circular"),
+    ({"$ref": "https://example.com/s.json"}, "inside the schema"),
+    ({"type": "string", "minLength": 5, "maxLength": 2}, "'minLength' 5 and 'maxLength' 2"),
+    ({"type": "string", "pattern": "(["}, "'pattern'"),
+    ({"enum": []}, "'enum'"),
+    ({"anyOf": 5}, "'anyOf'"),
+    ({"type": "integer", "minimum": 9, "maximum": 1}, "'minimum' 9 and 'maximum' 1"),
+    (_deep(200), "nested more than"),
+    (_deep(1500), "nested more than"),
+]
+
+
+@pytest.mark.parametrize("schema,named", BAD_SCHEMAS, ids=[str(i) for i in range(len(BAD_SCHEMAS))])
+def test_a_schema_that_cannot_be_used_is_named_before_any_model_loads(tmp_path, schema, named):
+    check = pytest.raises(SchemaProblem, match=re.escape(named))
+    with check:
+        check_schema(schema)
+    levels = DEEP.get(id(schema))
+    text = (('{"type": "object", "properties": {"a": ' * levels + '{"type": "object"}' + "}}" * levels)
+            if levels else json.dumps(schema))  # (json.dumps itself recurses too deep there)
+    (tmp_path / "s.json").write_text(text)
+    q = tmp_path / "q.toml"
+    q.write_text('[[query]]\nname = "doc"\nquestion = "?"\ntype = "json"\nschema_file = "s.json"\n')
+    with pytest.raises(QueryFileError, match=r"query 'doc': its schema cannot be used: .*" + re.escape(named)):
+        load_queries(q)
+
+
+def test_good_schemas_pass_and_recursion_through_a_value_is_allowed():
+    check_schema({"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}})
+    check_schema({"$defs": {"n": {"type": "number"}}, "type": "object", "properties": {"t": {"$ref": "#/$defs/n"}}})
+    check_schema(_deep(60))
+    load_queries(None)  # the default set's schema
+
+
+def test_docproc_run_refuses_a_bad_schema_with_exit_2_naming_query_and_keyword(tmp_path):
+    from docproc.cli import app
+
+    (tmp_path / "in").mkdir()
+    q = tmp_path / "q.toml"
+    q.write_text('[[query]]\nname = "doc"\nquestion = "?"\ntype = "json"\nschema = { type = "objekt" }\n')
+    res = CliRunner().invoke(app, ["run", str(tmp_path / "in"), "--out", str(tmp_path / "out"), "--queries", str(q),
+                                   "--model", str(tmp_path / "no-model")])
+    assert res.exit_code == 2, res.output
+    assert "query 'doc'" in res.output and "'type'" in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "out").exists()  # nothing was done
+
+
+def test_answers_are_validated_against_the_whole_schema():
+    schema = {"type": "object", "required": ["a"], "additionalProperties": False, "properties": {
+        "a": {"type": "integer", "not": {"const": 13}, "multipleOf": 2},
+        "tags": {"type": "array", "uniqueItems": True, "items": {"type": "string"}},
+        "kind": {"enum": ["x", "y"]}, "ref": {"type": "string"}},
+        "if": {"properties": {"kind": {"const": "x"}}, "required": ["kind"]}, "then": {"required": ["ref"]},
+        "dependentRequired": {"tags": ["kind"]}}
+    assert violation({"a": 2}, schema) is None
+    assert violation({"a": 2, "kind": "x", "ref": "r", "tags": ["p"]}, schema) is None
+    for value, where in [({"a": 13}, "$.a"), ({"a": 3}, "$.a"), ({"a": 2, "kind": "y", "tags": ["p", "p"]}, "$.tags"),
+                         ({"a": 2, "kind": "x"}, "$"), ({"a": 2, "tags": []}, "$"), ({}, "$"),
+                         ({"a": 2, "b": 1}, "$"), ({"a": True}, "$.a")]:
+        problem = violation(value, schema)
+        assert problem is not None and problem.startswith(where + ":"), (value, problem)
+    assert "not a finite number" in violation({"a": float("inf")}, {})  # json.loads("1e999")
+    assert unenforced(schema) == ["dependentRequired", "if", "not", "then", "uniqueItems"]
+
+
+def _query(**kw):
+    from docproc.pipeline.queries import Query
+
+    return Query("q", "?", **kw)
+
+
+def test_an_answer_row_says_ok_schema_violation_truncated_or_parse_error():
+    from docproc.pipeline.rows import answer_row
+
+    schema = json.dumps({"type": "object", "properties": {"n": {"type": "integer", "not": {"const": 13}}},
+                         "required": ["n"]})
+    q = _query(type="json", max_tokens=16, schema=schema)
+    assert answer_row(q, '{"n": 12}', cut=False, constrained=True) == {"value": '{"n": 12}', "status": "ok",
+                                                                        "error": None}
+    row = answer_row(q, '{"n": 13}', cut=False, constrained=True)
+    assert row["status"] == "schema_violation" and "$.n" in row["error"]
+    row = answer_row(q, '{"n": 1', cut=True, constrained=True)
+    assert row["status"] == "truncated" and "max_tokens (16)" in row["error"]
+    assert answer_row(q, '{"n": 1', cut=True, constrained=False)["status"] == "parse_error"  # free text, cut
+    num = _query(type="number")
+    assert answer_row(num, "12.50", cut=False, constrained=True)["status"] == "ok"
+    assert answer_row(num, "12.", cut=True, constrained=True)["status"] == "truncated"
+
+
+def test_a_query_set_warns_of_the_keywords_decoding_does_not_enforce(tmp_path):
+    q = tmp_path / "q.toml"
+    q.write_text('[[query]]\nname = "doc"\nquestion = "?"\ntype = "json"\n'
+                 'schema = { type = "array", uniqueItems = true, items = { type = "integer", not = { const = 1 } } }\n'
+                 '[[query]]\nname = "plain"\nquestion = "?"\ntype = "json"\nschema = { type = "object" }\n')
+    warnings = load_queries(q).warnings
+    assert len(warnings) == 1 and "query 'doc'" in warnings[0] and "not, uniqueItems" in warnings[0]
+    assert load_queries(None).warnings == []
+
+
+def test_the_unenforced_list_is_what_the_grammar_leaves_out():
+    """Each keyword UNENFORCED names lets a violating answer through xgrammar's grammar (so the
+    warning is true), and the keywords left off it are enforced (so it is not noise)."""
+    xgr = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    cases = {  # keyword: (schema, an answer that breaks it)
+        "not": ({"type": "integer", "not": {"const": 1}}, "1"),
+        "uniqueItems": ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1, 1]"),
+        "dependentRequired": ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                               "dependentRequired": {"a": ["b"]}}, '{"a": 1}'),
+        "allOf": ({"allOf": [{"type": "integer"}, {"minimum": 5}]}, "3"),
+        "multipleOf": ({"type": "integer", "multipleOf": 5}, "3"),
+        "maxProperties": ({"type": "object", "maxProperties": 1}, '{"a": 1, "b": 2}'),
+        "minLength": ({"type": "string", "minLength": 3}, '"ab"'),
+    }
+    from docproc.pipeline.json_schema import UNENFORCED
+
+    for keyword, (schema, answer) in cases.items():
+        g = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+        assert accepts(g, answer) == (keyword in UNENFORCED), keyword
+
+
+def test_amount_rules_are_bounded():
+    from docproc.pipeline.constraints import answer_allowed
+
+    assert answer_allowed("number", "1" * 18) is None and answer_allowed("number", "1" * 19) is not None
+    assert answer_allowed("number", "1,234,567.89") is None
+    assert answer_allowed("date", "December " + " " * 5 + "31, 2024") is not None
+
+
+# ---- the engine: outputs that close within max_tokens -------------------------------------------
+
+BUDGET_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["total", "vendor", "items"],
+                 "properties": {"total": {"type": "number"}, "vendor": {"type": "string"},
+                                "items": {"type": "array", "items": {"type": "string"}}}}
+
+
+@pytest.fixture(scope="module")
+def llm(qwen2_vl_dir):
+    pytest.importorskip("xgrammar")
+    from docproc import LLM
+
+    return LLM(str(qwen2_vl_dir), device="cpu")
+
+
+def test_constrained_outputs_close_within_max_tokens(llm):
+    """A random model under a schema of unbounded strings, an array and a number runs to
+    past these budgets; each output still parses and validates (steered onto its shortest
+    completion as the budget ends), greedy and sampled, from a budget that barely fits the
+    shortest answer (24 tokens with this tokenizer) up; and
+    numbers stay within the grammar's bounds (no exponent, at most 15 integer digits)."""
+    from docproc import SamplingParams, StructuredOutputsParams
+
+    so = StructuredOutputsParams(json=BUDGET_SCHEMA)
+    sps = [SamplingParams(max_tokens=mt, temperature=t, seed=i, structured_outputs=so)
+           for mt in (26, 40) for t in (0.0, 1.0) for i in range(2)]
+    outs = llm.generate([PROMPT + str(i) for i in range(len(sps))], sps)
+    for sp, o in zip(sps, outs):
+        text = o.outputs[0].text
+        assert len(o.outputs[0].token_ids) <= sp.max_tokens
+        value = json.loads(text)
+        assert violation(value, BUDGET_SCHEMA) is None, text
+        assert "e" not in json.dumps(value["total"]).lower() and abs(value["total"]) < 1e15, text
+    # the budget mattered: left to run, the greedy outputs are longer than their budgets
+    greedy = [(p, sp) for p, sp in zip(range(len(sps)), sps) if sp.temperature == 0]
+    free = llm.generate([PROMPT + str(i) for i, _ in greedy], SamplingParams(max_tokens=48, structured_outputs=so))
+    assert all(len(f.outputs[0].token_ids) > sp.max_tokens for f, (_, sp) in zip(free, greedy))
+
+
+def test_an_output_that_cannot_fit_is_cut_and_reported_truncated(llm):
+    """Six required fields cannot be written in 8 tokens: the output is cut (finish_reason
+    length), and the pipeline's row for it says truncated."""
+    from docproc import SamplingParams, StructuredOutputsParams
+    from docproc.pipeline.rows import answer_row
+
+    schema = {"type": "object", "required": list("abcdef"), "additionalProperties": False,
+              "properties": {k: {"type": ["string", "null"]} for k in "abcdef"}}
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(
+        json=schema)))[0].outputs[0]
+    assert out.finish_reason == "length"
+    q = _query(type="json", max_tokens=8, schema=json.dumps(schema))
+    assert answer_row(q, out.text, cut=True, constrained=True)["status"] == "truncated"
+
+
+def test_budget_steering_with_a_draft_gives_the_plain_tokens(qwen2_vl_dir, tmp_path_factory, llm):
+    """The steering depends on the matcher's state and the tokens generated only: a draft of other
+    weights proposing under it, and the target verifying under it, give the tokens of plain
+    constrained decoding."""
+    from docproc import LLM, SamplingParams, StructuredOutputsParams
+    from fixtures.checkpoints import make_model
+
+    other = make_model(tmp_path_factory.mktemp("budget_draft"), "qwen2_vl", seed=3)
+    spec = LLM(str(qwen2_vl_dir), device="cpu", speculative_model=str(other), num_speculative_tokens=3)
+    so = StructuredOutputsParams(json=BUDGET_SCHEMA)
+    sps = [SamplingParams(max_tokens=mt, structured_outputs=so) for mt in (26, 30, 36)]
+    prompts = [PROMPT + c for c in "xyz"]
+    got = spec.generate(prompts, sps)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in llm.generate(prompts, sps)]
+    assert sum(o.metrics.draft_proposed for o in got) > 0
+    for o in got:
+        assert violation(json.loads(o.outputs[0].text), BUDGET_SCHEMA) is None
