@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Optional
@@ -18,11 +19,55 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from typer.core import TyperCommand
 
 from docproc.errors import EXIT_DEVICE, EXIT_MODEL, EXIT_OUTPUT
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+
+class _Command(TyperCommand):
+    """Help laid out as a plain command line's: `INPUTS...` in the usage line (typer 0.2x writes
+    `{inputs}...`), each option's metavar after it (its name upper-cased where none is given, as
+    argparse does; typer 0.2x writes `<str>`, `<bool>`), nothing after a flag."""
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        for p in params:
+            if p.metavar is None and p.param_type_name == "option" and not getattr(p, "is_flag", False):
+                p.metavar = p.name.upper()
+        return params
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        return [re.sub(r"^\{(.*)\}", r"\1", piece) for piece in super().collect_usage_pieces(ctx)]
+
+    def format_options(self, ctx, formatter) -> None:
+        params = self.get_params(ctx)
+        args = [((p.metavar or p.name.upper()) + ("..." if p.nargs != 1 else ""), getattr(p, "help", None) or "")
+                for p in params if p.param_type_name == "argument"]
+        opts = [r for p in params if p.param_type_name == "option" for r in [p.get_help_record(ctx)] if r]
+        for title, rows in (("Arguments", args), ("Options", opts)):
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from docproc import __version__
+
+        print(f"docproc {__version__}")
+        raise typer.Exit()
+
+
+# Help text is shown as written (no Rich markup): "pip install 'docproc[ray]'" keeps its brackets.
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Extract structured data from folders of PDFs and images with vision-language models.")
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                          help="Print docproc's version and exit.")) -> None:
+    pass
+
 # Output that is not a terminal (a pipe, a log file, cron mail) has no width to measure; rich would
 # squeeze tables into 80 columns and cut their headers ("answered" -> "answer…"). There the consoles
 # are wide enough for every table (COLUMNS, when set, still wins).
@@ -111,35 +156,43 @@ def _fmt(v) -> str:
     return str(v)
 
 
-@app.command()
+@app.command(cls=_Command)
 def run(
-    inputs: list[Path] = typer.Argument(..., help="Files or folders (searched recursively)."),
-    out: Path = typer.Option(..., "--out", "-o", help="Output folder (results.parquet, json/, runs/)."),
-    queries: Optional[Path] = typer.Option(None, help="Query set (TOML). Default: the bundled invoice/receipt set."),
-    model: Optional[str] = typer.Option(None, help="Model folder. Default: the bundled target model."),
-    draft: Optional[str] = typer.Option(None, help="Draft model folder for speculative decoding, 'bundled' (the "
-                                                   "bundled draft) or 'none' (the default)."),
-    spec_k: str = typer.Option("auto", "--spec-k", help="Draft tokens per step: a number, or auto (adaptive)."),
-    draft_vision: str = typer.Option("auto", "--draft-vision", help="auto, own or none (the draft sees text only)."),
-    kv_cache: str = typer.Option("auto", "--kv-cache", help="KV cache format: auto, bf16, fp16, fp32 or fp4."),
-    quantization: Optional[str] = typer.Option(None, "--quantization", help="fp8: quantize the model's language "
-                                               "weights to FP8 at load (half the weight bytes; an FP8 "
+    inputs: list[Path] = typer.Argument(..., metavar="INPUTS", help="Files or folders (searched recursively)."),
+    out: Path = typer.Option(..., "--out", "-o", metavar="DIR", help="Output folder (results.parquet, json/, runs/)."),
+    queries: Optional[Path] = typer.Option(None, metavar="FILE", help="Query set (TOML). Default: the bundled "
+                                                                     "invoice/receipt set."),
+    model: Optional[str] = typer.Option(None, metavar="DIR", help="Model folder. Default: the bundled target model."),
+    draft: Optional[str] = typer.Option(None, metavar="DIR", help="Draft model folder for speculative decoding, "
+                                                                 "'bundled' (the bundled draft) or 'none' (the default)."),
+    spec_k: Optional[str] = typer.Option(None, "--spec-k", metavar="K", help="With --draft: draft tokens per step, a "
+                                         "number, or auto (adaptive; the default)."),
+    draft_vision: str = typer.Option("auto", "--draft-vision", metavar="MODE", help="auto, own or none (the draft "
+                                                                                     "sees text only)."),
+    kv_cache: str = typer.Option("auto", "--kv-cache", metavar="FORMAT", help="KV cache format: auto, bf16, fp16, "
+                                                                               "fp32 or fp4."),
+    quantization: Optional[str] = typer.Option(None, "--quantization", metavar="fp8", help="Quantize the model's "
+                                               "language weights to FP8 at load (half the weight bytes; an FP8 "
                                                "checkpoint needs no flag)."),
-    fp4_value_slots: Optional[int] = typer.Option(None, "--fp4-value-slots", help="FP4 KV: outlier slots per value "
-                                                  "vector, 0 (the default) or 2 (as the keys; on CUDA the "
-                                                  "slower Triton decode kernel)."),
-    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", help="Split the model's language "
-                                             "weights over this many GPUs (cuda:N to N+size-1), one process each; "
+    fp4_value_slots: Optional[int] = typer.Option(None, "--fp4-value-slots", metavar="N", help="FP4 KV: outlier "
+                                                  "slots per value vector, 0 (the default) or 2 (as the keys; on "
+                                                  "CUDA the slower Triton decode kernel)."),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", metavar="N", help="Split the model's "
+                                             "language weights over N GPUs (cuda:K to K+N-1), one process each; "
                                              "a draft runs whole on the first."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
-    dpi: int = typer.Option(120, help="PDF render resolution (lowered per page to fit the pixel cap)."),
-    max_pages: Optional[int] = typer.Option(None, "--max-pages", help="Read at most this many pages per document."),
-    format: str = typer.Option("json,parquet", "--format", help="Outputs: json, parquet (results.parquet) and "
-                               "documents (documents.parquet: a row per document, typed)."),
+    device: str = typer.Option("auto", metavar="DEVICE", help="auto, cpu, cuda or cuda:K."),
+    dpi: int = typer.Option(120, metavar="N", help="PDF render resolution (lowered per page to fit the pixel cap)."),
+    max_pages: Optional[int] = typer.Option(None, "--max-pages", metavar="N", help="Read at most N pages per "
+                                                                                    "document."),
+    format: str = typer.Option("json,parquet", "--format", metavar="LIST", help="Outputs, comma-separated: json, "
+                               "parquet (results.parquet) and documents (documents.parquet: a row per document, "
+                               "typed)."),
     force: bool = typer.Option(False, "--force", help="Redo documents already done with the same settings."),
-    max_num_batched_tokens: int = typer.Option(8192, "--max-num-batched-tokens", help="Engine token budget per step."),
-    gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization", help="Share of GPU memory to use."),
-    batch_pages: int = typer.Option(32, "--batch-pages", help="Pages per engine batch (bounds memory)."),
+    max_num_batched_tokens: int = typer.Option(8192, "--max-num-batched-tokens", metavar="N",
+                                               help="Engine token budget per step."),
+    gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization", metavar="FRACTION",
+                                                 help="Share of GPU memory to use."),
+    batch_pages: int = typer.Option(32, "--batch-pages", metavar="N", help="Pages per engine batch (bounds memory)."),
     anchor_text: bool = typer.Option(False, "--anchor-text", help="Put each PDF page's own text layer, with "
                                      "coordinates, in the prompt beside its image (scans have none)."),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="No CUDA graphs for decode and "
@@ -150,10 +203,10 @@ def run(
     log_json: bool = typer.Option(False, "--log-json", help="JSON lines (one per document, then the manifest) on stdout."),
     ray: bool = typer.Option(False, "--ray", help="Spread the documents over engine actors on a Ray cluster (one "
                              "per GPU): a local cluster, or the one at --ray-address. pip install 'docproc[ray]'."),
-    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="With --ray: an existing cluster (auto, "
-                                              "HOST:6379 or ray://HOST:10001)."),
-    data_parallel_size: Optional[int] = typer.Option(None, "--data-parallel-size", help="With --ray: engine actors "
-                                                     "(default: the cluster's GPUs, or 1 on CPU)."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", metavar="ADDRESS", help="With --ray: an "
+                                              "existing cluster (auto, HOST:6379 or ray://HOST:10001)."),
+    data_parallel_size: Optional[int] = typer.Option(None, "--data-parallel-size", metavar="N", help="With --ray: "
+                                                     "engine actors (default: the cluster's GPUs, or 1 on CPU)."),
 ) -> None:
     """Extract fields from every document under INPUTS into OUT.
 
@@ -165,8 +218,12 @@ def run(
     from docproc.pipeline.runstore import LockedError
 
     try:
+        draft_dir = resolve_draft(draft)
+        if spec_k is not None and draft_dir is None:  # as vLLM: no speculative tokens without a draft
+            raise typer.BadParameter("--spec-k goes with --draft (it counts the draft's tokens per step): add "
+                                     "--draft DIR (or bundled), or leave --spec-k out", param_hint="--spec-k")
         settings = RunSettings(inputs=[str(p) for p in inputs], out=str(out), model=resolve_model(model),
-                               draft=resolve_draft(draft), spec_k=spec_k, draft_vision=draft_vision,
+                               draft=draft_dir, spec_k=spec_k or "auto", draft_vision=draft_vision,
                                queries=str(queries) if queries else None, device=device, kv_cache=kv_cache, dpi=dpi,
                                max_pages=max_pages, formats=parse_formats(format), force=force,
                                max_num_batched_tokens=max_num_batched_tokens,
@@ -185,6 +242,9 @@ def run(
     except (QueryFileError, ValueError, typer.BadParameter) as e:
         error(e)
         raise typer.Exit(EXIT_USAGE)
+    if not ray:  # a Ray run's devices are its actors'
+        display.watch_device(gpu_only_options(settings),
+                             lambda: pipeline.llm.cache_info()["device"] if pipeline.llm is not None else None)
     try:
         manifest = pipeline.run()
     except LockedError as e:
@@ -202,20 +262,38 @@ def run(
     finally:
         pipeline.report.close()
         pipeline.close_engine()
+    failed = manifest["status"] == "failed"
     try:
         if log_json:
             print(json.dumps({"event": "end", **manifest}), flush=True)
-        elif not quiet:
+        elif not quiet and not failed:  # a fault is told in one line (its manifest holds the figures)
             _summary(manifest)
     except BrokenPipeError:  # stdout closed (`| head`): the run is done and recorded all the same
         _stdout_gone()
-    if manifest["status"] == "failed":
-        error(manifest["fault"]["message"])
+    if failed:
+        # an unwritable OUT may have lost the rows in flight: no count is claimed for it
+        kept = manifest["totals"]["documents"] if manifest["fault"]["kind"] != "output" else 0
+        error(manifest["fault"]["message"] + (f"; the {kept} document(s) finished before it are kept: run the "
+                                              f"same command again to finish" if kept else ""))
     elif manifest["status"] == "interrupted":
         t = manifest["totals"]
         error(f"{manifest['fault']['message']}: {t['documents']} documents finished and kept; the batch in "
               f"flight was dropped; run the same command again to finish", "interrupted", "yellow")
     raise typer.Exit(manifest["exit_code"])
+
+
+def gpu_only_options(settings) -> list[str]:
+    """The options set that are meant for CUDA: on a CPU they run the torch reference code, and the
+    run is slower with them than without."""
+    return [flag for flag, on in (("--kv-cache fp4", settings.kv_cache == "fp4"),
+                                  ("--quantization fp8", settings.quantization == "fp8"),
+                                  ("--draft", settings.draft is not None)) if on]
+
+
+def cpu_warning(flags: list[str]) -> str:
+    one = len(flags) == 1
+    return (f"{' and '.join(flags)} {'is' if one else 'are'} meant for CUDA: on a CPU {'it runs' if one else 'they run'} "
+            f"the torch reference code, slower than without {'it' if one else 'them'}")
 
 
 class _Display:
@@ -225,12 +303,26 @@ class _Display:
         self.quiet, self.log_json = quiet, log_json
         self.progress = None
         self.task = None
+        self.gpu_flags: list[str] = []
+        self.engine_device = lambda: None
+
+    def watch_device(self, gpu_flags: list[str], engine_device) -> None:
+        """Warn once, when the engine has loaded on a CPU, about gpu_flags (gpu_only_options).
+        engine_device() is the loaded engine's device, None before it loads: an engine that never
+        loads (nothing to do, a model that fails to) gets no warning."""
+        self.gpu_flags, self.engine_device = gpu_flags, engine_device
 
     def __call__(self, event: str, data: dict) -> None:
         if self.log_json and event == "document":
             print(json.dumps({"event": "document", **data}), flush=True)
         if event == "warning":  # shown even with --quiet
             error(data["message"], "warning", "yellow")
+        if self.gpu_flags and event in ("start", "batch"):
+            device = self.engine_device()
+            if device is not None:
+                if device == "cpu":
+                    error(cpu_warning(self.gpu_flags), "warning", "yellow")
+                self.gpu_flags = []
         if self.quiet:
             return
         if event == "start":
@@ -262,7 +354,7 @@ def _summary(m: dict) -> None:
     rows = [
         ("files", f"{t['files']}  (ok {t['ok']}, partial {t['partial']}, errors {t['errors']}, skipped {t['skipped']}, "
                   f"already done {t['already_done']}, moved {t['moved']}; removed {t['removed']})"),
-        ("pages", f"{t['pages']}  (unique {t['unique_pages']}; vision encodes {m['dedup']['vision_encodes']})"),
+        ("pages", f"{t['pages']}  (unique {t['unique_pages']}; vision encodes {_fmt(m['dedup']['vision_encodes'])})"),
         ("requests", f"{t['requests']}  prompt tokens {t['prompt_tokens']} (from cache {t['cached_tokens']})"),
         ("generated", f"{t['generated_tokens']} tokens, {_fmt(m['tokens_per_second'])} tok/s"),
         ("draft acceptance", _fmt(m["acceptance_rate"])),

@@ -251,7 +251,8 @@ def test_run_with_a_draft_reports_acceptance(docs, qwen2_vl_dir, tmp_path):
     data = json.loads(run_cli("stats", out, "--json").output)
     assert data["run"]["acceptance_rate"] == 1.0
     assert all(v["acceptance_rate"] == 1.0 for v in data["per_query"].values())
-    assert run_cli("run", docs, "--out", tmp_path / "x", "--model", qwen2_vl_dir, "--spec-k", "0").exit_code == 2
+    assert run_cli("run", docs, "--out", tmp_path / "x", "--model", qwen2_vl_dir, "--draft", qwen2_vl_dir,
+                   "--spec-k", "0").exit_code == 2
 
 
 def test_anchor_text_lengthens_pdf_prompts_only_and_is_part_of_the_fingerprint(docs, qwen2_vl_dir, tmp_path):

@@ -16,8 +16,9 @@ tower would cost every rank its weights and every page N encodes, and splitting 
 per vision layer for a model that is a few percent of a 72B target's work.
 
 Faults: rank 0 checks that every rank is alive before each broadcast, and every collective has
-a timeout; a rank that dies or hangs ends the engine with TensorParallelError (no hang), and the
-engine refuses further work. Loading has no collective until every rank has read its share
+a timeout; a rank that dies or hangs ends the engine with RankFailure (no hang), a device fault
+that stops a `docproc run` with exit 4 (its finished documents kept), and the engine refuses
+further work. Loading has no collective until every rank has read its share
 (wait_loaded): a rank whose load fails records its error in the group's store, rank 0 raises
 it and kills the ranks; if rank 0's own load fails, it kills them too.
 """
@@ -32,12 +33,19 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from docproc.errors import DeviceUnavailable
+
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a rank loading a large shard, or a stuck collective
 START_TIMEOUT_S = 1800.0  # every rank loaded and joined (a 72B shard from a slow disk)
 
 
 class TensorParallelError(RuntimeError):
     """A tensor-parallel rank died, hung or failed: the engine is down."""
+
+
+class RankFailure(TensorParallelError, DeviceUnavailable):
+    """A rank died or a collective broke after the engine started: its device failed, so the run
+    stops (not each remaining request failing alone)."""
 
 
 def check_split(config, hf_config) -> None:
@@ -158,17 +166,17 @@ class TensorParallelGroup:
     # ---- steps -----------------------------------------------------------------------------
     def check(self) -> None:
         if self.failed is not None:
-            raise TensorParallelError(self.failed)
+            raise RankFailure(self.failed)
         for rank, p in enumerate(self.procs, start=1):
             if not p.is_alive():
                 failure = self._failure(rank)
                 why = f" after {failure[0]}: {failure[1]}" if failure is not None else ""
                 self.fail(f"tensor-parallel rank {rank} died (exit code {p.exitcode}){why}: the engine is down; "
-                          f"start a new one")
+                          f"check the GPUs (nvidia-smi) and start a new one")
 
     def fail(self, message: str) -> None:
         self.failed = message
-        raise TensorParallelError(message)
+        raise RankFailure(message)
 
     def send(self, *msg) -> None:
         """Broadcast one message to the other ranks (after checking they are alive)."""

@@ -10,7 +10,6 @@ tower's aspect-ratio limit, so no page shape is refused.
 from __future__ import annotations
 
 import io
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from PIL import Image
 
 from docproc.models.image_processor import ImageProcessor
 from docproc.models.loader import CheckpointError
+from docproc.models.tokenizer_files import GENERIC_TOKENIZERS, missing_tokenizer, tokenizer_class
 from docproc.multimodal import IMAGE_PAD, ImageSpan, fit_aspect, padded_size, pixel_hash, to_rgb
 
 
@@ -62,21 +62,18 @@ def load_image(obj, content_hash: str | None = None) -> LoadedImage:
     return LoadedImage(fit_aspect(img), digest)
 
 
-GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
-
-
 def load_tokenizer(folder: str | Path):
     """The checkpoint's tokenizer. One whose tokenizer_config names the generic tokenizers backend
     (the bundled pair's) is loaded as that class directly: transformers' AutoTokenizer imports its
     auto-model machinery, seconds of an engine's start with some transformers releases (6 s on the
-    H200 machine's 5.17). Any other class goes through AutoTokenizer."""
+    H200 machine's 5.17). Any other class goes through AutoTokenizer. A folder without the files
+    is named in one line (transformers' own error is about installing sentencepiece)."""
     folder = Path(folder)
+    missing = missing_tokenizer(folder)
+    if missing is not None:
+        raise CheckpointError(f"{folder} {missing}")
     try:
-        try:
-            named = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
-        except (OSError, ValueError, AttributeError):
-            named = None
-        if named in GENERIC_TOKENIZERS and (folder / "tokenizer.json").is_file():
+        if tokenizer_class(folder) in GENERIC_TOKENIZERS and (folder / "tokenizer.json").is_file():
             from transformers import PreTrainedTokenizerFast
 
             return PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)

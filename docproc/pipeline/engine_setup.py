@@ -155,7 +155,10 @@ class EngineSetup:
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
     def check_models(self) -> None:
-        """The model and draft folders exist and hold a config.json (before any import of torch)."""
+        """The model and draft folders exist and hold a config.json and the tokenizer's files
+        (before any import of torch)."""
+        from docproc.models.tokenizer_files import missing_tokenizer
+
         for what, folder in (("model", self.s.model), ("draft", self.s.draft)):
             if folder is None:
                 continue
@@ -167,6 +170,9 @@ class EngineSetup:
             if not (p / "config.json").is_file():
                 raise ModelUnavailable(f"{what} folder {folder} has no config.json: it is not a Hugging Face "
                                        f"checkpoint folder")
+            missing = missing_tokenizer(p)
+            if missing is not None:
+                raise ModelUnavailable(f"{what} folder {folder} {missing}")
 
     def model_info(self) -> dict | None:
         """The model's fingerprints when they are known without loading anything now."""

@@ -159,7 +159,10 @@ class Pipeline(EngineSetup, DocumentRows):
             self.store.unlock()
 
     def _wind_down(self) -> None:
-        """After a signal or a fault: write what is finished (removals wait for a whole run)."""
+        """After a signal or a fault: write what is finished (removals wait for a whole run). A run
+        that stopped before any row was written leaves no results.parquet behind."""
+        if not self._pending and not self.store.part_files():
+            return
         try:
             self._flush()
             self._consolidate()

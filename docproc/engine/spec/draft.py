@@ -85,11 +85,15 @@ def tokenizer_hash(tokenizer) -> str:
 
 def check_tokenizers(target: str, draft: str) -> None:
     """The draft must encode text exactly as the target does; checked before any weights load."""
-    from docproc.models.loader import check_folder
+    from docproc.models.loader import CheckpointError, check_folder
     from docproc.models.processor import load_tokenizer
+    from docproc.models.tokenizer_files import missing_tokenizer
 
-    for folder in (target, draft):
+    for what, folder in (("model", target), ("draft", draft)):
         check_folder(folder)  # a missing folder is named as such, not looked up on a model hub
+        missing = missing_tokenizer(folder)
+        if missing is not None:
+            raise CheckpointError(f"{what} folder {folder} {missing}")
     hashes = [tokenizer_hash(load_tokenizer(p)) for p in (target, draft)]
     if hashes[0] != hashes[1]:
         raise ValueError(f"draft tokenizer differs from target (vocab hash {hashes[1]} vs {hashes[0]}): "
