@@ -14,8 +14,8 @@ digits and 6 decimals, no exponent), and each matcher knows its request's token 
 left, the rows are steered onto it, one forced token per step, so that the output closes within
 max_tokens.
 
-xgrammar is an optional dependency (`pip install 'docproc[structured]'`): it pulls Triton, which a
-CPU install otherwise does without.
+xgrammar is a dependency of docproc (pyproject.toml says why it and not llguidance); an install
+without it decodes free text, and the pipeline checks answers against their rules after.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import torch
 from docproc.sampling_params import StructuredOutputsParams
 from kernels.token_mask import apply_token_mask
 
-INSTALL_HINT = "structured outputs need xgrammar: pip install 'docproc[structured]'"
+INSTALL_HINT = "structured outputs need xgrammar, a dependency of docproc that is missing here: pip install xgrammar"
 CACHE_ENTRIES = 256  # compiled grammars kept
 
 

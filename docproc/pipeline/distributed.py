@@ -453,9 +453,9 @@ class RayPipeline(Pipeline):
                              cluster_cpus=int(resources.get("CPU", 0)), nodes=len(ray.nodes()))
 
     # ---- the run -----------------------------------------------------------------------------
-    NO_XGRAMMAR = ("xgrammar is not installed on the driver: answers are decoded as free text and checked against "
-                   "their query's rule afterwards; pip install 'docproc[structured]' on every node to decode under "
-                   "the rules")
+    NO_XGRAMMAR = ("xgrammar, a dependency of docproc, is missing on the driver: answers are decoded as free text "
+                   "and checked against their query's rule afterwards; pip install xgrammar on every node to decode "
+                   "under the rules")
 
     def _process(self) -> None:
         candidates = self._start()

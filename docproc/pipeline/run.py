@@ -169,9 +169,9 @@ class Pipeline(EngineSetup, DocumentRows):
         except OutputUnwritable:
             pass
 
-    NO_XGRAMMAR = ("xgrammar is not installed: answers are decoded as free text and checked against their query's "
-                   "rule afterwards (those that break it are parse errors); pip install 'docproc[structured]' to "
-                   "decode under the rules")
+    NO_XGRAMMAR = ("xgrammar, a dependency of docproc, is missing from this install: answers are decoded as free "
+                   "text and checked against their query's rule afterwards (those that break it are parse errors); "
+                   "pip install xgrammar to decode under the rules")
 
     def _start(self) -> list[Candidate]:
         """The configuration fingerprint, discovery and the plan against the stored rows: the
