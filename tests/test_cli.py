@@ -430,7 +430,7 @@ def test_without_xgrammar_answers_are_checked_against_their_rules(docs, qwen2_vl
     out = tmp_path / "checked"
     res = run_cli("run", docs, "--out", out, "--model", qwen2_vl_dir, "--device", "cpu")
     assert res.exit_code in (0, 1), res.output
-    assert res.output.count("xgrammar is not installed") == 1, res.output
+    assert res.output.count("xgrammar, a dependency of docproc, is missing") == 1, res.output
     m = manifest(out)
     assert m["query_set"]["constraints"] == "checked"
     table = rows(out)
@@ -441,12 +441,12 @@ def test_without_xgrammar_answers_are_checked_against_their_rules(docs, qwen2_vl
     res = run_cli("run", docs, "--out", out2, "--model", qwen2_vl_dir, "--device", "cpu",
                   "--format", "json,parquet,documents")
     assert res.exit_code in (0, 1), res.output
-    assert manifest(out2)["query_set"]["constraints"] == "decoded"
+    assert manifest(out2)["query_set"]["constraints"] == "decoded" and "warning" not in res.output
     assert not (out / "documents.parquet").exists()
     assert manifest(out2)["config_fingerprint"] != m["config_fingerprint"]
     decoded = rows(out2)
-    assert not [r for r in decoded if r["status"] == "parse_error" and r["query_type"] in ("date", "number")
-                and r["generated_tokens"] < 48]  # (an answer cut by max_tokens can still be unfinished)
+    # every answer whole, those that met max_tokens too (closed within it)
+    assert not [r for r in decoded if r["status"] in ("parse_error", "truncated", "schema_violation")]
     docs_table = _pq.read_table(out2 / "documents.parquet")
     assert docs_table.num_rows == len({r["path"] for r in decoded})
     assert str(docs_table.schema.field("total").type) == "double" and str(docs_table.schema.field("date").type) == "date32[day]"

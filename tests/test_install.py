@@ -36,3 +36,15 @@ def test_the_command_line_starts_without_torch():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["False", "False"]
+
+
+def test_the_first_install_command_brings_a_grammar_backend():
+    """README's first command (`pip install -e .`) installs what constrained decoding needs: the
+    grammar backend is one of docproc's own dependencies, not an extra."""
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(d.split(">")[0].split("=")[0].strip() == "xgrammar" for d in deps), deps
+    from docproc.pipeline.constraints import xgrammar_available
+
+    assert xgrammar_available()
