@@ -503,11 +503,21 @@ def _stdout_gone() -> None:
 
 
 def main() -> None:
+    import signal
+
+    from docproc.pipeline.signals import EXIT_INTERRUPTED, RunInterrupted, signals_raise
+
+    # SIGTERM and Ctrl-C outside a run (which takes them over) end the command too, never inside
+    # an import: one cut into a C extension's start-up crashed the interpreter
+    guard = signals_raise()
     try:
-        app()
-    except KeyboardInterrupt:  # Ctrl-C before a run took the signals over (while importing, say)
-        error("interrupted before the run started; nothing was done", "interrupted", "yellow")
-        sys.exit(130)
+        with guard:
+            app()
+    except (KeyboardInterrupt, RunInterrupted) as e:
+        signum = getattr(e, "signum", signal.SIGINT)
+        when = " after the run ended; its manifest is written" if guard.inner_entered else "; nothing was done"
+        error(f"stopped by {signal.Signals(signum).name}{when}", "interrupted", "yellow")
+        sys.exit(EXIT_INTERRUPTED[signum])
 
 
 if __name__ == "__main__":

@@ -1,11 +1,22 @@
 """SIGTERM and SIGINT during a run: raised as RunInterrupted in the main thread, so that the run
-drops the batch in flight and still ends with a manifest."""
+drops the batch in flight and still ends with a manifest.
+
+Never inside an import: an exception raised while a module initialises (torch's C extension
+imports its Python submodules as it starts; so do transformers' and pyarrow's) leaves the
+extension half made, and the interpreter then crashes (rc -11), raises SystemError ("bad call
+flags") or finds a partially initialised module. A signal that arrives during an import is kept,
+and raised at the first moment no import is under way, checked every DEFER_POLL_S.
+"""
 from __future__ import annotations
 
 import signal
+import sys
 import threading
+import time
 
 EXIT_INTERRUPTED = {signal.SIGINT: 130, signal.SIGTERM: 143}
+DEFER_POLL_S = 0.02
+_IMPORT_FRAMES = "<frozen importlib._bootstrap"  # _bootstrap and _bootstrap_external
 
 
 class RunInterrupted(BaseException):
@@ -16,29 +27,85 @@ class RunInterrupted(BaseException):
         self.signum = signum
 
 
+def importing(frame) -> bool:
+    """Whether an import is under way in the stack that ends in frame. Every import that is not
+    answered from sys.modules runs importlib's bootstrap code, and a C extension's start-up runs
+    between its frames, so the stack shows one of them from the first line to the last."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_IMPORT_FRAMES):
+            return True
+        frame = frame.f_back
+    return False
+
+
 class signals_raise:
-    """While the run goes, SIGTERM and SIGINT raise RunInterrupted in the main thread, once: from
-    the first signal, or from calm() (the run winding down after a fault or at its end), they are
-    ignored, so that the manifest gets written; the handlers before are restored on exit."""
+    """While it is entered, SIGTERM and SIGINT raise RunInterrupted in the main thread, once and
+    never inside an import (see the module docstring): from the first signal, or from calm() (the
+    run winding down after a fault or at its end), they are ignored, so that the manifest gets
+    written; the handlers before are restored on exit. Entered inside another one (docproc's main
+    guards the start-up, a run takes over), a signal the outer one still holds passes to it."""
+
+    def __init__(self) -> None:
+        self.saved: dict = {}
+        self.pending: int | None = None  # a signal that arrived during an import, not raised yet
+        self.inner_entered = False  # a signals_raise was entered inside this one (a run started)
+        self._quiet = False
+        self._watcher: threading.Thread | None = None
 
     def __enter__(self):
-        self.saved = {}
         if threading.current_thread() is not threading.main_thread():
             return self
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.saved[sig] = signal.signal(sig, self._raise)
+        outer = getattr(self.saved[signal.SIGTERM], "__self__", None)
+        if isinstance(outer, signals_raise):
+            outer.inner_entered = True
+            if outer.pending is not None:
+                self.pending, outer.pending = outer.pending, None
+                self._watch()
         return self
 
     def _raise(self, signum, frame):
+        if self._quiet:
+            return
+        if importing(frame):
+            if self.pending is None:
+                self.pending = signum
+            self._watch()
+            return
+        signum = self.pending if self.pending is not None else signum
         self.calm()
         raise RunInterrupted(signum)
 
+    def _watch(self) -> None:
+        """Send the kept signal to the main thread again, every DEFER_POLL_S, while its stack shows
+        no import, until the handler raises it (or the signals are calmed or handed back)."""
+        if self._watcher is not None and self._watcher.is_alive():
+            return
+        main = threading.main_thread().ident
+
+        def watch():
+            while self.pending is not None and not self._quiet:
+                time.sleep(DEFER_POLL_S)
+                signum = self.pending
+                if signum is None or self._quiet or signal.getsignal(signum) != self._raise:
+                    return
+                if not importing(sys._current_frames().get(main)):
+                    signal.pthread_kill(main, signum)
+
+        self._watcher = threading.Thread(target=watch, name="docproc-deferred-signal", daemon=True)
+        self._watcher.start()
+
     def calm(self) -> None:
         """From now on the signals are ignored: the run is winding down (a manifest to write)."""
+        self._quiet = True
+        self.pending = None
         for sig in self.saved:
             signal.signal(sig, signal.SIG_IGN)
 
     def __exit__(self, *exc):
+        self._quiet = True
+        self.pending = None
         for sig, handler in self.saved.items():
             signal.signal(sig, handler)
         return False
