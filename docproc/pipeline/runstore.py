@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from docproc.errors import OutputUnwritable
-from docproc.pipeline.schema import RESULT_SCHEMA, read_table, to_table
+from docproc.pipeline.schema import RESULT_SCHEMA, int64_array, read_table, to_table
 
 STATE_DIR = ".docproc"
 PART_SUFFIX = ".rows"
@@ -228,7 +228,7 @@ class RunStore:
         for p, n in zip(paths, parts):
             latest[p] = max(latest.get(p, n), n)
         keep = [i for i, (p, n) in enumerate(zip(paths, parts)) if latest[p] == n]
-        return table.take(pa.array(keep, type=pa.int64()))
+        return table.take(int64_array(keep))
 
     def current(self) -> pa.Table:
         """Every document's latest rows, tombstones (removed documents) dropped."""
@@ -236,7 +236,7 @@ class RunStore:
         if table.num_rows:
             keep = [i for i, s in enumerate(table.column("doc_status").to_pylist()) if s != REMOVED]
             if len(keep) < table.num_rows:
-                table = table.take(pa.array(keep, type=pa.int64()))
+                table = table.take(int64_array(keep))
         return table
 
     def consolidate(self, fill_roots: dict[str, str] | None = None, results: bool = True) -> pa.Table:

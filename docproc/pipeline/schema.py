@@ -8,6 +8,7 @@ results.parquet) a document whose file is gone from its root has one tombstone r
 """
 from __future__ import annotations
 
+import array
 import json
 from pathlib import Path
 
@@ -63,9 +64,28 @@ def read_table(path: str | Path, schema: pa.Schema | None = None) -> pa.Table:
     """A Parquet file of OUT read through a Python file, since Arrow takes no path that is not
     UTF-8; on one thread, since pyarrow's thread pool, after a read through a Python file, can
     abort the interpreter at exit ("terminate called without an active exception": 35 of 40
-    runs with pyarrow 26 on a 2-core machine; apache/arrow#50482)."""
+    runs with pyarrow 26 on a 2-core machine; apache/arrow#50482). Through ParquetFile, not
+    pq.read_table, whose dataset layer imports pandas (0.7 s of a run with nothing to do); with a
+    schema, as a dataset reads it: its columns in its order and types, nulls for those the file
+    lacks (parts written before a column existed)."""
     with open(path, "rb") as f:
-        return pq.read_table(f, schema=schema, use_threads=False)
+        table = pq.ParquetFile(f).read(use_threads=False)
+    if schema is None:
+        return table
+    columns = []
+    for fld in schema:
+        if fld.name not in table.column_names:
+            columns.append(pa.nulls(table.num_rows, fld.type))
+        else:
+            column = table.column(fld.name)
+            columns.append(column if column.type == fld.type else column.cast(fld.type))
+    return pa.table(columns, schema=schema)
+
+
+def int64_array(values: list[int]) -> pa.Array:
+    """Row indices as an Arrow array made from their bytes: pa.array() imports pandas, where it
+    is installed, to ask whether it was given a pandas object (0.3 s of a run with nothing to do)."""
+    return pa.Array.from_buffers(pa.int64(), len(values), [None, pa.py_buffer(array.array("q", values))])
 
 
 def document_json(rows: list[dict]) -> dict:
