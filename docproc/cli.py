@@ -115,9 +115,11 @@ def bundled_model(name: str) -> Path:
 
 def parse_formats(value: str) -> tuple[str, ...]:
     """'json,parquet' -> ('json', 'parquet'); raises BadParameter on anything else."""
+    from docproc.pipeline.schema import OUTPUT_FORMATS
+
     items = tuple(dict.fromkeys(x.strip().lower() for x in value.split(",") if x.strip()))
-    if not items or set(items) - {"json", "parquet", "documents"}:
-        raise typer.BadParameter(f"expected json, parquet and/or documents, comma-separated; got {value!r}")
+    if not items or set(items) - set(OUTPUT_FORMATS):
+        raise typer.BadParameter(f"expected any of {', '.join(OUTPUT_FORMATS)}, comma-separated; got {value!r}")
     return items
 
 
@@ -184,9 +186,10 @@ def run(
     dpi: int = typer.Option(120, metavar="N", help="PDF render resolution (lowered per page to fit the pixel cap)."),
     max_pages: Optional[int] = typer.Option(None, "--max-pages", metavar="N", help="Read at most N pages per "
                                                                                     "document."),
-    format: str = typer.Option("json,parquet", "--format", metavar="LIST", help="Outputs, comma-separated: json, "
-                               "parquet (results.parquet) and documents (documents.parquet: a row per document, "
-                               "typed)."),
+    format: str = typer.Option("json,parquet", "--format", metavar="LIST", help="Outputs, comma-separated: json "
+                               "(json/PATH.json), parquet, csv, jsonl (results.parquet, .csv, .jsonl: the same "
+                               "rows) and documents (documents.parquet, and .csv/.jsonl with csv/jsonl: a row per "
+                               "document, typed)."),
     force: bool = typer.Option(False, "--force", help="Redo documents already done with the same settings."),
     max_num_batched_tokens: int = typer.Option(8192, "--max-num-batched-tokens", metavar="N",
                                                help="Engine token budget per step."),

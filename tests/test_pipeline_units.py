@@ -62,8 +62,9 @@ def test_prompt_has_one_placeholder_per_page():
 def test_parse_formats():
     assert parse_formats("json,parquet") == ("json", "parquet")
     assert parse_formats(" parquet ") == ("parquet",)
+    assert parse_formats("CSV,jsonl,csv") == ("csv", "jsonl")
     with pytest.raises(typer.BadParameter):
-        parse_formats("csv")
+        parse_formats("xlsx")
     with pytest.raises(typer.BadParameter):
         parse_formats("")
 

@@ -325,10 +325,9 @@ class Pipeline(EngineSetup, DocumentRows):
     def _consolidate(self) -> None:
         t0 = time.perf_counter()
         table = self.store.consolidate(fill_roots={k: self._roots[k] for k in self._plan.missing_roots},
-                                       results="parquet" in self.s.formats)
-        # (rewritten wherever one exists, so that it never goes stale)
-        if "documents" in self.s.formats or (self.store.out / "documents.parquet").exists():
-            self.store.write_documents(documents_table(table, self.queries))
+                                       formats=self.s.formats)
+        if self.store.writes_documents(self.s.formats):
+            self.store.write_documents(documents_table(table, self.queries), self.s.formats)
         self.stage_seconds["write"] += time.perf_counter() - t0
 
     def _windows(self, state: _DocState):

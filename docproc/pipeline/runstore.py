@@ -1,21 +1,25 @@
 """The output folder: a lock, results flushed in atomic parts, incremental state, manifests.
 
-Layout of OUT (what a reader of OUT sees: results.parquet, json/, runs/):
+Layout of OUT (what a reader of OUT sees: the tables, json/, runs/):
   results.parquet               the current results: one set of rows per document under the inputs
-  documents.parquet             with --format documents: a row per document, typed per query (typed.py)
+  results.csv, results.jsonl    with --format csv / jsonl: the same rows and columns as CSV or JSON lines
+  documents.parquet             with --format documents: a row per document, typed per query (typed.py);
+                                documents.csv and documents.jsonl beside it where csv / jsonl are asked too
   json/<path>.json              one file per document (a hashed name where the path cannot be one)
   runs/<run_id>/manifest.json   settings, fingerprints, stage timings, totals, cache figures, status
   .docproc/lock                 held (flock) for the whole run: a second run exits with code 75
   .docproc/parts/part-N.rows    results flushed batch by batch (temp file + rename): the state,
                                 Parquet files under a suffix no '*.parquet' glob matches
   .docproc/config_cache.json    configuration fingerprints of earlier runs
-The state lives in a hidden folder under its own suffix so that a dataset reader of OUT sees
-every row once, in results.parquet: pyarrow.dataset skips hidden folders, and a glob such as
-'OUT/**/*.parquet' (DuckDB, Polars), which may descend into them, matches no '.rows' file. A run killed at any point loses at
-most the batch in flight; the next run reads the parts, skips every document already done with
-the same (path, file hash, configuration) and finishes the rest. Files are written with the
-permissions the umask gives (not mkstemp's 0600). A write that fails for a reason of the folder
-(read-only, full, not a folder) raises OutputUnwritable, which stops the run.
+A table is read by its file name (OUT/results.parquet): the folder as a whole is not a Parquet
+dataset, since json/ and runs/ hold JSON files. The state lives in a hidden folder under its own
+suffix so that nothing else in OUT looks like results: a glob such as 'OUT/**/*.parquet' (DuckDB,
+Polars), which may descend into hidden folders, matches no '.rows' file. Each table file is
+rewritten whole at the end of every run once it exists, so that none goes stale. A run killed at
+any point loses at most the batch in flight; the next run reads the parts, skips every document
+already done with the same (path, file hash, configuration) and finishes the rest. Files are
+written with the permissions the umask gives (not mkstemp's 0600). A write that fails for a reason
+of the folder (read-only, full, not a folder) raises OutputUnwritable, which stops the run.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ import tempfile
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
 from docproc.errors import OutputUnwritable
@@ -41,6 +46,7 @@ REMOVED = "removed"  # doc_status of a tombstone: the document's file is gone fr
 # the shortest in common use; a JSON name longer than this goes under its hashed name
 NAME_MAX_BYTES = 143
 JSON_PATH_MAX_BYTES = 1024  # beyond this a JSON file goes under its hashed name
+TABLE_FORMATS = ("parquet", "csv", "jsonl")  # the files a table of OUT is written as: TABLE.parquet, ...
 
 
 class LockedError(RuntimeError):
@@ -76,7 +82,36 @@ def atomic_write_bytes(path: Path, data: bytes, mode: int | None = None) -> None
 
 
 def atomic_write_table(path: Path, table: pa.Table, mode: int | None = None) -> None:
-    _atomic(path, lambda f, tmp: pq.write_table(table, f), mode)
+    """table as Parquet, CSV or JSON lines by path's suffix (.parquet, .csv, .jsonl), atomically."""
+    write = {".csv": write_csv, ".jsonl": write_jsonl}.get(path.suffix, lambda t, f: pq.write_table(t, f))
+    _atomic(path, lambda f, tmp: write(table, f), mode)
+
+
+def write_csv(table: pa.Table, f) -> None:
+    """table as CSV (RFC 4180, UTF-8): a header of its column names; every string quoted, so that
+    an empty string ("") and a null (nothing) stay apart; dates ISO; a nested value (a typed
+    struct or list column of documents.parquet) as its JSON text."""
+    columns = [_json_text(c) if pa.types.is_nested(c.type) else c for c in table.columns]
+    pcsv.write_csv(pa.table(columns, names=table.column_names), f)
+
+
+def write_jsonl(table: pa.Table, f) -> None:
+    """table as JSON lines (UTF-8): one object per row, its keys the column names in order; a null
+    is null, a date an ISO string, a struct an object."""
+    for batch in table.to_batches(max_chunksize=4096):
+        f.write("".join(json.dumps(row, ensure_ascii=False, default=_json_default) + "\n"
+                        for row in batch.to_pylist()).encode())
+
+
+def _json_default(value):
+    if hasattr(value, "isoformat"):  # a date32 cell (datetime.date)
+        return value.isoformat()
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+def _json_text(column: pa.ChunkedArray) -> pa.Array:
+    return pa.array([None if v is None else json.dumps(v, ensure_ascii=False, default=_json_default)
+                     for v in column.to_pylist()], type=pa.string())
 
 
 def _atomic(path: Path, write, mode: int | None) -> None:
@@ -239,12 +274,13 @@ class RunStore:
                 table = table.take(int64_array(keep))
         return table
 
-    def consolidate(self, fill_roots: dict[str, str] | None = None, results: bool = True) -> pa.Table:
-        """Write results.parquet (results=False: only where one exists already, so that it never
-        goes stale), then compact the parts into one (the newest number, so rows read twice after
-        a crash between the two steps still resolve to one copy). Old parts go oldest first, so
-        that a tombstone outlives the rows it removes. fill_roots: key -> root for rows stored
-        before roots were recorded."""
+    def consolidate(self, fill_roots: dict[str, str] | None = None,
+                    formats: tuple[str, ...] = ("parquet",)) -> pa.Table:
+        """Write results.parquet, results.csv and results.jsonl: each one formats asks for, and
+        each one there already (so that none goes stale); then compact the parts into one (the
+        newest number, so rows read twice after a crash between the two steps still resolve to
+        one copy). Old parts go oldest first, so that a tombstone outlives the rows it removes.
+        fill_roots: key -> root for rows stored before roots were recorded."""
         table = self.current().sort_by([("path", "ascending"), ("part", "ascending")])
         if fill_roots:
             roots = [r if r is not None else fill_roots.get(p) for p, r in
@@ -252,8 +288,10 @@ class RunStore:
             table = table.set_column(table.schema.get_field_index("root"), RESULT_SCHEMA.field("root"),
                                      pa.array(roots, type=pa.string()))
         try:
-            if results or (self.out / "results.parquet").exists():
-                atomic_write_table(self.out / "results.parquet", table)
+            for fmt in TABLE_FORMATS:
+                path = self.out / f"results.{fmt}"
+                if fmt in formats or path.exists():
+                    atomic_write_table(path, table)
             old = self.part_files()
             if len(old) > 1:
                 part = self.next_part()
@@ -266,9 +304,23 @@ class RunStore:
             raise output_fault(e, self.out) from None
         return table
 
-    def write_documents(self, table: pa.Table) -> None:
+    def _documents_files(self, formats: tuple[str, ...]) -> list[Path]:
+        """The per-document tables to write: documents.parquet when formats has documents, with
+        documents.csv and .jsonl where it has csv and jsonl too; and every one there already."""
+        paths = []
+        for fmt in TABLE_FORMATS:
+            path = self.out / f"documents.{fmt}"
+            if ("documents" in formats and (fmt == "parquet" or fmt in formats)) or path.exists():
+                paths.append(path)
+        return paths
+
+    def writes_documents(self, formats: tuple[str, ...]) -> bool:
+        return bool(self._documents_files(formats))
+
+    def write_documents(self, table: pa.Table, formats: tuple[str, ...] = ("documents",)) -> None:
         try:
-            atomic_write_table(self.out / "documents.parquet", table)
+            for path in self._documents_files(formats):
+                atomic_write_table(path, table)
         except OSError as e:
             raise output_fault(e, self.out) from None
 

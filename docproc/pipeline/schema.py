@@ -1,5 +1,5 @@
-"""The one Arrow schema of docproc's results: the source of truth for the Parquet table and the
-per-document JSON files.
+"""The one Arrow schema of docproc's results: the source of truth for the results table (Parquet,
+CSV and JSON lines, one set of columns) and the per-document JSON files.
 
 A row is one document x query. A file that was skipped or failed before any query ran has one row
 with a null query, so every input file has an outcome in the table. In the state's parts (not in
@@ -44,6 +44,10 @@ RESULT_SCHEMA = pa.schema([
 ])
 
 COLUMNS = [f.name for f in RESULT_SCHEMA]
+
+# what --format takes: json (json/<path>.json), parquet, csv and jsonl (results.parquet, .csv and
+# .jsonl, each with the schema's columns) and documents (documents.parquet, typed per query)
+OUTPUT_FORMATS = ("json", "parquet", "csv", "jsonl", "documents")
 # a row's status when its answer is not usable: the engine failed on it; it does not parse; it
 # breaks its JSON Schema (a keyword decoding does not enforce); it ran out of max_tokens before its
 # constraint could close (its shortest valid form did not fit)

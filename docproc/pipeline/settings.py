@@ -36,9 +36,10 @@ class RunSettings:
     data_parallel_size: int | None = None  # engine actors (one GPU each on CUDA); default: the cluster's GPUs, or 1
 
     def __post_init__(self) -> None:
-        bad = set(self.formats) - {"json", "parquet", "documents"}
-        if bad or not self.formats:
-            raise ValueError(f"--format takes json, parquet and/or documents, got {','.join(self.formats)}")
+        from docproc.pipeline.schema import OUTPUT_FORMATS
+
+        if set(self.formats) - set(OUTPUT_FORMATS) or not self.formats:
+            raise ValueError(f"--format takes {', '.join(OUTPUT_FORMATS)} (comma-separated), got {','.join(self.formats)}")
         if not self.inputs:
             raise ValueError("give at least one input file or folder")
         if self.dpi < 10 or self.dpi > 1200:
