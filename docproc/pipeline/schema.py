@@ -44,14 +44,14 @@ RESULT_SCHEMA = pa.schema([
 ])
 
 COLUMNS = [f.name for f in RESULT_SCHEMA]
-
-# what --format takes: json (json/<path>.json), parquet, csv and jsonl (results.parquet, .csv and
-# .jsonl, each with the schema's columns) and documents (documents.parquet, typed per query)
-OUTPUT_FORMATS = ("json", "parquet", "csv", "jsonl", "documents")
 # a row's status when its answer is not usable: the engine failed on it; it does not parse; it
 # breaks its JSON Schema (a keyword decoding does not enforce); it ran out of max_tokens before its
 # constraint could close (its shortest valid form did not fit)
 BAD_STATUSES = ("error", "parse_error", "schema_violation", "truncated")
+
+# what --format takes: json (json/<path>.json), parquet, csv and jsonl (results.parquet, .csv and
+# .jsonl, each with the schema's columns) and documents (documents.parquet, typed per query)
+OUTPUT_FORMATS = ("json", "parquet", "csv", "jsonl", "documents")
 
 
 def _cell(v):
