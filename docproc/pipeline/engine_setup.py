@@ -1,10 +1,11 @@
 """Loading the engine, and the configuration fingerprint that decides which documents are done.
 
-The fingerprint is computed from the loaded engine (model and draft fingerprints, KV format,
-dtype) and the settings that change answers; a cache keyed by what it is computed from (the model
-folders' files, every setting, the query set) lets a run with nothing new to do skip loading the
-model. Pipeline inherits this; it needs self.s (RunSettings), self.store, self.queries, self.llm,
-self.report and self.stage_seconds.
+The fingerprint is the hash of components taken from the loaded engine (model and draft
+fingerprints, KV format, dtype) and the settings that change answers; a cache keyed by what it is
+computed from (the model folders' files, every setting, the query set) lets a run with nothing new
+to do skip loading the model, and the components of every fingerprint a run computes are kept
+(.docproc/fingerprints.json) so that a later run can say what changed. Pipeline inherits this; it
+needs self.s (RunSettings), self.store, self.queries, self.llm, self.report and self.stage_seconds.
 """
 from __future__ import annotations
 
@@ -15,12 +16,16 @@ from dataclasses import asdict
 from pathlib import Path
 
 from docproc.errors import DeviceUnavailable, EnvironmentFault, ModelUnavailable
+from docproc.pipeline.reconcile import fingerprint_of
+from docproc.pipeline.runstore import atomic_write_bytes, output_fault
 
 PROMPT_VERSION = "v1"
 CONFIG_CACHE_ENTRIES = 16  # configuration fingerprints kept (.docproc/config_cache.json)
+FINGERPRINTS_FILE = "fingerprints.json"  # in .docproc: fingerprint -> its components and query set's name
 # Bumped when what config_fingerprint computes changes without a setting changing, so that cached
-# entries made under the old rules are not reused (2: FP4 KV records its value-slot count).
-FINGERPRINT_RULES = 2
+# entries made under the old rules are not reused (2: FP4 KV records its value-slot count; 3: the
+# constraint mode counts only when a query of the set is constrained).
+FINGERPRINT_RULES = 3
 
 
 def load_fault(e: Exception, model: str, draft: str | None) -> EnvironmentFault:
@@ -42,15 +47,16 @@ class EngineSetup:
     cfg: str | None = None  # the run's configuration fingerprint
     constrain: bool = True  # answers decoded under their queries' rules (xgrammar is installed)
     _own_llm: bool = False  # this run loaded the engine (close_engine closes it)
+    _components: dict | None = None  # fingerprint -> its components, for those this process computed
 
     def config_key(self) -> str | None:
         """What a run's configuration fingerprint is computed from, short of loading the model: the
         model and draft folders' files (name, size, modification time), every setting but the
-        inputs and outputs, the query set, the prompt version, docproc's version and whether CUDA
-        is there (`auto` choices depend on it). None when a folder is missing (loading it will say
-        why)."""
+        inputs and outputs, the query set, the prompt version, docproc's version and what decides
+        whether CUDA is there (`auto` choices depend on it), read without importing torch. None
+        when a folder is missing (loading it will say why)."""
         from docproc import __version__
-        from docproc.engine.device import cuda_available
+        from docproc.engine.device import cuda_environment
 
         stamps = {}
         for name, folder in (("model", self.s.model), ("draft", self.s.draft)):
@@ -61,12 +67,45 @@ class EngineSetup:
                 return None
             stamps[name] = sorted((str(f.relative_to(root)), st.st_size, st.st_mtime_ns)
                                   for f in root.rglob("*") if f.is_file() for st in [f.stat()])
-        settings = {k: v for k, v in asdict(self.s).items() if k not in ("inputs", "out", "force", "formats", "debug", "ray", "ray_address",
-                                                                       "data_parallel_size")}
+        unkeyed = ("inputs", "out", "force", "formats", "debug", "ray", "ray_address", "data_parallel_size")
+        settings = {k: v for k, v in asdict(self.s).items() if k not in unkeyed}
         payload = {"files": stamps, "settings": settings, "queries": self.queries.fingerprint,
-                   "constraints": self.constrain, "prompt": PROMPT_VERSION, "docproc": __version__, "cuda": cuda_available(),
-                   "rules": FINGERPRINT_RULES}
+                   "constraints": self.constrain, "prompt": PROMPT_VERSION, "docproc": __version__,
+                   "cuda": cuda_environment(), "rules": FINGERPRINT_RULES}
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+    def _remember_components(self, cfg: str) -> None:
+        """Keep the components of a fingerprint this run computed, for later runs to explain it."""
+        components = self._components.get(cfg) if self._components else None
+        if components is None or self.store is None:
+            return
+        known = self.stored_components()
+        if known.get(cfg, {}).get("components") == components:
+            return
+        known[cfg] = {"components": components, "query_set": self.queries.name}
+        try:
+            atomic_write_bytes(self.store.state_dir / FINGERPRINTS_FILE, json.dumps(known, indent=1).encode())
+        except OSError as e:
+            raise output_fault(e, self.store.out) from None
+
+    def stored_components(self) -> dict:
+        """fingerprint -> {"components", "query_set"} of every fingerprint runs in OUT computed and
+        kept (none before components were kept)."""
+        if self.store is None:
+            return {}
+        try:
+            data = json.loads((self.store.state_dir / FINGERPRINTS_FILE).read_text())
+        except (OSError, ValueError):  # none yet, or unreadable: explanations only
+            return {}
+        return {k: v for k, v in data.items() if isinstance(v, dict) and isinstance(v.get("components"), dict)} \
+            if isinstance(data, dict) else {}
+
+    def config_components_known(self) -> dict | None:
+        """The components of this run's fingerprint, where known without loading the model: this
+        process computed them, or a run kept them; None otherwise."""
+        if self._components and self.cfg in self._components:
+            return self._components[self.cfg]
+        return self.stored_components().get(self.cfg, {}).get("components")
 
     def _write_config_cache(self, key: str, cfg: str) -> None:
         cache = self.store.read_config_cache()
@@ -86,6 +125,7 @@ class EngineSetup:
                 self._cached_cfg = hit["config_fingerprint"]
                 return self._cached_cfg
         cfg = self.config_fingerprint()
+        self._remember_components(cfg)
         if key is not None:
             self._write_config_cache(key, cfg)
         return cfg
@@ -118,6 +158,7 @@ class EngineSetup:
                     # real fingerprint, and the cache is corrected (documents this run skipped as
                     # done under the stale one are checked again by the next run)
                     self.cfg, self._cached_cfg = real, None
+                    self._remember_components(real)
                     self._write_config_cache(self._key, real)
                     self.report("warning", {"message": "the cached configuration fingerprint was stale; "
                                                        "documents skipped as done are rechecked by the next run"})
@@ -136,11 +177,28 @@ class EngineSetup:
         return self._engine().model_fingerprint()
 
     def config_fingerprint(self) -> str:
+        components = self.config_components()
+        cfg = fingerprint_of(components)
+        if self._components is None:
+            self._components = {}
+        self._components[cfg] = components
+        return cfg
+
+    def config_components(self) -> dict:
+        """What the configuration fingerprint is the hash of: the settings and engine choices that
+        change answers. Ones that cannot (the constraint mode when no query is constrained) are
+        held at one value; those that matter for some documents only (DPI and anchor text for
+        PDFs, --max-pages for documents longer than a limit) are weighed per document
+        (reconcile.same_answers); fingerprints of an older rule that differ only so are taken as
+        equal (reconcile.ConfigHistory)."""
         info = self._engine().cache_info()
         spec = self._engine().spec_info()
         # greedy speculation is lossless, but sampled output depends on the draft: fingerprint it
         draft = spec["draft_fingerprint"] if spec else None
-        payload = {"queries": self.queries.fingerprint, "constraints": self.constrain,
+        # without a constrained query both modes decode and check alike: True, what a run with
+        # xgrammar installed recorded
+        constraints = self.constrain or not self.queries.constrained
+        payload = {"queries": self.queries.fingerprint, "constraints": constraints,
                    "model": self.model_fingerprint(), "draft": draft,
                    "dpi": self.s.dpi, "max_pages": self.s.max_pages, "kv_cache": info["kv_cache_dtype"],
                    "dtype": info["dtype"], "max_image_tokens": self.s.max_image_tokens, "prompt": PROMPT_VERSION}
@@ -152,7 +210,7 @@ class EngineSetup:
             # always: an entry-less FP4 fingerprint stands for the older default of 2 slots, so
             # that runs made under it never match a run with 0
             payload["fp4_value_slots"] = info["fp4_value_slots"]
-        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+        return json.loads(json.dumps(payload))  # as stored: lists, not tuples
 
     def check_models(self) -> None:
         """The model and draft folders exist and hold a config.json and the tokenizer's files

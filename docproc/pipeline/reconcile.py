@@ -6,9 +6,16 @@ deleted), or out of scope (stored from a root this run did not search: kept as i
 document whose exact bytes turn up under a new key with the same configuration was renamed: its
 rows move to the new key without running the model. Keys under a folder that could not be listed
 are never taken as removed (their files were not seen, not deleted).
+
+A document done under another configuration fingerprint is done again, unless every component
+that differs is one that cannot reach it (same_answers); ConfigHistory says which components
+changed, from the components runs kept (.docproc/fingerprints.json).
 """
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -20,7 +27,8 @@ RETRY_KINDS = frozenset({"internal"})
 
 @dataclass
 class Reconciliation:
-    done: set[tuple[str, str, str]] = field(default_factory=set)  # (key, file hash, configuration)
+    # key -> (file hash, configuration fingerprint, pages read) of a document done
+    done: dict[str, tuple[str, str, int | None]] = field(default_factory=dict)
     removed: dict[str, str | None] = field(default_factory=dict)  # key -> its root, gone from the folder
     renamed_from: dict[tuple[str, str], list[dict]] = field(default_factory=dict)  # (hash, config) -> rows
     missing_roots: set[str] = field(default_factory=set)  # keys found with no root recorded
@@ -67,7 +75,7 @@ def reconcile(rows: list[dict], found: dict[str, str], searched_roots: set[str],
                 continue  # another file: not done, whatever its hash
             if first["doc_sha256"] is not None and first["doc_status"] != "skipped" and \
                     not any(row.get("error_kind") in RETRY_KINDS for row in doc_rows):
-                r.done.add((key, first["doc_sha256"], first["config_fingerprint"]))
+                r.done[key] = (first["doc_sha256"], first["config_fingerprint"], first.get("pages"))
             elif first["doc_status"] == "skipped":
                 r.skipped[key] = first.get("error")
             continue
@@ -79,3 +87,115 @@ def reconcile(rows: list[dict], found: dict[str, str], searched_roots: set[str],
         if first["doc_sha256"] is not None and first["doc_status"] in ("ok", "partial"):
             r.renamed_from.setdefault((first["doc_sha256"], first["config_fingerprint"]), doc_rows)
     return r
+
+
+def fingerprint_of(components: dict) -> str:
+    """The configuration fingerprint of these components."""
+    return hashlib.sha256(json.dumps(components, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# components recorded only when on: a fingerprint without one had it off
+ABSENT = {"anchor_text": False, "weights_fp8": None}
+
+
+def same_answers(old: dict, new: dict, *, pdf: bool, pages: int | None, any_constrained: bool) -> bool:
+    """Whether a document done under the configuration components `old` gets the same answers
+    under `new`: every component that differs cannot reach it. The constraint mode, when no query
+    is constrained; the DPI and anchor text, for a document that is not a PDF (images are not
+    rendered and have no text layer); --max-pages, when both limits let every page of it be read
+    (pages: the pages it read; fewer than the old limit means all of them)."""
+    for k in set(old) | set(new):
+        a, b = old.get(k, ABSENT.get(k)), new.get(k, ABSENT.get(k))
+        if a == b:
+            continue
+        if k == "constraints" and not any_constrained:
+            continue
+        if k in ("dpi", "anchor_text") and not pdf:
+            continue
+        if k == "max_pages" and pages is not None and (a is None or pages < a) and (b is None or pages <= b):
+            continue
+        return False
+    return True
+
+
+# how each component is named to a user: the flag that sets it, where there is one
+COMPONENT_NAMES = {"queries": "query set", "constraints": "constrained decoding (xgrammar)", "model": "model",
+                   "draft": "draft", "dpi": "--dpi", "max_pages": "--max-pages", "kv_cache": "--kv-cache",
+                   "dtype": "dtype", "max_image_tokens": "max image tokens", "prompt": "prompt version",
+                   "anchor_text": "--anchor-text", "weights_fp8": "FP8 weights",
+                   "fp4_value_slots": "--fp4-value-slots"}
+
+
+def _shown(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value is None:
+        return "none"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_shown(v)}" for k, v in sorted(value.items()))
+    return str(value)
+
+
+@dataclass
+class ConfigHistory:
+    """This run's configuration against the ones OUT's documents were done under."""
+    cfg: str  # this run's fingerprint
+    components: dict | None  # its components (None where no run kept them)
+    known: dict  # fingerprint -> {"components", "query_set"}, as runs kept them
+    any_constrained: bool  # a query of this run's set is decoded under a constraint
+    query_set: str = ""  # this run's query set's name
+
+    @functools.cached_property
+    def _aliases(self) -> set[str]:
+        """Fingerprints that differ from this run's only in what reaches no document: without a
+        constrained query, the constraint mode (recorded either way before it was held at True)."""
+        if self.components is None or self.any_constrained:
+            return set()
+        return {fingerprint_of({**self.components, "constraints": mode}) for mode in (True, False)}
+
+    def same_answers(self, old_cfg: str, *, pdf: bool, pages: int | None) -> bool:
+        """A document done under old_cfg is done under this configuration too."""
+        if old_cfg == self.cfg or old_cfg in self._aliases:
+            return True
+        old = self.known.get(old_cfg)
+        return old is not None and self.components is not None and \
+            same_answers(old["components"], self.components, pdf=pdf, pages=pages, any_constrained=self.any_constrained)
+
+    def changes(self, old_cfg: str) -> dict[str, list] | None:
+        """component -> [before, now] of every component that differs from old_cfg's (a model's
+        as model.text, model.vision); None where either side's components were not kept."""
+        old = self.known.get(old_cfg)
+        if old is None or self.components is None:
+            return None
+        a, b = _flat(old["components"]), _flat(self.components)
+        out = {}
+        for k in sorted(set(a) | set(b)):
+            before, now = a.get(k, ABSENT.get(k)), b.get(k, ABSENT.get(k))
+            if before != now:
+                out[k] = [before, now]
+        return out
+
+    def describe(self, old_cfg: str) -> str:
+        """What changed since old_cfg, in words: "--kv-cache fp32 -> fp4, --dpi 120 -> 150"."""
+        changes = self.changes(old_cfg)
+        if not changes:  # not kept (or kept under rules that hashed them otherwise)
+            return "an earlier configuration"
+        labels = (self.known[old_cfg].get("query_set"), self.query_set)
+        parts = []
+        for k, (before, now) in changes.items():
+            head, _, sub = k.partition(".")
+            name = COMPONENT_NAMES.get(head, head) + (f" {sub}" if sub else "")
+            if k == "queries":
+                before, now = (f"{label} ({fp})" if label else fp for label, fp in zip(labels, (before, now)))
+            parts.append(f"{name} {_shown(before)} -> {_shown(now)}")
+        return ", ".join(parts)
+
+
+def _flat(components: dict) -> dict:
+    out = {}
+    for k, v in components.items():
+        if isinstance(v, dict):
+            out.update({f"{k}.{sub}": x for sub, x in v.items()})
+        else:
+            out[k] = v
+    return out

@@ -32,7 +32,7 @@ from docproc.pipeline.engine_setup import PROMPT_VERSION, EngineSetup
 from docproc.pipeline.rows import DocumentRows, _DocState, _Window
 from docproc.pipeline.ingest import Candidate, discover, display_name, file_digest, open_document, searched_roots
 from docproc.pipeline.queries import QuerySet, build_prompt, load_queries
-from docproc.pipeline.reconcile import Reconciliation, reconcile
+from docproc.pipeline.reconcile import ConfigHistory, Reconciliation, reconcile
 from docproc.pipeline.runstore import REMOVED, RunStore
 from docproc.pipeline.settings import RunSettings, RunTotals
 from docproc.pipeline.signals import EXIT_INTERRUPTED, RunInterrupted, signals_raise
@@ -82,6 +82,9 @@ def _now() -> str:
 
 
 class Pipeline(EngineSetup, DocumentRows):
+    _history: ConfigHistory | None = None  # this run's configuration against the stored documents'
+    config_changed: dict | None = None  # documents done before and redone since the configuration changed
+
     def __init__(self, settings: RunSettings, llm=None, reporter: Reporter | None = None) -> None:
         """Checks the inputs, the output folder's place and the query set; UsageError or
         QueryFileError before anything is loaded or written."""
@@ -188,7 +191,47 @@ class Pipeline(EngineSetup, DocumentRows):
         for message in self.queries.warnings:
             self.report("warning", {"message": message})
         self._reconcile(candidates)
+        self._history = ConfigHistory(self.cfg, self.config_components_known(), self.stored_components(),
+                                      bool(self.queries.constrained), self.queries.name)
+        if not self.s.force:
+            self._say_config_changed(candidates)
         return candidates
+
+    def _say_config_changed(self, candidates: list[Candidate]) -> None:
+        """Documents done before under a configuration whose changes reach them are done again:
+        a warning and the manifest say how many, and which components changed."""
+        by_cfg: dict[str, int] = {}
+        for c in candidates:
+            stored = self._plan.done.get(c.rel)
+            if c.skip_reason or stored is None:
+                continue
+            if not self._history.same_answers(stored[1], pdf=c.doc_type == "pdf", pages=stored[2]):
+                by_cfg[stored[1]] = by_cfg.get(stored[1], 0) + 1
+        if not by_cfg:
+            return
+        groups = sorted(by_cfg.items(), key=lambda kv: (-kv[1], kv[0]))
+        total = sum(by_cfg.values())
+        self.config_changed = {"documents": total, "from": [
+            {"config_fingerprint": old, "documents": n, "changed": self._history.changes(old)} for old, n in groups]}
+        if len(groups) == 1:
+            what = self._history.describe(groups[0][0])
+        else:
+            what = "; ".join(f"{n} from {self._history.describe(old)}" for old, n in groups)
+        self.report("warning", {"message": (
+            f"{total} document(s) done before are redone: the configuration changed ({what}); run with the "
+            f"settings they were done with to keep their answers")})
+
+    def _is_done(self, cand: Candidate, sha: str) -> bool:
+        """Done before with these bytes, under this configuration or one whose differences cannot
+        reach this document (reconcile.same_answers)."""
+        stored = self._plan.done.get(cand.rel)
+        if stored is None or stored[0] != sha:
+            return False
+        if stored[1] == self.cfg:
+            return True
+        h = self._history  # (made for the fingerprint the run started with; the engine may correct it)
+        return h is not None and h.cfg == self.cfg and \
+            h.same_answers(stored[1], pdf=cand.doc_type == "pdf", pages=stored[2])
 
     def _process(self) -> None:
         candidates = self._start()
@@ -219,7 +262,7 @@ class Pipeline(EngineSetup, DocumentRows):
         sha = None
         try:
             sha = file_digest(cand)  # before opening: a document already done is not rendered
-            if not self.s.force and (cand.rel, sha, self.cfg) in self._plan.done:
+            if not self.s.force and self._is_done(cand, sha):
                 self.totals.already_done += 1
                 self.report("document", {"path": cand.rel, "status": "already done"})
                 return None
@@ -439,6 +482,8 @@ class Pipeline(EngineSetup, DocumentRows):
             "model": {"path": self.s.model, **(self.model_info() or {})},
             "draft": self.llm.spec_info() if self.llm is not None else None,
             "config_fingerprint": self.cfg,
+            # documents done before, redone: how many under each earlier fingerprint, and what changed
+            "config_changed": self.config_changed,
             "totals": asdict(t),
             "failures": self.failures[:FAILURES_LISTED],  # the first ones; docproc stats --failures: all
             "tokens_per_second": round(t.generated_tokens / self.stage_seconds["engine"], 2)

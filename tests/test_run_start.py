@@ -1,0 +1,203 @@
+"""A run's start: with nothing to do it imports no torch; SIGTERM and SIGINT during the imports and
+the model load end it with a manifest; documents redone because the configuration changed are
+counted and explained, and a change that cannot reach a document does not redo it."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from docproc import cli
+from docproc.cli import app
+from docproc.pipeline.reconcile import ConfigHistory, fingerprint_of, same_answers
+from docproc.pipeline.runstore import RunStore
+from docproc.pipeline.signals import RunInterrupted, importing, signals_raise
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLES = ROOT / "sample_docs"
+HEAVY = ("torch", "transformers", "pandas", "xgrammar", "triton", "safetensors")
+COMPONENTS = {"queries": "a78bbd47f1ba5d5a", "constraints": True, "model": {"text": "69ba", "vision": "671d"},
+              "draft": None, "dpi": 120, "max_pages": None, "kv_cache": "fp32", "dtype": "float32",
+              "max_image_tokens": 16384, "prompt": "v1"}
+
+
+def _docs(folder: Path, *names: str) -> Path:
+    folder.mkdir(parents=True)
+    for name in names:
+        shutil.copy(SAMPLES / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def one_query(tmp_path_factory) -> Path:
+    q = tmp_path_factory.mktemp("queries") / "one.toml"
+    q.write_text('name = "one"\n\n[[query]]\nname = "vendor"\nquestion = "What is the vendor name?"\n'
+                 'type = "string"\nmax_tokens = 4\n')
+    return q
+
+
+@pytest.fixture(scope="module")
+def done_once(tmp_path_factory, one_query):
+    """A JPEG and a PDF done by the bundled model (the output folder, to be copied)."""
+    base = tmp_path_factory.mktemp("done")
+    docs = _docs(base / "in", "doc_2026_00003.jpg", "doc_2026_00002.pdf")
+    out = base / "out"
+    res = CliRunner().invoke(app, ["run", str(docs), "--out", str(out), "--queries", str(one_query)])
+    assert res.exit_code == 0, res.output
+    return docs, out
+
+
+def _manifest(out: Path) -> dict:
+    return RunStore(out).manifests()[-1]
+
+
+# ---- a run with nothing to do ---------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_run_with_nothing_to_do_imports_no_torch(done_once, one_query, tmp_path):
+    docs, done = done_once
+    out = tmp_path / "out"
+    shutil.copytree(done, out)
+    args = ["run", str(docs), "--out", str(out), "--queries", str(one_query), "--quiet"]
+    script = ("import json, sys\nfrom docproc.cli import main\nsys.argv = ['docproc'] + json.loads(sys.argv[1])\n"
+              "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\n"
+              f"print(json.dumps({{'code': code, 'heavy': [m for m in {HEAVY!r} if m in sys.modules]}}))")
+    res = subprocess.run([sys.executable, "-c", script, json.dumps(args)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert json.loads(res.stdout.splitlines()[-1]) == {"code": 0, "heavy": []}, res.stderr
+    m = _manifest(out)
+    assert m["totals"]["already_done"] == 2 and not m["engine_loaded"] and m["config_changed"] is None
+
+
+# ---- documents redone because the configuration changed ----------------------------------------------
+@pytest.mark.slow
+def test_a_setting_change_redoes_only_the_documents_it_reaches_and_says_what_changed(done_once, one_query,
+                                                                                    tmp_path):
+    docs, done = done_once
+    out = tmp_path / "out"
+    shutil.copytree(done, out)
+    before = _manifest(out)["config_fingerprint"]
+    res = CliRunner().invoke(app, ["run", str(docs), "--out", str(out), "--queries", str(one_query), "--dpi", "100"])
+    assert res.exit_code == 0, res.output
+    # the PDF is rendered at the new DPI; the JPEG is not rendered at all: it stays done
+    assert "1 document(s) done before are redone: the configuration changed (--dpi 120 -> 100)" in res.output
+    m = _manifest(out)
+    assert m["totals"]["already_done"] == 1 and m["totals"]["documents"] == 1
+    assert m["config_changed"] == {"documents": 1, "from": [
+        {"config_fingerprint": before, "documents": 1, "changed": {"dpi": [120, 100]}}]}
+
+
+def test_components_that_cannot_reach_a_document_do_not_redo_it():
+    def same(old, new, pdf=True, pages=3, any_constrained=True):
+        return same_answers({**COMPONENTS, **old}, {**COMPONENTS, **new}, pdf=pdf, pages=pages,
+                            any_constrained=any_constrained)
+
+    assert same({}, {})
+    assert not same({"dpi": 120}, {"dpi": 150}) and same({"dpi": 120}, {"dpi": 150}, pdf=False)
+    assert not same({}, {"anchor_text": True}) and same({}, {"anchor_text": True}, pdf=False)
+    assert not same({"constraints": False}, {}) and same({"constraints": False}, {}, any_constrained=False)
+    # --max-pages: the same pages read under both limits (3 pages of 3, read whole each time)
+    assert same({"max_pages": None}, {"max_pages": 5}) and same({"max_pages": 10}, {"max_pages": 3})
+    assert not same({"max_pages": 3}, {"max_pages": 5})  # 3 read of perhaps more
+    assert not same({"max_pages": None}, {"max_pages": 2}) and not same({}, {"max_pages": 5}, pages=None)
+    assert not same({"kv_cache": "fp32"}, {"kv_cache": "fp4"}, pdf=False)
+    assert not same({"model": {"text": "1", "vision": "2"}}, {}, pdf=False)
+
+
+def test_config_history_names_what_changed_and_takes_older_fingerprints_of_a_no_op_mode():
+    new = {**COMPONENTS, "kv_cache": "fp4", "fp4_value_slots": 0, "anchor_text": True}
+    old = {**COMPONENTS, "queries": "0011"}
+    known = {"old": {"components": old, "query_set": "invoices"}}
+    h = ConfigHistory(fingerprint_of(new), new, known, any_constrained=True, query_set="receipts")
+    assert h.changes("old") == {"anchor_text": [False, True], "fp4_value_slots": [None, 0],
+                                "kv_cache": ["fp32", "fp4"], "queries": ["0011", "a78bbd47f1ba5d5a"]}
+    assert h.describe("old") == ("--anchor-text off -> on, --fp4-value-slots none -> 0, --kv-cache fp32 -> fp4, "
+                                 "query set invoices (0011) -> receipts (a78bbd47f1ba5d5a)")
+    assert h.describe("never-kept") == "an earlier configuration" and h.changes("never-kept") is None
+    assert not h.same_answers("old", pdf=False, pages=1)
+    # no constrained query: a fingerprint made with the mode off (as runs without xgrammar made
+    # them, with or without components kept) is this configuration
+    off = fingerprint_of({**COMPONENTS, "constraints": False})
+    loose = ConfigHistory(fingerprint_of(COMPONENTS), COMPONENTS, {}, any_constrained=False)
+    strict = ConfigHistory(fingerprint_of(COMPONENTS), COMPONENTS, {}, any_constrained=True)
+    assert loose.same_answers(off, pdf=True, pages=1) and not strict.same_answers(off, pdf=True, pages=1)
+
+
+# ---- signals during the start --------------------------------------------------------------------
+def test_a_signal_during_an_import_is_raised_after_it(tmp_path, monkeypatch):
+    """The module's import sends SIGTERM to its own process and goes on; RunInterrupted comes once
+    the import is whole (raised inside it, a C extension's start-up would be cut in half)."""
+    (tmp_path / "slow_module_for_signals.py").write_text(
+        "import os, signal, sys, time\n"
+        "from docproc.pipeline.signals import importing\n"
+        "INSIDE = importing(sys._getframe())\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "t = time.time()\n"
+        "while time.time() - t < 0.2:\n"
+        "    pass\n"
+        "DONE = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert not importing(sys._getframe())
+    with pytest.raises(RunInterrupted) as e:
+        with signals_raise():
+            import slow_module_for_signals  # noqa: F401
+            while True:  # the signal is raised here, within DEFER_POLL_S
+                time.sleep(0.001)
+    module = sys.modules.pop("slow_module_for_signals")
+    assert module.INSIDE and module.DONE and e.value.signum == signal.SIGTERM
+
+
+def test_a_signal_before_the_run_ends_the_command_with_its_code(tmp_path, monkeypatch, capsys):
+    from docproc.pipeline import run as run_module
+
+    docs = _docs(tmp_path / "in", "doc_2026_00003.jpg")
+
+    def signalled(self, *a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1)  # the signal is raised here
+        raise AssertionError("SIGTERM was not raised")
+    monkeypatch.setattr(run_module.Pipeline, "__init__", signalled)
+    monkeypatch.setattr(sys, "argv", ["docproc", "run", str(docs), "--out", str(tmp_path / "out")])
+    handlers = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)]
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    assert e.value.code == 143
+    assert "stopped by SIGTERM; nothing was done" in capsys.readouterr().err
+    assert [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)] == handlers
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, code, delay", [(signal.SIGTERM, 143, 0.2), (signal.SIGTERM, 143, 0.6),
+                                              (signal.SIGTERM, 143, 1.2), (signal.SIGINT, 130, 0.4)])
+def test_a_signal_while_the_model_loads_ends_the_run_with_a_manifest(one_query, tmp_path, sig, code, delay):
+    """With no configuration cached the run loads the model right after taking its lock: torch and
+    transformers import during the delays tried here. A signal cut into those imports crashed the
+    interpreter (rc -11), or ended it with rc 70 and SystemError or 'partially initialized module'."""
+    docs = _docs(tmp_path / "in", "doc_2026_00003.jpg")
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "docproc", "run", str(docs), "--out", str(out), "--queries",
+                             str(one_query), "--quiet"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    lock = out / ".docproc" / "lock"
+    deadline = time.time() + 60
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if lock.read_text().strip() == str(proc.pid):
+                break
+        except OSError:
+            pass
+        time.sleep(0.005)
+    time.sleep(delay)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err
+    assert "Traceback" not in err and "SystemError" not in err and "interrupted" in err
+    m = _manifest(out)
+    assert m["status"] == "interrupted" and m["exit_code"] == code
