@@ -233,3 +233,14 @@ def test_budget_steering_with_a_draft_gives_the_plain_tokens(qwen2_vl_dir, tmp_p
     assert sum(o.metrics.draft_proposed for o in got) > 0
     for o in got:
         assert violation(json.loads(o.outputs[0].text), BUDGET_SCHEMA) is None
+
+
+def test_bounding_the_rules_keeps_the_fingerprints_of_stored_documents():
+    """The bounds on the amount and date rules refuse only answers nothing stored can usefully
+    hold, so the default query set keeps the fingerprint its documents were done under (no
+    documents redone on upgrade); a query's own regex is fingerprinted as written."""
+    from docproc.pipeline.constraints import PATTERNS, RULE_FINGERPRINTS
+
+    assert load_queries(None).fingerprint == "6dbf4745a2a717c1"
+    assert RULE_FINGERPRINTS["number"] != PATTERNS["number"] and RULE_FINGERPRINTS["date"] != PATTERNS["date"]
+    assert re.fullmatch(RULE_FINGERPRINTS["number"], "1" * 30)  # the first form: unbounded

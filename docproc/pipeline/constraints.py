@@ -53,6 +53,16 @@ _NONE_WORDS = {"", "none", "null", "n/a", "na", "-"}
 SCHEMA_PROBLEM = "not valid for the schema"  # how answer_allowed's schema breaches begin
 
 PATTERNS = {"date": DATE_PATTERN, "number": NUMBER_PATTERN, "string": STRING_PATTERN}
+# What a rule is fingerprinted as: the text of its first form. The bounds added since (at most 18
+# integer digits and 5 thousands groups, one to three spaces in a row) refuse only answers that
+# nothing stored under the first form can usefully hold, so documents done under it are not redone
+# for them. A change that can change an answer must change this text.
+RULE_FINGERPRINTS = {
+    "date": DATE_PATTERN.replace(" {1,3}", " +"),
+    "number": NUMBER_PATTERN.replace("[0-9]{3}){1,5}|", "[0-9]{3})+|").replace("[0-9]{2}){1,6},", "[0-9]{2})+,")
+    .replace("|[0-9]{1,18})", "|[0-9]+)"),
+    "string": STRING_PATTERN,
+}
 _COMPILED = {k: re.compile(v) for k, v in PATTERNS.items()}
 
 

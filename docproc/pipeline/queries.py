@@ -11,7 +11,7 @@ from importlib import resources
 from pathlib import Path
 
 from docproc.multimodal import IMAGE_PLACEHOLDER
-from docproc.pipeline.constraints import ANY_OBJECT, PATTERNS, answer_allowed
+from docproc.pipeline.constraints import ANY_OBJECT, PATTERNS, RULE_FINGERPRINTS, answer_allowed
 from docproc.pipeline.json_schema import MAX_DEPTH, SchemaProblem, check_schema, unenforced
 from docproc.pipeline.normalize import normalize_amount, normalize_date
 
@@ -61,7 +61,10 @@ class Query:
     @property
     def fingerprint_fields(self) -> list:
         so = self.structured_outputs()
-        return [self.name, self.question, self.type, self.max_tokens, so.key() if so is not None else None]
+        key = so.key() if so is not None else None
+        if so is not None and so.kind == "regex" and so.regex == PATTERNS.get(self.type):
+            key = f"regex:{RULE_FINGERPRINTS[self.type]}"  # a type's rule (constraints.RULE_FINGERPRINTS)
+        return [self.name, self.question, self.type, self.max_tokens, key]
 
 
 @dataclass(frozen=True)
