@@ -176,7 +176,8 @@ def test_nested_and_typed_columns_in_csv_and_jsonl(tmp_path):
         "date": pa.array([datetime.date(2024, 1, 31), None], type=pa.date32()),
         "paid": pa.array([True, None], type=pa.bool_()),
         "vendor": ["Müller & Söhne, \"GmbH\"", None],
-        "all": pa.array([{"vendor": "Ünal", "due": datetime.date(2024, 2, 1), "lines": [1.5, 2.0]}, None], type=struct),
+        "all": pa.array([{"vendor": "Ünal", "due": datetime.date(2024, 2, 1), "lines": [1.5, 2.0]}, None],
+                        type=struct),
     })
     atomic_write_table(tmp_path / "t.csv", table)
     atomic_write_table(tmp_path / "t.jsonl", table)

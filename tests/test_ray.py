@@ -5,7 +5,9 @@
 - a worker killed mid-run is restarted and its batch run again; a document that kills its worker
   every time is an error row of kind "worker" after one retry; the other rows are a plain run's,
   and a re-run changes nothing;
-- docproc.ray.DocprocExtractor in a user's Ray Data pipeline gives the rows of a plain run.
+- docproc.ray.DocprocExtractor in a user's Ray Data pipeline gives the rows of a plain run;
+- a run started from a folder that holds a `docproc` folder imports the installed package on its
+  workers; a worker's own error at start is the run's fault, told as the worker raised it.
 """
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ def _poison_hook():
 
     import docproc.engine.llm as llm
 
+    import docproc.pipeline.distributed as distributed
+
     real = run.open_document
 
     def open_document(cand, **kw):
@@ -56,6 +60,21 @@ def _poison_hook():
             os.kill(os.getpid(), signal.SIGKILL)
         real_init(self, model, *a, **kw)
     llm.LLM.__init__ = init
+
+    real_worker = distributed._WorkerPipeline.__init__
+
+    def worker_init(self, settings, *a, **kw):
+        # a model folder named raises-starting: a worker raises an ordinary error as it starts (any
+        # worker: the task that fingerprints the configuration first); raises-starting-actor: an
+        # engine actor does
+        import ray
+
+        name = os.path.basename(settings.model)
+        if name == "raises-starting" or (name == "raises-starting-actor"
+                                         and ray.get_runtime_context().get_actor_id() is not None):
+            raise ValueError(f"{name}: a worker's own error")
+        real_worker(self, settings, *a, **kw)
+    distributed._WorkerPipeline.__init__ = worker_init
 
 
 @pytest.fixture(scope="module")
@@ -245,3 +264,57 @@ def test_ray_init_leaves_the_runs_signal_handlers(monkeypatch, tmp_path):
         for sig, h in before.items():
             signal.signal(sig, h)
     assert p._size == 1 and p._gpus == 0
+
+
+@pytest.mark.parametrize("name,told", [
+    ("raises-starting", "the Ray worker that loads the model to fingerprint this configuration failed: ValueError: "
+                        "raises-starting: a worker's own error"),
+    ("raises-starting-actor", "an engine worker failed as it started: ValueError: raises-starting-actor: a worker's "
+                              "own error")], ids=["task", "actor"])
+def test_a_workers_own_error_at_start_is_told_as_it_was_raised(cluster, docs, tmp_path, name, told):
+    from docproc.cli import bundled_model
+    from docproc.ray import run
+
+    model = tmp_path / name
+    model.symlink_to(bundled_model("target"))
+    m = run(docs, tmp_path / "out", model=str(model), device="cpu", data_parallel_size=1)
+    assert m["status"] == "failed" and m["exit_code"] == 4
+    assert m["fault"]["message"] == told  # one line: no terminal colours, no traceback, no "died twice"
+
+
+def test_a_docproc_folder_in_the_working_folder_does_not_shadow_the_package(tmp_path):
+    """Ray puts the driver's working folder on its workers' sys.path: started from a folder that
+    holds a `docproc` folder (a clone of the repository, run from its parent), the workers
+    imported that folder instead of the installed package."""
+    import subprocess
+    import sys
+
+    here = tmp_path / "home"
+    (here / "docproc").mkdir(parents=True)
+    (here / "docproc" / "__init__.py").write_text("raise ImportError('the docproc folder in the working folder')\n")
+    (tmp_path / "in").mkdir()
+    shutil.copy(SAMPLES / "doc_2026_00003.jpg", tmp_path / "in")
+    script = tmp_path / "cli.py"  # not `python -m docproc`, which would shadow the driver's own import
+    script.write_text("from docproc.cli import main\nmain()\n")
+    proc = subprocess.run([sys.executable, str(script), "run", str(tmp_path / "in"), "--out", str(tmp_path / "out"),
+                           "--device", "cpu", "--ray", "--quiet"], cwd=here, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_table(tmp_path / "out" / "results.parquet").to_pylist()
+    assert rows and all(r["doc_status"] in ("ok", "partial") for r in rows)
+    assert _manifest(tmp_path / "out")["stage_seconds"]["fingerprint_load"] > 0  # a worker loaded the model
+
+
+def test_a_probe_that_raised_is_told_by_its_own_error_and_one_that_died_as_died_twice():
+    from docproc.pipeline.distributed import _probe_failure
+
+    raised = ray.exceptions.RayTaskError(
+        "_probe", "Traceback (most recent call last):\n  ...\nImportError: cannot import name 'x'",
+        ImportError("cannot import name 'x' from 'docproc' (unknown location)"))
+    assert "\x1b[" in str(raised)  # Ray's own text is coloured for a terminal
+    told = _probe_failure(raised)
+    assert told == ("the Ray worker that loads the model to fingerprint this configuration failed: ImportError: "
+                    "cannot import name 'x' from 'docproc' (unknown location); install docproc the same way on "
+                    "every node of the cluster")
+    died = _probe_failure(ray.exceptions.WorkerCrashedError())
+    assert "died twice" in died and "WorkerCrashedError" in died and "\x1b[" not in died

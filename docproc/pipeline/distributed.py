@@ -38,8 +38,10 @@ import logging
 import math
 import os
 import pickle
+import re
 import signal
 import socket
+import tempfile
 import time
 from dataclasses import asdict, fields, replace
 
@@ -95,6 +97,53 @@ def _stderr_dropped(drop: bool):
 
 def _fault(kind: str, message: str) -> EnvironmentFault:
     return _FAULTS.get(kind, EnvironmentFault)(message)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit|Interrupt)(?:: |$)")
+_IMPORT_FIX = "; install docproc the same way on every node of the cluster"
+
+
+def worker_failure(e: Exception) -> str:
+    """What a Ray error says happened on the worker, in one line without terminal colours: the
+    worker's own exception where it raised one (a RayTaskError's cause: "ImportError: ..."), else
+    Ray's first line ("WorkerCrashedError: ..."). An import that failed there names the fix."""
+    import ray
+
+    cause = getattr(e, "cause", None) if isinstance(e, ray.exceptions.RayTaskError) else None
+    while (isinstance(cause, BaseException) and cause.__cause__ is not None
+           and type(cause).__module__.startswith("ray.")):
+        cause = cause.__cause__  # Ray Data's UserCodeException: the user code's exception is its cause
+    if isinstance(cause, ray.exceptions.RayError) and cause is not e:
+        return worker_failure(cause)
+    if isinstance(cause, BaseException):
+        lines = [ln.strip() for ln in _ANSI.sub("", str(cause)).splitlines() if ln.strip()]
+        name, text = type(cause).__name__, lines[0] if lines else "(no message)"
+    else:
+        lines = [ln.strip() for ln in _ANSI.sub("", str(e)).splitlines() if ln.strip()]
+        name, text = type(e).__name__, lines[0] if lines else "(no message)"
+        if isinstance(e, ray.exceptions.RayActorError) and e.actor_init_failed:
+            # the actor's own exception survives only as the last line of its traceback's text
+            raised = [ln for ln in lines if _EXCEPTION_LINE.match(ln)]
+            if raised:
+                name, _, text = raised[-1].partition(": ")
+    return f"{name}: {text}" + (_IMPORT_FIX if name in ("ImportError", "ModuleNotFoundError") else "")
+
+
+def _probe_failure(e: Exception) -> str:
+    """How the task that loads the model for the fingerprint (run at most twice: max_retries=1,
+    which Ray uses only when its process dies) ended, from Ray's error."""
+    import ray
+
+    x = ray.exceptions
+    if isinstance(e, (x.WorkerCrashedError, x.NodeDiedError)):
+        how = ("died twice (killed: out of memory, a device error or a signal; the Ray logs of its node say "
+               "which)")
+    elif isinstance(e, x.OutOfMemoryError):
+        how = "was killed by Ray's memory monitor (its node is short of memory)"
+    else:
+        how = "failed"
+    return f"the Ray worker that loads the model to fingerprint this configuration {how}: {worker_failure(e)}"
 
 
 class _WorkerPipeline(Pipeline):
@@ -384,8 +433,7 @@ class RayPipeline(Pipeline):
             try:
                 probed = ray.get(task.remote(self.s, self.queries, self._key))
             except ray.exceptions.RayError as e:
-                raise ClusterUnavailable(f"the Ray worker that loads the model to fingerprint this configuration "
-                                         f"died twice: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+                raise ClusterUnavailable(_probe_failure(e)) from None
             finally:
                 self.stage_seconds["fingerprint_load"] = round(time.perf_counter() - t0, 3)
             if "fault" in probed:
@@ -420,7 +468,12 @@ class RayPipeline(Pipeline):
             # ends the run with a manifest); its start-up lines on stderr are dropped unless --debug
             handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
             try:
-                with _stderr_dropped(not self.s.debug):
+                # Ray puts the driver's working folder first on its workers' sys.path, unless the
+                # job has a working_dir: a folder named docproc there (a clone of the repository,
+                # run from its parent) would be imported in place of the installed package. The
+                # job's working_dir is an empty folder (Ray uploads it at init, 0 bytes).
+                with tempfile.TemporaryDirectory(prefix="docproc-ray-") as empty, _stderr_dropped(not self.s.debug):
+                    opts["runtime_env"] = {"working_dir": empty}
                     if self.s.ray_address:
                         ray.init(address=self.s.ray_address, **opts)
                     else:
@@ -485,8 +538,8 @@ class RayPipeline(Pipeline):
         ledger = ray.remote(num_cpus=0, max_restarts=0)(_Ledger).remote()
         try:
             context.enable_progress_bars = False
-            if not self.s.debug:
-                quiet.setLevel(logging.ERROR)
+            if not self.s.debug:  # a worker's error is the run's fault, told in one line
+                quiet.setLevel(logging.CRITICAL)
             n = self._size
             per_batch = max(1, min(self.s.batch_pages, math.ceil(len(groups) / (n * BATCHES_PER_WORKER))))
             threads = None if self._gpus else max(1, (os.cpu_count() or 1) // n)
@@ -501,13 +554,18 @@ class RayPipeline(Pipeline):
                                                            cfg=self.cfg, key=self._key, ledger=ledger,
                                                            concurrency=n, threads=threads))
             done: set = set()
-            for block in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-                for blob in block.column("payload").to_pylist():
-                    result = pickle.loads(blob)
-                    self._take(result)
-                    done.update(result["groups"])
-                    if result.get("retried"):
-                        ledger.forget.remote(result["groups"])
+            try:
+                for block in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+                    for blob in block.column("payload").to_pylist():
+                        result = pickle.loads(blob)
+                        self._take(result)
+                        done.update(result["groups"])
+                        if result.get("retried"):
+                            ledger.forget.remote(result["groups"])
+            except ray.exceptions.RayError as e:  # a worker's own error outside any document
+                starting = isinstance(e, ray.exceptions.RayActorError) and e.actor_init_failed
+                raise ClusterUnavailable(f"an engine worker failed{' as it started' if starting else ''}: "
+                                         f"{worker_failure(e)}") from None
             for g, docs in items:  # none, unless Ray lost a batch without an error
                 if g not in done:
                     for cand, sha in docs:
