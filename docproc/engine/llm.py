@@ -14,7 +14,7 @@ import os
 import warnings
 import weakref
 import time
-from typing import Any, Sequence as Seq
+from typing import Any, Callable, Sequence as Seq
 
 import torch
 
@@ -250,7 +250,11 @@ class LLM:
         prompts: PromptType | Seq[PromptType],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        on_request_done: Callable[[RequestOutput], None] | None = None,
     ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in input order. on_request_done, when given, is called
+        once per request as it finishes (in finishing order, with the RequestOutput that is also
+        returned): what a caller's progress display counts; an exception it raises ends the call."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -285,8 +289,19 @@ class LLM:
             self._abort_unfinished()  # none of this call's requests stays queued for the next one
             raise
 
-        progress = Progress(len(index)) if use_tqdm else None
+        progress = Progress(len(results)) if use_tqdm else None
+        callbacks = [f for f in (progress.advance if progress else None, on_request_done) if f is not None]
+
+        def finished(i: int) -> None:
+            if callbacks:
+                out = merge_samples(results[i], params[i].n)  # type: ignore[arg-type]
+                for f in callbacks:
+                    f(out)
+
         try:
+            for i, runs in enumerate(results):
+                if runs[0] is not None:  # refused at submission (a PromptError): finished already
+                    finished(i)
             while self.scheduler.has_unfinished:
                 for seq in self.step():
                     where = index.pop(seq.seq_id, None)
@@ -294,8 +309,8 @@ class LLM:
                         continue
                     i, j = where
                     results[i][j] = request_output(seq, prompts[i], self.tokenizer)
-                    if progress:
-                        progress.advance(seq.num_generated_tokens)
+                    if all(r is not None for r in results[i]):  # its last sample
+                        finished(i)
         except BaseException as e:
             self._abort_unfinished()  # the engine stays usable for the caller's next call
             if is_device_failure(e):

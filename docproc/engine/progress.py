@@ -1,4 +1,5 @@
-"""A Rich progress bar over requests, drawn only when LLM.generate(use_tqdm=True)."""
+"""A Rich progress bar over requests, drawn only when LLM.generate(use_tqdm=True): one of the
+callbacks LLM.generate calls as each request finishes (on_request_done is the caller's)."""
 from __future__ import annotations
 
 import time
@@ -15,8 +16,9 @@ class Progress:
         self._tokens = 0
         self._progress.start()
 
-    def advance(self, num_tokens: int) -> None:
-        self._tokens += num_tokens
+    def advance(self, out) -> None:
+        """One request finished (its RequestOutput)."""
+        self._tokens += out.metrics.num_generated_tokens
         tps = self._tokens / max(time.perf_counter() - self._start, 1e-9)
         self._progress.update(self._task, advance=1, tps=f"{tps:.1f}")
 
