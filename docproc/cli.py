@@ -191,6 +191,10 @@ def run(
                                "rows) and documents (documents.parquet, and .csv/.jsonl with csv/jsonl: a row per "
                                "document, typed)."),
     force: bool = typer.Option(False, "--force", help="Redo documents already done with the same settings."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="List what a run would do to each document and why "
+                                 "(new, redo, already done, moved, removed, skipped) and write nothing; the model "
+                                 "loads only where the configuration fingerprint is not cached and an outcome "
+                                 "turns on it."),
     max_num_batched_tokens: int = typer.Option(8192, "--max-num-batched-tokens", metavar="N",
                                                help="Engine token budget per step."),
     gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization", metavar="FRACTION",
@@ -245,6 +249,8 @@ def run(
     except (QueryFileError, ValueError, typer.BadParameter) as e:
         error(e)
         raise typer.Exit(EXIT_USAGE)
+    if dry_run:
+        _dry_run(pipeline, log_json, debug)
     if not ray:  # a Ray run's devices are its actors'
         display.watch_device(gpu_only_options(settings),
                              lambda: pipeline.llm.cache_info()["device"] if pipeline.llm is not None else None)
@@ -285,6 +291,54 @@ def run(
     raise typer.Exit(manifest["exit_code"])
 
 
+def _dry_run(pipeline, log_json: bool, debug: bool) -> None:
+    """Print the plan of the run (docproc.pipeline.plan) and exit 0; a fault exits as the run would."""
+    from docproc.errors import EnvironmentFault
+    from docproc.pipeline.plan import ACTIONS, dry_run
+
+    try:
+        plan = dry_run(pipeline)
+    except EnvironmentFault as e:
+        error(e)
+        raise typer.Exit(e.exit_code)
+    except Exception as e:  # noqa: BLE001 -- a bug: one line, the traceback with --debug
+        if debug:
+            raise
+        error(f"internal error: {type(e).__name__}: {e} (run again with --debug for the traceback, and "
+              f"please report it)")
+        raise typer.Exit(EXIT_INTERNAL)
+    finally:
+        pipeline.report.close()
+        pipeline.close_engine()
+        if getattr(pipeline, "_started_ray", False):  # a Ray run's fingerprint came from a worker
+            import ray
+
+            ray.shutdown()
+    c, f = plan["counts"], plan["fingerprint"]
+    try:
+        if log_json:
+            for d in plan["documents"]:
+                print(json.dumps({"event": "plan", **d}))
+            print(json.dumps({"event": "plan_end", "counts": c, "config_fingerprint": plan["config_fingerprint"],
+                              "fingerprint": f}), flush=True)
+        else:
+            table = Table(box=None, pad_edge=False)
+            for col in ("action", "path", "reason"):
+                table.add_column(col, overflow="fold")
+            for d in plan["documents"]:
+                table.add_row(d["action"], escape(shown(d["path"])), escape(d["reason"] or ""))
+            if plan["documents"]:
+                out_console.print(table)
+            out_console.print(escape(
+                f"would process {c['new'] + c['redo']} (new {c['new']}, redo {c['redo']}); "
+                + ", ".join(f"{a} {c[a]}" for a in ACTIONS[2:])
+                + f". Configuration fingerprint {plan['config_fingerprint'] or '-'}, {f['why']}. Nothing was "
+                  f"written."), soft_wrap=True)
+    except BrokenPipeError:  # stdout closed (`| head`)
+        _stdout_gone()
+    raise typer.Exit(EXIT_OK)
+
+
 def gpu_only_options(settings) -> list[str]:
     """The options set that are meant for CUDA: on a CPU they run the torch reference code, and the
     run is slower with them than without."""
@@ -299,15 +353,46 @@ def cpu_warning(flags: list[str]) -> str:
             f"the torch reference code, slower than without {'it' if one else 'them'}")
 
 
-class _Display:
-    """Rich progress on stderr while a run goes (documents, pages, unique pages, tokens/s)."""
+# Off a terminal (cron mail, a log file) the progress is one plain line this often, and at the
+# end: a stall shows within half a minute, and a two-hour run writes 240 short lines, not a flood.
+LINE_SECONDS = 30.0
 
-    def __init__(self, quiet: bool, log_json: bool) -> None:
+
+class _Display:
+    """Progress on stderr while a run goes, moved by the pipeline's events as things happen: the
+    model load, each page rendered, each request answered (tokens/s and draft acceptance with it),
+    each document. On a terminal a Rich bar; elsewhere one plain line every LINE_SECONDS and one
+    at the end (no ANSI codes). Warnings show even when quiet (--quiet, --log-json)."""
+
+    def __init__(self, quiet: bool, log_json: bool, console: Console | None = None, clock=None,
+                 line_seconds: float = LINE_SECONDS, tick_seconds: float | None = 5.0) -> None:
+        """console: where progress goes (default: stderr's); clock: seconds, monotonic (a test's
+        fake); tick_seconds: how often a background thread looks whether a plain line is due (None:
+        only as events come)."""
+        import time
+
         self.quiet, self.log_json = quiet, log_json
+        self._console = console
+        self.clock = clock or time.monotonic
+        self.line_seconds, self.tick_seconds = line_seconds, tick_seconds
         self.progress = None
         self.task = None
         self.gpu_flags: list[str] = []
         self.engine_device = lambda: None
+        self.files: int | None = None
+        self.documents = self.pages = self.answered = self.submitted = self.tokens = 0
+        self.proposed = self.accepted = 0
+        self.engine_seconds = 0.0
+        self.loading = False
+        self.live = False  # the engine's figures come as each request finishes (not with --ray)
+        self.t0: float | None = None  # the first event's time: the run's elapsed seconds count from it
+        self.last_line: float | None = None
+        self._lock = None
+        self._stop = None
+
+    @property
+    def console(self) -> Console:
+        return self._console or err_console
 
     def watch_device(self, gpu_flags: list[str], engine_device) -> None:
         """Warn once, when the engine has loaded on a CPU, about gpu_flags (gpu_only_options).
@@ -320,7 +405,7 @@ class _Display:
             print(json.dumps({"event": "document", **data}), flush=True)
         if event == "warning":  # shown even with --quiet
             error(data["message"], "warning", "yellow")
-        if self.gpu_flags and event in ("start", "batch"):
+        if self.gpu_flags and event in ("start", "batch", "load_end"):
             device = self.engine_device()
             if device is not None:
                 if device == "cpu":
@@ -328,24 +413,109 @@ class _Display:
                 self.gpu_flags = []
         if self.quiet:
             return
+        if event == "note":
+            self.console.print(f"docproc: {data['message']}", markup=False, highlight=False, soft_wrap=True)
+            return
+        if not self._take(event, data):
+            return
+        if self.t0 is None:
+            self.t0 = self.clock()
+            self._begin()
+        if self.progress is not None:
+            self.progress.update(self.task, description="loading model" if self.loading else "documents",
+                                 total=self.files, completed=self.documents, info=self.figures(bar=True))
+        elif event == "load_end":
+            self._line(f"docproc: model loaded in {data['seconds']:.1f} s")
+        else:
+            self._line(self.line() if event == "end" else None)
+
+    def _take(self, event: str, data: dict) -> bool:
+        """Update the figures from an event; False for an event that moves nothing shown."""
         if event == "start":
+            self.files = data["files"]
+        elif event == "load_start":
+            self.loading = True
+        elif event == "load_end":
+            self.loading = False
+        elif event == "document":
+            self.documents += 1
+        elif event == "page":
+            self.pages = data["pages"]
+        elif event == "requests":  # cumulative figures, at submission and as each request finishes
+            self.live = True
+            self.answered, self.submitted, self.tokens = data["answered"], data["submitted"], data["generated_tokens"]
+            self.proposed, self.accepted = data["draft_proposed"], data["draft_accepted"]
+            self.engine_seconds = data["engine_seconds"]
+        elif event == "batch":
+            t = data["totals"]
+            self.pages = max(self.pages, t["pages"])
+            if not self.live:  # a --ray run's driver: its figures come with each batch a worker ends
+                self.answered = self.submitted = t["requests"]
+                self.tokens, self.proposed, self.accepted = t["generated_tokens"], t["draft_proposed"], t["draft_accepted"]
+                self.engine_seconds = data["engine_seconds"]
+        elif event != "end":
+            return False
+        return True
+
+    def figures(self, bar: bool = False) -> str:
+        """Pages, requests, tokens/s and acceptance (with bar=False, documents and seconds too)."""
+        rate = self.tokens / self.engine_seconds if self.engine_seconds > 0 else None
+        tps = "-" if rate is None else f"{rate:.1f}" if rate < 10 else f"{rate:.0f}"  # a small model on a CPU: 0.4
+        acc = f"{self.accepted / self.proposed:.0%}" if self.proposed else "-"
+        if bar:
+            return f"pages {self.pages}  requests {self.answered}/{self.submitted}  {tps} tok/s  acceptance {acc}"
+        files = "?" if self.files is None else self.files
+        elapsed = self.clock() - self.t0 if self.t0 is not None else 0.0
+        return (f"{self.documents}/{files} documents, {self.pages} pages, {self.answered}/{self.submitted} requests, "
+                f"{tps} tok/s, acceptance {acc}, {elapsed:.0f} s")
+
+    def line(self) -> str:
+        return "docproc: " + ("loading model, " if self.loading else "") + self.figures()
+
+    def _begin(self) -> None:
+        import threading
+
+        if self.console.is_terminal:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self.progress = Progress(TextColumn("documents"), BarColumn(), MofNCompleteColumn(),
-                                     TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=err_console,
-                                     transient=True)
-            self.task = self.progress.add_task("run", total=data["files"], info="")
+            self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                     TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=self.console,
+                                     transient=True, refresh_per_second=4)
+            self.task = self.progress.add_task("loading model" if self.loading else "documents", total=self.files,
+                                               info=self.figures(bar=True))
             self.progress.start()
-        elif event == "document" and self.progress:
-            self.progress.advance(self.task)
-        elif event == "batch" and self.progress:
-            t = data["totals"]
-            tps = t["generated_tokens"] / data["engine_seconds"] if data["engine_seconds"] else 0
-            acc = f"{t['draft_accepted'] / t['draft_proposed']:.0%}" if t["draft_proposed"] else "-"
-            self.progress.update(self.task, info=f"pages {t['pages']} (unique {data['unique_pages']})  "
-                                                 f"{tps:.0f} tok/s  acceptance {acc}")
+            return
+        self.last_line = self.t0
+        self._lock = threading.Lock()
+        if self.tick_seconds is not None:  # a line is due during a long load or request too
+            self._stop = threading.Event()
+            threading.Thread(target=self._ticker, name="docproc-progress", daemon=True).start()
+
+    def _ticker(self) -> None:
+        while not self._stop.wait(self.tick_seconds):
+            try:
+                self._line_if_due()
+            except Exception:  # noqa: BLE001 -- display only: a closed stderr ends the lines, not the run
+                return
+
+    def _line_if_due(self) -> None:
+        self._line(None)
+
+    def _line(self, text: str | None) -> None:
+        """Write text, or (None) the progress line when one is due; events and the ticker both
+        come here, one at a time."""
+        with self._lock:
+            if text is None:
+                if self.clock() - self.last_line < self.line_seconds:
+                    return
+                text = self.line()
+            self.last_line = self.clock()
+            self.console.file.write(text + "\n")  # plain: no markup, no wrapping, no ANSI codes
+            self.console.file.flush()
 
     def close(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
         if self.progress:
             self.progress.stop()
 

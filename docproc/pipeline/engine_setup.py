@@ -113,10 +113,10 @@ class EngineSetup:
         cache[key] = {"config_fingerprint": cfg, "model": self.model_fingerprint()}
         self.store.write_config_cache(dict(list(cache.items())[-CONFIG_CACHE_ENTRIES:]))  # the most recent last
 
-    def _config(self) -> str:
-        """The configuration fingerprint: from the config cache when an earlier run computed it from
-        the same files and settings (the model is then loaded only if a document needs work), else
-        from the loaded engine (and cached)."""
+    def cached_config(self) -> str | None:
+        """The configuration fingerprint from the config cache, when an earlier run computed it
+        from the same files and settings; None otherwise (the engine must load to know it). Reads
+        OUT, writes nothing."""
         key = self._key = self.config_key()
         if key is not None and self.llm is None:
             hit = self.store.read_config_cache().get(key)
@@ -124,6 +124,15 @@ class EngineSetup:
                 self._cached_model = hit.get("model")
                 self._cached_cfg = hit["config_fingerprint"]
                 return self._cached_cfg
+        return None
+
+    def _config(self) -> str:
+        """The configuration fingerprint: from the config cache where it hits (the model is then
+        loaded only if a document needs work), else from the loaded engine (and cached)."""
+        cached = self.cached_config()
+        if cached is not None:
+            return cached
+        key = self._key
         cfg = self.config_fingerprint()
         self._remember_components(cfg)
         if key is not None:
@@ -134,6 +143,7 @@ class EngineSetup:
         if self.llm is None:
             from docproc import LLM
 
+            self.report("load_start", {"model": self.s.model, "draft": self.s.draft})
             t0 = time.perf_counter()
             try:
                 self._own_llm = True
@@ -150,6 +160,7 @@ class EngineSetup:
                 raise load_fault(e, self.s.model, self.s.draft) from e
             finally:
                 self.stage_seconds["load_model"] += time.perf_counter() - t0
+            self.report("load_end", {"seconds": round(time.perf_counter() - t0, 3)})
             cached = self._cached_cfg
             if cached is not None:
                 real = self.config_fingerprint()

@@ -22,7 +22,7 @@ import resource
 import time
 import traceback
 import uuid
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Callable
 
@@ -58,7 +58,8 @@ def _within(path: str, folder: str) -> bool:
     return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
-Reporter = Callable[[str, dict], None]  # (event, data): "start", "document", "batch", "warning", "end"
+Reporter = Callable[[str, dict], None]  # (event, data): "start", "load_start", "load_end", "page", "requests",
+#                                         "document", "batch", "warning", "note", "end"
 
 
 def _quiet_on_failure(reporter: Reporter) -> Reporter:
@@ -81,8 +82,19 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="microseconds")
 
 
+@dataclass
+class LiveFigures:
+    """The engine's figures as they move within a batch (RunTotals counts a batch once it ends)."""
+    submitted: int = 0  # requests handed to the engine so far
+    answered: int = 0
+    generated_tokens: int = 0
+    draft_proposed: int = 0
+    draft_accepted: int = 0
+
+
 class Pipeline(EngineSetup, DocumentRows):
     _history: ConfigHistory | None = None  # this run's configuration against the stored documents'
+    _live: LiveFigures | None = None  # made when the first batch goes to the engine
     config_changed: dict | None = None  # documents done before and redone since the configuration changed
 
     def __init__(self, settings: RunSettings, llm=None, reporter: Reporter | None = None) -> None:
@@ -320,9 +332,11 @@ class Pipeline(EngineSetup, DocumentRows):
             self._finish_document(state)
         return batch
 
-    def _reconcile(self, candidates: list[Candidate]) -> None:
-        """What the stored rows say against what discovery found (docproc.pipeline.reconcile)."""
-        rows = self.store.current().to_pylist()
+    def _reconcile(self, candidates: list[Candidate], rows: list[dict] | None = None) -> None:
+        """What the stored rows (rows: OUT's current rows, read here when not given) say against
+        what discovery found (docproc.pipeline.reconcile)."""
+        if rows is None:
+            rows = self.store.current().to_pylist()
         found = {c.rel: c.root for c in candidates}
         unlisted = ["" if c.rel == "./" else c.rel for c in candidates if c.kind == "unlistable_folder"]
         files = {display_name(os.path.realpath(c.path)): c.rel for c in candidates if not c.skip_reason}
@@ -384,6 +398,7 @@ class Pipeline(EngineSetup, DocumentRows):
         for i in range(doc.num_pages):
             page = doc.page(i)
             self.totals.pages += 1
+            self.report("page", {"pages": self.totals.pages})
             self.page_hashes.add(page.sha256)
             n = llm.count_image_tokens(page.image)
             if page.text:  # the anchor text shares the window's budget with the images
@@ -399,6 +414,25 @@ class Pipeline(EngineSetup, DocumentRows):
         self.stage_seconds["open_render_hash"] += time.perf_counter() - t0
         state.windows_total += 1
         yield _Window(state, state.windows_total - 1, pages)
+
+    def _requests_handed(self, num: int) -> Callable:
+        """Report num requests handed to the engine, and return the callback that reports each as
+        it finishes (LLM.generate's on_request_done): the run's requests answered and handed over,
+        tokens generated, the draft's figures and the engine's seconds so far, as they move."""
+        live = self._live = self._live or LiveFigures()
+        live.submitted += num
+        before, t0 = self.stage_seconds["engine"], time.perf_counter()
+
+        def done(out) -> None:
+            m = out.metrics
+            live.answered += 1
+            live.generated_tokens += m.num_generated_tokens
+            live.draft_proposed += m.draft_proposed
+            live.draft_accepted += m.draft_accepted
+            self.report("requests", {**asdict(live), "engine_seconds": before + time.perf_counter() - t0})
+
+        self.report("requests", {**asdict(live), "engine_seconds": before})
+        return done
 
     def _run_batch(self, batch: list[_Window]) -> None:
         """Run a batch; if the engine raises, run it again document by document so that only the
@@ -458,7 +492,7 @@ class Pipeline(EngineSetup, DocumentRows):
                                              structured_outputs=q.structured_outputs() if self.constrain else None))
         t0 = time.perf_counter()
         try:
-            return llm.generate(prompts, params)
+            return llm.generate(prompts, params, on_request_done=self._requests_handed(len(prompts)))
         finally:
             self.stage_seconds["engine"] += time.perf_counter() - t0
 
