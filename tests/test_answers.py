@@ -154,12 +154,32 @@ def test_the_unenforced_list_is_what_the_grammar_leaves_out():
         assert accepts(g, answer) == (keyword in UNENFORCED), keyword
 
 
-def test_amount_rules_are_bounded():
-    from docproc.pipeline.constraints import answer_allowed
+def test_the_rules_are_bounded_and_dates_real():
+    """An amount has at most 18 integer digits; a date rule admits exactly the dates the normaliser
+    reads as real ones (a random 7B-geometry model wrote 75/48/4427 under the old rule)."""
+    import datetime
+
+    from docproc.engine.structured import max_output_bytes
+    from docproc.pipeline.constraints import DATE_PATTERN, PATTERNS, answer_allowed
+    from docproc.pipeline.normalize import normalize_date
+    from docproc.sampling_params import StructuredOutputsParams
 
     assert answer_allowed("number", "1" * 18) is None and answer_allowed("number", "1" * 19) is not None
     assert answer_allowed("number", "1,234,567.89") is None
     assert answer_allowed("date", "December " + " " * 5 + "31, 2024") is not None
+    rule = re.compile(DATE_PATTERN)
+    for y in (2023, 2024, 1900, 2000):
+        for m in range(1, 13):
+            name = datetime.date(2000, m, 1).strftime("%B")
+            for d in range(0, 33):
+                for text in (f"{y}-{m:02d}-{d:02d}", f"{d}.{m}.{y}", f"{d}/{m}/{y}", f"{m}/{d}/{y}",
+                             f"{name} {d}, {y}", f"{d} {name[:3]} {y}"):
+                    assert (rule.fullmatch(text) is not None) == (normalize_date(text) is not None), text
+    # the amount and date rules never outgrow the default max_tokens (48): never steered
+    assert max_output_bytes(StructuredOutputsParams(regex=PATTERNS["number"])) <= 48
+    assert max_output_bytes(StructuredOutputsParams(regex=PATTERNS["date"])) <= 48
+    assert max_output_bytes(StructuredOutputsParams(regex=PATTERNS["string"])) is None
+    assert max_output_bytes(StructuredOutputsParams(regex="(ab|abcd)?é")) == 6
 
 
 # ---- the engine: outputs that close within max_tokens -------------------------------------------

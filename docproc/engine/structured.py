@@ -110,7 +110,7 @@ class BudgetMatcher:
 
     MARGIN = 4
 
-    def __init__(self, matcher, max_tokens: int, compiler: "GrammarCompiler", json_text: bool) -> None:
+    def __init__(self, matcher, max_tokens: int | None, compiler: "GrammarCompiler", json_text: bool) -> None:
         self.matcher = matcher
         self.max_tokens = max_tokens
         self.num_accepted = 0
@@ -141,6 +141,8 @@ class BudgetMatcher:
 
     def forced_token(self) -> int | None:
         """The only token the next position may take, or None (the grammar's mask applies)."""
+        if self.max_tokens is None:
+            return None
         left = self.max_tokens - self.num_accepted
         if left <= 0 or self.matcher.is_terminated():
             return None
@@ -159,6 +161,53 @@ class BudgetMatcher:
             self.matcher.fill_next_token_bitmask(bitmask, row)
         else:
             only_token(bitmask, row, token)
+
+
+def max_output_bytes(params: StructuredOutputsParams) -> int | None:
+    """The most bytes an output of the constraint can have (a token holds at least one), or None
+    when it has no bound: choices, and regexes of bounded width in the subset Python's parser
+    reads alike (the query rules are written in it)."""
+    if params.kind == "choice":
+        return max(len(c.encode()) for c in params.choice)
+    if params.kind != "regex":
+        return None
+    try:
+        import re._parser as sre  # Python 3.11 and later
+    except ImportError:  # pragma: no cover
+        import sre_parse as sre  # type: ignore[no-redef]
+    try:
+        width = _regex_bytes(sre.parse(params.regex), sre)
+    except Exception:  # noqa: BLE001 -- a syntax only xgrammar reads: no bound known
+        return None
+    return None if width == float("inf") else int(width)
+
+
+def _regex_bytes(pattern, sre) -> float:
+    """The most UTF-8 bytes a parsed regex matches (inf when unbounded)."""
+    c = sre._constants if hasattr(sre, "_constants") else sre
+    total = 0.0
+    for op, arg in pattern:
+        if op is c.LITERAL or op is c.NOT_LITERAL:
+            total += len(chr(arg).encode()) if op is c.LITERAL else 4
+        elif op is c.IN:
+            total += max((len(chr(a[1] if t is c.RANGE else a).encode()) if t in (c.LITERAL, c.RANGE) else 4)
+                         for t, a in arg)
+        elif op is c.ANY:
+            total += 4
+        elif op in (c.MAX_REPEAT, c.MIN_REPEAT, getattr(c, "POSSESSIVE_REPEAT", None)):
+            lo, hi, sub = arg
+            if hi >= c.MAXREPEAT:
+                return float("inf")
+            total += hi * _regex_bytes(sub, sre)
+        elif op is c.SUBPATTERN:
+            total += _regex_bytes(arg[-1], sre)
+        elif op is c.BRANCH:
+            total += max(_regex_bytes(b, sre) for b in arg[1])
+        elif op is c.AT:
+            continue
+        else:  # back references, look-arounds, anything else: no bound claimed
+            return float("inf")
+    return total
 
 
 def only_token(bitmask: torch.Tensor, row: int, token: int) -> None:
@@ -259,8 +308,12 @@ class GrammarCompiler:
 
     def matcher(self, params: StructuredOutputsParams, max_tokens: int) -> BudgetMatcher:
         """A fresh matcher for the constraint and a request of max_tokens (StructuredOutputError if
-        it does not compile)."""
-        return BudgetMatcher(self._matcher(params), max_tokens, self, json_text=params.kind == "json")
+        it does not compile). A constraint whose every output fits in max_tokens (a bounded regex,
+        choices) is never steered: its budget is None."""
+        most = max_output_bytes(params)
+        fits = most is not None and most <= max_tokens  # every output fits: nothing to steer
+        return BudgetMatcher(self._matcher(params), None if fits else max_tokens, self,
+                             json_text=params.kind == "json")
 
     def token_text(self, token: int) -> str:
         """A token's bytes as latin-1 text (one character a byte: quotes and backslashes are
@@ -268,6 +321,9 @@ class GrammarCompiler:
         return self._vocab[token].decode("latin-1") if token < len(self._vocab) else ""
 
     def encode(self, text: str) -> list[int]:
+        fast = getattr(self.tokenizer, "_tokenizer", None)  # the tokenizers library's own: no wrapper's cost
+        if fast is not None and hasattr(fast, "encode"):
+            return fast.encode(text, add_special_tokens=False).ids
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def completion(self, matcher, scan: tuple[bool, bool] | None) -> str | None:

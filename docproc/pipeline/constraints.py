@@ -21,21 +21,46 @@ from docproc.pipeline import json_schema
 
 _MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
            "November", "December"]
-_ABBR = [m[:3] for m in _MONTHS] + ["Sept"]
-_NAMES = sorted({f(n) for n in _MONTHS + _ABBR for f in (str, str.upper, str.lower)}, key=lambda n: (-len(n), n))
-_MONTH_NAME = "(" + "|".join(_NAMES) + ")"
-_DAY = "(0?[1-9]|[12][0-9]|3[01])"
-_MONTH = "(0?[1-9]|1[0-2])"
-_YEAR = "[0-9]{4}"
+
+
+def _names(months: list[str]) -> str:
+    """Month names and abbreviations, in three cases, longest first."""
+    forms = {f(n) for m in months for n in (m, m[:3], *(["Sept"] if m == "September" else [])) for f in
+             (str, str.upper, str.lower)}
+    return "(" + "|".join(sorted(forms, key=lambda n: (-len(n), n))) + ")"
+
+
+_YEAR = "[12][0-9]{3}"
+# years with a 29 February: multiples of 4, centuries only when a multiple of 400
+_LEAP = "([12][0-9]([02468][48]|[2468]0|[13579][26])|1600|2000|2400|2800)"
+# (month, day, year) that make a real date: a month of 31, of 30 days, February, 29 February
+_CALENDAR = [("(0?[13578]|1[02])", "(0?[1-9]|[12][0-9]|3[01])", _YEAR),
+             ("(0?[469]|11)", "(0?[1-9]|[12][0-9]|30)", _YEAR),
+             ("0?2", "(0?[1-9]|1[0-9]|2[0-8])", _YEAR),
+             ("0?2", "29", _LEAP)]
+_NAMED = [(_names([m for i, m in enumerate(_MONTHS) if i in (0, 2, 4, 6, 7, 9, 11)]), _CALENDAR[0][1], _YEAR),
+          (_names(["April", "June", "September", "November"]), _CALENDAR[1][1], _YEAR),
+          (_names(["February"]), _CALENDAR[2][1], _YEAR), (_names(["February"]), "29", _LEAP)]
+_LATE_DAY = {"(0?[1-9]|[12][0-9]|3[01])": "(1[3-9]|2[0-9]|3[01])", "(0?[1-9]|[12][0-9]|30)": "(1[3-9]|2[0-9]|30)",
+             "(0?[1-9]|1[0-9]|2[0-8])": "(1[3-9]|2[0-8])", "29": "29"}
+
+
+def _dates(form: str, table=_CALENDAR) -> str:
+    """The real dates of a form ({m}, {d}, {y} in it): one alternative per kind of month."""
+    return "|".join(form.format(m=m, d=d, y=y) for m, d, y in table)
+
+
 NONE_PATTERN = "(none|None|NONE|null)"
 # an optional space first: a model may spell an answer as read after its label (" CHF"); a date
-# may end in a full stop (the normaliser drops it)
+# may end in a full stop (the normaliser drops it). Only real dates: a day that its month has, 29
+# February in leap years. Slashed dates are read day/month unless the second number is over 12
+# (pipeline/normalize.py): day/month, or month/day with a day from 13 on.
 DATE_PATTERN = (" ?(" + "|".join([
-    f"{_YEAR}-{_MONTH}-{_DAY}",  # ISO
-    f"{_DAY}\\.{_MONTH}\\.{_YEAR}\\.?",  # 31.12.2024
-    f"[0-9]{{1,2}}/[0-9]{{1,2}}/{_YEAR}",  # either order: the normaliser decides
-    f"{_MONTH_NAME}\\.? {{1,3}}{_DAY},? {{1,3}}{_YEAR}\\.?",  # December 31, 2024
-    f"{_DAY}\\.? {{1,3}}{_MONTH_NAME}\\.?,? {{1,3}}{_YEAR}\\.?",  # 31 Dec 2024
+    _dates("{y}-{m}-{d}"),  # ISO
+    _dates("{d}\\.{m}\\.{y}\\.?"),  # 31.12.2024
+    _dates("{d}/{m}/{y}"), "|".join(f"{m}/{_LATE_DAY[d]}/{y}" for m, d, y in _CALENDAR),  # 31/12/2024, 12/31/2024
+    _dates("{m}\\.? {{1,3}}{d},? {{1,3}}{y}\\.?", _NAMED),  # December 31, 2024
+    _dates("{d}\\.? {{1,3}}{m}\\.?,? {{1,3}}{y}\\.?", _NAMED),  # 31 Dec 2024
     NONE_PATTERN]) + ")")
 _CURRENCY = "([A-Za-z]{3}|[$€£¥₹])"
 _SIGN = "[-−]?"  # ASCII or Unicode minus
@@ -53,12 +78,18 @@ _NONE_WORDS = {"", "none", "null", "n/a", "na", "-"}
 SCHEMA_PROBLEM = "not valid for the schema"  # how answer_allowed's schema breaches begin
 
 PATTERNS = {"date": DATE_PATTERN, "number": NUMBER_PATTERN, "string": STRING_PATTERN}
-# What a rule is fingerprinted as: the text of its first form. The bounds added since (at most 18
-# integer digits and 5 thousands groups, one to three spaces in a row) refuse only answers that
-# nothing stored under the first form can usefully hold, so documents done under it are not redone
-# for them. A change that can change an answer must change this text.
+# What a rule is fingerprinted as: the text of its first form. What was added since (at most 18
+# integer digits and 5 thousands groups, one to three spaces in a row, only real dates) refuses
+# only answers that nothing stored under the first form can usefully hold (they were parse errors
+# or never written), so documents done under it are not redone for them. A change that can change
+# an answer must change this text.
+_ANY_NAME = "(" + "|".join(sorted({f(n) for n in _MONTHS + [m[:3] for m in _MONTHS] + ["Sept"]
+                                   for f in (str, str.upper, str.lower)}, key=lambda n: (-len(n), n))) + ")"
+_DAY, _MONTH = "(0?[1-9]|[12][0-9]|3[01])", "(0?[1-9]|1[0-2])"
 RULE_FINGERPRINTS = {
-    "date": DATE_PATTERN.replace(" {1,3}", " +"),
+    "date": " ?(" + "|".join([f"[0-9]{{4}}-{_MONTH}-{_DAY}", f"{_DAY}\\.{_MONTH}\\.[0-9]{{4}}\\.?",
+                              "[0-9]{1,2}/[0-9]{1,2}/[0-9]{4}", f"{_ANY_NAME}\\.? +{_DAY},? +[0-9]{{4}}\\.?",
+                              f"{_DAY}\\.? +{_ANY_NAME}\\.?,? +[0-9]{{4}}\\.?", NONE_PATTERN]) + ")",
     "number": NUMBER_PATTERN.replace("[0-9]{3}){1,5}|", "[0-9]{3})+|").replace("[0-9]{2}){1,6},", "[0-9]{2})+,")
     .replace("|[0-9]{1,18})", "|[0-9]+)"),
     "string": STRING_PATTERN,
