@@ -331,7 +331,7 @@ def _dry_run(pipeline, log_json: bool, debug: bool) -> None:
                 out_console.print(table)
             out_console.print(escape(
                 f"would process {c['new'] + c['redo']} (new {c['new']}, redo {c['redo']}); "
-                + ", ".join(f"{a} {c[a]}" for a in ACTIONS[2:])
+                + ", ".join(f"{'errors' if a == 'error' else a} {c[a]}" for a in ACTIONS[2:])
                 + f". Configuration fingerprint {plan['config_fingerprint'] or '-'}, {f['why']}. Nothing was "
                   f"written."), soft_wrap=True)
     except BrokenPipeError:  # stdout closed (`| head`)

@@ -88,10 +88,10 @@ def _fingerprint(p, candidates: list[Candidate], told) -> dict:
         return {"source": "not needed", "why": "not computed: it is not cached, and no document done before has "
                                                "the same bytes now"}
     why = (f"computed by loading the model, as the run would: it is not cached (the model files, a setting or "
-           f"the query set differ from the runs' in OUT), and {same} document(s) done before with the same bytes "
-           f"are redone only if it changed")
+           f"the query set differ from the runs' in OUT), and whether {same} document(s) done before with the "
+           f"same bytes are redone turns on it")
     told("note", {"message": f"the configuration fingerprint is not cached; loading the model to compute it "
-                             f"({same} document(s) done before with the same bytes are redone only if it changed)"})
+                             f"(whether {same} document(s) done before with the same bytes are redone turns on it)"})
     # as the run computes it (RayPipeline: on a worker of the cluster), but kept nowhere: a load
     # that fails is the run's fault too (its exit code)
     p.cfg = p.config_fingerprint()
@@ -132,4 +132,6 @@ def _to_process(p, cand: Candidate, sha: str, rows: list[dict] | None) -> dict:
         return entry("redo", "an earlier failure is retried" + (f" ({error})" if error else ""))
     if done[0] != sha:
         return entry("redo", "its bytes changed")
+    if not p._history.changes(done[1]):  # its components were not kept (a run before fingerprints.json)
+        return entry("redo", "the configuration changed since it was done (what changed is not known)")
     return entry("redo", f"the configuration changed ({p._history.describe(done[1])})")
