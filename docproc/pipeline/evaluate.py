@@ -122,7 +122,7 @@ def evaluate(out: str | Path, truth_file: str | Path) -> dict:
     fields_of: dict[str, set[str]] = defaultdict(set)  # the fields each JSON query has answered anywhere
     no_object: dict[str, list[str]] = defaultdict(list)
     for r in table:
-        if r["query"] is None:
+        if r["query"] is None or r.get("page") is not None:  # (the truth is per document, not per page)
             continue
         name, value = Path(r["path"]).name, r["value"]
         if r["query_type"] == "json":  # an object's properties are scored as QUERY.FIELD

@@ -33,6 +33,7 @@ class Query:
     schema: str | None = None  # a json query's JSON Schema (canonical JSON text): its answer is constrained to it
     choices: tuple[str, ...] | None = None  # a string query's allowed answers: its answer is one of them
     constrained: bool = True  # false: decoded as free text (the query file's `constrained = false`)
+    per_page: bool = False  # asked of each page alone, a row per page (the query file's `per_page = true`)
 
     @functools.cached_property
     def _structured_outputs(self):
@@ -64,7 +65,8 @@ class Query:
         key = so.key() if so is not None else None
         if so is not None and so.kind == "regex" and so.regex == PATTERNS.get(self.type):
             key = f"regex:{RULE_FINGERPRINTS[self.type]}"  # a type's rule (constraints.RULE_FINGERPRINTS)
-        return [self.name, self.question, self.type, self.max_tokens, key]
+        # (per_page only when on: the fingerprints of sets without it stay as they were)
+        return [self.name, self.question, self.type, self.max_tokens, key] + (["per_page"] if self.per_page else [])
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,7 @@ def default_query_file() -> Path:
     return Path(str(resources.files("docproc") / "assets" / "queries" / "default.toml"))
 
 
-QUERY_KEYS = ("name", "question", "type", "max_tokens", "schema", "schema_file", "choices", "constrained")
+QUERY_KEYS = ("name", "question", "type", "max_tokens", "schema", "schema_file", "choices", "constrained", "per_page")
 FILE_KEYS = ("name", "query")
 MAX_TOKENS_LIMIT = 32768
 SCHEMA_FILE_LIMIT = 1 << 20  # bytes: a JSON Schema is small; anything bigger is the wrong file
@@ -170,7 +172,10 @@ def load_queries(path: str | Path | None = None) -> QuerySet:
             raise QueryFileError(f"{where}: constrained must be true or false, got {constrained!r}")
         if not constrained and (schema is not None or choices is not None):
             raise QueryFileError(f"{where}: constrained = false and a schema or choices contradict each other")
-        queries.append(Query(name, q["question"], qtype, max_tokens, schema, choices, constrained))
+        per_page = q.get("per_page", False)
+        if not isinstance(per_page, bool):
+            raise QueryFileError(f"{where}: per_page must be true or false, got {per_page!r}")
+        queries.append(Query(name, q["question"], qtype, max_tokens, schema, choices, constrained, per_page))
     return QuerySet(data.get("name", path.stem), tuple(queries), str(path))
 
 

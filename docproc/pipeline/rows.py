@@ -50,13 +50,25 @@ def answer_row(q, text: str, cut: bool, constrained: bool) -> dict:
     return {"value": None, "status": "parse_error", "error": problem}
 
 
+def window_requests(w: _Window, queries) -> list[tuple]:
+    """The requests a window asks, in order: (query, None) for each query asked of the window's
+    pages together, then (query, page) for each per-page query and page of the window."""
+    whole = [(q, None) for q in queries.queries if not q.per_page]
+    return whole + [(q, page) for q in queries.queries if q.per_page for page in w.pages]
+
+
+def _page_number(page) -> int | None:
+    return None if page is None else page.index + 1
+
+
 class DocumentRows:
     def _answers(self, w: _Window, outs: list) -> None:
-        """One window's outputs (one per query) as rows of its document, counted in the totals."""
+        """One window's outputs (one per request of window_requests) as rows of its document,
+        counted in the totals."""
         rows = []
-        for q, out in zip(self.queries.queries, outs):
+        for (q, page), out in zip(window_requests(w, self.queries), outs):
             m = out.metrics
-            row = {"query": q.name, "query_type": q.type, "answer": out.outputs[0].text,
+            row = {"query": q.name, "query_type": q.type, "page": _page_number(page), "answer": out.outputs[0].text,
                    "prompt_tokens": m.num_prompt_tokens, "cached_tokens": m.num_cached_tokens,
                    "generated_tokens": m.num_generated_tokens, "draft_proposed": m.draft_proposed,
                    "draft_accepted": m.draft_accepted, "draft_verifications": m.draft_verifications,
@@ -80,10 +92,10 @@ class DocumentRows:
     def _blank_answers(self, w: _Window) -> None:
         """A window whose pages are all blank: each query's row is empty, with no engine work."""
         self.totals.blank_pages += len(w.pages)
-        for q in self.queries.queries:
-            row = {"query": q.name, "query_type": q.type, "answer": "", "value": None, "status": "empty",
-                   "error": None, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "draft_proposed": 0,
-                   "draft_accepted": 0, "draft_verifications": 0, "latency_s": 0.0}
+        for q, page in window_requests(w, self.queries):
+            row = {"query": q.name, "query_type": q.type, "page": _page_number(page), "answer": "", "value": None,
+                   "status": "empty", "error": None, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
+                   "draft_proposed": 0, "draft_accepted": 0, "draft_verifications": 0, "latency_s": 0.0}
             w.doc.answers.setdefault(q.name, []).append((w.index, row))
 
     def _finish_document(self, state: _DocState) -> None:
@@ -95,6 +107,9 @@ class DocumentRows:
             return
         rows = []
         for q in self.queries.queries:
+            if q.per_page:  # a row per page, each page asked alone
+                rows.extend(sorted((r for _, r in state.answers.get(q.name, [])), key=lambda r: r["page"]))
+                continue
             candidates = sorted(state.answers.get(q.name, []), key=lambda x: x[0])
             chosen = next((r for _, r in candidates if r["status"] == "ok"), None) or \
                 next((r for _, r in candidates if r["status"] == "empty"), None) or candidates[0][1]

@@ -29,7 +29,7 @@ from typing import Callable
 from docproc.errors import EnvironmentFault, OutputUnwritable
 from docproc.pipeline.constraints import xgrammar_available
 from docproc.pipeline.engine_setup import PROMPT_VERSION, EngineSetup
-from docproc.pipeline.rows import DocumentRows, _DocState, _Window
+from docproc.pipeline.rows import DocumentRows, _DocState, _Window, window_requests
 from docproc.pipeline.ingest import Candidate, discover, display_name, file_digest, open_document, searched_roots
 from docproc.pipeline.queries import QuerySet, build_prompt, load_queries
 from docproc.pipeline.reconcile import ConfigHistory, Reconciliation, reconcile
@@ -454,13 +454,15 @@ class Pipeline(EngineSetup, DocumentRows):
             if self.s.debug:
                 traceback.print_exception(e)
             outs = None
-        n = len(self.queries.queries)
-        at = {id(w): i for i, w in enumerate(live)}
+        at, start = {}, 0  # a window's outputs: its requests' (window_requests), in order
+        for w in live:
+            at[id(w)] = (start, start + len(window_requests(w, self.queries)))
+            start = at[id(w)][1]
         for w in batch:
             if outs is not None and w.doc.failure is None:
                 try:
                     if id(w) in at:
-                        self._answers(w, outs[at[id(w)] * n: (at[id(w)] + 1) * n])
+                        self._answers(w, outs[at[id(w)][0]: at[id(w)][1]])
                     else:
                         self._blank_answers(w)
                 except Exception as e:  # noqa: BLE001 -- the per-document boundary, after the engine
@@ -476,18 +478,18 @@ class Pipeline(EngineSetup, DocumentRows):
         self._flush()
 
     def _generate(self, batch: list[_Window]) -> list:
-        """The engine's outputs for every (window, query) of the batch, in that order."""
+        """The engine's outputs for every request of the batch's windows (window_requests), in order."""
         from docproc import SamplingParams
 
         llm = self._engine()
         prompts, params = [], []
         for w in batch:  # a document's queries stay together: its prefix is computed once
-            images = [p.image for p in w.pages]
-            uuids = [p.sha256 for p in w.pages]
-            anchor = window_anchor(w.pages) if self.s.anchor_text else None
-            for q in self.queries.queries:
-                prompts.append({"prompt": build_prompt(len(images), q.question, anchor),
-                                "multi_modal_data": {"image": images}, "multi_modal_uuids": {"image": uuids}})
+            for q, page in window_requests(w, self.queries):  # (a per-page query: the page alone)
+                pages = w.pages if page is None else [page]
+                anchor = window_anchor(pages) if self.s.anchor_text else None
+                prompts.append({"prompt": build_prompt(len(pages), q.question, anchor),
+                                "multi_modal_data": {"image": [p.image for p in pages]},
+                                "multi_modal_uuids": {"image": [p.sha256 for p in pages]}})
                 params.append(SamplingParams(temperature=0.0, max_tokens=q.max_tokens,
                                              structured_outputs=q.structured_outputs() if self.constrain else None))
         t0 = time.perf_counter()

@@ -26,6 +26,7 @@ RESULT_SCHEMA = pa.schema([
     pa.field("pages", pa.int32()),  # pages processed (after --max-pages)
     pa.field("query", pa.string()),
     pa.field("query_type", pa.string()),
+    pa.field("page", pa.int32()),  # a per-page query's page (1 = the first); null for a document's rows
     pa.field("answer", pa.string()),  # raw model text
     pa.field("value", pa.string()),  # parsed and normalised (ISO date, plain decimal, sorted JSON)
     # ok | empty | parse_error | schema_violation | truncated | error | skipped
@@ -97,8 +98,14 @@ def document_json(rows: list[dict]) -> dict:
     first = rows[0]
     doc = {k: first.get(k) for k in ("run_id", "path", "doc_sha256", "doc_status", "pages", "config_fingerprint")}
     # a JSON answer as the object it is (the table holds its text)
-    doc["fields"] = {r["query"]: json_value(r["value"]) if r.get("query_type") == "json" else r["value"]
-                     for r in rows if r["query"] is not None}
+    doc["fields"] = {}
+    for r in rows:  # a per-page query's field: its values in page order
+        if r["query"] is not None:
+            value = json_value(r["value"]) if r.get("query_type") == "json" else r["value"]
+            if r.get("page") is None:
+                doc["fields"][r["query"]] = value
+            else:
+                doc["fields"].setdefault(r["query"], []).append(value)
     doc["queries"] = [{k: r.get(k) for k in COLUMNS if k not in doc and k not in ("part", "root")} for r in rows
                       if r["query"] is not None]
     errors = [r["error"] for r in rows if r.get("error")]

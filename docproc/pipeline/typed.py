@@ -119,12 +119,15 @@ def documents_table(results: pa.Table, queries) -> pa.Table:
         while name in used:  # ("path" and "query.path" both queries: one column each)
             name = "query." + name
         used.add(name)
-        qcols.append((q, name, query_type(q)))
+        typ = query_type(q)
+        qcols.append((q, name, pa.list_(typ) if q.per_page else typ))
     docs: dict[str, dict] = {}
     for r in results.to_pylist():
         d = docs.setdefault(r["path"], {n: r.get(n) for n, _ in DOCUMENT_COLUMNS})
         d.setdefault("_values", {})
-        if r["query"] is not None:
+        if r["query"] is not None and r.get("page") is not None:  # a per-page query: its values in page order
+            d["_values"].setdefault((r["query"], r["query_type"], "pages"), []).append((r["page"], r["value"]))
+        elif r["query"] is not None:
             d["_values"][(r["query"], r["query_type"])] = r["value"]
     fields = [pa.field(n, t) for n, t in DOCUMENT_COLUMNS] + [pa.field(c, t) for _, c, t in qcols]
     columns = {f.name: [] for f in fields}
@@ -132,5 +135,9 @@ def documents_table(results: pa.Table, queries) -> pa.Table:
         for n, _ in DOCUMENT_COLUMNS:
             columns[n].append(d[n])
         for q, c, t in qcols:
-            columns[c].append(_cell(q, t, d["_values"].get((q.name, q.type))))
+            if q.per_page:
+                pages = sorted(d["_values"].get((q.name, q.type, "pages"), []), key=lambda x: x[0])
+                columns[c].append([_cell(q, t.value_type, v) for _, v in pages] if pages else None)
+            else:
+                columns[c].append(_cell(q, t, d["_values"].get((q.name, q.type))))
     return pa.Table.from_pydict(columns, schema=pa.schema(fields))
