@@ -416,6 +416,8 @@ class _Display:
         if event == "note":
             self.console.print(f"docproc: {data['message']}", markup=False, highlight=False, soft_wrap=True)
             return
+        if event == "end" and (self.t0 is None or data.get("status") == "failed"):
+            return  # nothing was shown yet, or the run failed: its one line says it all
         if not self._take(event, data):
             return
         if self.t0 is None:

@@ -13,6 +13,16 @@ from docproc.pipeline.runstore import RunStore, atomic_write_table
 from docproc.pipeline.schema import to_table
 
 cli = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def wide_console(monkeypatch):
+    """The report's text as a log file gets it (200 columns): the module's console is made once a
+    process, and a test before this one may have run with COLUMNS set."""
+    from docproc import cli as module
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setattr(module, "out_console", module._console())
 QUERIES = ("vendor", "total")
 FIRST = "20250103T100000000000Z-aaaaaa"  # run ids as Pipeline makes them: their start time first
 KILLED = "20250103T110000000000Z-bbbbbb"
