@@ -264,3 +264,23 @@ def test_bounding_the_rules_keeps_the_fingerprints_of_stored_documents():
     assert load_queries(None).fingerprint == "6dbf4745a2a717c1"
     assert RULE_FINGERPRINTS["number"] != PATTERNS["number"] and RULE_FINGERPRINTS["date"] != PATTERNS["date"]
     assert re.fullmatch(RULE_FINGERPRINTS["number"], "1" * 30)  # the first form: unbounded
+
+
+def test_a_completion_ends_a_character_cut_between_tokens_first(llm):
+    """An output that stopped inside a multi-byte character (a random model writes such tokens)
+    is completed by the rest of that character's bytes, then the text that closes it."""
+    from docproc.engine.structured import GrammarCompiler, tokenizer_size
+    from docproc.sampling_params import StructuredOutputsParams
+
+    gc = GrammarCompiler(llm.tokenizer, tokenizer_size(llm.tokenizer), llm.eos_token_ids)
+    m = gc.matcher(StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "string"}},
+                                                 "required": ["a"]}), 64)
+    gc.completion(m.matcher, None)  # (compiles: the vocabulary is read)
+    first = next(t for t, b in enumerate(gc._vocab) if b == b"\xc3")
+    for t in llm.tokenizer.encode('{"a": "', add_special_tokens=False) + [first]:
+        assert m.accept_token(t)
+    lead, text = gc.completion(m.matcher, m._scan[-1])
+    assert len(lead) == 1 and 0x80 <= gc._vocab[lead[0]][0] <= 0xBF and text == '"}'
+    for t in lead + gc.encode(text):
+        assert m.accept_token(t)
+    assert m.is_completed()

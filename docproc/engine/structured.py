@@ -101,14 +101,21 @@ class BudgetMatcher:
     Before each token the row is masked by the grammar, unless the shortest completion of the
     output so far (GrammarCompiler.completion: the text the grammar forces, and at each choice the
     character that closes soonest, `null` before an empty string) takes at least all but MARGIN
-    of the tokens left: then only that completion's first token is allowed. The decision depends
-    on the matcher's state and the tokens generated only, so plain decoding, a draft's proposals
-    and the target's verification of them mask a position alike (speculation stays lossless).
-    MARGIN leaves room for a token that opens more than it writes (an object with required
-    fields); an output whose completion never fits (a max_tokens smaller than the schema's
-    shortest answer) is cut as before, and the pipeline reports it as truncated."""
+    of the tokens left: then only that completion's first token is allowed.
+
+    Looking for the completion costs a walk of the grammar (about 0.1 ms), so it is looked for at
+    every token only near the end: at every CHECK_EVERY-th token (a checkpoint) the completion is
+    measured, and the positions up to the next checkpoint are near when it takes at least all but
+    MARGIN + CHECK_EVERY of the tokens left there. Every decision is a function of the tokens
+    generated (the checkpoint's state, the current one), never of the order in which a path
+    visited them: plain decoding, a draft's proposals and the target's verification of them mask
+    a position alike (speculation stays lossless). An output whose completion grows faster than
+    the margins allow, or never fits (a max_tokens smaller than the schema's shortest answer), is
+    cut as before, and the pipeline reports it as truncated."""
 
     MARGIN = 4
+    CHECK_EVERY = 8
+    CHECKPOINTS_KEPT = 64
 
     def __init__(self, matcher, max_tokens: int | None, compiler: "GrammarCompiler", json_text: bool) -> None:
         self.matcher = matcher
@@ -118,11 +125,14 @@ class BudgetMatcher:
         # JSON outputs: (inside a string, after a backslash) after each accepted token, which
         # decides what closes soonest (a quote inside a string, a brace outside)
         self._scan: list[tuple[bool, bool]] | None = [(False, False)] if json_text else None
+        self._history = [0]  # a hash of the tokens accepted so far, after each count: keys checkpoints
+        self._near: dict[tuple[int, int], bool] = {}  # (count, history hash) at a checkpoint -> near
 
     def accept_token(self, token: int) -> bool:
         if not self.matcher.accept_token(token):
             return False
         self.num_accepted += 1
+        self._history.append(hash((self._history[-1], token)))
         if self._scan is not None:
             self._scan.append(scan_json(self._compiler.token_text(token), self._scan[-1]))
         return True
@@ -130,6 +140,7 @@ class BudgetMatcher:
     def rollback(self, num_tokens: int) -> None:
         self.matcher.rollback(num_tokens)
         self.num_accepted -= num_tokens
+        del self._history[len(self._history) - num_tokens:]
         if self._scan is not None:
             del self._scan[len(self._scan) - num_tokens:]
 
@@ -138,6 +149,35 @@ class BudgetMatcher:
 
     def is_completed(self) -> bool:
         return self.matcher.is_completed()
+
+    def _completion_tokens(self, matcher, count: int, left: int) -> list[int] | None:
+        """The completion's tokens from matcher (at count); [] when it is surely shorter than left
+        tokens (its bytes, at least one a token, are fewer); None when none was found."""
+        found = self._compiler.completion(matcher, self._scan[count] if self._scan is not None else None)
+        if found is None:
+            return None
+        lead, text = found
+        if len(lead) + len(text.encode()) < left:
+            return []
+        return lead + self._compiler.encode(text)
+
+    def _is_near(self) -> bool:
+        """Whether the current position is near the end, by its checkpoint's completion."""
+        n = self.num_accepted
+        c = n - n % self.CHECK_EVERY
+        key = (c, self._history[c])
+        near = self._near.get(key)
+        if near is None:
+            matcher = self.matcher
+            if c < n:  # the checkpoint was passed without a mask (tokens accepted after a verification)
+                matcher = self.matcher.fork()
+                matcher.rollback(n - c)
+            left = self.max_tokens - c - self.MARGIN - self.CHECK_EVERY
+            ids = self._completion_tokens(matcher, c, left)
+            near = self._near[key] = ids is None or len(ids) >= left  # (none found: look at every token)
+            if len(self._near) > self.CHECKPOINTS_KEPT:
+                del self._near[next(iter(self._near))]
+        return near
 
     def forced_token(self) -> int | None:
         """The only token the next position may take, or None (the grammar's mask applies)."""
@@ -149,10 +189,9 @@ class BudgetMatcher:
         if self.matcher.is_completed():  # the output may end here: end it rather than open more
             stops = self._compiler.stop_token_ids
             return stops[0] if stops and left <= self.MARGIN + 1 else None
-        text = self._compiler.completion(self.matcher, self._scan[-1] if self._scan is not None else None)
-        if text is None or len(text.encode()) + self.MARGIN < left:  # (a token holds at least a byte)
+        if not self._is_near():
             return None
-        ids = self._compiler.encode(text)
+        ids = self._completion_tokens(self.matcher, self.num_accepted, left - self.MARGIN)
         return ids[0] if ids and len(ids) + self.MARGIN >= left else None
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
@@ -292,6 +331,7 @@ class GrammarCompiler:
         self._xgr = None
         self._cache: OrderedDict[str, object] = OrderedDict()
         self._vocab: list[bytes] = []  # each token's bytes (xgrammar's decoded vocabulary)
+        self._continuations: list[int] | None = None
         self._fills = None  # FillThreads: a step's masks filled on the thread count measured fastest
         self._pinned: torch.Tensor | None = None  # the host side of CUDA masks
         self._tail: torch.Tensor | None = None  # per row: 1 where the ids past num_tokens stay allowed
@@ -326,29 +366,44 @@ class GrammarCompiler:
             return fast.encode(text, add_special_tokens=False).ids
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def completion(self, matcher, scan: tuple[bool, bool] | None) -> str | None:
-        """The shortest text that completes matcher's output (greedy: the text the grammar forces,
-        else the first character of the state's preference list it accepts), or None when none of
-        at most COMPLETION_CHARS characters is found. matcher itself does not move."""
+    def completion(self, matcher, scan: tuple[bool, bool] | None) -> tuple[list[int], str] | None:
+        """The shortest completion of matcher's output (greedy: the text the grammar forces, else
+        the first character of the state's preference list it accepts): the byte tokens that end a
+        character the output stopped inside of (a multi-byte character split between tokens), then
+        text. None when none of at most COMPLETION_CHARS characters is found. matcher itself does
+        not move."""
         fork = matcher.fork()
+        lead: list[int] = []
         out: list[str] = []
         length = 0
         while length <= COMPLETION_CHARS:
             if fork.is_completed():
-                return "".join(out)
+                return lead, "".join(out)
             forced = fork.find_jump_forward_string()
             if forced and fork.accept_string(forced):
                 chunk = forced
             else:
                 order = CLOSE_OTHER if scan is None else CLOSE_INSIDE if scan[0] else CLOSE_OUTSIDE
                 chunk = next((ch for ch in order if fork.accept_string(ch)), None)
-                if chunk is None:  # mid-character (a multi-byte token cut), or nothing printable
-                    return None
+                if chunk is None:
+                    if out or len(lead) >= 3:  # nothing printable goes on
+                        return None
+                    byte = next((t for t in self._continuation_bytes() if fork.accept_token(t)), None)
+                    if byte is None:
+                        return None
+                    lead.append(byte)  # the rest of a character cut between tokens
+                    continue
             out.append(chunk)
             length += len(chunk)
             if scan is not None:
                 scan = scan_json(chunk, scan)
         return None
+
+    def _continuation_bytes(self) -> list[int]:
+        """The tokens that are one UTF-8 continuation byte (0x80-0xBF) each."""
+        if self._continuations is None:
+            self._continuations = [t for t, b in enumerate(self._vocab) if len(b) == 1 and 0x80 <= b[0] <= 0xBF]
+        return self._continuations
 
     def _matcher(self, params: StructuredOutputsParams):
         xgr, compiler = self._ensure()
