@@ -9,7 +9,8 @@ questions in turn, each query's own max_tokens; --max-tokens overrides them all)
 random weights (--load-format dummy) never stops by itself, so every answer meets its budget:
 the case that shows whether the budget closes it. Reported per set and query: answers, the
 statuses the pipeline would store (ok, empty, parse_error, schema_violation, truncated), how many
-ended at max_tokens, and the share that parse and validate.
+ended at max_tokens, how many of those the budget closed (truncated, with a value), and the share
+that parse and validate (whole).
 """
 from __future__ import annotations
 
@@ -83,15 +84,20 @@ def main() -> None:
             cut = out.finish_reason == "length"
             row = answer_row(q, out.text, cut, True) if not o.error else {"status": "error", "error": o.error}
             per[q.name][row["status"]] += 1
+            # whole: parses and validates (ok, empty, or truncated with a value: closed by the budget)
+            whole = row["status"] in ("ok", "empty") or row["status"] == "truncated" and row.get("value") is not None
+            per[q.name]["whole"] += whole
+            per[q.name]["closed_by_budget"] += row["status"] == "truncated" and whole
             per[q.name]["at_max_tokens"] += cut
             per[q.name]["answers"] += 1
-            if row["status"] not in ("ok", "empty"):
+            if not whole:
                 examples.setdefault(q.name, (out.text[:200], row["error"]))
         total = sum(c["answers"] for c in per.values())
-        whole = sum(c["ok"] + c["empty"] for c in per.values())
+        whole = sum(c["whole"] for c in per.values())
         report[name] = {"seconds": round(seconds, 2), "answers": total, "valid": whole,
                         "valid_share": round(whole / total, 4) if total else None,
                         "at_max_tokens": sum(c["at_max_tokens"] for c in per.values()),
+                        "closed_by_budget": sum(c["closed_by_budget"] for c in per.values()),
                         "per_query": {k: dict(v) for k, v in per.items()}, "first_invalid": examples}
     print(json.dumps(report, indent=1))
     Path(args.json).write_text(json.dumps(report, indent=1))

@@ -62,7 +62,7 @@ def test_a_schema_that_cannot_be_used_is_named_before_any_model_loads(tmp_path, 
 def test_good_schemas_pass_and_recursion_through_a_value_is_allowed():
     check_schema({"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}})
     check_schema({"$defs": {"n": {"type": "number"}}, "type": "object", "properties": {"t": {"$ref": "#/$defs/n"}}})
-    check_schema(_deep(60))
+    check_schema(_deep(48))
     load_queries(None)  # the default set's schema
 
 
@@ -219,6 +219,8 @@ def test_constrained_outputs_close_within_max_tokens(llm):
     greedy = [(p, sp) for p, sp in zip(range(len(sps)), sps) if sp.temperature == 0]
     free = llm.generate([PROMPT + str(i) for i, _ in greedy], SamplingParams(max_tokens=48, structured_outputs=so))
     assert all(len(f.outputs[0].token_ids) > sp.max_tokens for f, (_, sp) in zip(free, greedy))
+    # closed by the budget, not ended by the model: said so (the pipeline stores them as truncated)
+    assert all(outs[i].outputs[0].finish_reason == "length" for i, _ in greedy)
 
 
 def test_an_output_that_cannot_fit_is_cut_and_reported_truncated(llm):
@@ -284,3 +286,45 @@ def test_a_completion_ends_a_character_cut_between_tokens_first(llm):
     for t in lead + gc.encode(text):
         assert m.accept_token(t)
     assert m.is_completed()
+
+
+def test_the_completion_ends_values_rather_than_growing_them(llm):
+    """The shortest completion ends a number where it is (no zeros padded on), closes what is
+    open, and takes a repeated character last, so a pattern that needs something after it is
+    still completed."""
+    from docproc.engine.structured import GrammarCompiler, bounded_numbers, tokenizer_size
+    from docproc.sampling_params import StructuredOutputsParams
+
+    gc = GrammarCompiler(llm.tokenizer, tokenizer_size(llm.tokenizer), llm.eos_token_ids)
+
+    def completion(constraint, prefix):
+        m = gc.matcher(constraint, 64)
+        for t in llm.tokenizer.encode(prefix, add_special_tokens=False):
+            assert m.accept_token(t), prefix
+        return gc.completion(m.matcher, m._scan[-1] if m._scan is not None else None)
+
+    schema = {"type": "object", "properties": {"total": {"type": "number"}, "vendor": {"type": "string"}},
+              "required": ["total", "vendor"], "additionalProperties": False}
+    assert completion(StructuredOutputsParams(json=schema), '{"total": 12') == ([], ', "vendor": ""}')
+    lead, text = completion(StructuredOutputsParams(regex="[0-9]+-[A-Z]+"), "12")
+    assert text in ("-A", "0-A", "00-A")  # a repeat of "0" may never close: it goes last after two
+    # a bound the schema gives past the grammar's limit is never contradicted
+    big = bounded_numbers({"type": "integer", "minimum": 10**15})
+    assert big == {"type": "integer", "minimum": 10**15}
+    assert completion(StructuredOutputsParams(json={"type": "integer", "minimum": 10**15}), "1") is not None
+
+
+def test_a_forced_token_is_one_the_grammar_takes(llm):
+    """Where the tokenizer reads the completion's text otherwise than the grammar does (an enum
+    value that is a special token's text), the forced token is the completion's first byte: the
+    request ends valid rather than failing on a token outside its constraint."""
+    from docproc import SamplingParams, StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"k": {"enum": ["<|im_end|>", "xx"]}}, "required": ["k"]}
+    outs = llm.generate([PROMPT + str(i) for i in range(4)],
+                        [SamplingParams(max_tokens=mt, structured_outputs=StructuredOutputsParams(json=schema))
+                         for mt in (8, 10, 12, 16)])
+    for o in outs:
+        assert o.error is None and o.outputs[0].finish_reason in ("stop", "length"), o.outputs[0].stop_reason
+    for o in outs[2:]:  # (8 and 10 tokens cannot hold '{"k": "<|im_end|>"}' once begun, a byte a token)
+        assert json.loads(o.outputs[0].text)["k"] in ("<|im_end|>", "xx"), o.outputs[0].text

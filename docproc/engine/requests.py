@@ -70,7 +70,8 @@ def stop_reason(seq: Sequence, token: int, eos_ids: set[int], tokenizer, max_mod
     sp: SamplingParams = seq.sampling
     if seq.grammar is not None and seq.grammar.is_terminated():  # the constraint is complete
         seq.stop_reason = token
-        return "stop"
+        # closed by its budget (structured.BudgetMatcher): ended by max_tokens, if validly
+        return "length" if seq.grammar.steered() else "stop"
     if not sp.ignore_eos and token in eos_ids:
         seq.stop_reason = token
         return "stop"

@@ -127,6 +127,7 @@ class BudgetMatcher:
         self._scan: list[tuple[bool, bool]] | None = [(False, False)] if json_text else None
         self._history = [0]  # a hash of the tokens accepted so far, after each count: keys checkpoints
         self._near: dict[tuple[int, int], bool] = {}  # (count, history hash) at a checkpoint -> near
+        self._forced: dict[tuple[int, int], int] = {}  # (count, history hash) -> the token forced there
 
     def accept_token(self, token: int) -> bool:
         if not self.matcher.accept_token(token):
@@ -150,10 +151,12 @@ class BudgetMatcher:
     def is_completed(self) -> bool:
         return self.matcher.is_completed()
 
-    def _completion_tokens(self, matcher, count: int, left: int) -> list[int] | None:
-        """The completion's tokens from matcher (at count); [] when it is surely shorter than left
-        tokens (its bytes, at least one a token, are fewer); None when none was found."""
-        found = self._compiler.completion(matcher, self._scan[count] if self._scan is not None else None)
+    def _completion_tokens(self, matcher, count: int, left: int, found=False) -> list[int] | None:
+        """The completion's tokens from matcher (at count; found: its completion when looked for
+        already); [] when it is surely shorter than left tokens (its bytes, at least one a token,
+        are fewer); None when none was found."""
+        if found is False:
+            found = self._compiler.completion(matcher, self._scan[count] if self._scan is not None else None)
         if found is None:
             return None
         lead, text = found
@@ -188,11 +191,32 @@ class BudgetMatcher:
             return None
         if self.matcher.is_completed():  # the output may end here: end it rather than open more
             stops = self._compiler.stop_token_ids
-            return stops[0] if stops and left <= self.MARGIN + 1 else None
+            if not stops or left > self.MARGIN + 1:
+                return None
+            self._forced[(self.num_accepted, self._history[-1])] = stops[0]
+            return stops[0]
         if not self._is_near():
             return None
-        ids = self._completion_tokens(self.matcher, self.num_accepted, left - self.MARGIN)
-        return ids[0] if ids and len(ids) + self.MARGIN >= left else None
+        key = (self.num_accepted, self._history[-1])
+        if key in self._forced:
+            return self._forced[key]
+        found = self._compiler.completion(self.matcher, self._scan[-1] if self._scan is not None else None)
+        ids = self._completion_tokens(self.matcher, self.num_accepted, left - self.MARGIN, found)
+        if not ids or len(ids) + self.MARGIN < left:
+            return None
+        token = ids[0]
+        probe = self.matcher.fork()
+        if not probe.accept_token(token):  # the tokenizer's view of the text is not the grammar's (a
+            # normaliser, a special token's text): the completion's first byte as its own token
+            lead, text = found
+            token = self._compiler.byte_token((text.encode() or b"\0")[0]) if not lead else lead[0]
+        self._forced[key] = token
+        return token
+
+    def steered(self) -> bool:
+        """Whether a token of the output so far was forced by the budget (the output was closed by
+        max_tokens, not ended by the model)."""
+        return any((n, self._history[n]) in self._forced for n in range(self.num_accepted))
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         token = self.forced_token()
@@ -270,7 +294,9 @@ def scan_json(text: str, state: tuple[bool, bool]) -> tuple[bool, bool]:
 
 
 _PRINTABLE = "".join(chr(c) for c in range(32, 127))
-CLOSE_OUTSIDE = '}]0n"' + _PRINTABLE  # outside a string: close, else the shortest value (0, null, "")
+# outside a string: close what is open, else go on to what is still required, else the shortest
+# value (0, null, ""); a digit comes after the separators so that a number is ended, not grown
+CLOSE_OUTSIDE = '}],0n"' + _PRINTABLE
 CLOSE_INSIDE = '"0' + _PRINTABLE  # inside a string: its closing quote
 CLOSE_OTHER = '0 "' + _PRINTABLE  # other grammars: a digit, then anything printable
 COMPLETION_CHARS = 512  # a completion longer than this is not looked for (the output is cut)
@@ -290,9 +316,12 @@ def bounded_numbers(schema):
     types = out.get("type")
     types = types if isinstance(types, list) else [types]
     if "number" in types or "integer" in types:
-        if "minimum" not in out and "exclusiveMinimum" not in out:
+        low = out.get("minimum", out.get("exclusiveMinimum"))
+        high = out.get("maximum", out.get("exclusiveMaximum"))
+        # (a bound past the limit given on one side: the other side stays open, the budget closes it)
+        if low is None and (high is None or high > -NUMBER_LIMIT):
             out["minimum"] = -NUMBER_LIMIT
-        if "maximum" not in out and "exclusiveMaximum" not in out:
+        if high is None and (low is None or low < NUMBER_LIMIT):
             out["maximum"] = NUMBER_LIMIT
     return out
 
@@ -332,6 +361,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[str, object] = OrderedDict()
         self._vocab: list[bytes] = []  # each token's bytes (xgrammar's decoded vocabulary)
         self._continuations: list[int] | None = None
+        self._bytes: dict[int, int] | None = None  # a byte -> the token of that byte alone
         self._fills = None  # FillThreads: a step's masks filled on the thread count measured fastest
         self._pinned: torch.Tensor | None = None  # the host side of CUDA masks
         self._tail: torch.Tensor | None = None  # per row: 1 where the ids past num_tokens stay allowed
@@ -384,6 +414,10 @@ class GrammarCompiler:
                 chunk = forced
             else:
                 order = CLOSE_OTHER if scan is None else CLOSE_INSIDE if scan[0] else CLOSE_OUTSIDE
+                if len(out) >= 2 and out[-1] == out[-2] and len(out[-1]) == 1:
+                    # the same character twice: a repeat that may never close ("0" for [0-9]+-[A-Z]),
+                    # so it goes last
+                    order = order.replace(out[-1], "") + out[-1]
                 chunk = next((ch for ch in order if fork.accept_string(ch)), None)
                 if chunk is None:
                     if out or len(lead) >= 3:  # nothing printable goes on
@@ -398,6 +432,12 @@ class GrammarCompiler:
             if scan is not None:
                 scan = scan_json(chunk, scan)
         return None
+
+    def byte_token(self, byte: int) -> int:
+        """The token that is this one byte (byte-level vocabularies have one for each)."""
+        if self._bytes is None:
+            self._bytes = {b[0]: t for t, b in reversed(list(enumerate(self._vocab))) if len(b) == 1}
+        return self._bytes[byte]
 
     def _continuation_bytes(self) -> list[int]:
         """The tokens that are one UTF-8 continuation byte (0x80-0xBF) each."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-MAX_DEPTH = 128  # nesting of objects and arrays in a query's schema (a property of a property: 2 levels)
+MAX_DEPTH = 100  # nesting of objects and arrays in a query's schema (a property of a property: 2 levels)
 # keywords the grammar does not enforce while decoding (validated after, named in a warning): what
 # xgrammar's JSON Schema grammars leave out (tests/test_answers.py holds it to that)
 UNENFORCED = ("not", "allOf", "oneOf", "uniqueItems", "contains", "minContains", "maxContains", "if", "then",
@@ -96,8 +96,11 @@ def check_schema(schema) -> None:
     if not isinstance(schema, dict):
         raise SchemaProblem(f"a schema must be a JSON object, got {type(schema).__name__}")
     _depth_ok(schema)
-    err = best_match(Draft202012Validator(Draft202012Validator.META_SCHEMA,
-                                          format_checker=Draft202012Validator.FORMAT_CHECKER).iter_errors(schema))
+    try:
+        err = best_match(Draft202012Validator(Draft202012Validator.META_SCHEMA,
+                                              format_checker=Draft202012Validator.FORMAT_CHECKER).iter_errors(schema))
+    except RecursionError:  # (nesting within MAX_DEPTH that the meta-schema still walks too deep)
+        raise SchemaProblem(f"the schema is nested too deeply to check: flatten it") from None
     if err is not None:
         path = list(err.absolute_path)
         keyword = next((p for p in reversed(path) if isinstance(p, str)), None)

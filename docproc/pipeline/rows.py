@@ -34,20 +34,21 @@ class _DocState:
 def answer_row(q, text: str, cut: bool, constrained: bool) -> dict:
     """value, status and error of a query's answer. Every answer is checked against its query's
     rule, choices or whole schema, decoded under them or not: a decoded answer can still break a
-    schema keyword that decoding does not enforce (schema_violation), or be cut by max_tokens
-    short of valid (truncated)."""
+    schema keyword that decoding does not enforce (schema_violation). A constrained answer that
+    met max_tokens is truncated: closed there by the engine (it parses, and its value is kept, but
+    what it was writing may be cut and what came after is null), or cut short of valid (no value)."""
     problem = q.check(text)
-    if problem is None:
-        value, err = parse_answer(q.type, text, schema=q.schema is not None)
-        return {"value": value, "status": "parse_error" if err else ("ok" if value is not None else "empty"),
-                "error": err}
+    value, err = parse_answer(q.type, text, schema=q.schema is not None) if problem is None else (None, problem)
     if cut and constrained and q.structured_outputs() is not None:
-        return {"value": None, "status": "truncated",
-                "error": f"the answer ran out of max_tokens ({q.max_tokens}) before it was complete: raise the "
-                         f"query's max_tokens ({problem})"}
-    if q.schema is not None and problem.startswith(SCHEMA_PROBLEM):
+        closed = "closed there: its last value may be cut short" if err is None else f"cut short of valid ({err})"
+        return {"value": value if err is None else None, "status": "truncated",
+                "error": f"the answer reached max_tokens ({q.max_tokens}) and was {closed}; raise the query's "
+                         f"max_tokens"}
+    if err is None:
+        return {"value": value, "status": "ok" if value is not None else "empty", "error": None}
+    if problem is not None and q.schema is not None and problem.startswith(SCHEMA_PROBLEM):
         return {"value": None, "status": "schema_violation", "error": problem}
-    return {"value": None, "status": "parse_error", "error": problem}
+    return {"value": None, "status": "parse_error", "error": err}
 
 
 def window_requests(w: _Window, queries) -> list[tuple]:
