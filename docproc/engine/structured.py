@@ -362,6 +362,7 @@ class GrammarCompiler:
         self._vocab: list[bytes] = []  # each token's bytes (xgrammar's decoded vocabulary)
         self._continuations: list[int] | None = None
         self._bytes: dict[int, int] | None = None  # a byte -> the token of that byte alone
+        self._widths: dict[str, int | None] = {}  # a constraint's key -> max_output_bytes
         self._fills = None  # FillThreads: a step's masks filled on the thread count measured fastest
         self._pinned: torch.Tensor | None = None  # the host side of CUDA masks
         self._tail: torch.Tensor | None = None  # per row: 1 where the ids past num_tokens stay allowed
@@ -380,7 +381,12 @@ class GrammarCompiler:
         """A fresh matcher for the constraint and a request of max_tokens (StructuredOutputError if
         it does not compile). A constraint whose every output fits in max_tokens (a bounded regex,
         choices) is never steered: its budget is None."""
-        most = max_output_bytes(params)
+        key = params.key()
+        if key not in self._widths:  # (parsing a rule takes milliseconds: once a constraint)
+            if len(self._widths) >= CACHE_ENTRIES:
+                self._widths.pop(next(iter(self._widths)))
+            self._widths[key] = max_output_bytes(params)
+        most = self._widths[key]
         fits = most is not None and most <= max_tokens  # every output fits: nothing to steer
         return BudgetMatcher(self._matcher(params), None if fits else max_tokens, self,
                              json_text=params.kind == "json")
