@@ -23,9 +23,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
 
-from bench_masks import rule_requests  # noqa: E402
-from docproc import LLM  # noqa: E402
-from docproc.cli import bundled_model  # noqa: E402
+from bench_masks import replayed_answers  # noqa: E402
 from docproc.engine.structured import _strict_strings, bounded_numbers, tokenizer_size  # noqa: E402
 
 
@@ -53,9 +51,7 @@ def main() -> None:
     import llguidance.torch as llgt
     import xgrammar as xgr
 
-    llm = LLM(str(bundled_model("target")), device=args.device)
-    reqs, params = rule_requests(args.batch)
-    seqs = [list(o.outputs[0].token_ids) for o in llm.generate(reqs, params)]
+    llm, params, seqs = replayed_answers(args.device, args.batch)
     tok = llm.tokenizer
     n_tok = tokenizer_size(tok)
     stops = sorted(t for t in llm.eos_token_ids if t < n_tok)

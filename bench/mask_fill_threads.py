@@ -17,9 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
-from bench_masks import rule_requests  # noqa: E402
-from docproc import LLM  # noqa: E402
-from docproc.cli import bundled_model  # noqa: E402
+from bench_masks import replayed_answers  # noqa: E402
 
 
 def main() -> None:
@@ -31,10 +29,8 @@ def main() -> None:
     args = ap.parse_args()
     import xgrammar as xgr
 
-    llm = LLM(str(bundled_model("target")), device=args.device)
     n = args.batch
-    reqs, params = rule_requests(n)
-    seqs = [list(o.outputs[0].token_ids) for o in llm.generate(reqs, params)]
+    llm, params, seqs = replayed_answers(args.device, n)
     grammar = llm.runner.grammar
     bitmask = xgr.allocate_token_bitmask(n, grammar.num_tokens)
 

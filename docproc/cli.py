@@ -263,11 +263,7 @@ def run(
         error(e)
         raise typer.Exit(e.exit_code)
     except Exception as e:  # noqa: BLE001 -- a bug: one line, the traceback with --debug
-        if debug:
-            raise
-        error(f"internal error: {type(e).__name__}: {e} (run again with --debug for the traceback, and "
-              f"please report it)")
-        raise typer.Exit(EXIT_INTERNAL)
+        _internal_error(e, debug)
     finally:
         pipeline.report.close()
         pipeline.close_engine()
@@ -291,6 +287,15 @@ def run(
     raise typer.Exit(manifest["exit_code"])
 
 
+def _internal_error(e: Exception, debug: bool) -> None:
+    """A bug of docproc's: one line and exit 70, or (--debug) the exception with its traceback."""
+    if debug:
+        raise e
+    error(f"internal error: {type(e).__name__}: {e} (run again with --debug for the traceback, and please "
+          f"report it)")
+    raise typer.Exit(EXIT_INTERNAL)
+
+
 def _dry_run(pipeline, log_json: bool, debug: bool) -> None:
     """Print the plan of the run (docproc.pipeline.plan) and exit 0; a fault exits as the run would."""
     from docproc.errors import EnvironmentFault
@@ -302,11 +307,7 @@ def _dry_run(pipeline, log_json: bool, debug: bool) -> None:
         error(e)
         raise typer.Exit(e.exit_code)
     except Exception as e:  # noqa: BLE001 -- a bug: one line, the traceback with --debug
-        if debug:
-            raise
-        error(f"internal error: {type(e).__name__}: {e} (run again with --debug for the traceback, and "
-              f"please report it)")
-        raise typer.Exit(EXIT_INTERNAL)
+        _internal_error(e, debug)
     finally:
         pipeline.report.close()
         pipeline.close_engine()

@@ -48,6 +48,14 @@ def rule_requests(n: int) -> tuple[list[dict], list[SamplingParams]]:
     return reqs, [SamplingParams(max_tokens=q.max_tokens, structured_outputs=q.structured_outputs()) for q in asked]
 
 
+def replayed_answers(device: str, n: int):
+    """The bundled target's answers to n rule_requests (engine, their SamplingParams, each
+    answer's tokens): what bench/ probes replay through the masks."""
+    llm = LLM(str(bundled_model("target")), device=device)
+    reqs, params = rule_requests(n)
+    return llm, params, [list(o.outputs[0].token_ids) for o in llm.generate(reqs, params)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")

@@ -64,3 +64,12 @@ def qwen2_5_vl_dir(tmp_path_factory):
 
     # published key naming, two shards, tied embeddings: the other half of the loader's matrix
     return make_model(tmp_path_factory.mktemp("qwen2_5_vl"), "qwen2_5_vl", naming="published", shards=2, tie=True)
+
+
+@pytest.fixture(scope="module")
+def one_query(tmp_path_factory) -> Path:
+    """A query set of one short string query: a run's figures without the whole default set's cost."""
+    q = tmp_path_factory.mktemp("queries") / "one.toml"
+    q.write_text('name = "one"\n\n[[query]]\nname = "vendor"\nquestion = "What is the vendor name?"\n'
+                 'type = "string"\nmax_tokens = 4\n')
+    return q

@@ -137,14 +137,6 @@ def test_on_request_done_is_called_once_per_request(llm):
     assert len(by_id["2"].outputs) == 2 and by_id["1"].error is not None
 
 
-@pytest.fixture(scope="module")
-def one_query(tmp_path_factory) -> Path:
-    q = tmp_path_factory.mktemp("queries") / "one.toml"
-    q.write_text('name = "one"\n\n[[query]]\nname = "vendor"\nquestion = "What is the vendor name?"\n'
-                 'type = "string"\nmax_tokens = 4\n')
-    return q
-
-
 def settings(docs: Path, out: Path, one_query: Path, **kw):
     from docproc.pipeline.settings import RunSettings
 

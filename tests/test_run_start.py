@@ -37,14 +37,6 @@ def _docs(folder: Path, *names: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def one_query(tmp_path_factory) -> Path:
-    q = tmp_path_factory.mktemp("queries") / "one.toml"
-    q.write_text('name = "one"\n\n[[query]]\nname = "vendor"\nquestion = "What is the vendor name?"\n'
-                 'type = "string"\nmax_tokens = 4\n')
-    return q
-
-
-@pytest.fixture(scope="module")
 def done_once(tmp_path_factory, one_query):
     """A JPEG and a PDF done by the bundled model (the output folder, to be copied)."""
     base = tmp_path_factory.mktemp("done")

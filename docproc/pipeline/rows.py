@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from docproc.pipeline.ingest import Candidate, Document, DocumentError
 from docproc.pipeline.constraints import SCHEMA_PROBLEM
 from docproc.pipeline.queries import parse_answer
-from docproc.pipeline.schema import BAD_STATUSES, document_json, to_table
+from docproc.pipeline.schema import document_json, is_bad, to_table
 
 
 @dataclass
@@ -120,7 +120,7 @@ class DocumentRows:
                 merged[k] = sum(r[k] for _, r in candidates)
             merged["latency_s"] = round(sum(r["latency_s"] for _, r in candidates), 4)
             rows.append(merged)
-        bad = sum(r["status"] in BAD_STATUSES for r in rows)
+        bad = sum(is_bad(r) for r in rows)  # (an answer closed at max_tokens keeps its value: not bad)
         status = "ok" if bad == 0 else ("error" if bad == len(rows) else "partial")
         self.totals.documents += 1
         if status == "error":

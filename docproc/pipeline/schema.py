@@ -50,6 +50,12 @@ COLUMNS = [f.name for f in RESULT_SCHEMA]
 # constraint could close (its shortest valid form did not fit)
 BAD_STATUSES = ("error", "parse_error", "schema_violation", "truncated")
 
+
+def is_bad(row: dict) -> bool:
+    """A row whose answer is not usable: a bad status without a value. An answer closed at
+    max_tokens (truncated, its value kept) is usable, though its last value may be cut."""
+    return row.get("status") in BAD_STATUSES and not (row.get("status") == "truncated" and row.get("value") is not None)
+
 # what --format takes: json (json/<path>.json), parquet, csv and jsonl (results.parquet, .csv and
 # .jsonl, each with the schema's columns) and documents (documents.parquet, typed per query)
 OUTPUT_FORMATS = ("json", "parquet", "csv", "jsonl", "documents")

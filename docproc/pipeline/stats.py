@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from docproc.pipeline.runstore import RunStore, run_order, run_started_at
-from docproc.pipeline.schema import BAD_STATUSES, RESULT_SCHEMA, read_table
+from docproc.pipeline.schema import BAD_STATUSES, RESULT_SCHEMA, is_bad, read_table
 
 NO_MANIFEST = "no manifest"  # the status of a run known only from its rows
 DAMAGED_MANIFEST = "manifest damaged"
@@ -101,7 +101,7 @@ def per_query(rows: list[dict], run_id: str | None) -> dict:
         a = acc[r["query"]]
         a["rows"] += 1
         a["answered"] += r["status"] == "ok"
-        a["errors"] += r["status"] in BAD_STATUSES
+        a["errors"] += is_bad(r)
         a["generated_tokens"] += r["generated_tokens"] or 0
         a["draft_proposed"] += r["draft_proposed"] or 0
         a["draft_accepted"] += r["draft_accepted"] or 0
