@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import array
 import json
+import mmap
+import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -72,15 +74,21 @@ def to_table(rows: list[dict]) -> pa.Table:
 
 
 def read_table(path: str | Path, schema: pa.Schema | None = None) -> pa.Table:
-    """A Parquet file of OUT read through a Python file, since Arrow takes no path that is not
-    UTF-8; on one thread, since pyarrow's thread pool, after a read through a Python file, can
-    abort the interpreter at exit ("terminate called without an active exception": 35 of 40
-    runs with pyarrow 26 on a 2-core machine; apache/arrow#50482). Through ParquetFile, not
-    pq.read_table, whose dataset layer imports pandas (0.7 s of a run with nothing to do); with a
-    schema, as a dataset reads it: its columns in its order and types, nulls for those the file
-    lacks (parts written before a column existed)."""
-    with open(path, "rb") as f:
-        table = pq.ParquetFile(f).read(use_threads=False)
+    """A Parquet file of OUT, read from a memory map of it (Arrow takes no path that is not UTF-8,
+    so Python opens it), on one thread: Arrow reading through a Python file object, with its
+    thread pools, could abort the interpreter at exit ("terminate called without an active
+    exception": 35 of 40 runs with pyarrow 26 on a 2-core machine, and about 1 in 50 still with
+    use_threads=False under load; apache/arrow#50482); a memory map is a plain buffer to it.
+    Through ParquetFile, not pq.read_table, whose dataset layer imports pandas (0.7 s of a run
+    with nothing to do); with a schema, as a dataset reads it: its columns in its order and
+    types, nulls for those the file lacks (parts written before a column existed)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        data = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size else b""
+    finally:
+        os.close(fd)
+    table = pq.ParquetFile(pa.BufferReader(pa.py_buffer(data))).read(use_threads=False)
     if schema is None:
         return table
     columns = []
