@@ -27,7 +27,7 @@ max_tokens = 6
 '''
 
 
-def test_a_per_page_query_answers_each_page_in_its_own_row(tmp_path):
+def test_a_per_page_query_answers_each_page_in_its_own_row(tmp_path, qwen2_vl_dir):
     """A 2-page PDF: the document query has one row, the per-page query one row a page (page 1,
     2), each asked of its page alone; the JSON file lists the pages'
     values, documents.parquet holds them as a list, the fingerprint changes with per_page."""
@@ -43,7 +43,7 @@ def test_a_per_page_query_answers_each_page_in_its_own_row(tmp_path):
     q.write_text(QUERIES)
     out = tmp_path / "out"
     res = CliRunner().invoke(app, ["run", str(docs), "--out", str(out), "--queries", str(q), "--device", "cpu",
-                                   "--format", "json,parquet,documents", "--quiet"])
+                                   "--model", str(qwen2_vl_dir), "--format", "json,parquet,documents", "--quiet"])
     assert res.exit_code == 0, res.output
     rows = pq.read_table(out / "results.parquet").to_pylist()
     got = sorted((r["path"], r["query"], r["page"]) for r in rows)
