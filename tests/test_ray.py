@@ -285,7 +285,8 @@ def test_a_workers_own_error_at_start_is_told_as_it_was_raised(cluster, docs, tm
 def test_a_docproc_folder_in_the_working_folder_does_not_shadow_the_package(tmp_path):
     """Ray puts the driver's working folder on its workers' sys.path: started from a folder that
     holds a `docproc` folder (a clone of the repository, run from its parent), the workers
-    imported that folder instead of the installed package."""
+    imported that folder instead of the installed package. The run's own cluster start, from such
+    a folder, then a task that imports docproc on a worker."""
     import subprocess
     import sys
 
@@ -293,16 +294,23 @@ def test_a_docproc_folder_in_the_working_folder_does_not_shadow_the_package(tmp_
     (here / "docproc").mkdir(parents=True)
     (here / "docproc" / "__init__.py").write_text("raise ImportError('the docproc folder in the working folder')\n")
     (tmp_path / "in").mkdir()
-    shutil.copy(SAMPLES / "doc_2026_00003.jpg", tmp_path / "in")
-    script = tmp_path / "cli.py"  # not `python -m docproc`, which would shadow the driver's own import
-    script.write_text("from docproc.cli import main\nmain()\n")
-    proc = subprocess.run([sys.executable, str(script), "run", str(tmp_path / "in"), "--out", str(tmp_path / "out"),
-                           "--device", "cpu", "--ray", "--quiet"], cwd=here, capture_output=True, text=True,
-                          timeout=300)
+    script = tmp_path / "start.py"  # (a script's own folder, not the working folder, is on the driver's path)
+    script.write_text(
+        "import ray\n"
+        "from docproc.pipeline.distributed import RayPipeline\n"
+        "from docproc.pipeline.settings import RunSettings\n"
+        f"s = RunSettings(inputs=[{str(tmp_path / 'in')!r}], out={str(tmp_path / 'out')!r}, model='unused', "
+        "device='cpu', ray=True)\n"
+        "RayPipeline(s)._cluster()\n"
+        "@ray.remote\n"
+        "def where():\n"
+        "    import docproc.pipeline.distributed, docproc\n"
+        "    return docproc.__file__\n"
+        "print(ray.get(where.remote()))\n"
+        "ray.shutdown()\n")
+    proc = subprocess.run([sys.executable, str(script)], cwd=here, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = read_table(tmp_path / "out" / "results.parquet").to_pylist()
-    assert rows and all(r["doc_status"] in ("ok", "partial") for r in rows)
-    assert _manifest(tmp_path / "out")["stage_seconds"]["fingerprint_load"] > 0  # a worker loaded the model
+    assert proc.stdout.strip().splitlines()[-1] == str(ROOT / "docproc" / "__init__.py")
 
 
 def test_a_probe_that_raised_is_told_by_its_own_error_and_one_that_died_as_died_twice():
