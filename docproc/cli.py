@@ -21,7 +21,7 @@ from rich.markup import escape
 from rich.table import Table
 from typer.core import TyperCommand
 
-from docproc.errors import EXIT_DEVICE, EXIT_MODEL, EXIT_OUTPUT
+from docproc.errors import EXIT_DEVICE, EXIT_MODEL, EXIT_OUTPUT, EXIT_USAGE
 
 
 class _Command(TyperCommand):
@@ -91,7 +91,7 @@ def _console(stderr: bool = False) -> Console:
 out_console = _console()
 err_console = _console(stderr=True)
 
-EXIT_OK, EXIT_FAILURES, EXIT_USAGE, EXIT_INTERNAL, EXIT_LOCKED = 0, 1, 2, 70, 75
+EXIT_OK, EXIT_FAILURES, EXIT_INTERNAL, EXIT_LOCKED = 0, 1, 70, 75
 EXIT_CODES = {EXIT_OK: "ok", EXIT_FAILURES: "some documents failed", EXIT_USAGE: "usage error",
               EXIT_MODEL: "model unavailable", EXIT_DEVICE: "device unavailable", EXIT_OUTPUT: "output unwritable",
               EXIT_INTERNAL: "internal error", EXIT_LOCKED: "locked", 130: "interrupted (SIGINT)",

@@ -5,6 +5,7 @@ Torch-free, so that every layer can raise and catch them.
 """
 from __future__ import annotations
 
+EXIT_USAGE = 2  # the command or the query set asks for something that cannot be done
 EXIT_MODEL = 3  # the model or the draft is missing or cannot be loaded
 EXIT_DEVICE = 4  # the device asked for is not there, ran out of memory at load, or failed
 EXIT_OUTPUT = 5  # the output folder cannot be written (read-only, a file, disk full)
@@ -30,3 +31,11 @@ class DeviceUnavailable(EnvironmentFault):
 class OutputUnwritable(EnvironmentFault):
     exit_code = EXIT_OUTPUT
     kind = "output"
+
+
+class QueriesUnusable(EnvironmentFault):
+    """A query's constraint that the grammar backend cannot compile, found as the engine is about
+    to load (compiling imports the backend, too slow for a run with nothing to do)."""
+
+    exit_code = EXIT_USAGE
+    kind = "queries"

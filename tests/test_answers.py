@@ -79,6 +79,42 @@ def test_docproc_run_refuses_a_bad_schema_with_exit_2_naming_query_and_keyword(t
     assert not (tmp_path / "out").exists()  # nothing was done
 
 
+BEYOND_THE_GRAMMAR = [  # valid JSON Schema that xgrammar cannot compile: (schema, its reason)
+    ({"type": "object", "properties": {"x": False}, "required": ["x"]}, "cannot accept any value"),
+    ({"type": "integer", "minimum": 0.5}, "whole number"),
+    ({"type": "integer", "exclusiveMinimum": 3, "exclusiveMaximum": 4}, "minimum greater than maximum"),
+    ({"type": "string", "pattern": "(a)\\1"}, "Backreference"),
+]
+
+
+@pytest.mark.parametrize("schema,reason", BEYOND_THE_GRAMMAR, ids=[str(i) for i in range(len(BEYOND_THE_GRAMMAR))])
+def test_a_schema_the_grammar_cannot_compile_stops_the_run_with_exit_2_before_the_model_loads(
+        tmp_path, schema, reason):
+    from docproc.cli import app
+    from docproc.engine.structured import compile_problem
+    from docproc.sampling_params import StructuredOutputsParams
+
+    check_schema(schema)  # valid JSON Schema: the checks made as the query file loads pass it
+    assert reason in compile_problem(StructuredOutputsParams(json=json.dumps(schema)))
+    if schema.get("type") != "integer" or "minimum" not in schema:
+        return  # (one run through the CLI is enough)
+    from PIL import Image
+
+    (tmp_path / "in").mkdir()
+    Image.new("RGB", (64, 64), "white").save(tmp_path / "in" / "a.png")
+    q = tmp_path / "q.toml"
+    q.write_text('[[query]]\nname = "n"\nquestion = "?"\ntype = "json"\nschema_file = "s.json"\n')
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    res = CliRunner().invoke(app, ["run", str(tmp_path / "in"), "--out", str(tmp_path / "out"), "--queries", str(q),
+                                   "--log-json"])
+    assert res.exit_code == 2, res.output
+    events = [json.loads(line) for line in res.output.splitlines() if line.startswith("{")]
+    assert "load_start" not in {e["event"] for e in events}  # no model was loaded
+    end = [e for e in events if e["event"] == "end"][0]
+    assert end["fault"]["kind"] == "queries" and "query 'n'" in end["fault"]["message"]
+    assert reason in end["fault"]["message"] and end["exit_code"] == 2
+
+
 def test_answers_are_validated_against_the_whole_schema():
     schema = {"type": "object", "required": ["a"], "additionalProperties": False, "properties": {
         "a": {"type": "integer", "not": {"const": 13}, "multipleOf": 2},
@@ -328,3 +364,20 @@ def test_a_forced_token_is_one_the_grammar_takes(llm):
         assert o.error is None and o.outputs[0].finish_reason in ("stop", "length"), o.outputs[0].stop_reason
     for o in outs[2:]:  # (8 and 10 tokens cannot hold '{"k": "<|im_end|>"}' once begun, a byte a token)
         assert json.loads(o.outputs[0].text)["k"] in ("<|im_end|>", "xx"), o.outputs[0].text
+
+
+def test_a_schemas_date_format_admits_exactly_the_real_dates_the_validator_accepts():
+    import datetime
+
+    from docproc.engine.structured import _strict_strings, compile_problem
+    from docproc.sampling_params import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"d": {"type": "string", "format": "date"}}, "required": ["d"]}
+    pattern = re.compile(_strict_strings(schema)["properties"]["d"]["pattern"])
+    assert compile_problem(StructuredOutputsParams(json=json.dumps(schema))) is None
+    for y in [*range(1996, 2030), 1200, 1600, 1700, 1900, 2000, 2100, 2400]:
+        for m in range(1, 13):
+            for d in range(1, 32):
+                text = f"{y:04d}-{m:02d}-{d:02d}"
+                real = violation({"d": text}, schema) is None  # the validator's date format
+                assert bool(pattern.fullmatch(text)) == real, text

@@ -457,20 +457,9 @@ class GrammarCompiler:
         compiled = self._cache.get(key)
         if compiled is None:
             try:
-                schema = json.loads(params.json) if isinstance(params.json, str) else params.json
-            except json.JSONDecodeError as e:
-                raise StructuredOutputError(f"the json constraint is not valid JSON: {e}") from None
-            try:
-                if params.kind == "json":
-                    compiled = compiler.compile_json_schema(json.dumps(bounded_numbers(_strict_strings(schema))),
-                                                           any_whitespace=False)
-                elif params.kind == "regex":
-                    compiled = compiler.compile_regex(params.regex)
-                elif params.kind == "choice":
-                    alts = " | ".join(_gbnf_string(c) for c in params.choice)
-                    compiled = compiler.compile_grammar(f"root ::= {alts}")
-                else:
-                    compiled = compiler.compile_grammar(params.grammar)
+                compiled = compiler.compile_grammar(grammar(xgr, params))
+            except StructuredOutputError:
+                raise
             except Exception as e:  # noqa: BLE001 -- xgrammar raises RuntimeError/ValueError with its reason
                 raise StructuredOutputError(f"the {params.kind} constraint does not compile: {_reason(e)}") from None
             self._cache[key] = compiled
@@ -575,8 +564,16 @@ def tokenizer_size(tokenizer) -> int:
     return max(tokenizer.get_vocab().values()) + 1
 
 
+# JSON Schema's "date" format (RFC 3339 full-date, as the validator reads it): real dates only.
+# xgrammar's own rule lets any day up to 31 through in any month (2026-02-30), an answer the
+# validator then rejects.
+_LEAP_YEAR = "([12][0-9]([02468][48]|[2468]0|[13579][26])|1200|1600|2000|2400|2800)"
+ISO_DATE = "^([12][0-9]{3}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)" \
+           "|02-(0[1-9]|1[0-9]|2[0-8]))|" + _LEAP_YEAR + "-02-29)$"
+
+
 def _strict_strings(schema):
-    """The schema with every length-bounded string (minLength / maxLength, no pattern or format)
+    """The schema with every `format: date` string given as the real dates' pattern, and every length-bounded string (minLength / maxLength, no pattern or format)
     given as the equivalent pattern over JSON string characters (unescaped, or an escape: each
     counts as one character). xgrammar 0.2.9 compiles
     such a string to any characters but quote, backslash and newlines, control characters
@@ -587,12 +584,45 @@ def _strict_strings(schema):
     if not isinstance(schema, dict):
         return schema
     out = {k: _strict_strings(v) for k, v in schema.items()}
+    if out.get("type") == "string" and out.get("format") == "date" and "pattern" not in out:
+        del out["format"]
+        out["pattern"] = ISO_DATE
     if out.get("type") == "string" and ("maxLength" in out or "minLength" in out) \
             and "pattern" not in out and "format" not in out:
         lo, hi = int(out.pop("minLength", 0)), out.pop("maxLength", None)
         char = '(?:[^"\\\\\\x00-\\x1f]|\\\\["\\\\/bfnrt]|\\\\u[0-9a-fA-F]{4})'  # one JSON string character
         out["pattern"] = "^%s{%d,%s}$" % (char, lo, "" if hi is None else int(hi))
     return out
+
+
+def grammar(xgr, params: StructuredOutputsParams):
+    """The xgrammar Grammar of a constraint (no tokenizer needed): what the engine compiles, and
+    what `compile_problem` checks before a model loads."""
+    if params.kind == "json":
+        try:
+            schema = json.loads(params.json) if isinstance(params.json, str) else params.json
+        except json.JSONDecodeError as e:
+            raise StructuredOutputError(f"the json constraint is not valid JSON: {e}") from None
+        return xgr.Grammar.from_json_schema(json.dumps(bounded_numbers(_strict_strings(schema))),
+                                            any_whitespace=False)
+    if params.kind == "regex":
+        return xgr.Grammar.from_regex(params.regex)
+    if params.kind == "choice":
+        return xgr.Grammar.from_ebnf("root ::= " + " | ".join(_gbnf_string(c) for c in params.choice))
+    return xgr.Grammar.from_ebnf(params.grammar)
+
+
+def compile_problem(params: StructuredOutputsParams) -> str | None:
+    """Why xgrammar cannot compile this constraint (its own reason), or None. Schemas that pass
+    the JSON Schema checks can still be beyond it: `false` subschemas, fractional integer bounds,
+    empty ranges, regex backreferences."""
+    try:
+        grammar(_xgrammar(), params)
+    except StructuredOutputError as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001 -- xgrammar raises RuntimeError/ValueError with its reason
+        return _reason(e)
+    return None
 
 
 def _reason(e: Exception) -> str:

@@ -32,7 +32,7 @@ def _names(months: list[str]) -> str:
 
 _YEAR = "[12][0-9]{3}"
 # years with a 29 February: multiples of 4, centuries only when a multiple of 400
-_LEAP = "([12][0-9]([02468][48]|[2468]0|[13579][26])|1600|2000|2400|2800)"
+_LEAP = "([12][0-9]([02468][48]|[2468]0|[13579][26])|1200|1600|2000|2400|2800)"
 # (month, day, year) that make a real date: a month of 31, of 30 days, February, 29 February
 _CALENDAR = [("(0?[13578]|1[02])", "(0?[1-9]|[12][0-9]|3[01])", _YEAR),
              ("(0?[469]|11)", "(0?[1-9]|[12][0-9]|30)", _YEAR),

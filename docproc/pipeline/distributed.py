@@ -45,7 +45,7 @@ import tempfile
 import time
 from dataclasses import asdict, fields, replace
 
-from docproc.errors import DeviceUnavailable, EnvironmentFault, ModelUnavailable, OutputUnwritable
+from docproc.errors import DeviceUnavailable, EnvironmentFault, ModelUnavailable, OutputUnwritable, QueriesUnusable
 from docproc.pipeline.constraints import xgrammar_available
 from docproc.pipeline.reconcile import Reconciliation
 from docproc.pipeline.run import Pipeline, UsageError
@@ -57,7 +57,8 @@ WORKER_DIED = ("its engine worker died twice while running it (the process was k
                "error or a signal; the Ray logs of the worker's node say which)")
 LOAD_DEATHS = 2  # workers dying while they load the engine: the run stops (a fault of the environment)
 BATCHES_PER_WORKER = 4  # a pass hands each worker at least this many batches when there are documents for it
-_FAULTS = {"model": ModelUnavailable, "device": DeviceUnavailable, "output": OutputUnwritable}
+_FAULTS = {"model": ModelUnavailable, "device": DeviceUnavailable, "output": OutputUnwritable,
+           "queries": QueriesUnusable}
 
 
 class ClusterUnavailable(DeviceUnavailable):

@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from docproc.errors import DeviceUnavailable, EnvironmentFault, ModelUnavailable
+from docproc.errors import DeviceUnavailable, EnvironmentFault, ModelUnavailable, QueriesUnusable
 from docproc.pipeline.reconcile import fingerprint_of
 from docproc.pipeline.runstore import atomic_write_bytes, output_fault
 
@@ -46,6 +46,7 @@ class EngineSetup:
     _key: str | None = None  # config_key() of this run
     cfg: str | None = None  # the run's configuration fingerprint
     constrain: bool = True  # answers decoded under their queries' rules (xgrammar is installed)
+    _constraints_checked = False  # every query's constraint compiles (check_constraints)
     _own_llm: bool = False  # this run loaded the engine (close_engine closes it)
     _components: dict | None = None  # fingerprint -> its components, for those this process computed
 
@@ -139,8 +140,25 @@ class EngineSetup:
             self._write_config_cache(key, cfg)
         return cfg
 
+    def check_constraints(self) -> None:
+        """QueriesUnusable (exit 2) naming the first query whose constraint xgrammar cannot compile:
+        checked as the engine is about to load, so that no model loads for a run that cannot use it."""
+        if self._constraints_checked or not self.constrain:
+            return
+        from docproc.engine.structured import compile_problem
+
+        for q in self.queries.queries:
+            so = q.structured_outputs()
+            problem = compile_problem(so) if so is not None else None
+            if problem is not None:
+                raise QueriesUnusable(f"{self.queries.source}: query {q.name!r}: the grammar backend cannot compile its "
+                                      f"{'schema' if so.kind == 'json' else 'constraint'}: {problem}; change the query "
+                                      f"(no model was loaded, nothing was answered)")
+        self._constraints_checked = True
+
     def _engine(self):
         if self.llm is None:
+            self.check_constraints()
             from docproc import LLM
 
             self.report("load_start", {"model": self.s.model, "draft": self.s.draft})
