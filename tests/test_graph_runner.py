@@ -79,22 +79,23 @@ def static_engine(m, folder, **kw) -> LLM:
     return LLM(str(folder), device="cpu", max_num_seqs=8, **kw)
 
 
-def run(folder, static, monkeypatch, **kw):
+def run(folder, static, monkeypatch, max_tokens=10, **kw):
     with monkeypatch.context() as m:
         if static:
             m.setattr(model_runner, "resolve_step_graphs", lambda config, device: "static")
         llm = LLM(str(folder), device="cpu", max_num_seqs=8, **kw)
-        outs = llm.generate(reqs(), SamplingParams(max_tokens=10, ignore_eos=True))
+        outs = llm.generate(reqs(), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     return llm, [o.outputs[0].token_ids for o in outs]
 
 
 @cpu_only
 @pytest.mark.parametrize("kv", ["fp32", "fp4"])
 def test_static_step_path_gives_the_plain_tokens(qwen2_vl_dir, monkeypatch, kv):
-    _, plain = run(qwen2_vl_dir, False, monkeypatch, kv_cache_dtype=kv)
-    llm, static = run(qwen2_vl_dir, True, monkeypatch, kv_cache_dtype=kv)
+    tokens = 10 if kv == "fp32" else 5  # (FP4's kernels are slow in the interpreter)
+    _, plain = run(qwen2_vl_dir, False, monkeypatch, tokens, kv_cache_dtype=kv)
+    llm, static = run(qwen2_vl_dir, True, monkeypatch, tokens, kv_cache_dtype=kv)
     g = llm.runner.graphs
-    assert g is not None and g.num_replays >= 9  # every decode step went through the padded path
+    assert g is not None and g.num_replays >= tokens - 1  # every decode step went through the padded path
     assert llm.cache_info()["num_reserved_blocks"] == 1
     assert llm.block_manager.num_free_blocks <= llm.runner.kv_cache.num_blocks - 1  # scratch never handed out
     assert static == plain
@@ -242,9 +243,6 @@ def test_overlapped_decode_gives_the_plain_tokens_and_stops(qwen2_vl_dir, monkey
     # the same steps and tokens counted (a stopped sequence's row in the step in flight is not)
     assert (llm.num_steps, llm.num_step_tokens) == (plain_llm.num_steps, plain_llm.num_step_tokens)
     assert llm.overlap.pending is None and llm.block_manager.num_free_blocks == plain_llm.block_manager.num_free_blocks
-    # greedy overlapped = plain greedy (the same run as `plain`, EOS ignored)
-    _, again = overlap_run(qwen2_vl_dir, monkeypatch, True, base)
-    assert [o.outputs[0].token_ids for o in again] == toks
 
 
 @cpu_only
