@@ -6,7 +6,7 @@ budget: it parses and validates); anything else (parse_error, schema_violation, 
 a value, an engine error) is counted by status.
 
     python3 bench/run_validity.py --docs 200 --seed 4801 --device cpu --json /tmp/validity_cpu.json
-    python3 bench/run_validity.py --docs 200 --seed 4802 --device cuda --json $OUT/validity_cuda.json
+    python3 bench/run_validity.py --docs 200 --seed 4802 --json $OUT/validity_cuda.json
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=200)
     ap.add_argument("--seed", type=int, default=4801)
     ap.add_argument("--formats", default="pdf,png,jpeg,tiff")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="auto")
     ap.add_argument("--work", default=None, help="folder for the documents and OUTs (default: a temporary one)")
     ap.add_argument("--json", required=True)
     ap.add_argument("run_args", nargs="*", help="more `docproc run` options, after --")
@@ -62,8 +62,9 @@ def main() -> None:
     report = {"docs": args.docs, "seed": args.seed, "device": args.device, "run_args": args.run_args, "sets": {}}
     for name, queries in (("default", None), ("numbers_dates_enums", work / "schema.toml")):
         out = work / f"out-{name}"
-        cmd = [sys.executable, "-m", "docproc", "run", str(docs), "--out", str(out), "--device", args.device,
-               "--quiet", *(["--queries", str(queries)] if queries else []), *args.run_args]
+        cmd = [sys.executable, "-m", "docproc", "run", str(docs), "--out", str(out), "--quiet",
+               *(["--device", args.device] if args.device != "auto" else []),
+               *(["--queries", str(queries)] if queries else []), *args.run_args]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         result = judge(out) if (out / "results.parquet").exists() else {}
