@@ -381,3 +381,35 @@ def test_a_schemas_date_format_admits_exactly_the_real_dates_the_validator_accep
                 text = f"{y:04d}-{m:02d}-{d:02d}"
                 real = violation({"d": text}, schema) is None  # the validator's date format
                 assert bool(pattern.fullmatch(text)) == real, text
+
+
+def test_a_model_that_keeps_opening_elements_is_still_closed_within_its_budget(llm):
+    """An adversary that opens a new array element whenever the grammar lets it (a `,` before
+    an element of objects whose fields are required costs all of them at once): for every budget
+    from the shortest answer's up, the output still parses and validates."""
+    import xgrammar as xgr
+
+    from docproc.engine.structured import GrammarCompiler, tokenizer_size
+    from docproc.sampling_params import StructuredOutputsParams
+
+    gc = GrammarCompiler(llm.tokenizer, tokenizer_size(llm.tokenizer), llm.eos_token_ids)
+    schema = {"type": "object", "required": ["lines"], "additionalProperties": False, "properties": {
+        "lines": {"type": "array", "items": {"type": "object", "required": ["amount", "code"],
+                                             "additionalProperties": False, "properties": {
+                                                 "amount": {"type": "integer"}, "code": {"type": "string"}}}}}}
+    so = StructuredOutputsParams(json=schema)
+    prefer = [",", "{", "[", '"', "7", "a", "}", "]"]
+    for budget in range(24, 72, 3):
+        m = gc.matcher(so, budget)
+        text = ""
+        for _ in range(budget):
+            if m.is_terminated():
+                break
+            mask = xgr.allocate_token_bitmask(1, gc.num_tokens)
+            m.fill_next_token_bitmask(mask, 0)
+            allowed = [t for t in range(gc.num_tokens) if (int(mask[0, t // 32]) >> (t % 32)) & 1]
+            pick = next((t for ch in prefer for t in allowed if gc.token_text(t) == ch), allowed[0])
+            assert m.accept_token(pick)
+            text += gc.token_text(pick)
+        value = json.loads(text.removesuffix("<|im_end|>"))  # (an end token the budget may force)
+        assert violation(value, schema) is None, (budget, text)

@@ -101,7 +101,9 @@ class BudgetMatcher:
     Before each token the row is masked by the grammar, unless the shortest completion of the
     output so far (GrammarCompiler.completion: the text the grammar forces, and at each choice the
     character that closes soonest, `null` before an empty string) takes at least all but MARGIN
-    of the tokens left: then only that completion's first token is allowed.
+    of the tokens left, counting what one more token of the model's could add to it (`_growth`:
+    a `,` that opens an array element of objects with required fields adds all of them): then
+    only that completion's first token is allowed.
 
     Looking for the completion costs a walk of the grammar (about 0.1 ms), so it is looked for at
     every token only near the end: at every CHECK_EVERY-th token (a checkpoint) the completion is
@@ -116,10 +118,15 @@ class BudgetMatcher:
     MARGIN = 4
     CHECK_EVERY = 8
     CHECKPOINTS_KEPT = 64
+    CLOSERS_PROBED = 3
 
-    def __init__(self, matcher, max_tokens: int | None, compiler: "GrammarCompiler", json_text: bool) -> None:
+    def __init__(self, matcher, max_tokens: int | None, compiler: "GrammarCompiler", json_text: bool,
+                 growth_bound: int = 0) -> None:
         self.matcher = matcher
         self.max_tokens = max_tokens
+        # the most one token can add to the completion (json_growth_bound): checkpoints look that
+        # much further ahead
+        self.growth_bound = growth_bound
         self.num_accepted = 0
         self._compiler = compiler
         # JSON outputs: (inside a string, after a backslash) after each accepted token, which
@@ -164,6 +171,26 @@ class BudgetMatcher:
             return []
         return lead + self._compiler.encode(text)
 
+    def _growth(self, matcher, count: int, length: int, text: str) -> int:
+        """How many tokens longer the completion (`length` tokens, `text` its characters) can get
+        by the model's next token: the most that opening a value does (GROWERS: a next element
+        or property, an object, an array; an element of objects with required fields costs all
+        of them), also where the token first closes up to CLOSERS_PROBED of what is open."""
+        scan = self._scan[count] if self._scan is not None else None
+        most = 0
+        for cut in range(min(self.CLOSERS_PROBED, len(text)) + 1):
+            if scan is not None and scan_json(text[:cut], scan)[0]:
+                continue  # (inside a string these are characters of it)
+            for ch in GROWERS:
+                probe = matcher.fork()
+                if not probe.accept_string(text[:cut] + ch):
+                    continue
+                after = scan_json(text[:cut] + ch, scan) if scan is not None else None
+                found = self._compiler.completion(probe, after)
+                if found is not None:
+                    most = max(most, 1 + len(found[0]) + len(self._compiler.encode(found[1])) - length)
+        return most
+
     def _is_near(self) -> bool:
         """Whether the current position is near the end, by its checkpoint's completion."""
         n = self.num_accepted
@@ -175,7 +202,7 @@ class BudgetMatcher:
             if c < n:  # the checkpoint was passed without a mask (tokens accepted after a verification)
                 matcher = self.matcher.fork()
                 matcher.rollback(n - c)
-            left = self.max_tokens - c - self.MARGIN - self.CHECK_EVERY
+            left = self.max_tokens - c - self.MARGIN - self.CHECK_EVERY - self.growth_bound
             ids = self._completion_tokens(matcher, c, left)
             near = self._near[key] = ids is None or len(ids) >= left  # (none found: look at every token)
             if len(self._near) > self.CHECKPOINTS_KEPT:
@@ -201,8 +228,9 @@ class BudgetMatcher:
         if key in self._forced:
             return self._forced[key]
         found = self._compiler.completion(self.matcher, self._scan[-1] if self._scan is not None else None)
-        ids = self._completion_tokens(self.matcher, self.num_accepted, left - self.MARGIN, found)
-        if not ids or len(ids) + self.MARGIN < left:
+        ids = self._completion_tokens(self.matcher, self.num_accepted, left - self.MARGIN - self.growth_bound, found)
+        if not ids or len(ids) + self.MARGIN + (self._growth(self.matcher, self.num_accepted, len(ids), found[1])
+                                                 if self.growth_bound else 0) < left:
             return None
         token = ids[0]
         probe = self.matcher.fork()
@@ -224,6 +252,91 @@ class BudgetMatcher:
             self.matcher.fill_next_token_bitmask(bitmask, row)
         else:
             only_token(bitmask, row, token)
+
+
+GROWERS = (",", "{", "[")  # what opens more of a JSON value than its shortest completion holds
+GROWTH_UNKNOWN = 64  # bytes: a subschema whose shortest form is not worked out ($ref outside, too deep)
+
+
+def json_growth_bound(params: StructuredOutputsParams) -> int:
+    """For a JSON constraint, the most bytes (so tokens, at least a byte each) one token can add
+    to the shortest completion: the shortest form of the largest value a model can open (an array
+    element, a property with its key, an alternative), plus its separator. 0 for other kinds."""
+    if params.kind != "json":
+        return 0
+    try:
+        root = json.loads(params.json) if isinstance(params.json, str) else params.json
+    except (TypeError, ValueError):
+        return GROWTH_UNKNOWN
+    most = 4  # `, ""` and the like, where nothing is said
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        props = node.get("properties")
+        if isinstance(props, dict):
+            for k, sub in props.items():
+                most = max(most, len(json.dumps(k)) + 4 + _shortest(sub, root))
+                stack.append(sub)
+        for key in ("items", "additionalProperties", "prefixItems", "anyOf", "oneOf", "allOf", "$defs",
+                    "definitions"):
+            sub = node.get(key)
+            subs = sub.values() if isinstance(sub, dict) and key in ("$defs", "definitions") else \
+                sub if isinstance(sub, list) else [sub]
+            for one in subs:
+                if isinstance(one, dict):
+                    most = max(most, 2 + _shortest(one, root))
+                    stack.append(one)
+    return most
+
+
+def _shortest(schema, root, depth: int = 0) -> int:
+    """Bytes of the shortest JSON value a schema admits, as the completion writes it (an upper
+    bound where it cannot tell)."""
+    if depth > 16:
+        return GROWTH_UNKNOWN
+    if not isinstance(schema, dict):
+        return 4
+    ref = schema.get("$ref")
+    if isinstance(ref, str):
+        if not ref.startswith("#"):
+            return GROWTH_UNKNOWN
+        node = root
+        for part in [p for p in ref[1:].split("/") if p]:
+            node = node.get(part.replace("~1", "/").replace("~0", "~")) if isinstance(node, dict) else None
+        return _shortest(node, root, depth + 1) if isinstance(node, dict) else GROWTH_UNKNOWN
+    if "const" in schema:
+        return len(json.dumps(schema["const"]))
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
+        return min(len(json.dumps(v)) for v in schema["enum"])
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list) and schema[key]:
+            return min(_shortest(s, root, depth + 1) for s in schema[key])
+    types = schema.get("type")
+    types = types if isinstance(types, list) and types else [types]
+    return min(_shortest_of_type(t, schema, root, depth) for t in types)
+
+
+def _shortest_of_type(kind, schema: dict, root, depth: int) -> int:
+    if kind in ("null", "boolean"):
+        return 4
+    if kind in ("number", "integer"):
+        return max(1, len(str(schema.get("minimum", 0))))
+    if kind == "string":
+        n = schema.get("minLength", 0)
+        return 2 + (n if isinstance(n, int) else 0) + (GROWTH_UNKNOWN if "pattern" in schema or "format" in schema
+                                                        else 0)
+    if kind == "array":
+        n = schema.get("minItems", 0)
+        return 2 + (n if isinstance(n, int) else 0) * (2 + _shortest(schema.get("items", {}), root, depth + 1))
+    if kind == "object" or kind is None and "properties" in schema:
+        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        required = schema.get("required") if isinstance(schema.get("required"), list) else []
+        return 2 + sum(len(json.dumps(k)) + 4 + _shortest(props.get(k, {}), root, depth + 1) for k in required)
+    return 4  # no type: the completion writes null
 
 
 def max_output_bytes(params: StructuredOutputsParams) -> int | None:
@@ -362,7 +475,7 @@ class GrammarCompiler:
         self._vocab: list[bytes] = []  # each token's bytes (xgrammar's decoded vocabulary)
         self._continuations: list[int] | None = None
         self._bytes: dict[int, int] | None = None  # a byte -> the token of that byte alone
-        self._widths: dict[str, int | None] = {}  # a constraint's key -> max_output_bytes
+        self._widths: dict[str, tuple] = {}  # a constraint's key -> (max_output_bytes, json_growth_bound)
         self._fills = None  # FillThreads: a step's masks filled on the thread count measured fastest
         self._pinned: torch.Tensor | None = None  # the host side of CUDA masks
         self._tail: torch.Tensor | None = None  # per row: 1 where the ids past num_tokens stay allowed
@@ -385,11 +498,11 @@ class GrammarCompiler:
         if key not in self._widths:  # (parsing a rule takes milliseconds: once a constraint)
             if len(self._widths) >= CACHE_ENTRIES:
                 self._widths.pop(next(iter(self._widths)))
-            self._widths[key] = max_output_bytes(params)
-        most = self._widths[key]
+            self._widths[key] = (max_output_bytes(params), json_growth_bound(params))
+        most, growth = self._widths[key]
         fits = most is not None and most <= max_tokens  # every output fits: nothing to steer
         return BudgetMatcher(self._matcher(params), None if fits else max_tokens, self,
-                             json_text=params.kind == "json")
+                             json_text=params.kind == "json", growth_bound=growth)
 
     def token_text(self, token: int) -> str:
         """A token's bytes as latin-1 text (one character a byte: quotes and backslashes are
