@@ -162,10 +162,10 @@ def _fmt(v) -> str:
 def run(
     inputs: list[Path] = typer.Argument(..., metavar="INPUTS", help="Files or folders (searched recursively)."),
     out: Path = typer.Option(..., "--out", "-o", metavar="DIR", help="Output folder (results.parquet, json/, runs/)."),
-    queries: Optional[Path] = typer.Option(None, metavar="FILE", help="Query set (TOML). Default: the bundled "
+    queries: Optional[Path] = typer.Option(None, "--queries", metavar="FILE", help="Query set (TOML). Default: the bundled "
                                                                      "invoice/receipt set."),
-    model: Optional[str] = typer.Option(None, metavar="DIR", help="Model folder. Default: the bundled target model."),
-    draft: Optional[str] = typer.Option(None, metavar="DIR", help="Draft model folder for speculative decoding, "
+    model: Optional[str] = typer.Option(None, "--model", metavar="DIR", help="Model folder. Default: the bundled target model."),
+    draft: Optional[str] = typer.Option(None, "--draft", metavar="DIR", help="Draft model folder for speculative decoding, "
                                                                  "'bundled' (the bundled draft) or 'none' (the default)."),
     spec_k: Optional[str] = typer.Option(None, "--spec-k", metavar="K", help="With --draft: draft tokens per step, a "
                                          "number, or auto (adaptive; the default)."),
@@ -182,8 +182,8 @@ def run(
     tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", metavar="N", help="Split the model's "
                                              "language weights over N GPUs (cuda:K to K+N-1), one process each; "
                                              "a draft runs whole on the first."),
-    device: str = typer.Option("auto", metavar="DEVICE", help="auto, cpu, cuda or cuda:K."),
-    dpi: int = typer.Option(120, metavar="N", help="PDF render resolution (lowered per page to fit the pixel cap)."),
+    device: str = typer.Option("auto", "--device", metavar="DEVICE", help="auto, cpu, cuda or cuda:K."),
+    dpi: int = typer.Option(120, "--dpi", metavar="N", help="PDF render resolution (lowered per page to fit the pixel cap)."),
     max_pages: Optional[int] = typer.Option(None, "--max-pages", metavar="N", help="Read at most N pages per "
                                                                                     "document."),
     format: str = typer.Option("json,parquet", "--format", metavar="LIST", help="Outputs, comma-separated: json "
@@ -561,7 +561,7 @@ def stats(
     out: Path = typer.Argument(..., help="An output folder of docproc run."),
     run_id: Optional[str] = typer.Option(None, "--run", help="Show this run instead of the last one."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    limit: int = typer.Option(10, help="How many recent runs to list."),
+    limit: int = typer.Option(10, "--limit", metavar="N", help="How many recent runs to list."),
     failures: bool = typer.Option(False, "--failures", help="List every failed or partial document in OUT "
                                   "with its reason, instead of the run summary."),
 ) -> None:

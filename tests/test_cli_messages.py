@@ -54,6 +54,22 @@ def test_run_help_shows_its_text_as_written_with_plain_metavars():
         assert typer_type not in res.output, typer_type
 
 
+def test_every_option_names_its_flag_and_metavar():
+    """Options written with their flag names: typer 0.27 derives a name from the metavar where
+    none is given (`--DEVICE`), so a user there could not pass --device, --model or --queries."""
+    import ast
+    import inspect
+
+    import docproc.cli as cli
+
+    for node in ast.walk(ast.parse(inspect.getsource(cli))):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "Option":
+            flags = [a.value for a in node.args[1:] if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+            assert any(f.startswith("--") for f in flags), ast.unparse(node)[:80]
+    res = CliRunner().invoke(app, ["stats", "--help"])
+    assert "<int>" not in res.output and "--limit N" in res.output
+
+
 def test_version_prints_the_version_without_importing_torch():
     from docproc import __version__
 
