@@ -25,27 +25,17 @@ from docproc.engine.jit_watch import WATCH
 from docproc.engine.model_runner import ModelRunner
 from docproc.engine.overlap import OverlapDecoder
 from docproc.engine.progress import Progress
-from docproc.engine.requests import (PromptType, eos_token_ids, error_output, make_sequence, request_output,
-                                     stop_reason)
+from docproc.engine.requests import PromptType, eos_token_ids, stop_reason
 from docproc.engine.scheduler import Scheduler
 from docproc.engine.sequence import Sequence
 from docproc.engine.spec import setup as spec_setup
 from docproc.engine.spec.verifier import Verifier
-from docproc.errors import DeviceUnavailable
-from docproc.models.processor import PromptError
+from docproc.engine.stream import RequestStream
 from docproc.multimodal import IMAGE_PAD
-from docproc.outputs import RequestOutput, merge_samples
+from docproc.outputs import RequestOutput
 from docproc.sampling_params import SamplingParams, flag, real_number, shown, text, whole_number
 
 PREFETCH_LOOKAHEAD = 16  # queued sequences whose pages are preprocessed ahead (engine/prefetch.py)
-
-
-def is_device_failure(e: BaseException) -> bool:
-    """A CUDA error that leaves the context unusable (not an out-of-memory, which a smaller step
-    survives)."""
-    if isinstance(e, torch.OutOfMemoryError) or not isinstance(e, RuntimeError):
-        return False
-    return type(e).__name__ == "AcceleratorError" or "CUDA error" in str(e)
 
 
 # LLM's scalar arguments and their checks (the configs check the ranges these leave open)
@@ -267,62 +257,24 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: give one or one each")
 
-        # a request runs as one sequence, or as several for n > 1 (SamplingParams.sequences)
-        results: list[list[RequestOutput | None]] = []
-        index: dict[int, tuple[int, int]] = {}
-        images: dict = {}  # one conversion and content hash per image object in this call
-        try:
-            for i, (prompt, sp) in enumerate(zip(prompts, params)):
-                if not isinstance(sp, SamplingParams):
-                    raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}")
-                try:
-                    seqs = [make_sequence(self.processor, prompt, one, str(i), self.max_model_len, images,
-                                          self._matcher) for one in sp.sequences()]
-                except PromptError as e:
-                    results.append([error_output(str(i), prompt, [], str(e))])
-                    continue
-                results.append([None] * len(seqs))
-                for j, seq in enumerate(seqs):
-                    index[seq.seq_id] = (i, j)
-                    self.scheduler.add(seq)
-        except BaseException:
-            self._abort_unfinished()  # none of this call's requests stays queued for the next one
-            raise
-
+        stream = RequestStream(self)
+        stream.add(prompts, params, range(len(prompts)))
+        results: list[RequestOutput | None] = [None] * len(prompts)
         progress = Progress(len(results)) if use_tqdm else None
         callbacks = [f for f in (progress.advance if progress else None, on_request_done) if f is not None]
-
-        def finished(i: int) -> None:
-            if callbacks:
-                out = merge_samples(results[i], params[i].n)  # type: ignore[arg-type]
-                for f in callbacks:
-                    f(out)
-
         try:
-            for i, runs in enumerate(results):
-                if runs[0] is not None:  # refused at submission (a PromptError): finished already
-                    finished(i)
-            while self.scheduler.has_unfinished:
-                for seq in self.step():
-                    where = index.pop(seq.seq_id, None)
-                    if where is None:
-                        continue
-                    i, j = where
-                    results[i][j] = request_output(seq, prompts[i], self.tokenizer)
-                    if all(r is not None for r in results[i]):  # its last sample
-                        finished(i)
-        except BaseException as e:
-            self._abort_unfinished()  # the engine stays usable for the caller's next call
-            if is_device_failure(e):
-                raise DeviceUnavailable(f"the device failed ({type(e).__name__}: {e}); the CUDA context cannot "
-                                        f"be used again: check the GPU (nvidia-smi) and run again") from e
+            while stream.unfinished:
+                for i, out in stream.step():
+                    results[i] = out
+                    for f in callbacks:
+                        f(out)
+        except BaseException:
+            stream.abort()
             raise
         finally:
             if progress:
                 progress.close()
-            if not self.scheduler.has_unfinished:
-                self.runner.prefetcher.drop()  # pixels of requests that failed before their encode
-        return [merge_samples(runs, sp.n) for runs, sp in zip(results, params)]  # type: ignore[arg-type]
+        return results  # type: ignore[return-value]
 
     def chat(
         self,
