@@ -199,7 +199,11 @@ def run(
                                                help="Engine token budget per step."),
     gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization", metavar="FRACTION",
                                                  help="Share of GPU memory to use."),
-    batch_pages: int = typer.Option(32, "--batch-pages", metavar="N", help="Pages per engine batch (bounds memory)."),
+    batch_pages: int = typer.Option(32, "--batch-pages", metavar="N", help="Pages rendered ahead of the engine and "
+                                    "not yet answered (bounds memory; each render process may hold one window more)."),
+    render_workers: Optional[int] = typer.Option(None, "--render-workers", metavar="N", help="Processes that render "
+                                                 "pages ahead of the engine (default: a quarter of the cores, 1 to 4; "
+                                                 "0: a thread of the run's own process)."),
     anchor_text: bool = typer.Option(False, "--anchor-text", help="Put each PDF page's own text layer, with "
                                      "coordinates, in the prompt beside its image (scans have none)."),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="No CUDA graphs for decode and "
@@ -235,6 +239,7 @@ def run(
                                max_pages=max_pages, formats=parse_formats(format), force=force,
                                max_num_batched_tokens=max_num_batched_tokens,
                                gpu_memory_utilization=gpu_memory_utilization, batch_pages=batch_pages,
+                               render_workers=render_workers,
                                anchor_text=anchor_text, enforce_eager=enforce_eager,
                                fp4_value_slots=fp4_value_slots, quantization=quantization, debug=debug,
                                ray=ray, ray_address=ray_address, data_parallel_size=data_parallel_size,

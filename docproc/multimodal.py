@@ -13,6 +13,11 @@ IMAGE_PAD = "<|image_pad|>"  # one per image in a prompt; the engine expands it 
 IMAGE_PLACEHOLDER = f"<|vision_start|>{IMAGE_PAD}<|vision_end|>"  # an image in Qwen2-VL's chat format
 
 
+
+class PromptError(ValueError):
+    """A request that cannot be run as given; it fails alone."""
+
+
 @dataclass(frozen=True)
 class ImageSpan:
     """One image's run of pad tokens inside a sequence."""

@@ -433,7 +433,8 @@ def test_an_unexpected_exception_fails_only_its_document(run, qwen2_vl_dir, tmp_
     owner, name, test = targets[stage]
     monkeypatch.setattr(owner, name, raise_for_bad(getattr(owner, name), test))
     out = tmp_path / "out"
-    res = run(root, "--out", out, extra=["--batch-pages", "8"])
+    # (rendering on a thread of this process: the patches above reach it)
+    res = run(root, "--out", out, extra=["--batch-pages", "8", "--render-workers", "0"])
     assert res.exit_code == 1, res.output
     assert "Traceback" not in res.output
     rows = by_path(out)

@@ -20,11 +20,7 @@ from PIL import Image
 from docproc.models.image_processor import ImageProcessor
 from docproc.models.loader import CheckpointError
 from docproc.models.tokenizer_files import GENERIC_TOKENIZERS, missing_tokenizer, tokenizer_class
-from docproc.multimodal import IMAGE_PAD, ImageSpan, fit_aspect, padded_size, pixel_hash, to_rgb
-
-
-class PromptError(ValueError):
-    """A request that cannot be run as given; it fails alone."""
+from docproc.multimodal import IMAGE_PAD, ImageSpan, PromptError, fit_aspect, padded_size, pixel_hash, to_rgb
 
 
 @dataclass

@@ -68,7 +68,8 @@ class EngineSetup:
                 return None
             stamps[name] = sorted((str(f.relative_to(root)), st.st_size, st.st_mtime_ns)
                                   for f in root.rglob("*") if f.is_file() for st in [f.stat()])
-        unkeyed = ("inputs", "out", "force", "formats", "debug", "ray", "ray_address", "data_parallel_size")
+        unkeyed = ("inputs", "out", "force", "formats", "debug", "ray", "ray_address", "data_parallel_size",
+                   "render_workers")
         settings = {k: v for k, v in asdict(self.s).items() if k not in unkeyed}
         payload = {"files": stamps, "settings": settings, "queries": self.queries.fingerprint,
                    "constraints": self.constrain, "prompt": PROMPT_VERSION, "docproc": __version__,

@@ -19,6 +19,7 @@ class _Window:
     doc: "_DocState"
     index: int
     pages: list  # ingest.Page
+    credits: int = 0  # the feed's page credits it holds (pipeline/feed.py): given back once answered
 
 
 @dataclass
@@ -29,6 +30,7 @@ class _DocState:
     answers: dict = field(default_factory=dict)  # query name -> list of (window, row)
     finished_adding: bool = False
     failure: tuple[str, str] | None = None  # (kind, message): the engine failed on this document
+    dropped: bool = False  # failed as it was rendered (its error row is written): answers of its windows go unused
 
 
 def answer_row(q, text: str, cut: bool, constrained: bool) -> dict:

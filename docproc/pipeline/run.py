@@ -28,9 +28,12 @@ from typing import Callable
 
 from docproc.errors import EnvironmentFault, OutputUnwritable
 from docproc.pipeline.constraints import xgrammar_available
-from docproc.pipeline.engine_setup import PROMPT_VERSION, EngineSetup
+from docproc.pipeline.engine_setup import PROMPT_VERSION, EngineSetup, load_fault
+from docproc.pipeline.feed import Feed, WindowRules
+from docproc.pipeline.streamer import _Streamer
 from docproc.pipeline.rows import DocumentRows, _DocState, _Window, window_requests
-from docproc.pipeline.ingest import Candidate, discover, display_name, file_digest, open_document, searched_roots
+from docproc.pipeline.ingest import (Candidate, DocumentError, discover, display_name, file_digest, open_document,
+                                     searched_roots)
 from docproc.pipeline.queries import QuerySet, build_prompt, load_queries
 from docproc.pipeline.reconcile import ConfigHistory, Reconciliation, reconcile
 from docproc.pipeline.runstore import REMOVED, RunStore
@@ -117,6 +120,8 @@ class Pipeline(EngineSetup, DocumentRows):
         self.failures: list[dict] = []  # this run's failed files: path, kind, error
         self._plan = Reconciliation()  # the stored rows against the inputs (made after discovery)
         self._roots: dict[str, str] = {}  # key -> root of every outcome discovery made
+        self.timeline: dict[str, list[float]] = {}  # stage -> [first start, last end], seconds from the start
+        self._t0 = time.perf_counter()
 
     def _check_paths(self) -> None:
         out = os.path.realpath(self.s.out)
@@ -138,7 +143,7 @@ class Pipeline(EngineSetup, DocumentRows):
         """Run to the end (or to a signal or an environment fault) and return the manifest; its
         status is completed, interrupted or failed, and exit_code says the same."""
         started = _now()
-        t_start = time.perf_counter()
+        t_start = self._t0 = time.perf_counter()
         self.store.lock()  # LockedError, OutputUnwritable: nothing started, no manifest
         status, fault, exit_code = "completed", None, None
         self._pending: list[tuple[str, list[dict], bool]] = []  # (key, rows, write its JSON)
@@ -196,6 +201,7 @@ class Pipeline(EngineSetup, DocumentRows):
         t0 = time.perf_counter()
         candidates = discover(self.s.inputs, exclude=[self.s.out])
         self.stage_seconds["discover"] += time.perf_counter() - t0
+        self.mark("discover", t0, time.perf_counter())
         self.totals.files = len(candidates)
         self.report("start", {"run_id": self.run_id, "files": len(candidates)})
         if not self.constrain and self.queries.constrained:
@@ -247,49 +253,106 @@ class Pipeline(EngineSetup, DocumentRows):
 
     def _process(self) -> None:
         candidates = self._start()
-        batch: list[_Window] = []
-        for cand in candidates:
-            sha = self._triage(cand)
-            if sha is not None:
-                batch = self._add_document(cand, sha, batch)
-        if batch:
-            self._run_batch(batch)
+        feed = Feed(candidates, self._verdict, self.s.batch_pages, self.s.render_workers)
+        try:
+            _Streamer(self, feed).run()
+        finally:
+            feed.close()
         self._flush()
         self._remove_gone()
         self._consolidate()
 
+    def window_rules(self) -> WindowRules:
+        """How documents are cut into windows for this run's model: its prompt's image-token
+        budget and merge size, read from its config (the engine that loads will agree)."""
+        from docproc.models.loader import read_config
+
+        try:
+            hf = read_config(self.s.model)
+        except EnvironmentFault:
+            raise
+        except Exception as e:  # noqa: BLE001 -- as loading the model would say
+            raise load_fault(e, self.s.model, self.s.draft) from e
+        text = getattr(hf, "text_config", hf)
+        budget = min(self.s.max_image_tokens, text.max_position_embeddings - 1024)
+        return WindowRules(self.s.model, budget, hf.vision_config.spatial_merge_size, self.s.dpi, self.s.max_pages,
+                           self.s.anchor_text)
+
+    def window_prompts(self, w: _Window) -> tuple[list, list]:
+        """The prompts and sampling parameters of a window's requests (window_requests), in order."""
+        from docproc import SamplingParams
+
+        prompts, params = [], []
+        for q, page in window_requests(w, self.queries):  # (a per-page query: the page alone)
+            pages = w.pages if page is None else [page]
+            anchor = window_anchor(pages) if self.s.anchor_text else None
+            prompts.append({"prompt": build_prompt(len(pages), q.question, anchor),
+                            "multi_modal_data": {"image": [p.image for p in pages]},
+                            "multi_modal_uuids": {"image": [p.sha256 for p in pages]}})
+            params.append(SamplingParams(temperature=0.0, max_tokens=q.max_tokens,
+                                         structured_outputs=q.structured_outputs() if self.constrain else None))
+        return prompts, params
+
+    def mark(self, stage: str, start: float, end: float | None = None) -> None:
+        """The stage timeline: when (seconds from the run's start) a stage first and last ran."""
+        start -= self._t0
+        end = start if end is None else end - self._t0
+        was = self.timeline.get(stage)
+        self.timeline[stage] = [round(min(start, was[0]) if was else start, 3),
+                                round(max(end, was[1]) if was else end, 3)]
+
     def _triage(self, cand: Candidate) -> str | None:
         """The file's hash when the document needs the engine; None when its outcome is settled
-        here: discovery's skip or error, already done, a rename of a stored document, a file that
-        cannot be read (each recorded)."""
-        if cand.skip_reason:  # discovery's own outcome: a skip, or a folder it could not list
-            if not cand.is_error:
-                self.totals.skipped += 1
-                if not self.s.force and self._plan.skipped.get(cand.rel, False) == cand.skip_reason:
-                    self.report("document", {"path": cand.rel, "status": "skipped"})  # recorded so already
-                    return None
-            self._file_row(cand, None, "error" if cand.is_error else "skipped", cand.skip_reason, cand.kind)
-            return None
+        here (recorded): discovery's skip or error, already done, a rename of a stored document,
+        a file that cannot be read."""
         t0 = time.perf_counter()
+        outcome = self._verdict(cand)
+        self.stage_seconds["open_render_hash"] += time.perf_counter() - t0
+        if outcome[0] == "render":
+            return outcome[1]
+        self._settle(cand, *outcome[1:])
+        return None
+
+    def _verdict(self, cand: Candidate) -> tuple:
+        """("render", sha) for a document the engine must read, else ("settled", sha, kind, data):
+        kind skip, done, move (data: the stored rows) or error (data: (kind, message)). Reads the
+        plan and hashes the file, records nothing: the feed's triage thread runs it."""
+        if cand.skip_reason:  # discovery's own outcome: a skip, or a folder it could not list
+            return ("settled", None, "skip", None)
         sha = None
         try:
             sha = file_digest(cand)  # before opening: a document already done is not rendered
             if not self.s.force and self._is_done(cand, sha):
-                self.totals.already_done += 1
-                self.report("document", {"path": cand.rel, "status": "already done"})
-                return None
+                return ("settled", sha, "done", None)
             moved = None if self.s.force else self._plan.take_rename(sha, self.cfg)
             if moved is not None:
-                self._move(cand, moved)
-                return None
-            return sha
+                return ("settled", sha, "move", moved)
+            return ("render", sha)
         except (EnvironmentFault, RunInterrupted):
             raise
         except Exception as e:  # noqa: BLE001 -- the per-document boundary
-            self._document_failed(cand, sha, e)
-            return None
-        finally:
-            self.stage_seconds["open_render_hash"] += time.perf_counter() - t0
+            if isinstance(e, DocumentError):
+                return ("settled", sha, "error", (e.kind, str(e)))
+            if self.s.debug:
+                traceback.print_exception(e)
+            return ("settled", sha, "error", ("internal", f"{type(e).__name__}: {e}"))
+
+    def _settle(self, cand: Candidate, sha: str | None, kind: str, data) -> None:
+        """Record a document whose outcome needs no engine (a verdict's)."""
+        if kind == "skip":
+            if not cand.is_error:
+                self.totals.skipped += 1
+                if not self.s.force and self._plan.skipped.get(cand.rel, False) == cand.skip_reason:
+                    self.report("document", {"path": cand.rel, "status": "skipped"})  # recorded so already
+                    return
+            self._file_row(cand, None, "error" if cand.is_error else "skipped", cand.skip_reason, cand.kind)
+        elif kind == "done":
+            self.totals.already_done += 1
+            self.report("document", {"path": cand.rel, "status": "already done"})
+        elif kind == "move":
+            self._move(cand, data)
+        else:
+            self._file_row(cand, sha, "error", data[1], data[0])
 
     def _add_document(self, cand: Candidate, sha: str | None, batch: list[_Window]) -> list[_Window]:
         """Open a document (sha: its file hash, or None to hash it now) and add its windows to the
@@ -415,6 +478,10 @@ class Pipeline(EngineSetup, DocumentRows):
         state.windows_total += 1
         yield _Window(state, state.windows_total - 1, pages)
 
+    def live_figures(self) -> LiveFigures:
+        self._live = self._live or LiveFigures()
+        return self._live
+
     def _requests_handed(self, num: int) -> Callable:
         """Report num requests handed to the engine, and return the callback that reports each as
         it finishes (LLM.generate's on_request_done): the run's requests answered and handed over,
@@ -479,19 +546,12 @@ class Pipeline(EngineSetup, DocumentRows):
 
     def _generate(self, batch: list[_Window]) -> list:
         """The engine's outputs for every request of the batch's windows (window_requests), in order."""
-        from docproc import SamplingParams
-
         llm = self._engine()
         prompts, params = [], []
         for w in batch:  # a document's queries stay together: its prefix is computed once
-            for q, page in window_requests(w, self.queries):  # (a per-page query: the page alone)
-                pages = w.pages if page is None else [page]
-                anchor = window_anchor(pages) if self.s.anchor_text else None
-                prompts.append({"prompt": build_prompt(len(pages), q.question, anchor),
-                                "multi_modal_data": {"image": [p.image for p in pages]},
-                                "multi_modal_uuids": {"image": [p.sha256 for p in pages]}})
-                params.append(SamplingParams(temperature=0.0, max_tokens=q.max_tokens,
-                                             structured_outputs=q.structured_outputs() if self.constrain else None))
+            p, sp = self.window_prompts(w)
+            prompts.extend(p)
+            params.extend(sp)
         t0 = time.perf_counter()
         try:
             return llm.generate(prompts, params, on_request_done=self._requests_handed(len(prompts)))
@@ -531,6 +591,8 @@ class Pipeline(EngineSetup, DocumentRows):
             "engine": info,
             "engine_loaded": self.llm is not None,  # false: nothing to do, the fingerprint came from the cache
             "stage_seconds": {k: round(v, 3) for k, v in self.stage_seconds.items()},
+            # when each stage ran (seconds from the start: first start, last end); stages overlap
+            "stage_timeline": self.timeline,
             "peak_memory": {"host_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                             "gpu_max_allocated_bytes": peak_gpu},
             # failures: files that could not be read and documents with no usable answer at all;
