@@ -201,6 +201,8 @@ def run(
                                                  help="Share of GPU memory to use."),
     batch_pages: int = typer.Option(32, "--batch-pages", metavar="N", help="Pages rendered ahead of the engine and "
                                     "not yet answered (bounds memory; each render process may hold one window more)."),
+    load_format: str = typer.Option("auto", "--load-format", hidden=True, help="dummy: random weights from "
+                                    "config.json alone (benchmarks at sizes no disk holds; answers are noise)."),
     render_workers: Optional[int] = typer.Option(None, "--render-workers", metavar="N", help="Processes that render "
                                                  "pages ahead of the engine (default: a quarter of the cores, 1 to 4; "
                                                  "0: a thread of the run's own process)."),
@@ -239,7 +241,7 @@ def run(
                                max_pages=max_pages, formats=parse_formats(format), force=force,
                                max_num_batched_tokens=max_num_batched_tokens,
                                gpu_memory_utilization=gpu_memory_utilization, batch_pages=batch_pages,
-                               render_workers=render_workers,
+                               render_workers=render_workers, load_format=load_format,
                                anchor_text=anchor_text, enforce_eager=enforce_eager,
                                fp4_value_slots=fp4_value_slots, quantization=quantization, debug=debug,
                                ray=ray, ray_address=ray_address, data_parallel_size=data_parallel_size,

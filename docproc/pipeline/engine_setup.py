@@ -71,6 +71,8 @@ class EngineSetup:
         unkeyed = ("inputs", "out", "force", "formats", "debug", "ray", "ray_address", "data_parallel_size",
                    "render_workers")
         settings = {k: v for k, v in asdict(self.s).items() if k not in unkeyed}
+        if settings.get("load_format") == "auto":  # (keyed only when set: the keys of runs before it stay)
+            del settings["load_format"]
         payload = {"files": stamps, "settings": settings, "queries": self.queries.fingerprint,
                    "constraints": self.constrain, "prompt": PROMPT_VERSION, "docproc": __version__,
                    "cuda": cuda_environment(), "rules": FINGERPRINT_RULES}
@@ -172,7 +174,7 @@ class EngineSetup:
                                speculative_model=self.s.draft, num_speculative_tokens=self.s.spec_k,
                                draft_vision=self.s.draft_vision, enforce_eager=self.s.enforce_eager,
                                fp4_value_slots=self.s.fp4_value_slots, quantization=self.s.quantization,
-                               tensor_parallel_size=self.s.tensor_parallel_size)
+                               tensor_parallel_size=self.s.tensor_parallel_size, load_format=self.s.load_format)
             except EnvironmentFault:
                 raise
             except Exception as e:  # noqa: BLE001 -- whatever loading raises stops the run, named

@@ -20,6 +20,7 @@ class RunSettings:
     max_num_batched_tokens: int = 8192
     gpu_memory_utilization: float = 0.9
     batch_pages: int = 32  # pages rendered ahead of the engine and not yet answered: bounds memory (pipeline/feed.py)
+    load_format: str = "auto"  # "dummy": random weights from config.json (benchmarks; a hidden option)
     render_workers: int | None = None  # render processes (default: a quarter of the cores, 1 to 4; 0: a thread)
     max_image_tokens: int = 16384  # per prompt; more pages are split into windows
     seed: int = 0
@@ -68,6 +69,8 @@ class RunSettings:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.batch_pages < 1:
             raise ValueError(f"--batch-pages must be >= 1, got {self.batch_pages}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"--load-format must be auto or dummy, got {self.load_format}")
         if self.render_workers is not None and not 0 <= self.render_workers <= 64:
             raise ValueError(f"--render-workers must be from 0 to 64, got {self.render_workers}")
         if not self.ray and (self.ray_address is not None or self.data_parallel_size is not None):

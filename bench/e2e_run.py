@@ -1,0 +1,170 @@
+"""A whole `docproc run` as a user runs it, timed from outside: fresh synthetic documents
+(tests/fixtures/documents.py), a random-weight checkpoint of a named geometry (written to disk, or
+config only with --load-format dummy), the real CLI in a subprocess, the GPU sampled meanwhile.
+
+    python3 bench/e2e_run.py --docs 240 --geometry 7b --trees .,.base --runs cold,warm --json $OUT/e2e.json
+    python3 bench/e2e_run.py --docs 240 --geometry 72b --load-format dummy --run-args="--quantization fp8" ...
+
+--trees: code trees run side by side (PYTHONPATH=tree), each over the same corpus and model, in
+turn per round (--runs: cold clears Triton's and the engine's caches first, warm keeps them).
+Reported per run: wall seconds, documents/s and pages/s of the whole run, the manifest's stages
+and stage timeline, engine busy time (the GPU's utilisation sampled every 50 ms: the time a
+kernel ran), wall / (model load + busy), GPU idle share between the first request and the last
+answer, the host's max RSS (the run's process and its children, sampled), documents/day per GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+class Sampler:
+    """GPU utilisation (NVML) and the process tree's RSS (psutil), every `period` seconds."""
+
+    def __init__(self, pid: int, period: float = 0.05) -> None:
+        self.pid, self.period = pid, period
+        self.gpu: list[tuple[float, int]] = []  # (time.time(), utilisation %)
+        self.rss_max = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            import psutil
+        except ImportError:  # (this machine: no RSS figures)
+            return
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception:  # noqa: BLE001 -- no GPU: RSS only
+            handle = None
+        try:
+            proc = psutil.Process(self.pid)
+        except psutil.Error:
+            return
+        while not self._stop.is_set():
+            if handle is not None:
+                self.gpu.append((time.time(), pynvml.nvmlDeviceGetUtilizationRates(handle).gpu))
+            try:
+                rss = proc.memory_info().rss + sum(c.memory_info().rss for c in proc.children(recursive=True))
+                self.rss_max = max(self.rss_max, rss)
+            except psutil.Error:
+                pass
+            time.sleep(self.period)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def busy(self, start: float, end: float) -> tuple[float, float]:
+        """Seconds a kernel ran between start and end (time.time()), and the span sampled."""
+        pts = [(t, u) for t, u in self.gpu if start <= t <= end]
+        if len(pts) < 2:
+            return 0.0, 0.0
+        busy = sum((t1 - t0) * u0 / 100 for (t0, u0), (t1, _) in zip(pts, pts[1:]))
+        return busy, pts[-1][0] - pts[0][0]
+
+
+def run_once(tree: Path, docs: Path, model: Path, out: Path, run_args: list[str], cold: bool) -> dict:
+    if cold:
+        for cache in (Path.home() / ".triton" / "cache", Path.home() / ".cache" / "docproc"):
+            shutil.rmtree(cache, ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree)] + [p for p in os.environ.get("PYTHONPATH", "")
+                                                                        .split(os.pathsep) if p])}
+    cmd = [sys.executable, "-m", "docproc", "run", str(docs), "--out", str(out), "--model", str(model), "--quiet",
+           *run_args]
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    sampler = Sampler(proc.pid)
+    stdout, stderr = proc.communicate()
+    wall = time.time() - t0
+    sampler.stop()
+    runs = sorted((out / "runs").iterdir()) if (out / "runs").is_dir() else []
+    if not runs:
+        return {"exit_code": proc.returncode, "stderr": stderr[-2000:]}
+    m = json.loads((runs[-1] / "manifest.json").read_text())
+    started = datetime.fromisoformat(m["started_at"]).timestamp()
+    busy, sampled = sampler.busy(t0, t0 + wall)
+    result = {"exit_code": proc.returncode, "wall_s": round(wall, 2), "documents": m["totals"]["documents"],
+              "pages": m["totals"]["pages"], "docs_per_s": round(m["totals"]["documents"] / wall, 3),
+              "pages_per_s": round(m["totals"]["pages"] / wall, 3),
+              "docs_per_day_per_gpu": round(m["totals"]["documents"] / wall * 86400),
+              "stage_seconds": m["stage_seconds"], "stage_timeline": m.get("stage_timeline"),
+              "gpu_busy_s": round(busy, 2), "gpu_sampled_s": round(sampled, 2),
+              "host_max_rss_bytes_tree": sampler.rss_max,
+              "manifest_host_max_rss_bytes": m["peak_memory"]["host_max_rss_bytes"],
+              "kernel_compiles_after_warmup": (m.get("engine") or {}).get("kernel_compiles_after_warmup"),
+              "stderr": stderr[-1500:] if proc.returncode not in (0, 1) else ""}
+    load = m["stage_seconds"].get("load_model", 0.0)
+    result["wall_over_load_plus_busy"] = round(wall / (load + busy), 3) if load + busy else None
+    engine = (m.get("stage_timeline") or {}).get("engine")
+    if engine:  # the first request to the last answer, on the manifest's clock
+        e_busy, e_span = sampler.busy(started + engine[0], started + engine[1])
+        result["engine_span_s"] = round(e_span, 2)
+        result["gpu_idle_share_in_engine_span"] = round(1 - e_busy / e_span, 4) if e_span else None
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--docs", type=int, default=240)
+    ap.add_argument("--seed", type=int, default=4900)
+    ap.add_argument("--formats", default="pdf")
+    ap.add_argument("--geometry", default="7b")
+    ap.add_argument("--load-format", default="auto", help="dummy: config only, random weights at load "
+                                                          "(a tree's CLI must take --load-format)")
+    ap.add_argument("--trees", default=".", help="code trees, comma-separated, run in turn")
+    ap.add_argument("--runs", default="cold,warm")
+    ap.add_argument("--run-args", default="", help="more `docproc run` options, one string")
+    ap.add_argument("--work", default=None)
+    ap.add_argument("--json", required=True)
+    args = ap.parse_args()
+    from fixtures.checkpoints import make_model
+    from fixtures.documents import generate
+
+    work = Path(args.work or tempfile.mkdtemp(prefix="e2e-"))
+    docs = work / f"docs-{args.seed}-{args.docs}"
+    if not docs.exists():
+        generate(docs, count=args.docs, seed=args.seed, formats=args.formats.split(","))
+        (docs / "truth.jsonl").unlink(missing_ok=True)
+    model = work / f"model-{args.geometry}-{args.load_format}"
+    if not model.exists():
+        t0 = time.time()
+        import torch
+
+        make_model(model, geometry=args.geometry, dtype=torch.bfloat16, init_std=None, naming="published",
+                   device="cuda" if torch.cuda.is_available() else "cpu", max_pixels=28 * 28 * 1280,
+                   weights=args.load_format != "dummy")
+        print(f"model written in {time.time() - t0:.1f} s", flush=True)
+    run_args = args.run_args.split() + (["--load-format", "dummy"] if args.load_format == "dummy" else [])
+    report = {"docs": args.docs, "seed": args.seed, "geometry": args.geometry, "load_format": args.load_format,
+              "run_args": run_args, "runs": []}
+    for kind in args.runs.split(","):
+        for tree in args.trees.split(","):
+            r = run_once(Path(tree).resolve(), docs, model, work / "out", run_args, cold=kind == "cold")
+            r.update(tree=tree, kind=kind)
+            report["runs"].append(r)
+            print(json.dumps({k: v for k, v in r.items() if k not in ("stage_timeline", "stderr")}), flush=True)
+            if r.get("stderr"):
+                print(r["stderr"], flush=True)
+            Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
