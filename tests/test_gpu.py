@@ -59,6 +59,25 @@ def test_no_kernel_compiles_after_warmup(qwen2_vl_dir, kv):
     assert info["kernel_compiles_after_warmup"] == 0, info["kernels_compiled_after_warmup"]
 
 
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_no_kernel_compiles_after_warmup_with_masks_and_fp8_rows(qwen2_vl_dir, quantization):
+    """Constrained rows (the grammar's mask kernel) and FP8 weights at 1, 2-15 and 16 rows (the
+    few-row kernel, whose row count Triton specialises at 16) compile nothing after warm-up."""
+    pytest.importorskip("xgrammar")
+    from docproc import StructuredOutputsParams
+
+    llm = LLM(str(qwen2_vl_dir), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.2,
+              quantization=quantization)
+    so = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]})
+    reqs = requests()
+    for n in (1, 3, 16):
+        batch = (reqs * 16)[:n]
+        llm.generate(batch, SamplingParams(max_tokens=12, structured_outputs=so))
+        llm.generate(batch, SamplingParams(max_tokens=12, ignore_eos=True))
+    info = llm.cache_info()
+    assert info["kernel_compiles_after_warmup"] == 0, info["kernels_compiled_after_warmup"]
+
+
 def test_narrow_decode_in_the_engine(tmp_path):
     """Two KV heads, six sequences over > 4k keys: the decode steps' CUDA graphs take the dense
     kernel's narrow shape (64 keys a step, 32 splits; kernels/paged_attention.py,

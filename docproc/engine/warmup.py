@@ -10,7 +10,8 @@ import torch
 def warm_fused(runner) -> float:
     """CUDA: compile the model's fused kernels (kernels/fused.py: the norm with and without a
     residual, SiLU x up; kernels/gemv.py and kernels/fp8.py: the one-row products;
-    kernels/vision_fused.py: the vision tower's rotation and QuickGELU) at this model's sizes.
+    kernels/vision_fused.py: the vision tower's rotation and QuickGELU; kernels/token_mask.py: the
+    grammar's mask) at this model's sizes.
     Returns seconds."""
     if runner.device.type != "cuda":
         return 0.0
@@ -25,6 +26,7 @@ def warm_fused(runner) -> float:
     silu_mul(torch.zeros(2, 2 * tc.intermediate_size, dtype=runner.dtype, device=runner.device))
     from docproc.models.qwen2_vl import project
     from docproc.models.quant import Fp8Weight, fp8_linear
+    from kernels.fp8 import ROWS_MAX
     from kernels.gemv import gemv, use_gemv
 
     x1 = torch.zeros(1, tc.hidden_size, dtype=runner.dtype, device=runner.device)
@@ -40,13 +42,17 @@ def warm_fused(runner) -> float:
         else:
             gemv(gate_up, mlp.down_weight, gated=True)
         gemv(x1, text.lm_head.weight)
-        if isinstance(mlp.down_weight, Fp8Weight):  # the few-row FP8 kernel of verification windows
-            x2 = torch.zeros(2, tc.hidden_size, dtype=runner.dtype, device=runner.device)
-            project(x2, att.qkv_weight, att.qkv_bias)
-            project(torch.zeros(2, att.o_proj.in_features, dtype=runner.dtype, device=runner.device), att.o_weight)
-            project(x2, mlp.gate_up_weight)
-            fp8_linear(torch.zeros(2, 2 * tc.intermediate_size, dtype=runner.dtype, device=runner.device),
-                       mlp.down_weight, gated=True)
+        if isinstance(mlp.down_weight, Fp8Weight):
+            # the few-row FP8 kernel of verification windows and small batches: 2-15 rows, and 16
+            # (a row count Triton specialises as a multiple of 16)
+            for rows in (2, ROWS_MAX):
+                x2 = torch.zeros(rows, tc.hidden_size, dtype=runner.dtype, device=runner.device)
+                project(x2, att.qkv_weight, att.qkv_bias)
+                project(torch.zeros(rows, att.o_proj.in_features, dtype=runner.dtype, device=runner.device),
+                        att.o_weight)
+                project(x2, mlp.gate_up_weight)
+                fp8_linear(torch.zeros(rows, 2 * tc.intermediate_size, dtype=runner.dtype, device=runner.device),
+                           mlp.down_weight, gated=True)
     if getattr(runner.model.vision, "fast_attention", False):  # the vision tower's (kernels/vision_fused.py)
         from kernels.vision_fused import quick_gelu, vision_rotary_qk
 
@@ -56,5 +62,16 @@ def warm_fused(runner) -> float:
         vision_rotary_qk(torch.zeros(2, 3 * vc.embed_dim, dtype=runner.dtype, device=runner.device), cs, cs,
                          vc.num_heads)
         quick_gelu(torch.zeros(2, 16, dtype=runner.dtype, device=runner.device))
+    # the grammar's mask on the logits (kernels/token_mask.py), at this vocabulary's widths, for
+    # float32 logits and the model's dtype
+    from docproc.engine.structured import tokenizer_size
+    from kernels.token_mask import apply_token_mask
+
+    width = tc.vocab_size
+    known = min(width, tokenizer_size(runner.processor.tokenizer))
+    for dtype in {torch.float32, runner.dtype}:
+        apply_token_mask(torch.zeros(2, width, dtype=dtype, device=runner.device),
+                         torch.zeros(2, (known + 31) // 32, dtype=torch.int32, device=runner.device),
+                         torch.zeros(2, dtype=torch.int32, device=runner.device), known)
     torch.cuda.synchronize(runner.device)
     return time.perf_counter() - t0
