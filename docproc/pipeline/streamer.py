@@ -79,6 +79,8 @@ class _Streamer:
                 self._start_engine()
         elif kind == "opened":
             _, key, num_pages, total, truncated = event
+            if key not in self.feed.jobs:  # (failed already: its worker was found dead)
+                return
             cand, sha = self.feed.jobs[key]
             self.docs[key] = _DocState(RenderedDocument(cand, sha, num_pages, total, truncated))
         elif kind == "window":
@@ -86,7 +88,10 @@ class _Streamer:
             now = time.perf_counter()
             p.stage_seconds["open_render_hash"] += seconds
             p.mark("open_render_hash", now - seconds, now)
-            state = self.docs[key]
+            state = self.docs.get(key)
+            if state is None:  # (failed already)
+                self.feed.give_back(credits)
+                return
             w = _Window(state, index, pages, credits)
             p.totals.pages += len(pages)
             p.page_hashes.update(pg.sha256 for pg in pages)
@@ -102,6 +107,8 @@ class _Streamer:
                 self.ready.append(w)
         elif kind == "failed":
             _, key, doc_kind, message, trace = event
+            if key not in self.feed.jobs:
+                return
             cand, sha = self.feed.jobs[key]
             state = self.docs.pop(key, None)
             if state is not None:  # windows of it in the engine or waiting: their answers go unused
