@@ -127,6 +127,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=4900)
     ap.add_argument("--formats", default="pdf")
     ap.add_argument("--geometry", default="7b")
+    ap.add_argument("--draft-geometry", default=None, help="a draft model of this geometry (--draft)")
     ap.add_argument("--load-format", default="auto", help="dummy: config only, random weights at load "
                                                           "(a tree's CLI must take --load-format)")
     ap.add_argument("--trees", default=".", help="code trees, comma-separated, run in turn")
@@ -143,16 +144,22 @@ def main() -> None:
     if not docs.exists():
         generate(docs, count=args.docs, seed=args.seed, formats=args.formats.split(","))
         (docs / "truth.jsonl").unlink(missing_ok=True)
-    model = work / f"model-{args.geometry}-{args.load_format}"
-    if not model.exists():
-        t0 = time.time()
-        import torch
+    def folder(geometry: str, seed: int) -> Path:
+        path = work / f"model-{geometry}-{args.load_format}-{seed}"
+        if not path.exists():
+            t0 = time.time()
+            import torch
 
-        make_model(model, geometry=args.geometry, dtype=torch.bfloat16, init_std=None, naming="published",
-                   device="cuda" if torch.cuda.is_available() else "cpu", max_pixels=28 * 28 * 1280,
-                   weights=args.load_format != "dummy")
-        print(f"model written in {time.time() - t0:.1f} s", flush=True)
+            make_model(path, geometry=geometry, dtype=torch.bfloat16, init_std=None, naming="published", seed=seed,
+                       device="cuda" if torch.cuda.is_available() else "cpu", max_pixels=28 * 28 * 1280,
+                       weights=args.load_format != "dummy")
+            print(f"{geometry} model written in {time.time() - t0:.1f} s", flush=True)
+        return path
+
+    model = folder(args.geometry, 0)
     run_args = args.run_args.split() + (["--load-format", "dummy"] if args.load_format == "dummy" else [])
+    if args.draft_geometry:
+        run_args += ["--draft", str(folder(args.draft_geometry, 1))]
     report = {"docs": args.docs, "seed": args.seed, "geometry": args.geometry, "load_format": args.load_format,
               "run_args": run_args, "runs": []}
     for kind in args.runs.split(","):
