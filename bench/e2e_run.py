@@ -139,7 +139,7 @@ def main() -> None:
     from fixtures.checkpoints import make_model
     from fixtures.documents import generate
 
-    work = Path(args.work or tempfile.mkdtemp(prefix="e2e-"))
+    work = Path(args.work or tempfile.mkdtemp(prefix="e2e-")).resolve()
     docs = work / f"docs-{args.seed}-{args.docs}"
     if not docs.exists():
         generate(docs, count=args.docs, seed=args.seed, formats=args.formats.split(","))
@@ -154,6 +154,11 @@ def main() -> None:
                        device="cuda" if torch.cuda.is_available() else "cpu", max_pixels=28 * 28 * 1280,
                        weights=args.load_format != "dummy")
             print(f"{geometry} model written in {time.time() - t0:.1f} s", flush=True)
+            if torch.cuda.is_available():  # (this process's cached blocks would be missing from the run's)
+                import gc
+
+                gc.collect()
+                torch.cuda.empty_cache()
         return path
 
     model = folder(args.geometry, 0)
