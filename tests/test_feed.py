@@ -61,7 +61,7 @@ def _run(docs: Path, out: Path, *extra) -> dict:
 
 
 @pytest.mark.slow
-def test_a_2000_page_pdf_holds_a_bounded_number_of_pages(tmp_path):
+def test_a_2000_page_pdf_holds_a_bounded_number_of_pages_and_rendering_overlaps_the_load(tmp_path):
     """2,000 blank pages (answered without the engine, so the feed runs as fast as it renders):
     the run's memory grows by the pages in flight (16, and a window of 37 such pages per render
     process: about 1 MB a page at 60 dpi), not by the document (2 GB)."""
@@ -74,6 +74,12 @@ def test_a_2000_page_pdf_holds_a_bounded_number_of_pages(tmp_path):
             pdf.new_page(width=612, height=792)
         pdf.save(tmp_path / name / f"{name}.pdf")
     small = _run(tmp_path / "small", tmp_path / "out-small")
+    # a first run into an empty OUT: the fingerprint waits for the engine, whose load (torch's
+    # import included) runs while the workers render
+    timeline = small["stage_timeline"]
+    assert timeline["open_render_hash"][0] < timeline["load_model"][1], timeline
+    assert timeline["discover"][1] < timeline["load_model"][0], timeline
+    assert small["config_fingerprint"] and small["engine_loaded"]
     big = _run(tmp_path / "big", tmp_path / "out-big", "--batch-pages", "16")
     assert big["totals"]["pages"] == big["totals"]["blank_pages"] == 2000 and big["totals"]["documents"] == 1
     grew = big["peak_memory"]["host_max_rss_bytes"] - small["peak_memory"]["host_max_rss_bytes"]

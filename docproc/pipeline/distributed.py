@@ -392,6 +392,8 @@ def _gpu_ids() -> list:
 
 
 class RayPipeline(Pipeline):
+    defer_fingerprint = False  # (the workers are handed it)
+
     def __init__(self, settings: RunSettings, reporter=None) -> None:
         if importlib.util.find_spec("ray") is None:
             raise UsageError("--ray needs Ray: pip install 'docproc[ray]'")

@@ -161,11 +161,11 @@ class EngineSetup:
 
     def _engine(self):
         if self.llm is None:
+            t0 = time.perf_counter()
             self.check_constraints()
             from docproc import LLM
 
             self.report("load_start", {"model": self.s.model, "draft": self.s.draft})
-            t0 = time.perf_counter()
             try:
                 self._own_llm = True
                 self.llm = LLM(self.s.model, device=self.s.device, kv_cache_dtype=self.s.kv_cache,
@@ -181,6 +181,8 @@ class EngineSetup:
                 raise load_fault(e, self.s.model, self.s.draft) from e
             finally:
                 self.stage_seconds["load_model"] += time.perf_counter() - t0
+                if hasattr(self, "timeline"):
+                    self.mark("load_model", t0, time.perf_counter())
             self.report("load_end", {"seconds": round(time.perf_counter() - t0, 3)})
             cached = self._cached_cfg
             if cached is not None:

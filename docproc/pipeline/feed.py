@@ -18,8 +18,10 @@ while the model loads).
   with the run's process.
 
 The run reads everything from `events`, in one thread: ("settled", candidate, sha, verdict) from
-the triage, ("opened" | "window" | "failed", key, ...) from the workers, ("end",) once the triage
-has walked every candidate.
+the triage, ("opened" | "window" | "failed", key, ...) from the workers (a window: its pages, the
+credits they hold, whether it is the document's last, the seconds its pages took to render and
+when, on the wall clock, the first of them began), ("end",) once the triage has walked every
+candidate.
 """
 from __future__ import annotations
 
@@ -119,7 +121,8 @@ def _die_with_parent() -> None:
 def _worker(index: int, rules: WindowRules, jobs, results, credits, parent: int | None) -> None:
     """A render worker's loop; parent None: a thread of the run's own process."""
     if parent is not None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # (blocked until here: see Feed._spawn)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
         _die_with_parent()
     counter = _Counter(rules)
     while True:
@@ -143,9 +146,11 @@ def _worker(index: int, rules: WindowRules, jobs, results, credits, parent: int 
 
 
 def _render(key: int, cand: Candidate, sha: str, rules: WindowRules, counter: _Counter, results, credits) -> None:
-    t0 = time.time()
+    """Open, render and window one document. Each window goes with the seconds spent rendering
+    its pages (waits for credits left out)."""
     credits.acquire()  # the first page: rendered as the document opens
     held = 1
+    t0 = time.perf_counter()
     try:
         doc = open_document(cand, dpi=rules.dpi, max_pages=rules.max_pages, with_text=rules.anchor_text,
                             digest=sha)
@@ -155,24 +160,32 @@ def _render(key: int, cand: Candidate, sha: str, rules: WindowRules, counter: _C
     try:
         results.put(("opened", key, doc.num_pages, doc.num_pages_total, doc.truncated))
         pages, tokens, index = [], 0, 0
+        busy = time.perf_counter() - t0  # (opening renders page 1)
+        began = time.time() - busy  # the window's first page began (wall clock: the run's own marks it)
         for i in range(doc.num_pages):
-            if i > 0:  # (page 0's credit was taken as it opened)
-                if pages:
-                    held += credits.acquire(False)  # inside a window: overdraw rather than wait on itself
-                else:
-                    credits.acquire()
-                    held += 1
+            got = 1  # (page 0's credit was taken as it opened)
+            if i > 0 and pages:
+                got = int(credits.acquire(False))  # inside a window: overdraw rather than wait on itself
+            elif i > 0:
+                credits.acquire()
+            held += got if i > 0 else 0
+            t1 = time.perf_counter()
             page = doc.page(i)
             n = counter.image_tokens(page.image)
             if page.text:  # the anchor text shares the window's budget with the images
                 n += counter.text_tokens(page.text) + 8
             page.blank  # (worked out here, off the engine's process)
+            took = time.perf_counter() - t1
             if pages and tokens + n > rules.budget:
-                results.put(("window", key, index, pages, held - 1, False, time.time() - t0))
-                t0, index, held, pages, tokens = time.time(), index + 1, 1, [], 0
+                results.put(("window", key, index, pages, held - got, False, busy, began))
+                index, held, pages, tokens, busy, began = index + 1, got, [], 0, 0.0, time.time() - took
+                if not got:  # this page begins the next window: it waits for room like any window's first
+                    credits.acquire()
+                    held = 1
             pages.append(page)
             tokens += n
-        results.put(("window", key, index, pages, held, True, time.time() - t0))
+            busy += took
+        results.put(("window", key, index, pages, held, True, busy, began))
         held = 0
     finally:
         doc.close()
@@ -254,10 +267,17 @@ class Feed:
         self._relay.start()
 
     def _spawn(self, index: int) -> None:
+        """Start a worker with SIGINT and SIGTERM blocked, here and (inherited) in it until its
+        loop begins: a Ctrl-C to the terminal's process group cannot cut its start-up, and the
+        run's own RunInterrupted comes once the process is known to close()."""
         p = self._ctx.Process(target=_worker, name=f"docproc-render-{index}", daemon=True,
                               args=(index, self._rules, self._job_queue, self._results, self._credits, os.getpid()))
-        p.start()
-        self._procs[index] = p
+        was = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            p.start()
+            self._procs[index] = p
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, was)
 
     def next_event(self, block: bool):
         """The next event, or None when none is waiting (block: wait for one, looking at the

@@ -179,6 +179,11 @@ class DocumentRows:
         if not self._pending:
             return
         t0 = time.perf_counter()
+        cfg = self.fingerprint_now()
+        for _, rows, _ in self._pending:  # (rows made before the fingerprint was known)
+            for r in rows:
+                if r.get("config_fingerprint") is None:
+                    r["config_fingerprint"] = cfg
         rows_out = []
         for rel, rows, write_json in self._pending:
             try:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import resource
+from pathlib import Path
 import time
 import traceback
 import uuid
@@ -99,6 +100,9 @@ class Pipeline(EngineSetup, DocumentRows):
     _history: ConfigHistory | None = None  # this run's configuration against the stored documents'
     _live: LiveFigures | None = None  # made when the first batch goes to the engine
     config_changed: dict | None = None  # documents done before and redone since the configuration changed
+    # with nothing done in OUT and no cached fingerprint, the fingerprint waits for the engine's
+    # load (which then overlaps rendering) instead of loading the model before discovery
+    defer_fingerprint = True
 
     def __init__(self, settings: RunSettings, llm=None, reporter: Reporter | None = None) -> None:
         """Checks the inputs, the output folder's place and the query set; UsageError or
@@ -197,7 +201,7 @@ class Pipeline(EngineSetup, DocumentRows):
         """The configuration fingerprint, discovery and the plan against the stored rows: the
         candidates, in order."""
         self.check_models()
-        self.cfg = self._config()  # read at each use below: loading the engine may correct it
+        self.cfg = self.cached_config()  # read at each use below: loading the engine may correct it
         t0 = time.perf_counter()
         candidates = discover(self.s.inputs, exclude=[self.s.out])
         self.stage_seconds["discover"] += time.perf_counter() - t0
@@ -209,11 +213,21 @@ class Pipeline(EngineSetup, DocumentRows):
         for message in self.queries.warnings:
             self.report("warning", {"message": message})
         self._reconcile(candidates)
-        self._history = ConfigHistory(self.cfg, self.config_components_known(), self.stored_components(),
-                                      bool(self.queries.constrained), self.queries.name)
-        if not self.s.force:
-            self._say_config_changed(candidates)
+        if self.cfg is None and (self._plan.done or self._plan.renamed_from or not self.defer_fingerprint):
+            self.cfg = self._config()  # what is done already turns on it: the model loads now to know it
+        if self.cfg is not None:
+            self._history = ConfigHistory(self.cfg, self.config_components_known(), self.stored_components(),
+                                          bool(self.queries.constrained), self.queries.name)
+            if not self.s.force:
+                self._say_config_changed(candidates)
         return candidates
+
+    def fingerprint_now(self) -> str:
+        """The configuration fingerprint, worked out now if it was left until the engine loaded (an
+        output folder with nothing done in it: no outcome turns on it before then)."""
+        if self.cfg is None:
+            self.cfg = self._config()
+        return self.cfg
 
     def _say_config_changed(self, candidates: list[Candidate]) -> None:
         """Documents done before under a configuration whose changes reach them are done again:
@@ -265,10 +279,18 @@ class Pipeline(EngineSetup, DocumentRows):
     def window_rules(self) -> WindowRules:
         """How documents are cut into windows for this run's model: its prompt's image-token
         budget and merge size, read from its config (the engine that loads will agree)."""
-        from docproc.models.loader import read_config
+        import json as _json
+
+        from docproc.models.hf_config import qwen2_vl_config
 
         try:
-            hf = read_config(self.s.model)
+            raw = _json.loads((Path(self.s.model) / "config.json").read_text())
+            if raw.get("model_type") == "qwen2_vl":  # (torch-free: the workers start before the model's imports)
+                hf = qwen2_vl_config(raw)
+            else:
+                from docproc.models.loader import read_config
+
+                hf = read_config(self.s.model)
         except EnvironmentFault:
             raise
         except Exception as e:  # noqa: BLE001 -- as loading the model would say

@@ -84,10 +84,10 @@ class _Streamer:
             cand, sha = self.feed.jobs[key]
             self.docs[key] = _DocState(RenderedDocument(cand, sha, num_pages, total, truncated))
         elif kind == "window":
-            _, key, index, pages, credits, last, seconds = event
+            _, key, index, pages, credits, last, seconds, began = event
             now = time.perf_counter()
             p.stage_seconds["open_render_hash"] += seconds
-            p.mark("open_render_hash", now - seconds, now)
+            p.mark("open_render_hash", now - (time.time() - began), now)  # (from when a worker began it)
             state = self.docs.get(key)
             if state is None:  # (failed already)
                 self.feed.give_back(credits)
@@ -123,14 +123,14 @@ class _Streamer:
             raise event[1]
 
     def _start_engine(self) -> None:
-        """The first document needs the engine: the workers start rendering, then the model loads."""
-        from docproc.engine.stream import RequestStream
-
+        """The first document needs the engine: the workers start rendering, then the model loads
+        (torch's import included: nothing of it before the workers start)."""
         p = self.p
-        t0 = time.perf_counter()
         self.feed.start_rendering(p.window_rules())
         llm = p._engine()
-        p.mark("load_model", t0, time.perf_counter())
+        from docproc.engine.stream import RequestStream
+
+        p.fingerprint_now()  # (from the loaded engine, where it was left until now)
         self.stream = RequestStream(llm)
 
     # ---- the engine ---------------------------------------------------------------------------
@@ -163,8 +163,15 @@ class _Streamer:
             done = self.stream.step()
         except (EnvironmentFault, RunInterrupted):
             raise
-        except Exception:  # noqa: BLE001 -- a request broke the step: its documents one by one
+        except Exception as e:  # noqa: BLE001 -- a request broke the step: its documents one by one
             p.stage_seconds["engine"] += time.perf_counter() - t0
+            docs = len({id(w.doc) for w, _ in self.flight.values()})
+            p.report("warning", {"message": f"an engine step raised {type(e).__name__}: {e}; its {docs} document(s) "
+                                            f"in flight are run again one at a time"})
+            if p.s.debug:
+                import traceback
+
+                traceback.print_exception(e)
             self._rerun_in_flight()
             return
         now = time.perf_counter()
@@ -231,6 +238,8 @@ class _Streamer:
     def _maybe_flush(self, now: bool = False) -> None:
         p = self.p
         t = time.perf_counter()
+        if p.cfg is None and not now:
+            return  # (the fingerprint comes with the engine: rows wait for it rather than load the model)
         if p._pending and (now or self.unflushed_pages >= p.s.batch_pages or len(p._pending) >= FLUSH_DOCUMENTS
                            or t - self.last_flush >= FLUSH_SECONDS):
             t0 = t
