@@ -360,3 +360,23 @@ def test_the_masks_are_filled_on_the_thread_count_measured_fastest(llm):
         for i, m in enumerate(matchers):
             allowed = [t for t in range(gc.num_tokens) if (int(want[i, t // 32]) >> (t % 32)) & 1]
             assert m.accept_token(allowed[step % len(allowed)])
+
+
+def test_the_masks_host_buffers_take_writes_in_and_out_of_inference_mode(qwen2_vl_dir):
+    """On CUDA the mask's pinned buffers are made by whichever step masks first: a plain step
+    under inference mode (the draft bypassed) made inference tensors, and the next verification,
+    outside it, failed writing them ("Inplace update to inference tensor outside InferenceMode")."""
+    import torch
+
+    from docproc.engine.structured import GrammarCompiler, tokenizer_size
+    from docproc.models.processor import load_tokenizer
+
+    tok = load_tokenizer(qwen2_vl_dir)
+    gc = GrammarCompiler(tok, tokenizer_size(tok), set())
+    with torch.inference_mode():
+        mask, tail = gc._host_buffers(4, pin=False)
+    mask[1] = -1  # outside inference mode, as a verification writes them
+    tail.fill_(0)
+    with torch.inference_mode():
+        tail[2] = 1
+    assert int(tail[2]) == 1 and int(mask[1, 0]) == -1

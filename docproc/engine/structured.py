@@ -613,12 +613,19 @@ class GrammarCompiler:
         if not logits.is_cuda:
             return xgr.allocate_token_bitmask(n, self.num_tokens)
         if self._pinned is None or self._pinned.shape[0] < n:
-            rows = max(n, 64)
-            self._pinned = torch.empty((rows, (self.num_tokens + 31) // 32), dtype=torch.int32, pin_memory=True)
-            self._tail = torch.empty(rows, dtype=torch.int32, pin_memory=True)
+            self._pinned, self._tail = self._host_buffers(max(n, 64), pin=True)
         elif self._copied is not None:
             self._copied.synchronize()  # its last copy to the device is done before it is written again
         return self._pinned[:n]
+
+    def _host_buffers(self, rows: int, pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mask's and the tails' host buffers, made as ordinary tensors even when a step
+        under inference mode asks first: they are written in place by steps outside it too (a
+        verification's), and an inference tensor refuses that ("Inplace update to inference tensor
+        outside InferenceMode": a draft's verification after plain, masked steps failed so)."""
+        with torch.inference_mode(False):
+            return (torch.empty((rows, (self.num_tokens + 31) // 32), dtype=torch.int32, pin_memory=pin),
+                    torch.empty(rows, dtype=torch.int32, pin_memory=pin))
 
     def _apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         # (a draft's logits may be narrower than the target's vocabulary the masks are made for)
