@@ -267,9 +267,9 @@ class Feed:
         self._relay.start()
 
     def _spawn(self, index: int) -> None:
-        """Start a worker with SIGINT and SIGTERM blocked, here and (inherited) in it until its
-        loop begins: a Ctrl-C to the terminal's process group cannot cut its start-up, and the
-        run's own RunInterrupted comes once the process is known to close()."""
+        """Start a worker with SIGINT and SIGTERM blocked in it (inherited) until its loop begins:
+        a Ctrl-C to the terminal's process group cannot cut its start-up. The run's own handler
+        holds a signal while the start-up data is written (pipeline/signals.py)."""
         p = self._ctx.Process(target=_worker, name=f"docproc-render-{index}", daemon=True,
                               args=(index, self._rules, self._job_queue, self._results, self._credits, os.getpid()))
         was = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})

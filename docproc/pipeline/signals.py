@@ -4,11 +4,15 @@ drops the batch in flight and still ends with a manifest.
 Never inside an import: an exception raised while a module initialises (torch's C extension
 imports its Python submodules as it starts; so do transformers' and pyarrow's) leaves the
 extension half made, and the interpreter then crashes (rc -11), raises SystemError ("bad call
-flags") or finds a partially initialised module. A signal that arrives during an import is kept,
-and raised at the first moment no import is under way, checked every DEFER_POLL_S.
+flags") or finds a partially initialised module. Nor while a render process starts
+(pipeline/feed.py): cut while its start-up data is written, it dies with a traceback. A signal
+that arrives then is kept, and raised at the first moment neither is under way, checked every
+DEFER_POLL_S.
 """
 from __future__ import annotations
 
+import multiprocessing
+import os
 import signal
 import sys
 import threading
@@ -17,6 +21,7 @@ import time
 EXIT_INTERRUPTED = {signal.SIGINT: 130, signal.SIGTERM: 143}
 DEFER_POLL_S = 0.02
 _IMPORT_FRAMES = "<frozen importlib._bootstrap"  # _bootstrap and _bootstrap_external
+_START_FRAMES = (os.path.join(os.path.dirname(multiprocessing.__file__), "popen_spawn_posix.py"),)
 
 
 class RunInterrupted(BaseException):
@@ -28,11 +33,13 @@ class RunInterrupted(BaseException):
 
 
 def importing(frame) -> bool:
-    """Whether an import is under way in the stack that ends in frame. Every import that is not
-    answered from sys.modules runs importlib's bootstrap code, and a C extension's start-up runs
-    between its frames, so the stack shows one of them from the first line to the last."""
+    """Whether an import (or the start of a render process) is under way in the stack that ends
+    in frame. Every import that is not answered from sys.modules runs importlib's bootstrap code,
+    and a C extension's start-up runs between its frames, so the stack shows one of them from the
+    first line to the last."""
     while frame is not None:
-        if frame.f_code.co_filename.startswith(_IMPORT_FRAMES):
+        name = frame.f_code.co_filename
+        if name.startswith(_IMPORT_FRAMES) or name in _START_FRAMES:
             return True
         frame = frame.f_back
     return False
