@@ -204,8 +204,8 @@ def run(
     load_format: str = typer.Option("auto", "--load-format", hidden=True, help="dummy: random weights from "
                                     "config.json alone (benchmarks at sizes no disk holds; answers are noise)."),
     render_workers: Optional[int] = typer.Option(None, "--render-workers", metavar="N", help="Processes that render "
-                                                 "pages ahead of the engine (default: a quarter of the cores, 1 to 4; "
-                                                 "0: a thread of the run's own process)."),
+                                                 "pages ahead of the engine (default: with a GPU a quarter of the "
+                                                 "cores, 1 to 4; on a CPU 0: a thread of the run's own process)."),
     anchor_text: bool = typer.Option(False, "--anchor-text", help="Put each PDF page's own text layer, with "
                                      "coordinates, in the prompt beside its image (scans have none)."),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="No CUDA graphs for decode and "

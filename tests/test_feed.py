@@ -73,14 +73,14 @@ def test_a_2000_page_pdf_holds_a_bounded_number_of_pages_and_rendering_overlaps_
         for _ in range(pages):
             pdf.new_page(width=612, height=792)
         pdf.save(tmp_path / name / f"{name}.pdf")
-    small = _run(tmp_path / "small", tmp_path / "out-small")
+    small = _run(tmp_path / "small", tmp_path / "out-small", "--render-workers", "1")
     # a first run into an empty OUT: the fingerprint waits for the engine, whose load (torch's
     # import included) runs while the workers render
     timeline = small["stage_timeline"]
     assert timeline["open_render_hash"][0] < timeline["load_model"][1], timeline
     assert timeline["discover"][1] < timeline["load_model"][0], timeline
     assert small["config_fingerprint"] and small["engine_loaded"]
-    big = _run(tmp_path / "big", tmp_path / "out-big", "--batch-pages", "16")
+    big = _run(tmp_path / "big", tmp_path / "out-big", "--batch-pages", "16", "--render-workers", "1")
     assert big["totals"]["pages"] == big["totals"]["blank_pages"] == 2000 and big["totals"]["documents"] == 1
     grew = big["peak_memory"]["host_max_rss_bytes"] - small["peak_memory"]["host_max_rss_bytes"]
     assert grew < 200 << 20, grew

@@ -174,9 +174,10 @@ def test_a_signal_while_the_model_loads_ends_the_run_with_a_manifest(one_query, 
     interpreter (rc -11), or ended it with rc 70 and SystemError or 'partially initialized module'."""
     docs = _docs(tmp_path / "in", "doc_2026_00003.jpg")
     out = tmp_path / "out"
+    # (a render process starts as the model loads: a signal must cut neither)
     proc = subprocess.Popen([sys.executable, "-m", "docproc", "run", str(docs), "--out", str(out), "--queries",
-                             str(one_query), "--quiet"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                             str(one_query), "--quiet", "--render-workers", "1"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     lock = out / ".docproc" / "lock"
     deadline = time.time() + 60
     while time.time() < deadline and proc.poll() is None:

@@ -52,6 +52,14 @@ def cuda_environment() -> dict:
     }
 
 
+def gpu_nodes_visible() -> bool:
+    """Whether this process can see a GPU's device node (torch not imported): what `auto` would
+    likely pick a GPU from."""
+    env = cuda_environment()
+    hidden = any(v is not None and v.strip() in ("", "-1") for v in env["visible"])
+    return bool(env["nodes"] or env["rocm"]) and not hidden
+
+
 def peak_gpu_memory() -> int | None:
     """The most GPU memory this process has allocated (bytes); None without CUDA. A process that
     never imported torch allocated none: torch is not imported to say so."""

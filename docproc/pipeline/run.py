@@ -267,7 +267,7 @@ class Pipeline(EngineSetup, DocumentRows):
 
     def _process(self) -> None:
         candidates = self._start()
-        feed = Feed(candidates, self._verdict, self.s.batch_pages, self.s.render_workers)
+        feed = Feed(candidates, self._verdict, self.s.batch_pages, self.render_workers())
         try:
             _Streamer(self, feed).run()
         finally:
@@ -275,6 +275,19 @@ class Pipeline(EngineSetup, DocumentRows):
         self._flush()
         self._remove_gone()
         self._consolidate()
+
+    def render_workers(self) -> int:
+        """--render-workers, or by default: on a GPU a quarter of the cores in processes (1 to 4),
+        on a CPU engine one thread (the engine's matrix work takes every core and releases the
+        GIL; a process would cost its start-up on every small run)."""
+        from docproc.engine.device import gpu_nodes_visible
+        from docproc.pipeline.feed import default_workers
+
+        if self.s.render_workers is not None:
+            return self.s.render_workers
+        if self.s.device == "cpu" or (self.s.device == "auto" and not gpu_nodes_visible()):
+            return 0
+        return default_workers()
 
     def window_rules(self) -> WindowRules:
         """How documents are cut into windows for this run's model: its prompt's image-token

@@ -21,7 +21,7 @@ class RunSettings:
     gpu_memory_utilization: float = 0.9
     batch_pages: int = 32  # pages rendered ahead of the engine and not yet answered: bounds memory (pipeline/feed.py)
     load_format: str = "auto"  # "dummy": random weights from config.json (benchmarks; a hidden option)
-    render_workers: int | None = None  # render processes (default: a quarter of the cores, 1 to 4; 0: a thread)
+    render_workers: int | None = None  # render processes (default: on a GPU a quarter of the cores, 1 to 4; on a CPU 0: a thread)
     max_image_tokens: int = 16384  # per prompt; more pages are split into windows
     seed: int = 0
     draft: str | None = None  # speculative decoding: the draft model folder
