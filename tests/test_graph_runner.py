@@ -131,13 +131,13 @@ def test_chained_draft_rounds_match_unchained(qwen2_vl_dir, tmp_path, monkeypatc
     from fixtures.checkpoints import make_model
 
     draft = make_model(tmp_path / "draft", "qwen2_vl", naming="new", seed=11)
-    _, plain = run(qwen2_vl_dir, False, monkeypatch)
+    _, plain = run(qwen2_vl_dir, False, monkeypatch, max_tokens=7)
     results = {}
     for chain in (False, True):
         with monkeypatch.context() as m:
             llm = static_engine(m, qwen2_vl_dir, speculative_model=str(draft), num_speculative_tokens=3)
             llm.speculator.chain_greedy = chain
-            outs = llm.generate(reqs(), SamplingParams(max_tokens=10, ignore_eos=True))
+            outs = llm.generate(reqs(), SamplingParams(max_tokens=7, ignore_eos=True))
         info = llm.spec_info()
         results[chain] = ([o.outputs[0].token_ids for o in outs], info["draft_proposed"], info["draft_accepted"])
         assert (info["draft_chained_rounds"] > 0) == chain
@@ -220,13 +220,13 @@ def test_overlapped_decode_gives_the_plain_tokens_and_stops(qwen2_vl_dir, monkey
     device): the same tokens, stop reasons and texts as reading every step first, with greedy
     rows stopping at EOS part-way (their row of the step in flight is dropped) and seeded sampled
     rows; the prefix cache never keys a placeholder."""
-    base = SamplingParams(max_tokens=24, ignore_eos=True)
+    base = SamplingParams(max_tokens=16, ignore_eos=True)
     _, plain = overlap_run(qwen2_vl_dir, monkeypatch, False, base)
     toks = [o.outputs[0].token_ids for o in plain]
     # an EOS that the first request emits at its 6th token and the text-only request does not emit
     eos = {toks[0][5]} if toks[0][5] not in toks[1] else {toks[0][5], -1}
-    params = [SamplingParams(max_tokens=24), SamplingParams(max_tokens=20),
-              SamplingParams(max_tokens=24, temperature=0.9, seed=7)]
+    params = [SamplingParams(max_tokens=16), SamplingParams(max_tokens=14),
+              SamplingParams(max_tokens=16, temperature=0.9, seed=7)]
     runs = {}
     for overlap in (False, True):
         llm, outs = overlap_run(qwen2_vl_dir, monkeypatch, overlap, params, eos=eos)
@@ -235,7 +235,7 @@ def test_overlapped_decode_gives_the_plain_tokens_and_stops(qwen2_vl_dir, monkey
     (want, want_hashes, plain_llm), (got, got_hashes, llm) = runs[False], runs[True]
     assert got == want
     assert want[0][1] == "stop" and len(want[0][0]) <= 6  # stopped at EOS while others decoded on
-    assert want[1][1] == "length" and len(want[1][0]) == 20
+    assert want[1][1] == "length" and len(want[1][0]) == 14
     assert llm.num_overlapped_steps >= 10 and plain_llm.num_overlapped_steps == 0
     assert llm.cache_info()["num_overlapped_steps"] == llm.num_overlapped_steps
     assert llm.cache_info()["overlap_decode"] and not plain_llm.cache_info()["overlap_decode"]

@@ -213,7 +213,7 @@ def test_extractor_rows_equal_a_plain_run(cluster, docs, plain):
 
     files = sorted(str(docs / n) for n in ("broken.pdf", "doc_2026_00003.jpg", "doc_2026_00006.jpg"))
     ds = ray.data.read_binary_files(files, include_paths=True)
-    out = ds.map_batches(DocprocExtractor, fn_constructor_kwargs={"device": "cpu"}, concurrency=2, batch_size=2,
+    out = ds.map_batches(DocprocExtractor, fn_constructor_kwargs={"device": "cpu"}, concurrency=1, batch_size=2,
                          num_cpus=1, batch_format="numpy")
     rows = out.take_all()
     got = {(Path(r["path"]).name, r["query"]): r for r in rows}
