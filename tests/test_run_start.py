@@ -194,3 +194,25 @@ def test_a_signal_while_the_model_loads_ends_the_run_with_a_manifest(one_query, 
     assert "Traceback" not in err and "SystemError" not in err and "interrupted" in err
     m = _manifest(out)
     assert m["status"] == "interrupted" and m["exit_code"] == code
+
+
+def test_a_run_stopped_before_its_fingerprint_is_known_does_not_load_the_model_to_write(tmp_path):
+    """A first run into an empty OUT leaves its fingerprint to the engine's load; stopped before
+    that (a signal, a fault), it drops the rows it holds (files settled without the engine) instead
+    of loading the model in its wind-down to fingerprint them."""
+    from docproc.cli import bundled_model
+    from docproc.pipeline.run import Pipeline, RunSettings
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "notes.txt").write_text("x")
+    p = Pipeline(RunSettings(inputs=[str(tmp_path / "in")], out=str(tmp_path / "out"),
+                             model=str(bundled_model("target"))))
+    p.store.lock()
+    try:
+        p._part = p.store.next_part()
+        p._pending = [("notes.txt", [{"path": "notes.txt", "config_fingerprint": None}], False)]
+        assert p.cfg is None
+        p._wind_down()
+    finally:
+        p.store.unlock()
+    assert p.llm is None and p._pending == [] and not p.store.part_files()

@@ -184,7 +184,12 @@ class Pipeline(EngineSetup, DocumentRows):
 
     def _wind_down(self) -> None:
         """After a signal or a fault: write what is finished (removals wait for a whole run). A run
-        that stopped before any row was written leaves no results.parquet behind."""
+        that stopped before any row was written leaves no results.parquet behind. One stopped before
+        its fingerprint was known (the engine had not loaded) drops its pending rows rather than load
+        the model now: they can only be files settled without the engine (skips, unreadable files),
+        which the next run settles again in moments."""
+        if self.cfg is None:
+            self._pending = []
         if not self._pending and not self.store.part_files():
             return
         try:
