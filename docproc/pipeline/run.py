@@ -95,6 +95,14 @@ class LiveFigures:
     draft_proposed: int = 0
     draft_accepted: int = 0
 
+    def answered_one(self, out) -> None:
+        """Count a finished request (a RequestOutput)."""
+        m = out.metrics
+        self.answered += 1
+        self.generated_tokens += m.num_generated_tokens
+        self.draft_proposed += m.draft_proposed
+        self.draft_accepted += m.draft_accepted
+
 
 class Pipeline(EngineSetup, DocumentRows):
     _history: ConfigHistory | None = None  # this run's configuration against the stored documents'
@@ -526,16 +534,12 @@ class Pipeline(EngineSetup, DocumentRows):
         """Report num requests handed to the engine, and return the callback that reports each as
         it finishes (LLM.generate's on_request_done): the run's requests answered and handed over,
         tokens generated, the draft's figures and the engine's seconds so far, as they move."""
-        live = self._live = self._live or LiveFigures()
+        live = self.live_figures()
         live.submitted += num
         before, t0 = self.stage_seconds["engine"], time.perf_counter()
 
         def done(out) -> None:
-            m = out.metrics
-            live.answered += 1
-            live.generated_tokens += m.num_generated_tokens
-            live.draft_proposed += m.draft_proposed
-            live.draft_accepted += m.draft_accepted
+            live.answered_one(out)
             self.report("requests", {**asdict(live), "engine_seconds": before + time.perf_counter() - t0})
 
         self.report("requests", {**asdict(live), "engine_seconds": before})

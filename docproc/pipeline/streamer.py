@@ -180,11 +180,7 @@ class _Streamer:
         for (wid, i), out in done:
             w, outs = self.flight[wid]
             outs[i] = out
-            m = out.metrics
-            live.answered += 1
-            live.generated_tokens += m.num_generated_tokens
-            live.draft_proposed += m.draft_proposed
-            live.draft_accepted += m.draft_accepted
+            live.answered_one(out)
             if all(o is not None for o in outs):
                 del self.flight[wid]
                 self.last_answer = now
