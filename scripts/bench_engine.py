@@ -56,6 +56,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # fixtures: random checkpoints
 import kernels.gemv as kernels_gemv  # noqa: E402
 import kernels.pdl as kernels_pdl  # noqa: E402
 from docproc import LLM, SamplingParams  # noqa: E402
+from docproc.models.quant import Fp8Weight  # noqa: E402
 from docproc.engine.spec.policy import expected_tokens  # noqa: E402
 from docproc.pipeline.queries import build_prompt  # noqa: E402
 from fixtures.checkpoints import make_model, share_vision_trunk  # noqa: E402
@@ -124,16 +125,35 @@ def free() -> None:
 # ---- model arithmetic ---------------------------------------------------------------------------------
 def lm_weights(llm: LLM) -> list[torch.Tensor]:
     """The language-model weights one decode step reads: all but the embedding table (one row is
-    gathered), the LM head included (the embedding table itself when tied)."""
+    gathered), the LM head included (the embedding table itself when tied). A product held in FP8
+    (not a parameter: the loader sets it beside its module) counts its codes; lm_scales() has its
+    scales."""
     text = llm.runner.model.text
     out = [p for name, p in text.named_parameters() if not name.startswith("embed_tokens")]
+    fused = [w for layer in text.layers for w in layer_products(layer)]
+    # a bf16 product's fused weight is a view of its modules' parameters (already counted) only if
+    # it shares their storage; a fused copy or an FP8 weight is counted here
+    params = {p.untyped_storage().data_ptr() for p in out}
+    for w in fused:
+        t = w.data if isinstance(w, Fp8Weight) else w
+        if t.untyped_storage().data_ptr() not in params:
+            out.append(t)
     if text.lm_head.weight is text.embed_tokens.weight:
         out.append(text.lm_head.weight)
     return out
 
 
+def layer_products(layer) -> list:
+    return [layer.self_attn.qkv_weight, layer.self_attn.o_weight, layer.mlp.gate_up_weight, layer.mlp.down_weight]
+
+
+def lm_scales(llm: LLM) -> list[torch.Tensor]:
+    return [w.scale for layer in llm.runner.model.text.layers for w in layer_products(layer)
+            if isinstance(w, Fp8Weight)]
+
+
 def lm_bytes_per_step(llm: LLM) -> int:
-    return sum(p.numel() * p.element_size() for p in lm_weights(llm))
+    return sum(p.numel() * p.element_size() for p in [*lm_weights(llm), *lm_scales(llm)])
 
 
 def flops(llm: LLM, image_tokens: int, patches: int, prompt_tokens: int, new_tokens: int, queries: int) -> dict:
