@@ -22,6 +22,10 @@ from kernels.gemv import _program_rows, _w_tile, _x_tile
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+# scales are max |x| times this (a float32 product), codes x times the scale's reciprocal (an
+# IEEE float32 division, then a product): the same arithmetic in the torch references and the
+# kernels, so that their codes are equal (Triton's `/` on float32 is an approximate division)
+INV_FP8_MAX = 1.0 / FP8_MAX
 
 
 # ---- torch reference --------------------------------------------------------------------------------
@@ -51,8 +55,87 @@ def quantize_rows(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[to
     amax (M, 1) float32: each row's max |value| where x holds only some of its columns."""
     if amax is None:
         amax = x.abs().amax(dim=-1, keepdim=True).float()
-    s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    return (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
+    s = torch.where(amax > 0, amax * INV_FP8_MAX, torch.ones_like(amax))
+    return (x.float() * torch.reciprocal(s)).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
+
+
+def quantize_groups_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row, per-`group`-columns dynamic FP8 (the activations of block-wise products): codes
+    (M, K) and scales (M, ceil(K / group)) float32, each group's max |value| / 448 (1 for a group
+    of zeros)."""
+    m, k = x.shape
+    g = -(-k // group)
+    xf = torch.nn.functional.pad(x.float(), (0, g * group - k)).view(m, g, group)
+    amax = xf.abs().amax(dim=-1)
+    s = torch.where(amax > 0, amax * INV_FP8_MAX, torch.ones_like(amax))
+    return (xf * torch.reciprocal(s)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(m, -1)[:, :k], s
+
+
+# ---- Triton: dynamic activation quantization (one pass, one kernel) --------------------------------
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, sx, sq, ss_row, ss_col, INV: tl.constexpr,
+                     GROUP: tl.constexpr, BLOCK: tl.constexpr, PER_ROW: tl.constexpr):
+    """PER_ROW: program r writes row r's codes and scale (the row read twice: its maximum, then
+    its codes). Else program (r, c) writes row r's BLOCK // GROUP groups of GROUP columns from
+    column c * BLOCK, each with its own scale. Arithmetic as quantize_rows (INV_FP8_MAX)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    if PER_ROW:
+        amax = tl.zeros([BLOCK], tl.float32)
+        for k0 in range(0, K, BLOCK):
+            x = tl.load(x_ptr + row * sx + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        m = tl.max(amax, 0)
+        s = tl.where(m > 0, m * INV, 1.0)
+        r = tl.math.div_rn(1.0, s)
+        tl.store(s_ptr + row * ss_row, s)
+        for k0 in range(0, K, BLOCK):
+            x = tl.load(x_ptr + row * sx + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+            q = tl.clamp(x * r, -448.0, 448.0)
+            tl.store(q_ptr + row * sq + k0 + cols, q.to(tl.float8e4nv), mask=k0 + cols < K)
+    else:
+        GROUPS: tl.constexpr = BLOCK // GROUP
+        c = tl.program_id(1) * BLOCK + cols
+        x = tl.load(x_ptr + row * sx + c, mask=c < K, other=0.0).to(tl.float32)
+        xg = tl.reshape(x, [GROUPS, GROUP])
+        m = tl.max(tl.abs(xg), 1)
+        s = tl.where(m > 0, m * INV, 1.0)
+        r = tl.math.div_rn(tl.full([GROUPS], 1.0, tl.float32), s)
+        g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+        tl.store(s_ptr + row * ss_row + g * ss_col, s, mask=g * GROUP < K)
+        q = tl.reshape(tl.clamp(xg * r[:, None], -448.0, 448.0), [BLOCK])
+        tl.store(q_ptr + row * sq + c, q.to(tl.float8e4nv), mask=c < K)
+
+
+def quantize_rows_fast(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows (amax from the whole row) in one kernel: (codes (M, K), scales (M, 1))."""
+    m, k = x.shape
+    assert x.stride(-1) == 1
+    q = torch.empty(m, k, dtype=FP8, device=x.device)
+    s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), 0, INV=INV_FP8_MAX,
+                               GROUP=1, BLOCK=min(4096, triton.next_power_of_2(k)), PER_ROW=True, num_warps=8)
+    return q, s
+
+
+def quantize_groups(x: torch.Tensor, group: int, scales: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_groups_ref in one kernel. scales: where to write the (M, ceil(K / group)) scales
+    (any strides: the layout a product wants), else a new row-major tensor; out: where to write
+    the codes (its first M rows), else a new (M, K) tensor."""
+    m, k = x.shape
+    assert x.stride(-1) == 1 and group & (group - 1) == 0
+    g = -(-k // group)
+    q = out if out is not None else torch.empty(m, k, dtype=FP8, device=x.device)
+    assert q.shape[0] >= m and q.shape[1] == k and q.stride(-1) == 1
+    s = scales if scales is not None else torch.empty(m, g, dtype=torch.float32, device=x.device)
+    assert s.shape[0] >= m and s.shape[1] >= g
+    if m:
+        block = max(group, min(1024, triton.next_power_of_2(k)))  # a program: up to 1,024 columns of a row
+        _quantize_kernel[(m, triton.cdiv(k, block))](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
+                                                      INV=INV_FP8_MAX, GROUP=group, BLOCK=block, PER_ROW=False, num_warps=4)
+    return q, s
 
 
 # ---- Triton: one row ---------------------------------------------------------------------------------
@@ -152,7 +235,9 @@ def gemv_fp8(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, group: in
 
 
 # ---- Triton: a few rows (verification windows, small decode batches) -------------------------------
-ROWS_MAX = 16  # up to this many rows one program's tile covers them all (BLOCK_M)
+ROWS_MAX = 16  # up to this many rows one program's tile covers them all (BLOCK_M); more rows read
+# the codes slower than the tensor-core product with quantized inputs (bench/fp8_products.py: at
+# 72B, 32 rows in 32-row tiles 0.59 ms a layer against 0.44 + the quantization)
 
 
 @triton.jit
@@ -226,10 +311,54 @@ def gemm_fp8_rows(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, grou
 # ---- several rows: FP8 tensor cores ------------------------------------------------------------------
 def scaled_mm(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (M, K) bf16/fp16 against per-row FP8 weights (scale (N, 1)): x quantized per row, one
-    FP8 product with both scales applied to its float32 result, output in x's dtype."""
+    """x (M, K) bf16/fp16 against per-row FP8 weights (scale (N, 1)): x quantized per row (one
+    kernel), one FP8 product with both scales applied to its float32 result, output in x's dtype."""
     assert scale.shape[1] == 1, "row-wise scales only (per-output-channel weights)"
-    xq, sx = quantize_rows(x)
+    xq, sx = quantize_rows_fast(x)
     y = torch._scaled_mm(xq, data.t(), scale_a=sx, scale_b=scale.view(1, -1), out_dtype=x.dtype,
                          bias=bias)
     return y
+
+
+BLOCK = 128  # the block-wise layout's tile (rows and columns) that cuBLAS's block scaling takes
+_F = torch.nn.functional
+HAVE_BLOCK_MM = hasattr(_F, "scaled_mm") and hasattr(_F, "ScalingType") and \
+    hasattr(_F.ScalingType, "BlockWise128x128")
+
+
+def cublas_block_scales(scale: torch.Tensor, n: int) -> torch.Tensor | None:
+    """A block-wise weight's scales ((N, G): each 128-row block's scale repeated over its rows) in
+    the layout cuBLAS's 128 x 128 block scaling reads: (G', N / 128), G' = G rounded up to 4,
+    column-major (padding scales 1). None where the rows do not fall in whole 128-row blocks of
+    one scale (a share whose rows start inside a block, or row counts not a multiple of 128)."""
+    if n % BLOCK:
+        return None
+    g = scale.shape[1]
+    blocks = scale.view(n // BLOCK, BLOCK, g)
+    if not torch.equal(blocks, blocks[:, :1].expand_as(blocks)):
+        return None
+    gp = -(-g // 4) * 4
+    out = torch.ones(n // BLOCK, gp, dtype=torch.float32, device=scale.device)
+    out[:, :g] = blocks[:, 0]
+    return out.t()
+
+
+def scaled_mm_blocks(x: torch.Tensor, data: torch.Tensor, block_scales: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) bf16 against block-wise FP8 weights (128 x 128 tiles; block_scales from
+    cublas_block_scales): x quantized per row and 128-column group (one kernel), then one FP8
+    product on the tensor cores with cuBLAS's block scaling, output in x's dtype. M is padded to a
+    multiple of 16 (rows of zeros) for cuBLAS."""
+    m, k = x.shape
+    g = -(-k // BLOCK)
+    mp = -(-m // 16) * 16
+    q = torch.empty(mp, k, dtype=FP8, device=x.device)
+    sa = torch.empty(g, mp, dtype=torch.float32, device=x.device).t()  # column-major (M, G)
+    if mp > m:
+        q[m:].zero_()
+        sa[m:].fill_(1.0)
+    quantize_groups(x, BLOCK, sa, out=q)
+    st = _F.ScalingType
+    y = _F.scaled_mm(q, data.t(), sa, st.BlockWise1x128, block_scales, st.BlockWise128x128, bias=bias,
+                     output_dtype=x.dtype)
+    return y[:m] if mp > m else y

@@ -226,6 +226,70 @@ def test_fp8_tensor_core_product_matches_the_reference_within_activation_roundin
     assert rel < 0.05, rel  # the input's per-token FP8 rounding: ~2-3% relative for random data
 
 
+def test_block_scales_in_the_layout_cublas_reads():
+    """A 128 x 128 block-wise weight's scales as cuBLAS's block scaling takes them: (G rounded up
+    to 4, N / 128), column-major, padding 1; None where rows do not fall in whole blocks of one
+    scale (a stack whose part has 64 rows, 200 rows)."""
+    from docproc.models.quant import quantize_blocks, stack
+    from kernels.fp8 import cublas_block_scales
+
+    g = torch.Generator().manual_seed(2)
+    w = quantize_blocks(torch.randn(256, 300, generator=g), (128, 128))  # G = 3 column groups
+    t = cublas_block_scales(w.scale, 256)
+    assert t.shape == (4, 2) and t.stride() == (1, 4)
+    assert torch.equal(t[:3], w.scale[::128].t()) and torch.equal(t[3], torch.ones(2))
+    odd = quantize_blocks(torch.randn(64, 300, generator=g), (128, 128))
+    assert cublas_block_scales(stack([w, odd, w]).scale, 576) is None  # a block straddles two parts
+    assert cublas_block_scales(quantize_blocks(torch.randn(200, 300, generator=g), (128, 128)).scale, 200) is None
+    assert cublas_block_scales(stack([w, w]).scale, 512) is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+def test_fp8_activation_quantizers_match_their_references_on_cuda():
+    """The one-kernel activation quantizers (per row; per row and 128 columns) give the torch
+    references' codes and scales exactly: rows of zeros, a ragged K, 72B's down projection width."""
+    from kernels.fp8 import quantize_groups, quantize_groups_ref, quantize_rows, quantize_rows_fast
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    for m, k in ((1, 3584), (37, 18944), (300, 8192), (5, 200), (3, 29568)):
+        x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16) * 3
+        x[0] = 0
+        for (q1, s1), (q2, s2) in ((quantize_rows(x), quantize_rows_fast(x)),
+                                   (quantize_groups_ref(x, 128), quantize_groups(x, 128))):
+            assert torch.equal(s1, s2), (m, k)
+            assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8)), (m, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+def test_fp8_block_product_on_cuda_matches_its_quantized_reference():
+    """Past ROWS_MAX rows a 128 x 128 block-wise weight's product runs on the FP8 tensor cores with
+    per-(token, 128 columns) activation scales (cuBLAS's block scaling): equal, to float32
+    accumulation order, to the float product of the dequantized codes on both sides, and within
+    the activations' FP8 rounding of the weight-only reference. Row counts not a multiple of 16
+    (padded) and a bias."""
+    from docproc.models.quant import fp8_linear, quantize_blocks
+    from kernels.fp8 import HAVE_BLOCK_MM, dequantize_ref, fp8_linear_ref, quantize_groups_ref
+
+    if not HAVE_BLOCK_MM:
+        pytest.skip("this torch has no block-wise scaled product")
+    g = torch.Generator(device="cuda").manual_seed(6)
+    for n, k in ((4608, 3584), (3584, 18944)):
+        q = quantize_blocks(torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02, (128, 128))
+        assert q.blocks is not None
+        b = torch.randn(n, device="cuda", generator=g, dtype=torch.bfloat16)
+        for rows in (17, 100, 256):
+            x = torch.randn(rows, k, device="cuda", generator=g, dtype=torch.bfloat16)
+            got = fp8_linear(x, q, b).float()
+            xq, sx = quantize_groups_ref(x, 128)
+            xd = dequantize_ref(xq, sx, 128, torch.float32)
+            want = xd @ q.dequantize(torch.float32).t() + b.float()
+            assert ((got - want).norm() / want.norm()).item() < 5e-3, (n, k, rows)
+            weight_only = fp8_linear_ref(x.float(), q.data, q.scale, q.group, b.float())
+            assert ((got - weight_only).norm() / weight_only.norm()).item() < 0.05
+
+
 def _small_fp8_weight(n: int, k: int, blocks: bool, g: torch.Generator) -> Fp8Weight:
     """A small FP8 weight for the interpreter tests: per-row scales, or 128 x 128 blocks."""
     from docproc.models.quant import from_blocks

@@ -30,9 +30,9 @@ def warm_fused(runner) -> float:
     from kernels.gemv import gemv, use_gemv
 
     x1 = torch.zeros(1, tc.hidden_size, dtype=runner.dtype, device=runner.device)
+    text = runner.model.text
+    att, mlp = text.layers[0].self_attn, text.layers[0].mlp
     if use_gemv(x1):  # the one-row products of batch-1 decode (kernels/gemv.py, kernels/fp8.py), each shape's
-        text = runner.model.text
-        att, mlp = text.layers[0].self_attn, text.layers[0].mlp
         project(x1, att.qkv_weight, att.qkv_bias)
         project(torch.zeros(1, att.o_proj.in_features, dtype=runner.dtype, device=runner.device), att.o_weight)
         project(x1, mlp.gate_up_weight)
@@ -42,17 +42,19 @@ def warm_fused(runner) -> float:
         else:
             gemv(gate_up, mlp.down_weight, gated=True)
         gemv(x1, text.lm_head.weight)
-        if isinstance(mlp.down_weight, Fp8Weight):
-            # the few-row FP8 kernel of verification windows and small batches: 2-15 rows, and 16
-            # (a row count Triton specialises as a multiple of 16)
-            for rows in (2, ROWS_MAX):
-                x2 = torch.zeros(rows, tc.hidden_size, dtype=runner.dtype, device=runner.device)
-                project(x2, att.qkv_weight, att.qkv_bias)
-                project(torch.zeros(rows, att.o_proj.in_features, dtype=runner.dtype, device=runner.device),
-                        att.o_weight)
-                project(x2, mlp.gate_up_weight)
-                fp8_linear(torch.zeros(rows, 2 * tc.intermediate_size, dtype=runner.dtype, device=runner.device),
-                           mlp.down_weight, gated=True)
+    if isinstance(mlp.down_weight, Fp8Weight):
+        # the few-row FP8 kernel of verification windows and small batches (2-15 rows, and 16: a
+        # row count Triton specialises as a multiple of 16), and past ROWS_MAX the activation
+        # quantization of the tensor-core products
+        few = (2, ROWS_MAX) if use_gemv(x1) else ()
+        for rows in (*few, ROWS_MAX + 1):
+            x2 = torch.zeros(rows, tc.hidden_size, dtype=runner.dtype, device=runner.device)
+            project(x2, att.qkv_weight, att.qkv_bias)
+            project(torch.zeros(rows, att.o_proj.in_features, dtype=runner.dtype, device=runner.device),
+                    att.o_weight)
+            project(x2, mlp.gate_up_weight)
+            fp8_linear(torch.zeros(rows, 2 * tc.intermediate_size, dtype=runner.dtype, device=runner.device),
+                       mlp.down_weight, gated=True)
     if getattr(runner.model.vision, "fast_attention", False):  # the vision tower's (kernels/vision_fused.py)
         from kernels.vision_fused import quick_gelu, vision_rotary_qk
 

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 import kernels.gemv as kernels_gemv
-from kernels.fp8 import FP8, FP8_MAX, ROWS_MAX, dequantize_ref, gemm_fp8_rows, gemv_fp8, quantize_rows, scaled_mm
+from kernels.fp8 import (FP8, FP8_MAX, HAVE_BLOCK_MM, ROWS_MAX, cublas_block_scales, dequantize_ref, gemm_fp8_rows,
+                         gemv_fp8, quantize_rows, scaled_mm, scaled_mm_blocks)
 from kernels.fused import silu_mul, silu_mul_ref
 
 QUANTIZATION_METHODS = ("fp8",)
@@ -48,11 +49,16 @@ class Fp8Weight:
     # whether products of several rows may quantize their input to FP8 per token (the layout's
     # dynamic activations); False: weight-only everywhere (the dequantized product)
     act_quant: bool = True
+    # on CUDA, for 128 x 128 block-wise weights: the scales as cuBLAS's block scaling reads them
+    # (kernels/fp8.py cublas_block_scales), made once; None where that product does not apply
+    blocks: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         n, k = self.data.shape
         assert self.data.dtype == FP8 and self.scale.dtype == torch.float32
         assert self.scale.shape == (n, -(-k // self.group)), (self.scale.shape, n, k, self.group)
+        if self.data.is_cuda and HAVE_BLOCK_MM and self.group == 128 and not self.per_channel:
+            self.blocks = cublas_block_scales(self.scale, n)
 
     @property
     def shape(self) -> torch.Size:
@@ -100,10 +106,11 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> Fp8Weight:
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
                gated: bool = False) -> torch.Tensor:
     """x W^T (+ bias): on CUDA one row through the FP8 one-row kernel, up to ROWS_MAX rows (a
-    verification window, a small batch) through the few-row kernel (the codes read once,
-    weight-only), more rows through the FP8 tensor cores with the input quantized per token
-    (per-row weights) or, for block-wise weights, the dequantized product; on CPU the dequantized
-    product (weight-only reference semantics)."""
+    verification window, a decode batch) through the few-row kernel (the codes read once,
+    weight-only), more rows through the FP8 tensor cores with the input quantized at run time
+    (per token for per-row weights, per token and 128 columns for 128 x 128 block-wise weights),
+    else the dequantized product; on CPU the dequantized product (weight-only reference
+    semantics)."""
     if x.is_cuda and kernels_gemv.ENABLED and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1:
         return gemv_fp8(x, w.data, w.scale, w.group, bias, gated=gated)
     if gated:  # (one kernel on CUDA)
@@ -119,6 +126,10 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
             and w.shape[0] % 16 == 0:
         lead = x.shape[:-1]
         y = scaled_mm(x.reshape(-1, x.shape[-1]), w.data, w.scale, bias)
+        return y.view(*lead, -1)
+    if x.is_cuda and w.blocks is not None and w.act_quant and x.dtype == torch.bfloat16 and x.stride(-1) == 1:
+        lead = x.shape[:-1]
+        y = scaled_mm_blocks(x.reshape(-1, x.shape[-1]), w.data, w.blocks, bias)
         return y.view(*lead, -1)
     return torch.nn.functional.linear(x, w.dequantize(x.dtype), bias)
 
