@@ -7,11 +7,14 @@
   program owns BLOCK_N output rows and streams them along K in (BLOCK_N, BLOCK_K) tiles as
   kernels/gemv.py does; products and sums in float32, each group's partial sum times its scale.
   The gated form computes SiLU(gate) x up from the gate|up product on the fly (down projection).
-- several rows on CUDA (`scaled_mm`): the input quantized per row (token) to FP8 at run time,
-  then Hopper's FP8 tensor cores through torch._scaled_mm with row-wise scales (per-row
-  weights only).
+- several rows on CUDA (`scaled_mm`): the input quantized per row (token) to FP8 at run time in
+  one kernel, then the FP8 tensor cores through torch._scaled_mm with row-wise scales (per-row
+  weights); `scaled_mm_blocks` for 128 x 128 block-wise weights: the input quantized per row and
+  128 columns, then cuBLAS's block scaling (torch.nn.functional.scaled_mm).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -318,6 +321,15 @@ def scaled_mm(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
     y = torch._scaled_mm(xq, data.t(), scale_a=sx, scale_b=scale.view(1, -1), out_dtype=x.dtype,
                          bias=bias)
     return y
+
+
+@functools.lru_cache(maxsize=None)
+def tensor_core_fp8(device: torch.device) -> tuple[bool, bool]:
+    """(FP8 products with row-wise scales, FP8 products with 128 x 128 block scales) on this CUDA
+    device: compute capability 8.9 (Ada) or 9.0 (Hopper) and later for the first, 9.0 for the
+    second (cuBLAS's block scaling), which also needs torch.nn.functional.scaled_mm."""
+    cap = torch.cuda.get_device_capability(device)
+    return cap >= (8, 9), cap >= (9, 0) and HAVE_BLOCK_MM
 
 
 BLOCK = 128  # the block-wise layout's tile (rows and columns) that cuBLAS's block scaling takes

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 import kernels.gemv as kernels_gemv
-from kernels.fp8 import (FP8, FP8_MAX, HAVE_BLOCK_MM, ROWS_MAX, cublas_block_scales, dequantize_ref, gemm_fp8_rows,
-                         gemv_fp8, quantize_rows, scaled_mm, scaled_mm_blocks)
+from kernels.fp8 import (FP8, FP8_MAX, ROWS_MAX, cublas_block_scales, dequantize_ref, gemm_fp8_rows, gemv_fp8,
+                         quantize_rows, scaled_mm, scaled_mm_blocks, tensor_core_fp8)
 from kernels.fused import silu_mul, silu_mul_ref
 
 QUANTIZATION_METHODS = ("fp8",)
@@ -57,7 +57,7 @@ class Fp8Weight:
         n, k = self.data.shape
         assert self.data.dtype == FP8 and self.scale.dtype == torch.float32
         assert self.scale.shape == (n, -(-k // self.group)), (self.scale.shape, n, k, self.group)
-        if self.data.is_cuda and HAVE_BLOCK_MM and self.group == 128 and not self.per_channel:
+        if self.data.is_cuda and self.group == 128 and not self.per_channel and tensor_core_fp8(self.data.device)[1]:
             self.blocks = cublas_block_scales(self.scale, n)
 
     @property
@@ -123,7 +123,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
         # 16-bit inputs only: the tensor cores would round a float32 input to TF32)
         return gemm_fp8_rows(x, w.data, w.scale, w.group, bias)
     if x.is_cuda and w.per_channel and w.act_quant and x.dtype == torch.bfloat16 and x.shape[-1] % 16 == 0 \
-            and w.shape[0] % 16 == 0:
+            and w.shape[0] % 16 == 0 and tensor_core_fp8(x.device)[0]:
         lead = x.shape[:-1]
         y = scaled_mm(x.reshape(-1, x.shape[-1]), w.data, w.scale, bias)
         return y.view(*lead, -1)
