@@ -326,10 +326,23 @@ def scaled_mm(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
 @functools.lru_cache(maxsize=None)
 def tensor_core_fp8(device: torch.device) -> tuple[bool, bool]:
     """(FP8 products with row-wise scales, FP8 products with 128 x 128 block scales) on this CUDA
-    device: compute capability 8.9 (Ada) or 9.0 (Hopper) and later for the first, 9.0 for the
-    second (cuBLAS's block scaling), which also needs torch.nn.functional.scaled_mm."""
+    device: compute capability 8.9 and later for the first; for the second a Hopper GPU (9.x: the
+    block scaling torch reaches is cuBLAS's for that architecture, from CUDA 12.9) and a torch
+    that has torch.nn.functional.scaled_mm, checked once by a small product (any error: no)."""
     cap = torch.cuda.get_device_capability(device)
-    return cap >= (8, 9), cap >= (9, 0) and HAVE_BLOCK_MM
+    rows = cap >= (8, 9)
+    if not (cap[0] == 9 and HAVE_BLOCK_MM):
+        return rows, False
+    try:
+        x = torch.zeros(16, 128, device=device).to(FP8)
+        w = torch.zeros(128, 128, device=device).to(FP8)
+        sa = torch.ones(1, 16, device=device).t()
+        sb = torch.ones(1, 4, device=device).t()  # (G rounded up to 4, N / 128), column-major
+        st = _F.ScalingType
+        _F.scaled_mm(x, w.t(), sa, st.BlockWise1x128, sb, st.BlockWise128x128, output_dtype=torch.bfloat16)
+        return rows, True
+    except (RuntimeError, NotImplementedError, ValueError, TypeError):
+        return rows, False
 
 
 BLOCK = 128  # the block-wise layout's tile (rows and columns) that cuBLAS's block scaling takes
@@ -338,12 +351,13 @@ HAVE_BLOCK_MM = hasattr(_F, "scaled_mm") and hasattr(_F, "ScalingType") and \
     hasattr(_F.ScalingType, "BlockWise128x128")
 
 
-def cublas_block_scales(scale: torch.Tensor, n: int) -> torch.Tensor | None:
+def cublas_block_scales(scale: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
     """A block-wise weight's scales ((N, G): each 128-row block's scale repeated over its rows) in
     the layout cuBLAS's 128 x 128 block scaling reads: (G', N / 128), G' = G rounded up to 4,
-    column-major (padding scales 1). None where the rows do not fall in whole 128-row blocks of
-    one scale (a share whose rows start inside a block, or row counts not a multiple of 128)."""
-    if n % BLOCK:
+    column-major (padding scales 1). None where the weight is not whole 128 x 128 blocks of one
+    scale each: N or K not a multiple of 128 (a tensor-parallel share of an MLP), or a stack
+    whose part's rows end inside a block."""
+    if n % BLOCK or k % BLOCK:
         return None
     g = scale.shape[1]
     blocks = scale.view(n // BLOCK, BLOCK, g)

@@ -234,14 +234,17 @@ def test_block_scales_in_the_layout_cublas_reads():
     from kernels.fp8 import cublas_block_scales
 
     g = torch.Generator().manual_seed(2)
-    w = quantize_blocks(torch.randn(256, 300, generator=g), (128, 128))  # G = 3 column groups
-    t = cublas_block_scales(w.scale, 256)
+    w = quantize_blocks(torch.randn(256, 384, generator=g), (128, 128))  # G = 3 column groups
+    t = cublas_block_scales(w.scale, 256, 384)
     assert t.shape == (4, 2) and t.stride() == (1, 4)
     assert torch.equal(t[:3], w.scale[::128].t()) and torch.equal(t[3], torch.ones(2))
-    odd = quantize_blocks(torch.randn(64, 300, generator=g), (128, 128))
-    assert cublas_block_scales(stack([w, odd, w]).scale, 576) is None  # a block straddles two parts
-    assert cublas_block_scales(quantize_blocks(torch.randn(200, 300, generator=g), (128, 128)).scale, 200) is None
-    assert cublas_block_scales(stack([w, w]).scale, 512) is not None
+    odd = quantize_blocks(torch.randn(64, 384, generator=g), (128, 128))
+    both = stack([odd, w, odd])  # 384 rows, but rows 0-127 hold two parts' scales
+    assert both.shape[0] % 128 == 0 and cublas_block_scales(both.scale, 384, 384) is None
+    assert cublas_block_scales(stack([w, w]).scale, 512, 384) is not None
+    assert cublas_block_scales(quantize_blocks(torch.randn(200, 384, generator=g), (128, 128)).scale, 200, 384) is None
+    ragged = quantize_blocks(torch.randn(256, 300, generator=g), (128, 128))  # K not whole blocks
+    assert cublas_block_scales(ragged.scale, 256, 300) is None
 
 
 @pytest.mark.gpu
@@ -254,11 +257,20 @@ def test_fp8_activation_quantizers_match_their_references_on_cuda():
     g = torch.Generator(device="cuda").manual_seed(4)
     for m, k in ((1, 3584), (37, 18944), (300, 8192), (5, 200), (3, 29568)):
         x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16) * 3
-        x[0] = 0
+        if m > 1:
+            x[0] = 0  # a row of zeros: scale 1
         for (q1, s1), (q2, s2) in ((quantize_rows(x), quantize_rows_fast(x)),
                                    (quantize_groups_ref(x, 128), quantize_groups(x, 128))):
             assert torch.equal(s1, s2), (m, k)
             assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8)), (m, k)
+        # into the buffers a product hands it: column-major scales, codes with padding rows
+        gq = -(-k // 128)
+        out = torch.zeros(m + 5, k, device="cuda", dtype=torch.float8_e4m3fn)
+        scales = torch.ones(gq, m + 5, device="cuda").t()
+        quantize_groups(x, 128, scales, out=out)
+        q1, s1 = quantize_groups_ref(x, 128)
+        assert torch.equal(out[:m].view(torch.uint8), q1.view(torch.uint8)) and torch.equal(scales[:m], s1)
+        assert not out[m:].view(torch.uint8).any() and bool((scales[m:] == 1).all())
 
 
 @pytest.mark.gpu
@@ -270,12 +282,13 @@ def test_fp8_block_product_on_cuda_matches_its_quantized_reference():
     the activations' FP8 rounding of the weight-only reference. Row counts not a multiple of 16
     (padded) and a bias."""
     from docproc.models.quant import fp8_linear, quantize_blocks
-    from kernels.fp8 import HAVE_BLOCK_MM, dequantize_ref, fp8_linear_ref, quantize_groups_ref
+    from kernels.fp8 import dequantize_ref, fp8_linear_ref, quantize_groups_ref, tensor_core_fp8
 
-    if not HAVE_BLOCK_MM:
-        pytest.skip("this torch has no block-wise scaled product")
+    if not tensor_core_fp8(torch.device("cuda", torch.cuda.current_device()))[1]:
+        pytest.skip("no block-scaled FP8 product here (a Hopper GPU and a torch with F.scaled_mm)")
     g = torch.Generator(device="cuda").manual_seed(6)
-    for n, k in ((4608, 3584), (3584, 18944)):
+    # 28 and 148 column groups, and 72B's down projection (231: the weight's scales padded to 232)
+    for n, k in ((4608, 3584), (3584, 18944), (256, 29568)):
         q = quantize_blocks(torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02, (128, 128))
         assert q.blocks is not None
         b = torch.randn(n, device="cuda", generator=g, dtype=torch.bfloat16)

@@ -23,7 +23,7 @@ def warm_fused(runner) -> float:
     w = torch.ones(tc.hidden_size, dtype=runner.dtype, device=runner.device)
     add_rms_norm(x, None, w, tc.rms_norm_eps)
     add_rms_norm(x, x, w, tc.rms_norm_eps)
-    silu_mul(torch.zeros(2, 2 * tc.intermediate_size, dtype=runner.dtype, device=runner.device))
+    silu_mul(torch.zeros(2, 2 * tc.intermediate, dtype=runner.dtype, device=runner.device))
     from docproc.models.qwen2_vl import project
     from docproc.models.quant import Fp8Weight, fp8_linear
     from kernels.fp8 import ROWS_MAX
@@ -36,7 +36,7 @@ def warm_fused(runner) -> float:
         project(x1, att.qkv_weight, att.qkv_bias)
         project(torch.zeros(1, att.o_proj.in_features, dtype=runner.dtype, device=runner.device), att.o_weight)
         project(x1, mlp.gate_up_weight)
-        gate_up = torch.zeros(1, 2 * tc.intermediate_size, dtype=runner.dtype, device=runner.device)
+        gate_up = torch.zeros(1, 2 * tc.intermediate, dtype=runner.dtype, device=runner.device)
         if isinstance(mlp.down_weight, Fp8Weight):
             fp8_linear(gate_up, mlp.down_weight, gated=True)
         else:
@@ -53,7 +53,7 @@ def warm_fused(runner) -> float:
             project(torch.zeros(rows, att.o_proj.in_features, dtype=runner.dtype, device=runner.device),
                     att.o_weight)
             project(x2, mlp.gate_up_weight)
-            fp8_linear(torch.zeros(rows, 2 * tc.intermediate_size, dtype=runner.dtype, device=runner.device),
+            fp8_linear(torch.zeros(rows, 2 * tc.intermediate, dtype=runner.dtype, device=runner.device),
                        mlp.down_weight, gated=True)
     if getattr(runner.model.vision, "fast_attention", False):  # the vision tower's (kernels/vision_fused.py)
         from kernels.vision_fused import quick_gelu, vision_rotary_qk

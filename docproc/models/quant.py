@@ -4,7 +4,7 @@ a bf16/fp16/fp32 checkpoint at load, and the weight object the model's products 
 Format (float8_e4m3fn codes, float32 scales; a weight's value is code x scale):
 - per output channel: one scale per row of W (N, K). compressed-tensors checkpoints
   (`quant_method = "compressed-tensors"`, weights `strategy = "channel"` or `"tensor"`) and
-  quantization at load (`LLM(quantization="fp8")`: scale = max |row| / 448).
+  quantization at load (`LLM(quantization="fp8")`: scale = max |row| x (1/448)).
 - per block: one scale per (128 x 128) tile of W (`quant_method = "fp8"`,
   `weight_block_size = [128, 128]`, `weight_scale_inv`). Held as one scale per row and
   128-column group (the block's scale repeated over its rows): the same values, and q, k, v
@@ -58,7 +58,7 @@ class Fp8Weight:
         assert self.data.dtype == FP8 and self.scale.dtype == torch.float32
         assert self.scale.shape == (n, -(-k // self.group)), (self.scale.shape, n, k, self.group)
         if self.data.is_cuda and self.group == 128 and not self.per_channel and tensor_core_fp8(self.data.device)[1]:
-            self.blocks = cublas_block_scales(self.scale, n)
+            self.blocks = cublas_block_scales(self.scale, n, k)
 
     @property
     def shape(self) -> torch.Size:
@@ -82,8 +82,8 @@ class Fp8Weight:
 
 
 def quantize(w: torch.Tensor, row_amax: torch.Tensor | None = None) -> Fp8Weight:
-    """Per-output-channel FP8 of a float weight (N, K): scale = max |row| / 448 (rows of zeros
-    get scale 1), codes = round-to-nearest(W / scale). row_amax (N, 1) float32: the rows' max
+    """Per-output-channel FP8 of a float weight (N, K): scale = max |row| x (1/448) (rows of
+    zeros get scale 1), codes = round-to-nearest(W x (1 / scale)). row_amax (N, 1) float32: the rows' max
     |value| over all their columns where w holds some of them (a tensor-parallel rank's share of
     a row-parallel product), so that the share's codes are those of the whole weight."""
     data, scale = quantize_rows(w, row_amax)
@@ -123,7 +123,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
         # 16-bit inputs only: the tensor cores would round a float32 input to TF32)
         return gemm_fp8_rows(x, w.data, w.scale, w.group, bias)
     if x.is_cuda and w.per_channel and w.act_quant and x.dtype == torch.bfloat16 and x.shape[-1] % 16 == 0 \
-            and w.shape[0] % 16 == 0 and tensor_core_fp8(x.device)[0]:
+            and w.shape[0] % 16 == 0 and x.stride(-1) == 1 and tensor_core_fp8(x.device)[0]:
         lead = x.shape[:-1]
         y = scaled_mm(x.reshape(-1, x.shape[-1]), w.data, w.scale, bias)
         return y.view(*lead, -1)
