@@ -169,8 +169,8 @@ def run(
                                                                  "'bundled' (the bundled draft) or 'none' (the default)."),
     spec_k: Optional[str] = typer.Option(None, "--spec-k", metavar="K", help="With --draft: draft tokens per step, a "
                                          "number, or auto (adaptive; the default)."),
-    draft_vision: str = typer.Option("auto", "--draft-vision", metavar="MODE", help="auto, own or none (the draft "
-                                                                                     "sees text only)."),
+    draft_vision: Optional[str] = typer.Option(None, "--draft-vision", metavar="MODE", help="With --draft: auto (the "
+                                               "default), own or none (the draft sees text only)."),
     kv_cache: str = typer.Option("auto", "--kv-cache", metavar="FORMAT", help="KV cache format: auto, bf16, fp16, "
                                                                                "fp32 or fp4."),
     quantization: Optional[str] = typer.Option(None, "--quantization", metavar="fp8", help="Quantize the model's "
@@ -235,8 +235,12 @@ def run(
         if spec_k is not None and draft_dir is None:  # as vLLM: no speculative tokens without a draft
             raise typer.BadParameter("--spec-k goes with --draft (it counts the draft's tokens per step): add "
                                      "--draft DIR (or bundled), or leave --spec-k out", param_hint="--spec-k")
+        if draft_vision is not None and draft_dir is None:
+            raise typer.BadParameter("--draft-vision goes with --draft (it says how the draft sees the pages): add "
+                                     "--draft DIR (or bundled), or leave --draft-vision out",
+                                     param_hint="--draft-vision")
         settings = RunSettings(inputs=[str(p) for p in inputs], out=str(out), model=resolve_model(model),
-                               draft=draft_dir, spec_k=spec_k or "auto", draft_vision=draft_vision,
+                               draft=draft_dir, spec_k=spec_k or "auto", draft_vision=draft_vision or "auto",
                                queries=str(queries) if queries else None, device=device, kv_cache=kv_cache, dpi=dpi,
                                max_pages=max_pages, formats=parse_formats(format), force=force,
                                max_num_batched_tokens=max_num_batched_tokens,

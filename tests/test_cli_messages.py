@@ -110,10 +110,11 @@ def test_a_missing_device_is_one_line_and_exit_4(docs, tmp_path):
     assert_stopped_in_one_line(res, out, 4, "cuda:63")
 
 
-def test_spec_k_without_a_draft_is_a_usage_error(docs, tmp_path):
-    res = invoke("run", docs, "--out", tmp_path / "out", "--spec-k", "3", "--model", tmp_path / "none")
+@pytest.mark.parametrize("option,value", [("--spec-k", "3"), ("--draft-vision", "own")])
+def test_draft_options_without_a_draft_are_a_usage_error(docs, tmp_path, option, value):
+    res = invoke("run", docs, "--out", tmp_path / "out", option, value, "--model", tmp_path / "none")
     assert res.exit_code == 2, res.output
-    assert "--spec-k goes with --draft" in res.stderr
+    assert f"{option} goes with --draft" in res.stderr
     assert not (tmp_path / "out").exists()
 
 
