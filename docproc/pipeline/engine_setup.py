@@ -69,7 +69,7 @@ class EngineSetup:
             stamps[name] = sorted((str(f.relative_to(root)), st.st_size, st.st_mtime_ns)
                                   for f in root.rglob("*") if f.is_file() for st in [f.stat()])
         unkeyed = ("inputs", "out", "force", "formats", "debug", "ray", "ray_address", "data_parallel_size",
-                   "render_workers")
+                   "render_workers", "batch_pages")  # (where and how fast, not what: the fingerprint holds none)
         settings = {k: v for k, v in asdict(self.s).items() if k not in unkeyed}
         if settings.get("load_format") == "auto":  # (keyed only when set: the keys of runs before it stay)
             del settings["load_format"]
