@@ -274,6 +274,7 @@ def test_an_output_that_cannot_fit_is_cut_and_reported_truncated(llm):
     assert answer_row(q, out.text, cut=True, constrained=True)["status"] == "truncated"
 
 
+@pytest.mark.slow
 def test_budget_steering_with_a_draft_gives_the_plain_tokens(qwen2_vl_dir, tmp_path_factory, llm):
     """The steering depends on the matcher's state and the tokens generated only: a draft of other
     weights proposing under it, and the target verifying under it, give the tokens of plain
@@ -366,6 +367,7 @@ def test_a_forced_token_is_one_the_grammar_takes(llm):
         assert json.loads(o.outputs[0].text)["k"] in ("<|im_end|>", "xx"), o.outputs[0].text
 
 
+@pytest.mark.slow
 def test_a_schemas_date_format_admits_exactly_the_real_dates_the_validator_accepts():
     import datetime
 
@@ -383,6 +385,7 @@ def test_a_schemas_date_format_admits_exactly_the_real_dates_the_validator_accep
                 assert bool(pattern.fullmatch(text)) == real, text
 
 
+@pytest.mark.slow
 def test_a_model_that_keeps_opening_elements_is_still_closed_within_its_budget(llm):
     """An adversary that opens a new array element whenever the grammar lets it (a `,` before
     an element of objects whose fields are required costs all of them at once): for every budget

@@ -135,6 +135,7 @@ def png_data_url(img: Image.Image) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+@pytest.mark.slow
 def test_chat_matches_generate_on_the_hand_built_prompt(llm, page, tmp_path):
     sp = SamplingParams(max_tokens=12)
     png = tmp_path / "page.png"

@@ -25,6 +25,7 @@ def first_page(name: str):
 
 
 @pytest.mark.parametrize("role", ["target", "draft"])
+@pytest.mark.slow
 def test_engine_and_transformers_give_the_same_greedy_answers(role):
     from transformers import Qwen2VLForConditionalGeneration
 
@@ -73,6 +74,7 @@ def test_draft_shares_the_targets_trunk_and_is_four_times_cheaper():
     assert sum(f.stat().st_size for f in MODELS.rglob("*.safetensors")) <= 60e6
 
 
+@pytest.mark.slow
 def test_docproc_run_reads_sample_documents_with_the_default_pair(tmp_path):
     """`docproc run` with no --model uses the bundled target (here with `--draft bundled`, which
     is the default on CUDA only) and reads the pages:
@@ -102,6 +104,7 @@ def test_docproc_run_reads_sample_documents_with_the_default_pair(tmp_path):
 
 
 @pytest.mark.parametrize("kv", ["fp32", "fp4"])
+@pytest.mark.slow
 def test_speculation_with_the_bundled_pair_is_lossless(kv):
     """Greedy answers with the bundled draft are token-identical to the target's alone, in one
     batch with prefix-cache hits (each page's queries share it) and chunked prefill (512-token

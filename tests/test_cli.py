@@ -46,6 +46,7 @@ def rows(out: Path) -> list[dict]:
     return pq.read_table(out / "results.parquet").to_pylist()
 
 
+@pytest.mark.slow
 def test_full_run_then_incremental_then_force(docs, qwen2_vl_dir, tmp_path):
     out = tmp_path / "out"
     res = run_cli("run", docs, "--out", out, "--model", qwen2_vl_dir, "--device", "cpu")
@@ -153,6 +154,7 @@ def broken_corpus(root: Path, outside: Path) -> int:
     return 10
 
 
+@pytest.mark.slow
 def test_broken_and_odd_files_give_one_outcome_each_and_no_traceback(qwen2_vl_dir, tmp_path):
     root = tmp_path / "in"
     root.mkdir()
@@ -189,6 +191,7 @@ def test_broken_and_odd_files_give_one_outcome_each_and_no_traceback(qwen2_vl_di
     assert not any((tmp_path / "outside").glob("*.json"))
 
 
+@pytest.mark.slow
 def test_dedup_encodes_each_unique_page_once(qwen2_vl_dir, tmp_path):
     root = tmp_path / "in"
     root.mkdir()
@@ -215,6 +218,7 @@ def test_dedup_encodes_each_unique_page_once(qwen2_vl_dir, tmp_path):
     assert [r["answer"] for r in a] == [r["answer"] for r in a_copy]
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_then_rerun_gives_the_clean_rows(docs, qwen2_vl_dir, tmp_path):
     clean = tmp_path / "clean"
     assert run_cli("run", docs, "--out", clean, "--model", qwen2_vl_dir, "--device", "cpu").exit_code == 0
@@ -239,6 +243,7 @@ def test_sigkill_mid_run_then_rerun_gives_the_clean_rows(docs, qwen2_vl_dir, tmp
     assert got == want and len(got) == len(set(got)) == 35
 
 
+@pytest.mark.slow
 def test_run_with_a_draft_reports_acceptance(docs, qwen2_vl_dir, tmp_path):
     out = tmp_path / "spec"
     res = run_cli("run", docs, "--out", out, "--model", qwen2_vl_dir, "--device", "cpu", "--draft", qwen2_vl_dir,
@@ -255,6 +260,7 @@ def test_run_with_a_draft_reports_acceptance(docs, qwen2_vl_dir, tmp_path):
                    "--spec-k", "0").exit_code == 2
 
 
+@pytest.mark.slow
 def test_anchor_text_lengthens_pdf_prompts_only_and_is_part_of_the_fingerprint(docs, qwen2_vl_dir, tmp_path):
     out = tmp_path / "out"
     assert run_cli("run", docs, "--out", out, "--model", qwen2_vl_dir, "--device", "cpu", "-q").exit_code == 0
@@ -278,6 +284,7 @@ def test_anchor_text_lengthens_pdf_prompts_only_and_is_part_of_the_fingerprint(d
     assert again.exit_code == 0 and manifest(out)["totals"]["already_done"] == 5
 
 
+@pytest.mark.slow
 def test_fp4_value_slots_are_part_of_the_fingerprint(docs, qwen2_vl_dir, tmp_path):
     out = tmp_path / "out"
     base = ("run", docs, "--out", out, "--model", qwen2_vl_dir, "--device", "cpu", "-q", "--kv-cache", "fp4")
@@ -312,6 +319,7 @@ def test_consoles_are_wide_when_the_output_is_not_a_terminal(monkeypatch):
     assert cli._console().width == 100
 
 
+@pytest.mark.slow
 def test_config_cache_follows_the_model_files_and_settings(docs, qwen2_vl_dir, tmp_path):
     """The cached configuration fingerprint is used only for the same model files and settings; a
     stale entry is corrected as soon as the engine loads, and rows carry the real fingerprint."""
@@ -419,6 +427,7 @@ def test_a_schema_keeps_its_property_order(tmp_path):
     assert list(json.loads(schema)["properties"]) == ["zeta", "alpha"]
 
 
+@pytest.mark.slow
 def test_without_xgrammar_answers_are_checked_against_their_rules(docs, qwen2_vl_dir, tmp_path, monkeypatch):
     """With xgrammar missing the run says so once, decodes free text and checks every answer
     against its query's rule (a random model's noise: parse errors naming the rule); the manifest

@@ -24,6 +24,7 @@ def _events(feed, until, timeout=60.0) -> list[tuple]:
     return got
 
 
+@pytest.mark.slow
 def test_a_render_process_that_dies_fails_its_document_and_the_next_is_rendered(tmp_path):
     """A worker stuck in a document (here a FIFO nothing writes to) and then killed, as the
     out-of-memory killer or a crash in MuPDF would: that document comes back failed ("crashed"),

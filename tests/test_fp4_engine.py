@@ -65,6 +65,7 @@ def first_logits(folder, kv):
     return torch.cat(got)
 
 
+@pytest.mark.slow
 def test_fp4_logits_stay_close_to_fp32_kv(qwen2_vl_dir):
     """Lossy but close: relative logit error at the first generated token (after a whole prefill
     through the FP4 cache) on a random model whose weights are scaled up to be chaotic. bf16 KV

@@ -55,6 +55,7 @@ def test_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(qwen2_vl
     check_against_hf(llm, hf_model(tmp_path / "deq"), reqs, outs, logits)
 
 
+@pytest.mark.slow
 def test_quantization_at_load_matches_transformers_on_the_quantized_weights(qwen2_vl_dir, tmp_path):
     """quantization="fp8" on a float checkpoint: per-output-channel codes; transformers runs on
     exactly those weights (written dequantized), the engine's tokens equal its greedy ones. The
@@ -164,6 +165,7 @@ def test_fp8_weight_without_its_scale_is_named(qwen2_vl_dir, tmp_path):
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])
+@pytest.mark.slow
 def test_dummy_weights_from_the_config_alone(qwen2_vl_dir, tmp_path, quantization):
     """A config.json (with the tokenizer and preprocessor files) is enough; the draw is the same for
     the same seed, and a block-wise config draws block-wise weights."""

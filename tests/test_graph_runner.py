@@ -90,6 +90,7 @@ def run(folder, static, monkeypatch, max_tokens=10, **kw):
 
 @cpu_only
 @pytest.mark.parametrize("kv", ["fp32", "fp4"])
+@pytest.mark.slow
 def test_static_step_path_gives_the_plain_tokens(qwen2_vl_dir, monkeypatch, kv):
     tokens = 10 if kv == "fp32" else 5  # (FP4's kernels are slow in the interpreter)
     _, plain = run(qwen2_vl_dir, False, monkeypatch, tokens, kv_cache_dtype=kv)
@@ -108,6 +109,7 @@ def test_static_step_path_gives_the_plain_tokens(qwen2_vl_dir, monkeypatch, kv):
 
 
 @cpu_only
+@pytest.mark.slow
 def test_static_path_under_speculation_with_padded_windows(qwen2_vl_dir, monkeypatch):
     """The target verifies windows of K+1 = 5 in graphs of 6 rows per sequence (padded inside each
     window; shorter windows near max_tokens) and the draft (the target itself) catches up 1 or 2
@@ -124,6 +126,7 @@ def test_static_path_under_speculation_with_padded_windows(qwen2_vl_dir, monkeyp
 
 
 @cpu_only
+@pytest.mark.slow
 def test_chained_draft_rounds_match_unchained(qwen2_vl_dir, tmp_path, monkeypatch):
     """A draft that disagrees with the target (another random model): with its greedy rounds
     chained on the device, the same proposals, acceptances and output as with a sync per round,
@@ -215,6 +218,7 @@ def overlap_run(folder, monkeypatch, overlap, params, eos=None, **kw):
 
 
 @cpu_only
+@pytest.mark.slow
 def test_overlapped_decode_gives_the_plain_tokens_and_stops(qwen2_vl_dir, monkeypatch):
     """Decode steps launched before the previous step's tokens are read (input ids from the
     device): the same tokens, stop reasons and texts as reading every step first, with greedy
@@ -246,6 +250,7 @@ def test_overlapped_decode_gives_the_plain_tokens_and_stops(qwen2_vl_dir, monkey
 
 
 @cpu_only
+@pytest.mark.slow
 def test_overlapped_decode_when_the_policy_bypasses_the_draft(qwen2_vl_dir, monkeypatch):
     """The adaptive policy with a draft priced as costly as the target bypasses it on most steps
     and probes now and then: the bypassed steps overlap (a probe's choice, made while the step

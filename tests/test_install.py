@@ -13,6 +13,7 @@ NO_TRITON = "import sys; sys.modules['triton'] = None\n"  # `import triton` rais
 
 
 @pytest.mark.parametrize("kv", ["auto", "fp4"])
+@pytest.mark.slow
 def test_the_cpu_engine_runs_without_triton(qwen2_vl_dir, kv):
     code = NO_TRITON + (
         "import os; os.environ.pop('TRITON_INTERPRET', None)\n"

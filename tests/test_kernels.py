@@ -88,6 +88,7 @@ def test_bytes_per_token_formula_and_allocation():
 
 @pytest.mark.parametrize("heads,d,slots,value_slots", [(3, 64, 2, None), (1, 32, 1, None), (2, 128, 4, None),
                                                        (2, 64, 2, 0)])
+@pytest.mark.slow
 def test_store_kernel_matches_reference(heads, d, slots, value_slots):
     torch.manual_seed(heads + d)
     n, bs, nb = 7, 4, 5
@@ -152,6 +153,7 @@ def dense_and_reference(q, qs, ctx_lens, tables, plan, kv_heads, bs, nb, **kw):
     return out, paged_attention_ref(q, gather, qs, ctx_lens, tables, bs, d ** -0.5)
 
 
+@pytest.mark.slow
 def test_dense_wide_decode_matches_reference():
     """The dense kernel's wide decode shape (128 keys a step, about 2 programs an SM), as the
     engine's plan picks it for a few sequences over long contexts, against the reference; some of
@@ -202,6 +204,7 @@ def test_wide_decode_rule():
     assert forced.num_splits == 2 and forced.dense_block_n is None
 
 
+@pytest.mark.slow
 def test_dense_narrow_decode_matches_reference():
     """The dense kernel's narrow decode shape (two KV heads, 9-16 (sequence, KV head) pairs: 64 keys
     a step in 32 splits; the plan's rule: test_narrow_decode_rule) against the reference, over
@@ -284,6 +287,7 @@ def test_paged_attention_fp4_matches_reference(q_lens, ctx_lens):
     assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4), (out - ref).abs().max()
 
 
+@pytest.mark.slow
 def test_paged_attention_fp4_without_value_slots_reads_only_the_key_slots():
     """Zero-width value slot views (no value outliers: the kernel's value select compiled out)
     give attention over the pool's values with their outlier slots emptied, the key slots kept."""
@@ -530,6 +534,7 @@ def plan_module():
     return plan
 
 
+@pytest.mark.slow
 def test_fp4_gluon_kernel_keeps_its_operands_in_registers():
     """The Gluon kernel compiled for sm_90 (no GPU needed; a subprocess, because the interpreter
     that conftest turns on cannot compile Gluon): its key loop has no shared-memory operation
@@ -599,6 +604,7 @@ def test_split_counts_fill_the_chip_only_where_it_is_underfilled():
     assert default_num_splits(32, 16384, 132, 4) == 8 and default_num_splits(128, 32768, 132, 4) == 2
 
 
+@pytest.mark.slow
 def test_warmup_launches_cover_every_plan_the_engine_can_make():
     """Every (tile shape, split count) that a step can ask for -- decode, verify windows, prefill
     chunks, any batch and context -- is among the launches the engine compiles at start: for the
@@ -637,6 +643,7 @@ def test_warmup_launches_cover_every_plan_the_engine_can_make():
     assert seen == {None, 64, 128}, seen
 
 
+@pytest.mark.slow
 def test_block_table_width_and_split_count_do_not_make_new_kernel_variants():
     """The block table's row stride (the step's longest table) and the split count must not be
     specialized on, or a step at a value of 1, a multiple of 16 or neither would compile anew after
@@ -659,6 +666,7 @@ def test_block_table_width_and_split_count_do_not_make_new_kernel_variants():
 
 
 @pytest.mark.parametrize("splits", [5, 13, 64])
+@pytest.mark.slow
 def test_paged_attention_with_many_splits_matches_reference(splits):
     """The batch-1 split count the default now picks for long contexts: 64 splits of a 1,000-key
     context, some of them empty, merged; and counts that are not a multiple of the merge kernel's

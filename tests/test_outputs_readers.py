@@ -1,4 +1,4 @@
-"""The tables of OUT as their readers see them: README's reader snippets, run against the OUT of
+"""The tables of OUT as their readers see them: docs/outputs.md's reader snippets, run against the OUT of
 a small run of the bundled model; results.csv and results.jsonl holding results.parquet's rows
 and columns; each table rewritten with the results once it exists, following the umask."""
 from __future__ import annotations
@@ -37,8 +37,8 @@ max_tokens = 12
 
 
 def readme_snippets() -> list[str]:
-    """README's Python blocks that read OUT, cut at blank lines: one snippet per reader."""
-    blocks = re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(), re.S | re.M)
+    """docs/outputs.md's Python blocks that read OUT, cut at blank lines: one snippet per reader."""
+    blocks = re.findall(r"^```python\n(.*?)^```", (ROOT / "docs/outputs.md").read_text(), re.S | re.M)
     return [s.strip() for b in blocks if '"out/results.' in b for s in re.split(r"\n\s*\n", b) if s.strip()]
 
 
@@ -65,7 +65,7 @@ def out(tmp_path_factory) -> Path:
     return tmp / "out"
 
 
-def test_readme_has_a_snippet_for_each_reader():
+def test_the_docs_have_a_snippet_for_each_reader():
     imports = {re.match(r"(?:import|from) (\w+)", s).group(1) for s in SNIPPETS}
     assert imports >= {"pyarrow", "pandas", "polars", "duckdb", "json"}
     assert any("results.csv" in s for s in SNIPPETS) and any("results.jsonl" in s for s in SNIPPETS)
@@ -74,7 +74,7 @@ def test_readme_has_a_snippet_for_each_reader():
 @pytest.mark.slow
 @pytest.mark.parametrize("snippet", SNIPPETS, ids=[s.splitlines()[0] + (" csv" if ".csv" in s else "")
                                                    for s in SNIPPETS])
-def test_readme_reader_snippet_reads_every_row_once(snippet, out, monkeypatch):
+def test_each_reader_snippet_reads_every_row_once(snippet, out, monkeypatch):
     for module in re.findall(r"^(?:import|from) (\w+)", snippet, re.M):
         pytest.importorskip(module)
     monkeypatch.chdir(out.parent)
@@ -89,7 +89,7 @@ def test_readme_reader_snippet_reads_every_row_once(snippet, out, monkeypatch):
 
 @pytest.mark.slow
 def test_the_folder_is_not_one_parquet_dataset(out):
-    """What README says of reading OUT as a folder: its JSON files are taken for Parquet."""
+    """What docs/outputs.md says of reading OUT as a folder: its JSON files are taken for Parquet."""
     import pyarrow.dataset as ds
 
     with pytest.raises(pa.ArrowInvalid):

@@ -273,6 +273,7 @@ def test_config_reader_reads_what_transformers_reads(which, qwen2_vl_dir, tmp_pa
     assert eos(ours) == eos(theirs)
 
 
+@pytest.mark.slow
 def test_engine_start_imports_no_transformers_modeling_code():
     """The engine's start imports transformers' tokenizer backend only: its modeling, image
     processing and auto-class code pulls in torch._dynamo, torch.distributed's FSDP and more,
@@ -290,6 +291,7 @@ def test_engine_start_imports_no_transformers_modeling_code():
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
+@pytest.mark.slow
 def test_two_tensor_parallel_ranks_give_transformers_logits(pair):
     """The language model split over 2 ranks (gloo): the mixed batch, prefilled in chunks, matches
     transformers' logits and greedy tokens as one rank does (Qwen2-VL; Qwen2.5-VL's language

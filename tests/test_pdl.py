@@ -26,6 +26,7 @@ def test_pdl_launch_arguments(monkeypatch):
         assert pdl.launch(torch.zeros(1, device="cuda")) == {"PDL": 0}
 
 
+@pytest.mark.slow
 def test_engine_reports_whether_it_launches_with_pdl(qwen2_vl_dir, monkeypatch):
     """cache_info()["pdl"] (and so a run's manifest) says whether the decode kernels use PDL: never
     on CPU, even where it is not turned off; the engine's pdl option sets the kernels' switch."""
@@ -224,6 +225,7 @@ def _loads_before_wait(ptx: str, arg_names: list[str]) -> list[set[str]]:
 
 
 @pytest.mark.parametrize("pdl_mode", [1, 2])
+@pytest.mark.slow
 def test_pdl_kernels_wait_before_reading_activations(pdl_mode):
     """Each PDL kernel as compiled for sm_90: every global load ahead of its wait reads a weight
     argument (the one-row products' first weight tile, the norm's weight), nothing an earlier kernel

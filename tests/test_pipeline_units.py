@@ -89,6 +89,7 @@ def test_eval_normalisation_and_f1():
     assert _f1(None, None) == 1.0 and _f1("x", None) == 0.0
 
 
+@pytest.mark.slow
 def test_anchor_text_holds_every_printed_field_with_coordinates(tmp_path):
     from fixtures.documents import generate
 

@@ -143,6 +143,7 @@ def _ray_run(docs: Path, out: Path, reporter=None, size: int = 2) -> dict:
     return run(docs, out, device="cpu", data_parallel_size=size, reporter=reporter)
 
 
+@pytest.mark.slow
 def test_ray_run_rows_equal_a_plain_run_and_a_rerun_does_nothing(cluster, docs, plain, tmp_path):
     from typer.testing import CliRunner
 
@@ -176,6 +177,7 @@ def test_ray_run_rows_equal_a_plain_run_and_a_rerun_does_nothing(cluster, docs, 
     _same(_rows(out), want)
 
 
+@pytest.mark.slow
 def test_a_killed_worker_is_retried_and_a_document_that_kills_it_twice_fails_alone(cluster, docs, plain, tmp_path):
     mixed = tmp_path / "docs"
     mixed.mkdir()
@@ -208,6 +210,7 @@ def test_a_killed_worker_is_retried_and_a_document_that_kills_it_twice_fails_alo
     _same(_rows(out), {k: v for k, v in got.items()})
 
 
+@pytest.mark.slow
 def test_extractor_rows_equal_a_plain_run(cluster, docs, plain):
     from docproc.ray import DocprocExtractor
 
@@ -223,6 +226,7 @@ def test_extractor_rows_equal_a_plain_run(cluster, docs, plain):
     assert broken["doc_status"] == "error" and broken["error"]
 
 
+@pytest.mark.slow
 def test_workers_that_die_loading_the_model_stop_the_run_and_mark_nothing(cluster, docs, tmp_path):
     """Engine actors that die as they load (out of memory, say) are a fault of the environment:
     the run stops with exit 4 and a manifest, and no document is recorded as failed."""
@@ -274,6 +278,7 @@ def test_ray_init_leaves_the_runs_signal_handlers(monkeypatch, tmp_path):
                         "raises-starting: a worker's own error"),
     ("raises-starting-actor", "an engine worker failed as it started: ValueError: raises-starting-actor: a worker's "
                               "own error")], ids=["task", "actor"])
+@pytest.mark.slow
 def test_a_workers_own_error_at_start_is_told_as_it_was_raised(cluster, docs, tmp_path, name, told):
     from docproc.cli import bundled_model
     from docproc.ray import run
@@ -285,6 +290,7 @@ def test_a_workers_own_error_at_start_is_told_as_it_was_raised(cluster, docs, tm
     assert m["fault"]["message"] == told  # one line: no terminal colours, no traceback, no "died twice"
 
 
+@pytest.mark.slow
 def test_a_docproc_folder_in_the_working_folder_does_not_shadow_the_package(tmp_path):
     """Ray puts the driver's working folder on its workers' sys.path: started from a folder that
     holds a `docproc` folder (a clone of the repository, run from its parent), the workers

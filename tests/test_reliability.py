@@ -159,6 +159,7 @@ def test_pixels_as_a_person_sees_them(tmp_path):
     assert all(im.mode == "RGB" for im in got.values())
 
 
+@pytest.mark.slow
 def test_keys_are_unique_and_files_count_once(run, tmp_path, monkeypatch):
     page(tmp_path / "x" / "inv.png", colour=(240, 240, 240))
     page(tmp_path / "y" / "inv.png", colour=(230, 230, 230))
@@ -195,6 +196,7 @@ def test_output_inside_the_input_is_never_read(run, tmp_path):
     assert res.exit_code == 2 and "inside the output folder" in res.output
 
 
+@pytest.mark.slow
 def test_the_folder_is_the_truth_removed_and_renamed_files(run, tmp_path):
     root = tmp_path / "in"
     page(root / "a.png", colour=(240, 240, 240))
@@ -316,6 +318,7 @@ def test_environment_faults_stop_with_one_line_and_their_exit_code(run, tmp_path
     monkeypatch.setattr(runstore.tempfile, "mkstemp", real_mkstemp)
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_the_run_and_the_next_run_finishes(run, tmp_path, monkeypatch):
     root = tmp_path / "in"
     for i in range(4):
@@ -344,6 +347,7 @@ def test_a_full_disk_stops_the_run_and_the_next_run_finishes(run, tmp_path, monk
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.slow
 def test_signals_end_the_run_with_a_manifest(qwen2_vl_dir, queries, tmp_path, sig, code):
     root = tmp_path / "in"
     for i in range(12):
@@ -398,6 +402,7 @@ STAGES = ["discovery", "open", "render", "hash", "preprocessing", "encode", "ans
 
 
 @pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.slow
 def test_an_unexpected_exception_fails_only_its_document(run, qwen2_vl_dir, tmp_path, monkeypatch, stage):
     from docproc.models import processor as processor_mod
     from docproc.models.loader import read_config
@@ -455,6 +460,7 @@ def test_an_unexpected_exception_fails_only_its_document(run, qwen2_vl_dir, tmp_
     assert manifest(out)["totals"]["already_done"] == 2
 
 
+@pytest.mark.slow
 def test_the_same_file_under_another_key_and_the_older_layout(run, tmp_path):
     """A file of a processed folder given alone keeps one set of rows (no second model run, no
     warning); skipped files are not rewritten by every run; an output folder of the older layout
@@ -498,6 +504,7 @@ def test_the_same_file_under_another_key_and_the_older_layout(run, tmp_path):
     assert not (old / "json" / "bad.jpg.json").exists()  # parquet only: no JSON, none left stale
 
 
+@pytest.mark.slow
 def test_a_reader_that_goes_away_stops_nothing(qwen2_vl_dir, queries, tmp_path):
     """`docproc run ... --log-json | head -1`: the run finishes, with its manifest and exit code."""
     root = tmp_path / "in"
@@ -515,6 +522,7 @@ def test_a_reader_that_goes_away_stops_nothing(qwen2_vl_dir, queries, tmp_path):
         assert len(table(out)) == 3
 
 
+@pytest.mark.slow
 def test_reading_results_leaves_a_process_that_exits_cleanly(tmp_path):
     """stats, eval and the run read OUT's Parquet through a Python file; with pyarrow's thread
     pool such a read aborted the interpreter at exit in most processes (SIGABRT, "terminate called

@@ -66,6 +66,7 @@ def test_random_draft_is_lossless_with_chunked_prefill_and_prefix_hits(qwen2_vl_
     assert llm.speculator.block_manager.stats.num_hit_tokens > 0
 
 
+@pytest.mark.slow
 def test_draft_with_a_differently_padded_vocabulary(qwen2_vl_dir, tmp_path, plain):
     """Qwen2-VL-7B and -2B share a tokenizer but not their embedding rows (152064 vs 151936): a
     draft with fewer or more rows than the target is still lossless, greedy and sampled."""
@@ -99,6 +100,7 @@ def test_draft_without_vision_is_lossless(qwen2_vl_dir, draft_dir, plain):
     assert llm.speculator.runner.encoder_cache.stats.num_encoded_images == 0
 
 
+@pytest.mark.slow
 def test_speculation_with_fp4_kv_is_lossless_relative_to_plain_fp4(qwen2_vl_dir, draft_dir):
     plain4 = LLM(str(qwen2_vl_dir), device="cpu", kv_cache_dtype="fp4").generate(reqs(), GREEDY)
     spec4 = LLM(str(qwen2_vl_dir), device="cpu", kv_cache_dtype="fp4", speculative_model=str(qwen2_vl_dir),
@@ -109,6 +111,7 @@ def test_speculation_with_fp4_kv_is_lossless_relative_to_plain_fp4(qwen2_vl_dir,
     assert tokens(spec4r) == tokens(plain4)
 
 
+@pytest.mark.slow
 def test_stops_and_max_tokens_inside_an_accepted_run(qwen2_vl_dir):
     llm = LLM(str(qwen2_vl_dir), device="cpu", speculative_model=str(qwen2_vl_dir), num_speculative_tokens=6)
     base = LLM(str(qwen2_vl_dir), device="cpu")
@@ -122,6 +125,7 @@ def test_stops_and_max_tokens_inside_an_accepted_run(qwen2_vl_dir):
     assert llm.generate(reqs()[4:5], sp)[0].outputs[0].text == base.generate(reqs()[4:5], sp)[0].outputs[0].text
 
 
+@pytest.mark.slow
 def test_seeded_sampling_with_a_draft_reproduces_itself(qwen2_vl_dir, draft_dir):
     sp = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=16, ignore_eos=True, seed=77)
     runs = [LLM(str(qwen2_vl_dir), device="cpu", speculative_model=str(draft_dir), num_speculative_tokens=3)
@@ -147,6 +151,7 @@ def test_mismatched_tokenizers_fail_before_weights_load(qwen2_vl_dir, tmp_path, 
         LLM(str(qwen2_vl_dir), device="cpu", speculative_model=str(other))
 
 
+@pytest.mark.slow
 def test_draft_sharing_the_target_vision_trunk_encodes_each_page_once(qwen2_vl_dir, tmp_path, plain):
     from fixtures.checkpoints import make_model, share_vision_trunk
 

@@ -1,6 +1,7 @@
 """The acceptance rule and the K policy, on explicit distributions."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from docproc.engine.spec.policy import AdaptiveK, best_k, expected_tokens
@@ -23,6 +24,7 @@ def test_greedy_acceptance_is_the_longest_matching_prefix_plus_the_target_token(
     assert accept_greedy(logits.argmax(-1).tolist(), [9, 7, 1]) == ([3], 0)
 
 
+@pytest.mark.slow
 def test_sampled_tokens_follow_the_target_distribution_chi_square():
     """20k draws of the first emitted token with a deliberately bad draft: the output distribution
     must be the target's p, not the draft's q."""

@@ -136,6 +136,7 @@ def other_draft(tmp_path_factory):
 
 
 @pytest.mark.parametrize("draft", ["target", "other"])
+@pytest.mark.slow
 def test_with_a_draft_constrained_output_is_that_without_it(qwen2_vl_dir, other_draft, llm, draft):
     """Constrained rows draft under their grammar and are verified under it at every window
     position, beside an unconstrained row: each row's tokens equal the engine's without a draft.
@@ -160,6 +161,7 @@ def test_with_a_draft_constrained_output_is_that_without_it(qwen2_vl_dir, other_
         assert accepted[0] < proposed[0], (accepted, proposed)
 
 
+@pytest.mark.slow
 def test_sampled_constrained_speculation_keeps_the_distribution(qwen2_vl_dir, other_draft, llm):
     """Sampled (temperature 2) under a regex, with another model as the draft: the outputs'
     distribution equals constrained sampling without a draft (a two-sample chi-square test over
@@ -202,6 +204,7 @@ def test_properties_come_in_the_schema_order(llm):
         assert out == '{"zeta": "z", "alpha": "a"}', out
 
 
+@pytest.mark.slow
 def test_overlapped_decode_with_constrained_rows_gives_the_plain_tokens(qwen2_vl_dir, monkeypatch):
     """Constrained rows take the overlapped decode path (the next step's forward queued before the
     tokens are read, its masks filled and its sampling queued after the matchers took them): the

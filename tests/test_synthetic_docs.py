@@ -23,6 +23,7 @@ def digest(folder):
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
 
 
+@pytest.mark.slow
 def test_deterministic_per_seed(corpus, tmp_path):
     out, _ = corpus
     again = tmp_path / "again"
@@ -47,6 +48,7 @@ def test_truth_file_describes_every_document(corpus):
     assert {r["format"] for r in lines} >= {"pdf"}
 
 
+@pytest.mark.slow
 def test_pdf_text_layer_contains_every_truth_value():
     for i in range(30):
         spec = make_spec(random.Random(f"t{i}"), f"d{i}")
@@ -58,6 +60,7 @@ def test_pdf_text_layer_contains_every_truth_value():
         assert 1 <= doc.page_count <= 3
 
 
+@pytest.mark.slow
 def test_totals_add_up_and_page_counts_vary():
     specs = [make_spec(random.Random(f"p{i}"), f"d{i}") for i in range(60)]
     for s in specs:

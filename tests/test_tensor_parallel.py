@@ -38,6 +38,7 @@ def engine(folder, tp, **kw):
     return LLM(str(folder), device="cpu", dtype="float32", max_num_batched_tokens=32, tensor_parallel_size=tp, **kw)
 
 
+@pytest.mark.slow
 def test_two_ranks_give_one_ranks_tokens(qwen2_vl_dir):
     ps = prompts()
     one = engine(qwen2_vl_dir, 1)
@@ -69,6 +70,7 @@ def test_two_ranks_give_one_ranks_tokens(qwen2_vl_dir):
         spec.close()
 
 
+@pytest.mark.slow
 def test_fp8_weights_split_over_two_ranks_give_one_ranks_tokens(qwen2_vl_dir, tmp_path):
     """Each rank's FP8 share: codes sliced as the float weights are, with the scales of its rows
     (q/k/v, gate/up) or columns (o, down). In blocks 48 columns wide the splits of the tiny
@@ -104,6 +106,7 @@ def test_fp8_weights_split_over_two_ranks_give_one_ranks_tokens(qwen2_vl_dir, tm
             llm.close()
 
 
+@pytest.mark.slow
 def test_four_ranks_replicate_the_kv_heads(qwen2_vl_dir):
     ps = prompts()
     want = tokens(engine(qwen2_vl_dir, 1), ps)
@@ -115,6 +118,7 @@ def test_four_ranks_replicate_the_kv_heads(qwen2_vl_dir):
         llm.close()
 
 
+@pytest.mark.slow
 def test_a_killed_rank_ends_the_engine_with_an_error(qwen2_vl_dir, tmp_path):
     """Killed under a docproc run after its first document, the rank's death is a device fault:
     the run stops with exit 4, the finished document kept and no error row for the others (not
@@ -162,6 +166,7 @@ def test_splits_that_cannot_be_made_are_refused(qwen2_vl_dir):
         engine(qwen2_vl_dir, 2, speculative_model=str(qwen2_vl_dir), speculative_draft_tensor_parallel_size=2)
 
 
+@pytest.mark.slow
 def test_docproc_run_with_two_ranks_answers_as_one(tmp_path):
     """The CLI end to end on the bundled target, whose vocabulary of 899 the ranks do not divide
     (the last rank's rows padded): the same answers as one rank, and the ranks stopped after."""
@@ -194,6 +199,7 @@ def test_docproc_run_with_two_ranks_answers_as_one(tmp_path):
     assert got[2] == got[1] and len(got[1]) == 2 and any(v[1] for v in got[1].values())
 
 
+@pytest.mark.slow
 def test_a_script_without_the_main_guard_gets_one_clear_error(qwen2_vl_dir, tmp_path):
     """The ranks are spawned processes, which import the script again: without the guard, rank 1
     dies as it starts and rank 0 says so at once (no wait for a rank that will never join)."""
@@ -229,6 +235,7 @@ def _two_shards(src, dst, change):
     return dst
 
 
+@pytest.mark.slow
 def test_a_load_that_fails_on_one_rank_ends_at_once_with_its_error(qwen2_vl_dir, tmp_path):
     """Rank 0 fails on a vision weight (only it reads the tower) while rank 1 loads on, with FP8
     quantized at load (whose row maxima the ranks agree on with a collective): the error is the

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from docproc import LLM, SamplingParams
@@ -21,6 +22,7 @@ def run(*args):
                    cwd=ROOT, capture_output=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_micro_training_pipeline(tmp_path):
     work, dest = tmp_path / "work", tmp_path / "models"
     common = ["--work", work, "--micro", "--batch", "2", "--band-batch", "3", "--workers", "0", "--eval-every", "2",
@@ -165,6 +167,7 @@ def test_page_reading_targets_land_on_ink_for_clean_and_rotated_scans():
         assert ink[(shifted > 0).any(-1)].float().mean() < ink[labelled].float().mean() - 0.2
 
 
+@pytest.mark.slow
 def test_shared_feature_forward_equals_transformers_forward(tmp_path):
     """Training encodes a document's pages once and scatters the features into each query's row,
     with M-RoPE positions from get_rope_index; the answer logits must be those of transformers'
@@ -253,6 +256,7 @@ def test_answer_weights_scale_their_rows_tokens():
     assert torch.allclose(heavy, (4 * ce[:2].sum() + ce[2:].sum()) / 11)
 
 
+@pytest.mark.slow
 def test_saving_keeps_the_float32_weights_and_a_same_step_resume_restores_them(tmp_path):
     """Checkpoints are bf16, but saving must not round the live float32 weights, and a resume
     from the same step (on the machine that trained) continues from the float32 weights."""
@@ -280,6 +284,7 @@ def test_saving_keeps_the_float32_weights_and_a_same_step_resume_restores_them(t
     assert all(torch.equal(before[k], v) for k, v in loaded.state_dict().items())
 
 
+@pytest.mark.slow
 def test_field_crops_ask_only_what_they_show_and_spaced_answers_keep_the_value(tmp_path):
     """A field crop asks a field's query only when the crop's own text (its reading answer) shows
     the field's value; currency answers can be spelled as read (" CHF"); every field is found."""

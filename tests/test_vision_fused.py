@@ -85,6 +85,7 @@ def _encode_both(folder, device, dtype):
     return fast, ref, fast_trunk, ref_trunk, out
 
 
+@pytest.mark.slow
 def test_fast_vision_attention_equals_transformers_on_cpu(qwen2_vl_dir):
     """The fused path gives the reference path's float32 output, and both transformers', on two
     images of different sizes in one call."""

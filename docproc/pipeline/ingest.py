@@ -34,7 +34,7 @@ DEFAULT_MAX_PIXELS = 40_000_000  # per page; a 300-dpi A3 page is 17.5 M
 
 class DocumentError(Exception):
     """This file cannot be processed; the message is the reason recorded in its outcome row and
-    kind its class (README lists them)."""
+    kind its class (docs/outputs.md lists them)."""
 
     def __init__(self, message: str, kind: str = "unreadable") -> None:
         super().__init__(message)

@@ -34,7 +34,7 @@ RESULT_SCHEMA = pa.schema([
     # ok | empty | parse_error | schema_violation | truncated | error | skipped
     pa.field("status", pa.string(), nullable=False),
     pa.field("error", pa.string()),
-    pa.field("error_kind", pa.string()),  # a document's error or skip class (README: "Outcomes")
+    pa.field("error_kind", pa.string()),  # a document's error or skip class (docs/outputs.md: "Outcomes")
     pa.field("prompt_tokens", pa.int32()),
     pa.field("cached_tokens", pa.int32()),
     pa.field("generated_tokens", pa.int32()),
