@@ -22,6 +22,7 @@ from rich.table import Table
 from typer.core import TyperCommand
 
 from docproc.errors import EXIT_DEVICE, EXIT_MODEL, EXIT_OUTPUT, EXIT_USAGE
+from docproc.pipeline.settings import bundled_model
 
 
 class _Command(TyperCommand):
@@ -107,10 +108,6 @@ def error(message: str, label: str = "error", colour: str = "red") -> None:
 def shown(key: str) -> str:
     """A document key for the terminal: control characters escaped (the key itself is kept)."""
     return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode() for ch in key)
-
-
-def bundled_model(name: str) -> Path:
-    return Path(__file__).parent / "assets" / "models" / name
 
 
 def parse_formats(value: str) -> tuple[str, ...]:

@@ -47,7 +47,7 @@ def run(inputs: list[str] | str, out: str, model: str | None = None, ray_address
     initialised, or starts a local one; settings: any other field of RunSettings (queries,
     device, draft, kv_cache, quantization, dpi, max_pages, formats, force, ...). Raises
     UsageError or QueryFileError before anything is done, LockedError if another run holds OUT."""
-    from docproc.cli import bundled_model
+    from docproc.pipeline.settings import bundled_model
     from docproc.pipeline.distributed import RayPipeline
     from docproc.pipeline.run import RunSettings
 
@@ -66,7 +66,7 @@ class DocprocExtractor:
         """model: a checkpoint folder (the bundled target if None); queries: a query file (the
         default set if None); settings: any other field of docproc's RunSettings (dpi,
         max_pages, kv_cache, quantization, spec_k, ...)."""
-        from docproc.cli import bundled_model
+        from docproc.pipeline.settings import bundled_model
 
         self._settings = dict(model=model or str(bundled_model("target")), queries=queries, device=device,
                               draft=draft, **settings)

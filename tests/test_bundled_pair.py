@@ -125,7 +125,8 @@ def test_speculation_with_the_bundled_pair_is_lossless(kv):
 
 
 def test_the_draft_is_opt_in():
-    from docproc.cli import bundled_model, resolve_draft
+    from docproc.cli import resolve_draft
+    from docproc.pipeline.settings import bundled_model
 
     bundled = str(bundled_model("draft"))
     assert resolve_draft(None) is None  # it does not pay on CPU or on an H200 (BENCHMARKS.md)

@@ -202,7 +202,7 @@ def test_image_processor_gives_transformers_patches(config, tmp_path):
 
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from docproc.cli import bundled_model
+    from docproc.pipeline.settings import bundled_model
     from docproc.models.image_processor import ImageProcessor
 
     folder = bundled_model("target")
@@ -244,7 +244,7 @@ def test_config_reader_reads_what_transformers_reads(which, qwen2_vl_dir, tmp_pa
 
     from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLConfig
 
-    from docproc.cli import bundled_model
+    from docproc.pipeline.settings import bundled_model
     from docproc.models.hf_config import VISION_DEFAULTS, qwen2_vl_config
     from docproc.models.loader import text_config
 

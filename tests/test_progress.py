@@ -16,10 +16,11 @@ from typer.testing import CliRunner
 
 from docproc import cli
 from docproc.cli import app
+from docproc.pipeline.settings import bundled_model
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "sample_docs"
-TARGET = str(cli.bundled_model("target"))
+TARGET = str(bundled_model("target"))
 
 
 class FakeClock:

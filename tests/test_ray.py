@@ -230,7 +230,7 @@ def test_extractor_rows_equal_a_plain_run(cluster, docs, plain):
 def test_workers_that_die_loading_the_model_stop_the_run_and_mark_nothing(cluster, docs, tmp_path):
     """Engine actors that die as they load (out of memory, say) are a fault of the environment:
     the run stops with exit 4 and a manifest, and no document is recorded as failed."""
-    from docproc.cli import bundled_model
+    from docproc.pipeline.settings import bundled_model
     from docproc.ray import run
 
     model = tmp_path / "dies-loading"
@@ -248,7 +248,7 @@ def test_workers_that_die_loading_the_model_stop_the_run_and_mark_nothing(cluste
 def test_ray_init_leaves_the_runs_signal_handlers(monkeypatch, tmp_path):
     """ray.init installs its own SIGTERM handler; the run's must stay, so that SIGTERM still ends
     the run with a manifest (exit 143)."""
-    from docproc.cli import bundled_model
+    from docproc.pipeline.settings import bundled_model
     from docproc.pipeline.distributed import RayPipeline
     from docproc.pipeline.run import RunSettings
 
@@ -280,7 +280,7 @@ def test_ray_init_leaves_the_runs_signal_handlers(monkeypatch, tmp_path):
                               "own error")], ids=["task", "actor"])
 @pytest.mark.slow
 def test_a_workers_own_error_at_start_is_told_as_it_was_raised(cluster, docs, tmp_path, name, told):
-    from docproc.cli import bundled_model
+    from docproc.pipeline.settings import bundled_model
     from docproc.ray import run
 
     model = tmp_path / name

@@ -139,7 +139,7 @@ class ModelRunner:
 
             check_split(config, hf_config)  # before any rank starts
 
-            self.tp = TensorParallelGroup(config, self.device)  # the other ranks load beside this one
+            self.tp = TensorParallelGroup(config, self.device, ModelRunner)  # the other ranks load beside this one
             tp_group, tp_sync = self.tp.group, self.tp.wait_loaded
         try:
             self.model = load_model(config.model, self.device, self.dtype, config.quantization, config.load_format,

@@ -76,7 +76,9 @@ def _backend(device: torch.device) -> str:
 class TensorParallelGroup:
     """Rank 0's handle on the other ranks: starts them, sends them each step, stops them."""
 
-    def __init__(self, config, device: torch.device) -> None:
+    def __init__(self, config, device: torch.device, runner_class) -> None:
+        """runner_class: what each rank builds to hold its share (engine/model_runner.py's
+        ModelRunner, passed down so that this module does not import the one that imports it)."""
         import torch.multiprocessing as mp
 
         self.size = config.tensor_parallel_size
@@ -89,7 +91,7 @@ class TensorParallelGroup:
         self.store = store = dist.TCPStore("127.0.0.1", port, self.size, is_master=True, wait_for_workers=False,
                                            timeout=timedelta(seconds=START_TIMEOUT_S))
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=_rank_main, args=(rank, self.size, port, config), daemon=True,
+        self.procs = [ctx.Process(target=_rank_main, args=(rank, self.size, port, config, runner_class), daemon=True,
                                   name=f"docproc-tp{rank}") for rank in range(1, self.size)]
         for p in self.procs:
             p.start()
@@ -262,10 +264,8 @@ def _map_tensors(meta, fn):
     return replace(meta, **changes) if changes else meta
 
 
-def _rank_main(rank: int, size: int, port: int, config) -> None:
+def _rank_main(rank: int, size: int, port: int, config, runner_class) -> None:
     """A tensor-parallel rank: load its share, then run what rank 0 sends until it says exit."""
-    from docproc.engine.model_runner import ModelRunner
-
     device_name = config.device
     if device_name.startswith("cuda") or (device_name == "auto" and torch.cuda.is_available()):
         base = int(device_name[5:]) if device_name.startswith("cuda:") else 0
@@ -278,7 +278,7 @@ def _rank_main(rank: int, size: int, port: int, config) -> None:
                             timeout=timedelta(seconds=START_TIMEOUT_S))
     group = dist.new_group(list(range(size)), timeout=COLLECTIVE_TIMEOUT)
     try:
-        runner = ModelRunner(replace(config, device=device_name), allocate=False, tp_rank=rank, tp_group=group,
+        runner = runner_class(replace(config, device=device_name), allocate=False, tp_rank=rank, tp_group=group,
                              tp_sync=lambda: store.set(f"loaded{rank}", "1"))
     except BaseException as e:  # rank 0 names it (wait_loaded), then stops this process
         store.set(f"failed{rank}", f"{type(e).__name__}\n{e}")

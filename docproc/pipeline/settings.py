@@ -3,6 +3,12 @@ counts as it goes (RunTotals)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+
+def bundled_model(name: str) -> Path:
+    """The folder of the bundled pair's "target" or "draft" (docproc/assets/models)."""
+    return Path(__file__).parent.parent / "assets" / "models" / name
 
 
 @dataclass
