@@ -173,9 +173,6 @@ def run(
     quantization: Optional[str] = typer.Option(None, "--quantization", metavar="fp8", help="Quantize the model's "
                                                "language weights to FP8 at load (half the weight bytes; an FP8 "
                                                "checkpoint needs no flag)."),
-    fp4_value_slots: Optional[int] = typer.Option(None, "--fp4-value-slots", metavar="N", help="FP4 KV: outlier "
-                                                  "slots per value vector, 0 (the default) or 2 (as the keys; on "
-                                                  "CUDA the slower Triton decode kernel)."),
     tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", metavar="N", help="Split the model's "
                                              "language weights over N GPUs (cuda:K to K+N-1), one process each; "
                                              "a draft runs whole on the first."),
@@ -244,7 +241,7 @@ def run(
                                gpu_memory_utilization=gpu_memory_utilization, batch_pages=batch_pages,
                                render_workers=render_workers, load_format=load_format,
                                anchor_text=anchor_text, enforce_eager=enforce_eager,
-                               fp4_value_slots=fp4_value_slots, quantization=quantization, debug=debug,
+                               quantization=quantization, debug=debug,
                                ray=ray, ray_address=ray_address, data_parallel_size=data_parallel_size,
                                tensor_parallel_size=tensor_parallel_size)
         display = _Display(quiet=quiet or log_json, log_json=log_json)

@@ -19,8 +19,6 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     num_kv_blocks: int | None = None  # exact pool size; overrides both of the above (tests)
     encoder_cache_entries: int = 256  # vision outputs kept, keyed by (vision fingerprint, image hash)
-    # FP4 only: outlier slots per value vector, 0 or 2 (as many as the keys'); None: the default, 0
-    fp4_value_slots: int | None = None
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -33,8 +31,6 @@ class CacheConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.fp4_value_slots not in (None, 0, 2):
-            raise ValueError(f"fp4_value_slots must be 0 or 2 (the key vectors' count), got {self.fp4_value_slots}")
         if self.encoder_cache_entries < 1:
             raise ValueError(f"encoder_cache_entries must be >= 1, got {self.encoder_cache_entries}")
 

@@ -295,16 +295,12 @@ class FP4PagedLayer:
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, device,
                  num_outliers: int = DEFAULT_NUM_OUTLIERS, threshold: float = DEFAULT_THRESHOLD,
-                 head_scale: float = DEFAULT_HEAD_SCALE, num_value_outliers: int | None = None) -> None:
-        """num_outliers: key slots per token-head; num_value_outliers: value slots (default: as
-        many as the keys; 0 leaves the values without slots, 6 bytes fewer per token-head at 2)."""
+                 head_scale: float = DEFAULT_HEAD_SCALE) -> None:
+        """num_outliers: key slots per token-head. Values have none (their outlier segments are
+        zero-wide): slots for them bought no quality on the bundled pair (docs/fp4.md)."""
         self.block_size, self.num_kv_heads, self.head_dim = block_size, num_kv_heads, head_dim
         self.num_outliers, self.threshold = num_outliers, threshold
-        self.num_value_outliers = num_outliers if num_value_outliers is None else num_value_outliers
-        if self.num_value_outliers not in (0, num_outliers):
-            raise ValueError(f"value slots must be 0 or the key slots' count ({num_outliers}), "
-                             f"got {self.num_value_outliers}")  # the kernel reads both at one layout
-        slots = {"k": num_outliers, "v": self.num_value_outliers}
+        slots = {"k": num_outliers, "v": 0}
         segments = [("codes", head_dim // 2, torch.uint8), ("scales", head_dim // GROUP, torch.uint8),
                     ("oidx", None, torch.uint8), ("oval", None, torch.float16)]
         layout, offset = [], 0

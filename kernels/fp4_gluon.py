@@ -32,8 +32,7 @@ layouts are chosen so that no decoded value leaves its thread:
   two bf16x2 multiplies by 2^119 make the decode's operand (SCALE_SPLATS for keys, SCALE_PAIRS for
   values), exact, where a float32 detour took 6 instructions a scale.
 The per-pair decode is kernels/fp4.py's (fp4_pair_steps: exact, equal to the float32
-decode bit for bit). Key outlier slots: a gather of q; value slots are not read (the kernel's
-docstring says why not and who reads them). Compiled for sm_90 with Triton 3.6: 1,220 SASS
+decode bit for bit). Key outlier slots: a gather of q; the cache has no value slots. Compiled for sm_90 with Triton 3.6: 1,220 SASS
 instructions per 128-key step with 2 key slots, 998 without (scripts/gluon_fp4_probe.py --kernel);
 speed and its limits: BENCHMARKS.md and docs/fp4.md.
 
@@ -273,9 +272,7 @@ def _fp4_decode_kernel(
     B operand holds exactly the scores' top-row registers, and the accumulator is 32 registers.
     The next step's bytes are loaded before this step's arithmetic (software pipelining).
     Key outlier slots (NUM_OUTLIERS 0 or 2; their codes are 0): each adds q[row, channel] x value
-    to its key's scores, a gather of q per (row, key, slot). Value slots: none (the caller checks;
-    the Triton kernel reads caches with them). A value slot's element belongs to one lane and is one
-    of its 16 dims, so patching it into the operand registers would cost a select per element."""
+    to its key's scores, a gather of q per (row, key, slot). Values have no slots."""
     tile = gl.program_id(0)
     kvh = gl.program_id(1)
     split = gl.program_id(2)
@@ -417,7 +414,7 @@ def _fp4_decode_kernel(
         gl.store(out_ptr + o_off + HALF, (o_hi * inv).to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
-def _why_not(device, dtype: torch.dtype, head_dim: int, group: int, key_slots: int, value_slots: int) -> str | None:
+def _why_not(device, dtype: torch.dtype, head_dim: int, group: int, key_slots: int) -> str | None:
     """The conditions that depend on the engine alone (not on a step): None if they hold."""
     device = torch.device(device)
     if device.type != "cuda" or interpreting():
@@ -432,24 +429,20 @@ def _why_not(device, dtype: torch.dtype, head_dim: int, group: int, key_slots: i
         return "decode tiles only (one query token, GQA group <= 8)"
     if key_slots not in (0, 2):
         return "key outlier slots must be 0 or 2"
-    if value_slots != 0:
-        return "value outlier slots are not read by this kernel"
     return None
 
 
-def engine_can_use(group: int, head_dim: int, key_slots: int, value_slots: int, compute_dtype: torch.dtype,
-                   device) -> bool:
+def engine_can_use(group: int, head_dim: int, key_slots: int, compute_dtype: torch.dtype, device) -> bool:
     """Whether an engine's FP4 decode steps will run this kernel (supported() for its calls), so
     that its plans take this kernel's split count. Never with attention_plan.FP4_GLUON off
     (EngineConfig.fp4_gluon)."""
-    return attention_plan.FP4_GLUON and _why_not(device, compute_dtype, head_dim, group, key_slots,
-                                                  value_slots) is None
+    return attention_plan.FP4_GLUON and _why_not(device, compute_dtype, head_dim, group, key_slots) is None
 
 
 def supported(q: torch.Tensor, plan: TilePlan, fp4_k: tuple, fp4_v: tuple) -> str | None:
     """None if this kernel can run the call, else why not."""
     kc, _, ki, _, _ = fp4_k
-    why = _why_not(q.device, q.dtype, q.shape[-1], q.shape[1] // kc.shape[2], ki.shape[-1], fp4_v[2].shape[-1])
+    why = _why_not(q.device, q.dtype, q.shape[-1], q.shape[1] // kc.shape[2], ki.shape[-1])
     if why is None and (plan.tokens_per_tile != 1 or plan.block_m != 16):
         why = "decode tiles only (one query token, GQA group <= 8)"
     bs = kc.shape[1]

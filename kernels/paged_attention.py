@@ -359,28 +359,12 @@ def _fp4_tile_bytes(codes_ptr, scales_ptr, row_c, row_s, nmask, GH: tl.constexpr
     return lo, hi
 
 
-@triton.jit
-def _replace_outliers(lo, hi, idx_ptr, val_ptr, row_o, row_v, nmask, d, inv_unit, HALF: tl.constexpr,
-                      NUM_OUTLIERS: tl.constexpr):
-    """A decoded tile's halves (BLOCK_N, HALF) with each outlier slot's value (x inv_unit, the
-    tile's units) put in place of its element, whose own code is 0. An unused slot (0, 0.0) must
-    not touch channel 0."""
-    for o in tl.static_range(NUM_OUTLIERS):
-        idx = tl.load(idx_ptr + row_o + o, mask=nmask, other=0).to(tl.int32)
-        val = tl.load(val_ptr + row_v + o, mask=nmask, other=0.0).to(tl.float32)
-        idx = tl.where(val != 0.0, idx, -1)
-        w = (val * inv_unit).to(lo.dtype)
-        lo = tl.where(d[None, :] == idx[:, None], w[:, None], lo)
-        hi = tl.where(d[None, :] + HALF == idx[:, None], w[:, None], hi)
-    return lo, hi
-
-
 @triton.jit(do_not_specialize=UNSPECIALIZED)
 def _paged_attn_fp4_kernel(
     # pointers
     q_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     tile_seq_ptr, tile_tok_ptr, tile_nq_ptr, tile_pos_ptr, table_ptr,
-    kc_ptr, ks_ptr, ki_ptr, kv_ptr, vc_ptr, vs_ptr, vi_ptr, vv_ptr, khs_ptr, vhs_ptr,
+    kc_ptr, ks_ptr, ki_ptr, kv_ptr, vc_ptr, vs_ptr, khs_ptr, vhs_ptr,
     # sizes
     block_size, sm_scale_log2, num_splits,
     # strides
@@ -392,14 +376,13 @@ def _paged_attn_fp4_kernel(
     # meta
     GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HALF: tl.constexpr, SPLIT: tl.constexpr, NUM_OUTLIERS: tl.constexpr, DOT_FP32: tl.constexpr,
-    PTX_DECODE: tl.constexpr, NUM_V_OUTLIERS: tl.constexpr = 0,
+    PTX_DECODE: tl.constexpr,
 ):
     """The FP4 member of the family (same tiles, splits and partials as _paged_attn_kernel).
     Keys: the group-scaled codes go through the tensor cores with q carrying the head scale; each
     outlier slot then adds q[row, channel] x value for its key (a gather of q, not a select over
-    every element). Values: outlier slots replace their (zero-coded) element before the dot; the head scale is
-    applied to the output. NUM_OUTLIERS / NUM_V_OUTLIERS: the key / value slots per token-head
-    (zero-width value views: no value slots, their select compiled out)."""
+    every element). Values have no slots; their head scale is applied to the output. NUM_OUTLIERS:
+    the key slots per token-head."""
     tile, kvh, split, seq, tok0, nq, pos0 = _program_tile(tile_seq_ptr, tile_tok_ptr, tile_nq_ptr, tile_pos_ptr)
     GH: tl.constexpr = HALF // 16
 
@@ -415,7 +398,6 @@ def _paged_attn_fp4_kernel(
         q_lo = q_lo.to(tl.bfloat16)
         q_hi = q_hi.to(tl.bfloat16)
     v_unit = vhs * 256.0
-    inv_v_unit = 1.0 / v_unit
 
     start, stop, m_i, l_i, acc_lo, acc_hi = _split_state(pos0, nq, split, num_splits, BLOCK_M, BLOCK_N, HALF)
     for n0 in range(start, stop, BLOCK_N):
@@ -440,8 +422,6 @@ def _paged_attn_fp4_kernel(
         visible = (n[None, :] <= pos[:, None]) & nmask[None, :] & row_ok[:, None]
         p, alpha, m_new, l_i = _softmax_step(s, visible, m_i, l_i)
         v_lo, v_hi = _fp4_tile(vc_ptr, vs_ptr, row_c, row_s, nmask, GH, BLOCK_N, PTX_DECODE)
-        v_lo, v_hi = _replace_outliers(v_lo, v_hi, vi_ptr, vv_ptr, row_o, row_v, nmask, d, inv_v_unit,
-                                       HALF, NUM_V_OUTLIERS)
         acc_lo, acc_hi = _accumulate(acc_lo, acc_hi, alpha, p, v_lo, v_hi, DOT_FP32)
         m_i = m_new
     acc_lo = acc_lo * v_unit
@@ -501,16 +481,15 @@ def _combine_kernel(
              mask=row_ok[:, None])
 
 
-def default_fp4_decode(ptx: bool, small_tile: bool, num_v_outliers: int) -> bool | str:
+def default_fp4_decode(ptx: bool, small_tile: bool) -> bool | str:
     """The FP4 kernel's decode when the caller names none: False (float32) without the PTX decode;
-    for decode tiles (<= 16 rows) the word decode, its row layout without value
-    slots (no value select, which costs more in that layout): H200, 7B, 16k keys, 413.7 vs 474.2 us
-    at batch 32 and 117.7 vs 134.6 at batch 8 without value slots, 589.1 vs 494.5 and 165.2 vs
-    137.9 with them; else the byte decode (True)."""
+    for decode tiles (<= 16 rows) the word decode in its row layout (H200, 7B, 16k keys, 413.7 vs
+    474.2 us at batch 32 and 117.7 vs 134.6 at batch 8 against the words in one orientation); else
+    the byte decode (True)."""
     if not ptx:
         return False
     if small_tile:
-        return "word_rows" if num_v_outliers == 0 else "words"
+        return "word_rows"
     return True
 
 
@@ -519,7 +498,7 @@ def default_fp4_maxnreg(small_tile: bool, block_n: int, num_warps: int, num_stag
     the tuned shape (128 keys, 4 warps, 2 stages) on CUDA. Uncapped, the compiler takes 168, so an
     SM holds 3 programs; at 128 (a few spills) shared memory (56 KB a program) allows 4. H200, from
     a CUDA graph: 7B, 16k keys, batch 32 484 vs 497 us, batch 8 134-135 vs
-    136-139; 2B batch 32 249 vs 257, batch 8 72-74 vs 86-88; without value slots 375 vs 450 at 7B
+    136-139; 2B batch 32 249 vs 257, batch 8 72-74 vs 86-88; in the row layout 375 vs 450 at 7B
     batch 32. With 3 stages the cap was slower (spills in the longer pipeline), so only 2."""
     if not (small_tile and block_n == 128 and num_warps == 4 and num_stages == 2):
         return None
@@ -564,7 +543,7 @@ def paged_attention(
     # Defaults from bench_kernels on the H200 (7B and 2B geometry, batch 32, 16k keys, one query
     # token): dense 32 keys per step (3.5-4% faster than 64); FP4 128 keys, scores as q K^T with
     # the PTX decode from 32-bit words (7B: 484 us against 571 for scores as K q^T from bytes, at
-    # batch 32; 135 against 160 at batch 8; without value slots the words as one row per key,
+    # batch 32; 135 against 160 at batch 8; the words as one row per key,
     # default_fp4_decode). Tiles of more than 16 rows (prefill chunks, long windows) are not tuned: dense 64
     # keys, FP4 q K^T from bytes (Triton 3.6 does not compile the word decode there, see the assert
     # below).
@@ -593,11 +572,9 @@ def paged_attention(
         n_kv, block_size = kc.shape[2], kc.shape[1]
         assert kc.dtype == torch.uint8 and kc.shape[-1] == d // 2, "FP4 codes view: (blocks, bs, Hkv, D/2) uint8"
         assert ks.shape[-1] == d // 16 and ki.shape == kv.shape and vc.stride() == kc.stride()
-        num_outliers, num_v_outliers = ki.shape[-1], vi.shape[-1]
+        num_outliers = ki.shape[-1]
         assert vs.stride() == ks.stride()
-        # the value slots are read at the key slots' offsets: same layout, or none read
-        assert num_v_outliers == 0 or (vi.stride() == ki.stride() and vv.stride() == kv.stride()
-                                       and num_v_outliers == num_outliers), "value slots: the key slots' layout"
+        assert vi.shape[-1] == 0 and vv.shape[-1] == 0, "FP4 values have no outlier slots"
         strides_k = kc.stride()[:3]
         strides_s = ks.stride()[:3]
         strides_o = ki.stride()[:3]
@@ -620,11 +597,9 @@ def paged_attention(
         part_acc = part_ml = out
     dot_fp32 = q.dtype == torch.float32
     if is_fp4 and fp4_ptx_decode is None:
-        fp4_ptx_decode = default_fp4_decode(ptx_decode_available(q.device) and not dot_fp32, small_tile,
-                                            num_v_outliers)
+        fp4_ptx_decode = default_fp4_decode(ptx_decode_available(q.device) and not dot_fp32, small_tile)
     assert not (fp4_ptx_decode and dot_fp32), "the PTX decode feeds bf16 tensor-core dots; float32 q uses float32"
-    # Triton 3.6 fails to compile the word decode in tiles of more than 16 rows (q K^T, or any
-    # orientation without value slots)
+    # Triton 3.6 fails to compile the word decode in tiles of more than 16 rows (either orientation)
     assert small_tile or fp4_ptx_decode not in ("words", "word_rows"), "the word decode is for tiles of <= 16 rows"
     if maxnreg is None and is_fp4:
         maxnreg = default_fp4_maxnreg(small_tile, block_n, num_warps, num_stages, q.device)
@@ -634,12 +609,12 @@ def paged_attention(
         _paged_attn_fp4_kernel[(n_tiles, n_kv, splits)](
             q, out, part_acc, part_ml,
             plan.tile_seq, plan.tile_tok, plan.tile_nq, plan.tile_pos, plan.block_table,
-            kc, ks, ki, kv, vc, vs, vi, vv, khs, vhs,
+            kc, ks, ki, kv, vc, vs, khs, vhs,
             block_size, scale * LOG2E, splits,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), plan.block_table.stride(0),
             *strides_k, *strides_s, *strides_o, *strides_v,
             GROUP=group, TOKENS=plan.tokens_per_tile, BLOCK_M=plan.block_m, BLOCK_N=block_n, HALF=d // 2,
-            SPLIT=splits > 1, NUM_OUTLIERS=num_outliers, NUM_V_OUTLIERS=num_v_outliers, DOT_FP32=dot_fp32,
+            SPLIT=splits > 1, NUM_OUTLIERS=num_outliers, DOT_FP32=dot_fp32,
             PTX_DECODE={"words": 2, "word_rows": 3}.get(fp4_ptx_decode, int(bool(fp4_ptx_decode))),
             num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
         )

@@ -225,19 +225,13 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
                     batch * ctx * layer.bytes_per_token, {"config": cfg_x}, splits=n_sp)
         if maxnreg_ablation:
             # the register cap (default_fp4_maxnreg: 128 a thread for decode tiles) left off: 168 a
-            # thread, 3 programs an SM against 4; with every slot and without the value slots
+            # thread, 3 programs an SM against 4
             cfg_r = {**cfg4, "maxnreg": 0}
             record("ours_fp4_paged_uncapped", lambda: paged_attention(
                 q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"), **cfg_r),
                 batch * ctx * layer.bytes_per_token, {"config": cfg_r})
-            nv_bytes = batch * ctx * hkv * (bytes_per_token_head(d, layer.num_outliers) + d // 2 + d // 16)
-            fv0 = no_outliers("v")
-            record("ours_fp4_paged_no_value_outliers", lambda: paged_attention(
-                q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, **cfg4), nv_bytes, {"config": cfg4})
-            record("ours_fp4_paged_no_value_outliers_uncapped", lambda: paged_attention(
-                q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, **cfg_r), nv_bytes, {"config": cfg_r})
         if GLUON:
-            # the Gluon decode kernel (kernels/fp4_gluon.py: no value slots; key slots 2 or none) and
+            # the Gluon decode kernel (kernels/fp4_gluon.py: key slots 2 or none) and
             # the Triton kernel over the same views
             nv_bytes = batch * ctx * hkv * (bytes_per_token_head(d, layer.num_outliers) + d // 2 + d // 16)
             n0_bytes = batch * ctx * hkv * 2 * (d // 2 + d // 16)
@@ -272,7 +266,7 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
                 record(f"ours_fp4_gluon_no_outliers_r168_s{n_sp}", lambda: paged_attention(
                     q, plan_x, d ** -0.5, fp4_k=fk0, fp4_v=fv0, fp4_gluon=True, maxnreg=168), n0_bytes,
                     {"config": "gluon, maxnreg 168"}, splits=n_sp)
-            record("ours_fp4_triton_no_value_outliers", lambda: paged_attention(
+            record("ours_fp4_triton", lambda: paged_attention(
                 q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, fp4_gluon=False, **cfg4), nv_bytes,
                 {"config": cfg4})
         # the same kernel decoding in float32 (the path before the PTX bf16x2 decode)
@@ -281,31 +275,22 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
             **cfg4), batch * ctx * layer.bytes_per_token, {"config": cfg4})
 
         if decode_ablation:
-            # the word decode's two layouts (fp4_ptx_decode "words", the default, and "word_rows"), each
-            # with every slot, without the value slots, and without any
+            # the word decode's two layouts (fp4_ptx_decode "words", and "word_rows", the default), each
+            # with the key slots and without
             for dec in ("words", "word_rows"):
                 cfg_d = {**cfg4, "fp4_ptx_decode": dec}
-                for tag, k_slots, v_slots, nbytes in (
-                        ("", True, True, batch * ctx * layer.bytes_per_token),
-                        ("_no_value_outliers", True, False,
-                         batch * ctx * hkv * (bytes_per_token_head(d, layer.num_outliers) + d // 2 + d // 16)),
-                        ("_no_outliers", False, False, batch * ctx * hkv * 2 * (d // 2 + d // 16))):
+                for tag, k_slots, nbytes in (("", True, batch * ctx * layer.bytes_per_token),
+                                             ("_no_outliers", False, batch * ctx * hkv * 2 * (d // 2 + d // 16))):
                     fk = layer.kernel_views("k") if k_slots else no_outliers("k")
-                    fv = layer.kernel_views("v") if v_slots else no_outliers("v")
                     record(f"ours_fp4_paged_{dec}{tag}", lambda: paged_attention(
-                        q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv, **cfg_d), nbytes, {"config": cfg_d})
+                        q, plan, d ** -0.5, fp4_k=fk, fp4_v=layer.kernel_views("v"), **cfg_d), nbytes,
+                        {"config": cfg_d})
         if outlier_ablation:
             # the same kernel and pool with the outlier slots left out: what the outlier paths cost.
             # Bytes: codes and scales only.
             record("ours_fp4_paged_no_outliers", lambda: paged_attention(
                 q, plan, d ** -0.5, fp4_k=no_outliers("k"), fp4_v=no_outliers("v"), **cfg4),
                 batch * ctx * hkv * 2 * (d // 2 + d // 16), {"config": cfg4})
-            # the key slots kept, the value slots left out (zero-width value views): what the values'
-            # select costs alone (it also made the compiler keep the decoded values in shared memory:
-            # 57 KB a program against 28 KB, scripts/kernel_sass.py)
-            record("ours_fp4_paged_no_value_outliers", lambda: paged_attention(
-                q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=no_outliers("v"), **cfg4),
-                batch * ctx * hkv * (bytes_per_token_head(d, layer.num_outliers) + d // 2 + d // 16), {"config": cfg4})
         del layer
     # torch SDPA, bf16, contiguous K/V
     qs = q.view(batch, hq, 1, d)

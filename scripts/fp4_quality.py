@@ -67,7 +67,7 @@ def main() -> None:
             for name, s in (("fp4_no_outliers", 0), ("fp4_outliers_2", 2), ("fp4_outliers_4", 4)):
                 errs[name].append(rel(dequantize_ref(quantize_ref(k, num_outliers=s)),
                                       dequantize_ref(quantize_ref(v, num_outliers=s))))
-            # the keys' 2 slots kept, the values without slots (FP4PagedLayer num_value_outliers=0)
+            # the keys' 2 slots kept, the values without slots (the cache's layout: FP4PagedLayer)
             errs["fp4_outliers_2_values_none"].append(rel(dequantize_ref(quantize_ref(k, num_outliers=2)),
                                                           dequantize_ref(quantize_ref(v, num_outliers=0))))
             stats.append(outlier_stats(k))

@@ -95,7 +95,7 @@ def kernel_report(key_slots: int = 2, group: int = 7, block_size: int = 16) -> d
 
     from kernels.fp4 import FP4PagedLayer
 
-    layer = FP4PagedLayer(2, block_size, 4, 128, "cpu", num_outliers=key_slots, num_value_outliers=0)  # 7B: 4 KV heads
+    layer = FP4PagedLayer(2, block_size, 4, 128, "cpu", num_outliers=key_slots)  # 7B: 4 KV heads
     geometry = g.page_geometry(layer.kernel_views("k"), layer.kernel_views("v"))
     names = list(inspect.signature(g._fp4_decode_kernel.fn).parameters)
     fp = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",

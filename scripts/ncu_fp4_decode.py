@@ -24,7 +24,7 @@ def main() -> None:
     slots, batch, ctx = (int(a) for a in sys.argv[1:4])
     hq, hkv, d, bs = 28, 4, 128, 16
     nb = batch * ctx // bs + 1
-    layer = FP4PagedLayer(nb, bs, hkv, d, "cuda", num_outliers=2, num_value_outliers=0)
+    layer = FP4PagedLayer(nb, bs, hkv, d, "cuda", num_outliers=2)
     layer.pages.random_(0, 100)  # E4M3 scales below 0x7F (finite), slot indices below 128, finite fp16 values
     g = torch.Generator().manual_seed(0)
     tables = torch.randperm(nb - 1, generator=g).add_(1).view(batch, -1).tolist()

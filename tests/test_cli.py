@@ -126,8 +126,6 @@ def test_usage_errors_exit_2(docs, qwen2_vl_dir, tmp_path):
     bad.write_text("[[query]]\nname = 'x'\n")
     assert run_cli("run", docs, "--out", tmp_path / "o", "--model", qwen2_vl_dir, "--queries", bad).exit_code == 2
     assert run_cli("run", "--out", tmp_path / "o").exit_code == 2  # no inputs
-    assert run_cli("run", docs, "--out", tmp_path / "o", "--model", qwen2_vl_dir, "--kv-cache", "fp4",
-                   "--fp4-value-slots", "1").exit_code == 2
 
 
 def broken_corpus(root: Path, outside: Path) -> int:
@@ -285,17 +283,16 @@ def test_anchor_text_lengthens_pdf_prompts_only_and_is_part_of_the_fingerprint(d
 
 
 @pytest.mark.slow
-def test_fp4_value_slots_are_part_of_the_fingerprint(docs, qwen2_vl_dir, tmp_path):
+def test_fp4_runs_keep_the_value_slot_entry_of_their_fingerprints(docs, qwen2_vl_dir, tmp_path):
+    """FP4 values have no outlier slots (an option for two is gone); an FP4 fingerprint still holds
+    the entry at 0, as runs made when it was the default did, so that their documents are not
+    redone, and an entry-less one (the older default of 2) never matches."""
     out = tmp_path / "out"
-    base = ("run", docs, "--out", out, "--model", qwen2_vl_dir, "--device", "cpu", "-q", "--kv-cache", "fp4")
-    assert run_cli(*base).exit_code == 0
-    assert run_cli(*base, "--fp4-value-slots", "0").exit_code == 0  # the default, spelled out: nothing redone
-    assert manifest(out)["totals"]["already_done"] == 5
-    res = run_cli(*base, "--fp4-value-slots", "2")
-    assert res.exit_code == 0, res.output
-    m = manifest(out)
-    assert m["totals"]["already_done"] == 0 and m["totals"]["documents"] == 5  # other KV contents: redone
-    assert m["settings"]["fp4_value_slots"] == 2
+    assert run_cli("run", docs, "--out", out, "--model", qwen2_vl_dir, "--device", "cpu", "-q",
+                   "--kv-cache", "fp4").exit_code == 0
+    known = json.loads((out / ".docproc" / "fingerprints.json").read_text())
+    (components,) = [v["components"] for v in known.values()]
+    assert components["kv_cache"] == "fp4" and components["fp4_value_slots"] == 0
 
 
 def test_consoles_are_wide_when_the_output_is_not_a_terminal(monkeypatch):

@@ -28,17 +28,13 @@ def reqs():
 def test_fp4_pool_holds_3_2x_the_tokens_of_bf16_at_head_dim_128():
     budget = 64 << 20
     dense = KVCache(DenseAttention(28, 4, 128, 1.0, torch.device("cpu"), torch.bfloat16, torch.bfloat16), 2, 16, "bf16")
-    # the default (keys with 2 outlier slots, values without) and value slots as well
     fp4 = KVCache(FP4Attention(28, 4, 128, 1.0, torch.device("cpu"), torch.bfloat16), 2, 16, "fp4")
-    fp4_vs = KVCache(FP4Attention(28, 4, 128, 1.0, torch.device("cpu"), torch.bfloat16, num_value_outliers=2), 2,
-                     16, "fp4")
-    for c in (dense, fp4, fp4_vs):
+    for c in (dense, fp4):
         c.allocate(c.num_blocks_for_bytes(budget))
-    per_layer = fp4.bytes_per_token / fp4.num_layers
+    per_layer = fp4.bytes_per_token / fp4.num_layers  # keys with 2 outlier slots, values without
     assert per_layer == 4 * (bytes_per_token_head(128) + bytes_per_token_head(128, 0)) == 4 * (78 + 72)
-    assert fp4_vs.bytes_per_token / fp4_vs.num_layers == 2 * 4 * bytes_per_token_head(128) == 624
-    for c in (fp4, fp4_vs):
-        assert c.bytes_per_token / dense.bytes_per_token <= 0.31  # 0.293 and 0.305
+    for c in (fp4,):
+        assert c.bytes_per_token / dense.bytes_per_token <= 0.30  # 0.293
         # measured from the allocated pools: bytes per token, and tokens admitted at one budget
         assert c.allocated_bytes / (c.num_blocks * 16) == c.bytes_per_token
         assert dense.allocated_bytes <= budget and c.allocated_bytes <= budget
@@ -89,28 +85,21 @@ def test_fp4_reads_are_the_same_in_chunked_prefill_and_decode(qwen2_vl_dir):
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
 
 
-def test_fp4_without_value_slots_saves_their_bytes_and_reports_it(qwen2_vl_dir):
-    """fp4_value_slots=0 (the default since the twentieth session): the value vectors keep no
-    outlier slots (3 bytes a slot), the keys keep theirs; the engine sizes its pool from the smaller pages, reports the setting, and decodes
-    the same way in chunked and whole prefills; a count the kernel cannot read is refused."""
-    llm = LLM(str(qwen2_vl_dir), device="cpu", kv_cache_dtype="fp4", fp4_value_slots=0,
-              enable_prefix_caching=False)
+def test_fp4_values_have_no_outlier_slots_and_the_pool_is_sized_from_that(qwen2_vl_dir):
+    """The value vectors keep no outlier slots (3 bytes a slot), the keys keep theirs; the engine
+    sizes its pool from those pages and decodes alike in chunked and whole prefills."""
+    llm = LLM(str(qwen2_vl_dir), device="cpu", kv_cache_dtype="fp4", enable_prefix_caching=False)
     info = llm.cache_info()
     cfg = llm.runner.text_config
     per_head = bytes_per_token_head(cfg.head_dim)
-    assert info["fp4_value_slots"] == 0
     assert info["bytes_per_token"] == cfg.num_hidden_layers * cfg.num_key_value_heads * (2 * per_head - 6)
     assert llm.runner.kv_cache.layers[0].v["oval"].shape[-1] == 0
+    assert llm.runner.kv_cache.layers[0].k["oval"].shape[-1] == 2
     sp = SamplingParams(max_tokens=12, ignore_eos=True)
-    chunked = LLM(str(qwen2_vl_dir), device="cpu", kv_cache_dtype="fp4", fp4_value_slots=0,
-                  max_num_batched_tokens=16, enable_prefix_caching=False)
+    chunked = LLM(str(qwen2_vl_dir), device="cpu", kv_cache_dtype="fp4", max_num_batched_tokens=16,
+                  enable_prefix_caching=False)
     assert [o.outputs[0].token_ids for o in llm.generate(reqs(), sp)] == \
         [o.outputs[0].token_ids for o in chunked.generate(reqs(), sp)]
-    assert LLM(str(qwen2_vl_dir), device="cpu", kv_cache_dtype="fp4").cache_info()["fp4_value_slots"] == 0  # default
-    assert LLM(str(qwen2_vl_dir), device="cpu", kv_cache_dtype="fp4",
-               fp4_value_slots=2).runner.kv_cache.layers[0].v["oval"].shape[-1] == 2
-    with pytest.raises(ValueError, match="fp4_value_slots"):
-        LLM(str(qwen2_vl_dir), device="cpu", kv_cache_dtype="fp4", fp4_value_slots=1)
 
 
 def test_fp4_rejects_small_head_dim():

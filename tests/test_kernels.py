@@ -82,18 +82,17 @@ def test_outliers_reduce_error_on_keys_with_large_channels():
 def test_bytes_per_token_formula_and_allocation():
     assert bytes_per_token_head(128) == 78 and 78 / 256 <= 0.31
     layer = FP4PagedLayer(5, 16, 4, 128, "cpu")
-    assert layer.bytes_per_token == 2 * 4 * 78  # K and V, no padding at block_size 16
+    assert layer.bytes_per_token == 4 * (78 + 72)  # K with 2 slots, V without; no padding at block_size 16
     assert layer.pages.numel() == 5 * 16 * layer.bytes_per_token
 
 
-@pytest.mark.parametrize("heads,d,slots,value_slots", [(3, 64, 2, None), (1, 32, 1, None), (2, 128, 4, None),
-                                                       (2, 64, 2, 0)])
+@pytest.mark.parametrize("heads,d,slots", [(3, 64, 2), (1, 32, 1), (2, 128, 4)])
 @pytest.mark.slow
-def test_store_kernel_matches_reference(heads, d, slots, value_slots):
+def test_store_kernel_matches_reference(heads, d, slots):
     torch.manual_seed(heads + d)
     n, bs, nb = 7, 4, 5
-    layer_t = FP4PagedLayer(nb, bs, heads, d, DEV, num_outliers=slots, num_value_outliers=value_slots)
-    layer_r = FP4PagedLayer(nb, bs, heads, d, DEV, num_outliers=slots, num_value_outliers=value_slots)
+    layer_t = FP4PagedLayer(nb, bs, heads, d, DEV, num_outliers=slots)
+    layer_r = FP4PagedLayer(nb, bs, heads, d, DEV, num_outliers=slots)
     k = torch.randn(n, heads, d, device=DEV) * 3
     v = torch.randn(n, heads, d, device=DEV)
     k[:, :, 1] += 50.0
@@ -261,8 +260,9 @@ def test_wide_decode_only_for_two_byte_dense_caches():
 
 
 def fp4_layer_with_outliers(nb, bs, kv_heads, d, seed=0, head_scale=fp4.DEFAULT_HEAD_SCALE):
-    """An FP4 pool whose keys carry a large fixed channel (in the low half) and whose values carry
-    one in the high half, so both kinds of outlier slot are used (and many slots stay unused)."""
+    """An FP4 pool whose keys carry a large fixed channel (in the low half), so their outlier slots
+    are used (and many stay unused), and whose values carry large ones too (they have no slots:
+    the group scales take them)."""
     g = torch.Generator().manual_seed(seed)
     layer = FP4PagedLayer(nb, bs, kv_heads, d, DEV, head_scale=head_scale)
     k = torch.randn(nb * bs, kv_heads, d, generator=g) * 2
@@ -279,32 +279,12 @@ def test_paged_attention_fp4_matches_reference(q_lens, ctx_lens):
     heads, kv_heads, d, bs, nb = 4, 2, 64, 4, 40
     q, qs, tables = make_batch(q_lens, ctx_lens, heads, kv_heads, d, bs, nb, seed=1)
     layer = fp4_layer_with_outliers(nb, bs, kv_heads, d)
-    assert (layer.v["oval"] != 0).any() and (layer.k["oval"] != 0).any() and (layer.v["oval"] == 0).any()
+    assert (layer.k["oval"] != 0).any() and (layer.k["oval"] == 0).any() and layer.v["oval"].shape[-1] == 0
     plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=2)
     out = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
                           block_n=16)
     ref = paged_attention_ref(q, layer.gather, qs, ctx_lens, tables, bs, d ** -0.5)
     assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4), (out - ref).abs().max()
-
-
-@pytest.mark.slow
-def test_paged_attention_fp4_without_value_slots_reads_only_the_key_slots():
-    """Zero-width value slot views (no value outliers: the kernel's value select compiled out)
-    give attention over the pool's values with their outlier slots emptied, the key slots kept."""
-    heads, kv_heads, d, bs, nb = 4, 2, 64, 4, 40
-    q_lens, ctx_lens = [1, 5, 3], [37, 21, 9]
-    q, qs, tables = make_batch(q_lens, ctx_lens, heads, kv_heads, d, bs, nb, seed=3)
-    layer = fp4_layer_with_outliers(nb, bs, kv_heads, d)
-    c, sc, oi, ov, hs = layer.kernel_views("v")
-    plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=2)
-    no_value_slots = (c, sc, oi[..., :0], ov[..., :0], hs)
-    out = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=no_value_slots, block_n=16)
-    full = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
-                           block_n=16)
-    layer.v["oval"].zero_()  # the reference: the same values with every value slot unused
-    ref = paged_attention_ref(q, layer.gather, qs, ctx_lens, tables, bs, d ** -0.5)
-    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4), (out - ref).abs().max()
-    assert (full - out).abs().max() > 1e-2  # the pool's value outliers do matter here
 
 
 def test_paged_attention_fp4_head_dim_128_non_power_of_two_head_scale():
@@ -376,10 +356,9 @@ def test_fp4_ptx_decode_equals_the_float32_decode_bit_for_bit():
 
 @pytest.mark.gpu  # inline PTX: GPU only
 def test_fp4_attention_with_ptx_decode_equals_the_float32_decode():
-    """Both PTX decodes (from bytes, and from 32-bit words in either layout: the default for tiles
-    of up to 16 rows, "word_rows" without value slots) give the float32 decode's output, with and
-    without the value slots; tiles of more rows (a 5-token window) take the bytes decode by
-    default."""
+    """Both PTX decodes (from bytes, and from 32-bit words in either layout: "word_rows" the default
+    for tiles of up to 16 rows) give the float32 decode's output; tiles of more rows (a 5-token
+    window) take the bytes decode by default."""
     heads, kv_heads, d, bs = 28, 4, 128, 16
     for q_lens, ctx_lens, variants in (
             ([1] * 4, [4096, 77, 1000, 300], (True, "words", "word_rows", None)),
@@ -388,16 +367,12 @@ def test_fp4_attention_with_ptx_decode_equals_the_float32_decode():
         q, qs, tables = make_batch(q_lens, ctx_lens, heads, kv_heads, d, bs, nb, dtype=torch.bfloat16, seed=7)
         layer = fp4_layer_with_outliers(nb, bs, kv_heads, d, seed=8)
         plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=4)
-        c, sc, oi, ov, hs = layer.kernel_views("v")
-        no_value_slots = (c, sc, oi[..., :0], ov[..., :0], hs)  # --fp4-value-slots 0's views
         errs = {}
-        for v_views, tag in ((layer.kernel_views("v"), ""), (no_value_slots, "no value slots")):
-            ref = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=v_views,
-                                  fp4_ptx_decode=False).float()
-            for ptx in variants:
-                out = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=v_views,
-                                      fp4_ptx_decode=ptx, fp4_gluon=False).float()
-                errs[(ptx, tag)] = float(((out - ref).abs().amax(-1) / ref.abs().amax(-1)).max())
+        views = {"fp4_k": layer.kernel_views("k"), "fp4_v": layer.kernel_views("v")}
+        ref = paged_attention(q, plan, d ** -0.5, **views, fp4_ptx_decode=False).float()
+        for ptx in variants:
+            out = paged_attention(q, plan, d ** -0.5, **views, fp4_ptx_decode=ptx, fp4_gluon=False).float()
+            errs[ptx] = float(((out - ref).abs().amax(-1) / ref.abs().amax(-1)).max())
         print(q_lens, errs)
         # the decoded values are bit-identical (test above); the products may pair them with the
         # tensor cores' operands in another order (another MMA shape), so the sums can differ in
@@ -500,23 +475,23 @@ def test_fp4_gluon_dispatch_and_its_register_cap(monkeypatch):
 
 def test_fp4_gluon_engine_rule_is_the_calls_rule(monkeypatch):
     """engine_can_use (what an engine plans for) and supported (what a call may run) share one rule:
-    CUDA sm_80+, bf16/fp16, head_dim 128, GQA <= 8, 0 or 2 key slots, no value slots; the engine's
+    CUDA sm_80+, bf16/fp16, head_dim 128, GQA <= 8, 0 or 2 key slots; the engine's
     fp4_gluon option turns its choice off. Checked on CPU with the capability stubbed."""
     from kernels import fp4_gluon
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.setattr(fp4_gluon, "interpreting", lambda: False)  # the suite's interpreter would say no first
-    ok = dict(group=7, head_dim=128, key_slots=2, value_slots=0, compute_dtype=torch.bfloat16, device="cuda")
+    ok = dict(group=7, head_dim=128, key_slots=2, compute_dtype=torch.bfloat16, device="cuda")
     assert fp4_gluon.engine_can_use(**ok)
-    for change, why in ((dict(value_slots=2), "value outlier"), (dict(group=16), "GQA group <= 8"),
+    for change, why in ((dict(group=16), "GQA group <= 8"),
                         (dict(head_dim=64), "head_dim"), (dict(key_slots=4), "key outlier"),
                         (dict(compute_dtype=torch.float32), "bf16 or fp16"), (dict(device="cpu"), "CUDA")):
         args = {**ok, **change}
         assert not fp4_gluon.engine_can_use(**args)
         assert why in fp4_gluon._why_not(args["device"], args["compute_dtype"], args["head_dim"], args["group"],
-                                         args["key_slots"], args["value_slots"])
+                                         args["key_slots"])
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
-    assert "sm_80" in fp4_gluon._why_not("cuda", torch.bfloat16, 128, 7, 2, 0)
+    assert "sm_80" in fp4_gluon._why_not("cuda", torch.bfloat16, 128, 7, 2)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.setattr(plan_module(), "FP4_GLUON", False)
     assert not fp4_gluon.engine_can_use(**ok)
@@ -565,12 +540,11 @@ def test_fp4_gluon_kernel_keeps_its_operands_in_registers():
 def test_fp4_decode_defaults():
     from kernels.paged_attention import default_fp4_decode
     # no PTX (CPU, float32 q): the float32 decode whatever the tile
-    assert default_fp4_decode(False, True, 2) is False and default_fp4_decode(False, False, 0) is False
-    # decode tiles: the word decode, its row layout without value slots (faster there on the H200)
-    assert default_fp4_decode(True, True, 2) == "words"
-    assert default_fp4_decode(True, True, 0) == "word_rows"
+    assert default_fp4_decode(False, True) is False and default_fp4_decode(False, False) is False
+    # decode tiles: the word decode in its row layout (faster there on the H200)
+    assert default_fp4_decode(True, True) == "word_rows"
     # tiles of more than 16 rows: the byte decode
-    assert default_fp4_decode(True, False, 2) is True and default_fp4_decode(True, False, 0) is True
+    assert default_fp4_decode(True, False) is True
 
 
 def test_fp4_register_cap_defaults(monkeypatch):
@@ -755,7 +729,7 @@ def test_fp4_gluon_page_geometry():
     from kernels import fp4_gluon
 
     bs, h, d = 16, 4, 128
-    layer = FP4PagedLayer(6, bs, h, d, "cpu", num_value_outliers=0)
+    layer = FP4PagedLayer(6, bs, h, d, "cpu")
     k, v = layer.kernel_views("k"), layer.kernel_views("v")
     g = fp4_gluon.page_geometry(k, v)
     base = layer.pages.data_ptr()

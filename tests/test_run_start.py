@@ -110,7 +110,7 @@ def test_config_history_names_what_changed_and_takes_older_fingerprints_of_a_no_
     h = ConfigHistory(fingerprint_of(new), new, known, any_constrained=True, query_set="receipts")
     assert h.changes("old") == {"anchor_text": [False, True], "fp4_value_slots": [None, 0],
                                 "kv_cache": ["fp32", "fp4"], "queries": ["0011", "a78bbd47f1ba5d5a"]}
-    assert h.describe("old") == ("--anchor-text off -> on, --fp4-value-slots none -> 0, --kv-cache fp32 -> fp4, "
+    assert h.describe("old") == ("--anchor-text off -> on, FP4 value slots none -> 0, --kv-cache fp32 -> fp4, "
                                  "query set invoices (0011) -> receipts (a78bbd47f1ba5d5a)")
     assert h.describe("never-kept") == "an earlier configuration" and h.changes("never-kept") is None
     assert not h.same_answers("old", pdf=False, pages=1)

@@ -19,7 +19,6 @@ def cache_info(llm: LLM) -> dict:
     g = llm.runner.graphs
     return {
         "kv_cache_dtype": kv.dtype_name,
-        "fp4_value_slots": getattr(llm.runner.backend, "num_value_outliers", None),
         # what runs decode attention: "gluon" (kernels/fp4_gluon.py: FP4 on CUDA where it can),
         # "triton" (kernels/paged_attention.py) or "torch" (the reference, on CPU)
         "decode_attention": ("gluon" if getattr(llm.runner.backend, "fp4_gluon", False) else "triton")

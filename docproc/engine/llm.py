@@ -42,7 +42,7 @@ PREFETCH_LOOKAHEAD = 16  # queued sequences whose pages are preprocessed ahead (
 WHOLE_ARGUMENTS = {"block_size": 1, "max_num_batched_tokens": 1, "max_num_seqs": 1, "seed": 0,
                    "encoder_cache_entries": 1, "tensor_parallel_size": 1, "speculative_draft_tensor_parallel_size": 1}
 OPTIONAL_WHOLE_ARGUMENTS = {"max_model_len": 2, "kv_cache_memory_bytes": 1, "num_kv_blocks": 1,
-                            "image_prefetch_workers": 0, "fp4_value_slots": 0}
+                            "image_prefetch_workers": 0}
 FLAG_ARGUMENTS = ("enable_prefix_caching", "enforce_eager", "overlap_decode", "one_row_kernels", "pdl", "fp4_gluon",
                   "trust_remote_code")
 TEXT_ARGUMENTS = ("device", "kv_cache_dtype", "draft_vision", "load_format")
@@ -171,7 +171,6 @@ class LLM:
         draft_vision: str = "auto",
         enforce_eager: bool = False,
         image_prefetch_workers: int | None = None,
-        fp4_value_slots: int | None = None,
         overlap_decode: bool = True,
         one_row_kernels: bool = True,
         pdl: bool = True,
@@ -195,7 +194,7 @@ class LLM:
                             enable_prefix_caching=enable_prefix_caching,
                             gpu_memory_utilization=gpu_memory_utilization,
                             kv_cache_memory_bytes=kv_cache_memory_bytes, num_kv_blocks=num_kv_blocks,
-                            encoder_cache_entries=encoder_cache_entries, fp4_value_slots=fp4_value_slots)
+                            encoder_cache_entries=encoder_cache_entries)
         self.config = EngineConfig(model=str(model), device=device, dtype=dtype,
                                    max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                    max_model_len=max_model_len, seed=seed, cache=cache,

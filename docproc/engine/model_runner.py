@@ -169,8 +169,7 @@ class ModelRunner:
         kv_name = resolve_kv_dtype(config.cache.kv_cache_dtype, self.dtype)
         heads = (tc.heads, tc.kv_heads, tc.head_dim, tc.head_dim ** -0.5, self.device)  # this rank's
         if kv_name == "fp4":
-            self.backend = FP4Attention(*heads, compute_dtype=self.dtype,
-                                        num_value_outliers=config.cache.fp4_value_slots)
+            self.backend = FP4Attention(*heads, compute_dtype=self.dtype)
         else:
             self.backend = DenseAttention(*heads, dtype=KV_DTYPES[kv_name], compute_dtype=self.dtype)
         self.kv_cache = KVCache(self.backend, tc.num_hidden_layers, self.block_size, kv_name)

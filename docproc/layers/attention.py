@@ -175,33 +175,27 @@ class FP4Attention(_Backend):
     """K/V in the FP4 format (codes, E4M3 group scales, fp16 outliers) in one page per block."""
 
     def __init__(self, num_heads, num_kv_heads, head_dim, scale, device, compute_dtype: torch.dtype,
-                 num_outliers: int = DEFAULT_NUM_OUTLIERS, threshold: float = DEFAULT_THRESHOLD,
-                 num_value_outliers: int | None = None) -> None:
+                 num_outliers: int = DEFAULT_NUM_OUTLIERS, threshold: float = DEFAULT_THRESHOLD) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale, device)
         if head_dim % 32 or head_dim & (head_dim - 1):
             raise ValueError(f"the FP4 KV cache needs a power-of-two head_dim >= 32; this model has {head_dim}: "
                              f"use kv_cache_dtype bf16")
         self.compute_dtype = compute_dtype
         self.num_outliers = num_outliers
-        # value slots: none unless asked for: they showed no quality gain on the
-        # bundled pair (0.9367 field exact match without, 0.9358 with) and values, unlike keys, are
-        # not known for large fixed channels; the Gluon decode kernel, 2.5x the Triton kernel's
-        # speed on the H200, reads caches without them only
-        self.num_value_outliers = 0 if num_value_outliers is None else num_value_outliers
         self.threshold = threshold
         if self.use_triton:
             from kernels import fp4_gluon  # CUDA only: Gluon imports where it can run
 
             self.fp4_gluon = fp4_gluon.engine_can_use(num_heads // num_kv_heads, head_dim, num_outliers,
-                                                      self.num_value_outliers, compute_dtype, device)
+                                                      compute_dtype, device)
 
     def allocate(self, num_blocks: int, block_size: int) -> FP4PagedLayer:
         return FP4PagedLayer(num_blocks, block_size, self.num_kv_heads, self.head_dim, self.device,
-                             self.num_outliers, self.threshold, num_value_outliers=self.num_value_outliers)
+                             self.num_outliers, self.threshold)
 
     def bytes_per_token(self, block_size: int) -> int:
         return FP4PagedLayer(1, block_size, self.num_kv_heads, self.head_dim, "meta",
-                             self.num_outliers, num_value_outliers=self.num_value_outliers).bytes_per_token
+                             self.num_outliers).bytes_per_token
 
     @staticmethod
     def layer_bytes(layer: FP4PagedLayer) -> int:

@@ -73,6 +73,7 @@ class EngineSetup:
         settings = {k: v for k, v in asdict(self.s).items() if k not in unkeyed}
         if settings.get("load_format") == "auto":  # (keyed only when set: the keys of runs before it stay)
             del settings["load_format"]
+        settings["fp4_value_slots"] = None  # a setting no more, kept at its old default: the keys of runs before stay
         payload = {"files": stamps, "settings": settings, "queries": self.queries.fingerprint,
                    "constraints": self.constrain, "prompt": PROMPT_VERSION, "docproc": __version__,
                    "cuda": cuda_environment(), "rules": FINGERPRINT_RULES}
@@ -173,7 +174,7 @@ class EngineSetup:
                                gpu_memory_utilization=self.s.gpu_memory_utilization, seed=self.s.seed,
                                speculative_model=self.s.draft, num_speculative_tokens=self.s.spec_k,
                                draft_vision=self.s.draft_vision, enforce_eager=self.s.enforce_eager,
-                               fp4_value_slots=self.s.fp4_value_slots, quantization=self.s.quantization,
+                               quantization=self.s.quantization,
                                tensor_parallel_size=self.s.tensor_parallel_size, load_format=self.s.load_format)
             except EnvironmentFault:
                 raise
@@ -241,9 +242,9 @@ class EngineSetup:
         if info.get("weights_fp8"):  # likewise: FP8 weights (the checkpoint's, or quantized at load)
             payload["weights_fp8"] = info["weights_fp8"]
         if info["kv_cache_dtype"] == "fp4":
-            # always: an entry-less FP4 fingerprint stands for the older default of 2 slots, so
-            # that runs made under it never match a run with 0
-            payload["fp4_value_slots"] = info["fp4_value_slots"]
+            # FP4 values have no outlier slots (an option for 2 bought nothing and is gone); the entry
+            # stays in every FP4 fingerprint: an entry-less one stands for the older default of 2 slots
+            payload["fp4_value_slots"] = 0
         return json.loads(json.dumps(payload))  # as stored: lists, not tuples
 
     def check_models(self) -> None:

@@ -123,7 +123,7 @@ COMPONENT_NAMES = {"queries": "query set", "constraints": "constrained decoding 
                    "draft": "draft", "dpi": "--dpi", "max_pages": "--max-pages", "kv_cache": "--kv-cache",
                    "dtype": "dtype", "max_image_tokens": "max image tokens", "prompt": "prompt version",
                    "anchor_text": "--anchor-text", "weights_fp8": "FP8 weights",
-                   "fp4_value_slots": "--fp4-value-slots"}
+                   "fp4_value_slots": "FP4 value slots"}
 
 
 def _shown(value) -> str:

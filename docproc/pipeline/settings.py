@@ -35,7 +35,6 @@ class RunSettings:
     draft_vision: str = "auto"
     anchor_text: bool = False  # put each PDF page's text layer (with coordinates) in the prompt
     enforce_eager: bool = False  # no CUDA graphs (debugging, profiling)
-    fp4_value_slots: int | None = None  # FP4 KV: outlier slots per value vector (0, the default, or 2 as the keys)
     quantization: str | None = None  # "fp8": the model's language weights quantized to FP8 at load
     tensor_parallel_size: int = 1  # the model's language weights split over this many GPUs (processes)
     debug: bool = False  # tracebacks of documents' unexpected errors on stderr
@@ -64,8 +63,6 @@ class RunSettings:
             raise ValueError(f"--quantization must be fp8 (or left out), got {self.quantization}")
         if not 1 <= self.tensor_parallel_size <= 64:
             raise ValueError(f"--tensor-parallel-size must be from 1 to 64, got {self.tensor_parallel_size}")
-        if self.fp4_value_slots not in (None, 0, 2):
-            raise ValueError(f"--fp4-value-slots must be 0 or 2, got {self.fp4_value_slots}")
         if self.device not in ("auto", "cpu", "cuda") and not (
                 self.device.startswith("cuda:") and self.device[5:].isdigit()):
             raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device}")
