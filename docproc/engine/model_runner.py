@@ -18,7 +18,7 @@ from docproc.engine.kv_cache import KV_DTYPES, KVCache, resolve_kv_dtype
 from docproc.engine.prefetch import ImagePrefetcher, default_workers
 from docproc.engine.sampler import Sampler, SamplingRow
 from docproc.engine.scheduler import SchedulerOutput
-from docproc.engine.sequence import Sequence
+from docproc.engine.sequence import Chunk, Sequence
 from docproc.engine.step_inputs import write_chunk, write_one_token_rows
 from docproc.engine.warmup import warm_fused
 from docproc.errors import DeviceUnavailable
@@ -105,7 +105,7 @@ class PendingStep:
     (ModelRunner.launch; read with ModelRunner.collect). `tokens` stays on the device, so the
     next step can take its input ids from it before the host has seen them."""
 
-    scheduled: list  # ScheduledSeq, one row each, in row order
+    scheduled: list  # Chunk, one row each, in row order
     ends: list  # (Sequence, end) as scheduled
     tokens: torch.Tensor | None  # (rows,) int64 on the device; None until the step samples
     host: torch.Tensor | None  # where the tokens are copied (pinned on CUDA)
@@ -270,9 +270,7 @@ class ModelRunner:
         before = torch.cuda.memory_allocated(self.device)
         seq = Sequence([0] * n)
         seq.block_table = list(range(blocks))
-        from docproc.engine.scheduler import ScheduledSeq
-
-        ids, pos, meta, _, _ = self._prepare([ScheduledSeq(seq, n)])
+        ids, pos, meta, _, _ = self._prepare([Chunk(seq, 0, n)])
         with torch.inference_mode():
             hidden = self.model.text(ids, pos, self.kv_cache.layers, meta, self.backend)
             self.model.text.compute_logits(hidden[-1:])

@@ -13,34 +13,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from docproc.engine.block_manager import BlockManager
-from docproc.engine.sequence import Sequence, SequenceStatus
-
-
-@dataclass
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int  # tokens computed this step, from seq.num_computed_tokens on
-
-    @property
-    def start(self) -> int:
-        return self.seq.num_computed_tokens
-
-    @property
-    def end(self) -> int:
-        return self.seq.num_computed_tokens + self.num_new_tokens
-
-    @property
-    def needs_sample(self) -> bool:
-        """True once this step computes the last known token: its logits give the next one."""
-        return self.end == len(self.seq)
-
-    def input_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start: self.end]
+from docproc.engine.sequence import Chunk, Sequence, SequenceStatus
 
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    scheduled: list[Chunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     failed: list[tuple[Sequence, str]] = field(default_factory=list)  # can never run: why
     # the scheduled sequences that compute one token, their last, and sample the next: decode
@@ -116,7 +94,7 @@ class Scheduler:
                 if id(seq) in gone:
                     continue
                 bm.append_slots(seq, n + self.lookahead)
-            out.scheduled.append(ScheduledSeq(seq, 1))
+            out.scheduled.append(Chunk.next(seq, 1))
             out.decoding.append(seq)
             if n // bs > len(seq.block_hashes):  # a block became full: register its hash
                 bm.commit(seq, n)
@@ -127,7 +105,7 @@ class Scheduler:
             if budget == 0:
                 break
             if seq.num_uncomputed_tokens > 1:
-                s = ScheduledSeq(seq, min(seq.num_uncomputed_tokens, budget))
+                s = Chunk.next(seq, min(seq.num_uncomputed_tokens, budget))
                 out.scheduled.append(s)
                 bm.commit(seq, s.end)  # later admissions this step may hit these blocks
                 budget -= s.num_new_tokens
@@ -153,7 +131,7 @@ class Scheduler:
             self.running.append(seq)
             left = seq.num_uncomputed_tokens
             n = min(left, budget)
-            out.scheduled.append(ScheduledSeq(seq, n))
+            out.scheduled.append(Chunk.next(seq, n))
             if left == 1:
                 out.decoding.append(seq)
             budget -= n
@@ -184,7 +162,7 @@ class Scheduler:
                 bm.append_slots(seq, n + self.lookahead)
             if (n - 1) // bs > len(seq.block_hashes):
                 bm.commit(seq, n - 1)
-            out.scheduled.append(ScheduledSeq(seq, 1))
+            out.scheduled.append(Chunk.next(seq, 1))
             out.decoding.append(seq)
         return out
 

@@ -96,18 +96,30 @@ class Sequence:
 
 @dataclass
 class Chunk:
-    """Positions start..end of a (draft) sequence to compute: what ModelRunner.forward takes.
-    `window` holds tokens past the sequence's end (a speculative step's proposals, scored by the
-    target beside the sequence, never appended to it): end may reach len(seq) + len(window)."""
+    """The step unit: positions start..end of a (draft) sequence to compute, what the scheduler
+    plans and ModelRunner.forward takes. `window` holds tokens past the sequence's end (a
+    speculative step's proposals, scored by the target beside the sequence, never appended to
+    it): end may reach len(seq) + len(window)."""
 
     seq: object
     start: int
     end: int
     window: tuple[int, ...] = ()
 
+    @classmethod
+    def next(cls, seq, num_new_tokens: int) -> Chunk:
+        """The seq's next num_new_tokens positions, from what it has computed."""
+        start = seq.num_computed_tokens
+        return cls(seq, start, start + num_new_tokens)
+
     @property
     def num_new_tokens(self) -> int:
         return self.end - self.start
+
+    @property
+    def needs_sample(self) -> bool:
+        """True once this step computes the last known token: its logits give the next one."""
+        return self.end == len(self.seq)
 
     def input_ids(self) -> list[int]:
         ids = self.seq.token_ids

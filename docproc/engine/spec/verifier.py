@@ -104,7 +104,7 @@ class Verifier:
                 chunks.append(Chunk(s.seq, s.start, len(s.seq) + len(prop.tokens), tuple(prop.tokens)))
                 props.append(prop)
             else:
-                chunks.append(Chunk(s.seq, s.start, s.end))
+                chunks.append(s)
                 props.append(None)
         t0 = time.perf_counter()
         captures = runner.num_graph_captures
