@@ -36,19 +36,19 @@ def _poison_hook():
     import os
     import signal
 
-    import docproc.pipeline.run as run
+    import docproc.pipeline.feed as feed
 
     import docproc.engine.llm as llm
 
     import docproc.pipeline.distributed as distributed
 
-    real = run.open_document
+    real = feed.open_document
 
-    def open_document(cand, **kw):
+    def open_document(cand, **kw):  # (an actor renders on a thread: its process dies)
         if cand.rel.endswith("poison.pdf"):
             os.kill(os.getpid(), signal.SIGKILL)
         return real(cand, **kw)
-    run.open_document = open_document
+    feed.open_document = open_document
 
     real_init = llm.LLM.__init__
 

@@ -47,9 +47,11 @@ from dataclasses import asdict, fields, replace
 
 from docproc.errors import DeviceUnavailable, EnvironmentFault, ModelUnavailable, OutputUnwritable, QueriesUnusable
 from docproc.pipeline.constraints import xgrammar_available
+from docproc.pipeline.feed import Feed
 from docproc.pipeline.reconcile import Reconciliation
 from docproc.pipeline.run import Pipeline, UsageError
 from docproc.pipeline.settings import RunSettings, RunTotals
+from docproc.pipeline.streamer import _Streamer
 
 __all__ = ["RayPipeline", "EngineWorker", "ClusterUnavailable"]
 
@@ -148,8 +150,10 @@ def _probe_failure(e: Exception) -> str:
 
 
 class _WorkerPipeline(Pipeline):
-    """A run's document code without its output folder: rows are kept (not flushed) and handed to
-    the driver, the driver's run id and fingerprint are used, warnings are collected."""
+    """A run's document code without its output folder: a batch's documents go through the plain
+    run's loop (pipeline/streamer.py: rendered ahead of the engine, handed to it as they are ready),
+    rows are kept (not flushed) and handed to the driver, the driver's run id and fingerprint are
+    used, warnings are collected."""
 
     def __init__(self, settings: RunSettings, queries, run_id: str, cfg: str | None, key: str | None) -> None:
         self.s = settings
@@ -173,6 +177,14 @@ class _WorkerPipeline(Pipeline):
         self.failures: list[dict] = []
         self.warnings: list[str] = []
         self._pending = []
+        self._live = None
+        self.timeline = {}
+        self._t0 = time.perf_counter()
+
+    def render_workers(self) -> int:
+        """--render-workers, or by default one thread: a batch's feed lives as long as the batch,
+        and render processes would be started again for every batch."""
+        return 0 if self.s.render_workers is None else self.s.render_workers
 
     def _collect(self, event: str, data: dict) -> None:
         if event == "warning":
@@ -195,13 +207,13 @@ class _WorkerPipeline(Pipeline):
         """Run (candidate, file hash) pairs; the rows of each and this batch's figures."""
         self._reset()
         try:
-            batch: list = []
-            for cand, _ in docs:
-                # hashed again as it is opened: a file changed since the driver hashed it keeps its
-                # new hash on its rows (the driver's only grouped it)
-                batch = self._add_document(cand, None, batch)
-            if batch:
-                self._run_batch(batch)
+            # hashed again (the verdict): a file changed since the driver hashed it keeps its new
+            # hash on its rows (the driver's only grouped it); nothing is done or moved here
+            feed = Feed([cand for cand, _ in docs], self._verdict, self.s.batch_pages, self.render_workers())
+            try:
+                _Streamer(self, feed).run()
+            finally:
+                feed.close()
         except EnvironmentFault as e:
             return {"fault": (e.kind, str(e))}
         except Exception as e:  # noqa: BLE001 -- a bug outside the per-document boundary: its documents fail

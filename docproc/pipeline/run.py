@@ -32,8 +32,8 @@ from docproc.pipeline.constraints import xgrammar_available
 from docproc.pipeline.engine_setup import PROMPT_VERSION, EngineSetup, load_fault
 from docproc.pipeline.feed import Feed, WindowRules
 from docproc.pipeline.streamer import _Streamer
-from docproc.pipeline.rows import DocumentRows, _DocState, _Window, window_requests
-from docproc.pipeline.ingest import (Candidate, DocumentError, discover, display_name, file_digest, open_document,
+from docproc.pipeline.rows import DocumentRows, _Window, window_requests
+from docproc.pipeline.ingest import (Candidate, DocumentError, discover, display_name, file_digest,
                                      searched_roots)
 from docproc.pipeline.queries import QuerySet, build_prompt, load_queries
 from docproc.pipeline.reconcile import ConfigHistory, Reconciliation, reconcile
@@ -402,47 +402,6 @@ class Pipeline(EngineSetup, DocumentRows):
         else:
             self._file_row(cand, sha, "error", data[1], data[0])
 
-    def _add_document(self, cand: Candidate, sha: str | None, batch: list[_Window]) -> list[_Window]:
-        """Open a document (sha: its file hash, or None to hash it now) and add its windows to the
-        batch, running the batch whenever it is full; returns the batch still to run. Whatever
-        the document raises is its error row."""
-        t0 = time.perf_counter()
-        try:
-            if sha is None:
-                sha = file_digest(cand)
-            doc = open_document(cand, dpi=self.s.dpi, max_pages=self.s.max_pages, with_text=self.s.anchor_text,
-                                digest=sha)
-        except (EnvironmentFault, RunInterrupted):
-            raise
-        except Exception as e:  # noqa: BLE001 -- the per-document boundary
-            self._document_failed(cand, sha, e)
-            return batch
-        finally:
-            self.stage_seconds["open_render_hash"] += time.perf_counter() - t0
-        state = _DocState(doc)
-        try:
-            for window in self._windows(state):
-                batch.append(window)
-                if sum(len(w.pages) for w in batch) >= self.s.batch_pages:
-                    self._run_batch(batch)
-                    batch = []
-                if state.failure is not None:
-                    break  # the engine failed on one of its windows: its rows are an error row
-        except (EnvironmentFault, RunInterrupted):
-            raise
-        except Exception as e:  # noqa: BLE001 -- a page failed to render or preprocess
-            batch = [w for w in batch if w.doc is not state]
-            doc.close()
-            self._document_failed(cand, doc.sha256, e)
-            return batch
-        state.finished_adding = True
-        if state.failure is not None:
-            batch = [w for w in batch if w.doc is not state]
-            state.windows_total = state.windows_done
-        if state.windows_done == state.windows_total:  # all its windows already ran
-            self._finish_document(state)
-        return batch
-
     def _reconcile(self, candidates: list[Candidate], rows: list[dict] | None = None) -> None:
         """What the stored rows (rows: OUT's current rows, read here when not given) say against
         what discovery found (docproc.pipeline.reconcile)."""
@@ -497,34 +456,6 @@ class Pipeline(EngineSetup, DocumentRows):
         if self.store.writes_documents(self.s.formats):
             self.store.write_documents(documents_table(table, self.queries), self.s.formats)
         self.stage_seconds["write"] += time.perf_counter() - t0
-
-    def _windows(self, state: _DocState):
-        """Consecutive windows of a document's pages within the image-token budget, rendered
-        lazily (a window's pages are the only ones in memory for this document)."""
-        llm = self._engine()
-        budget = min(self.s.max_image_tokens, llm.max_model_len - 1024)
-        doc = state.doc
-        pages, tokens = [], 0
-        t0 = time.perf_counter()
-        for i in range(doc.num_pages):
-            page = doc.page(i)
-            self.totals.pages += 1
-            self.report("page", {"pages": self.totals.pages})
-            self.page_hashes.add(page.sha256)
-            n = llm.count_image_tokens(page.image)
-            if page.text:  # the anchor text shares the window's budget with the images
-                n += len(llm.tokenizer.encode(page.text, add_special_tokens=False)) + 8
-            if pages and tokens + n > budget:
-                self.stage_seconds["open_render_hash"] += time.perf_counter() - t0
-                state.windows_total += 1
-                yield _Window(state, state.windows_total - 1, pages)
-                t0 = time.perf_counter()
-                pages, tokens = [], 0
-            pages.append(page)
-            tokens += n
-        self.stage_seconds["open_render_hash"] += time.perf_counter() - t0
-        state.windows_total += 1
-        yield _Window(state, state.windows_total - 1, pages)
 
     def live_figures(self) -> LiveFigures:
         self._live = self._live or LiveFigures()
