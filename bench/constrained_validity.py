@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from docproc import LLM, SamplingParams  # noqa: E402
-from docproc.cli import bundled_model  # noqa: E402
+from docproc.pipeline.settings import bundled_model  # noqa: E402
 from docproc.pipeline.queries import build_prompt, load_queries  # noqa: E402
 from docproc.pipeline.rows import answer_row  # noqa: E402
 

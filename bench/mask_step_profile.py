@@ -23,7 +23,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 from bench_masks import rule_requests  # noqa: E402
 from docproc import LLM, SamplingParams  # noqa: E402
-from docproc.cli import bundled_model  # noqa: E402
+from docproc.pipeline.settings import bundled_model  # noqa: E402
 
 
 def main() -> None:

@@ -197,6 +197,8 @@ def run(
                                     "not yet answered (bounds memory; each render process may hold one window more)."),
     load_format: str = typer.Option("auto", "--load-format", hidden=True, help="dummy: random weights from "
                                     "config.json alone (benchmarks at sizes no disk holds; answers are noise)."),
+    fp4_value_slots: Optional[int] = typer.Option(None, "--fp4-value-slots", hidden=True, help="Removed: FP4 values "
+                                                  "have no outlier slots. 0 is accepted, with a warning."),
     render_workers: Optional[int] = typer.Option(None, "--render-workers", metavar="N", help="Processes that render "
                                                  "pages ahead of the engine (default: with a GPU a quarter of the "
                                                  "cores, 1 to 4; on a CPU 0: a thread of the run's own process)."),
@@ -229,6 +231,13 @@ def run(
         if spec_k is not None and draft_dir is None:  # as vLLM: no speculative tokens without a draft
             raise typer.BadParameter("--spec-k goes with --draft (it counts the draft's tokens per step): add "
                                      "--draft DIR (or bundled), or leave --spec-k out", param_hint="--spec-k")
+        if fp4_value_slots is not None:  # removed: a cron line that spelled out the default keeps working
+            if fp4_value_slots != 0:
+                raise typer.BadParameter(f"--fp4-value-slots {fp4_value_slots}: FP4 values have no outlier slots any "
+                                         f"more (two bought no accuracy); leave the option out",
+                                         param_hint="--fp4-value-slots")
+            error("--fp4-value-slots 0 is what every FP4 run does now: the option is going; leave it out", "warning",
+                  "yellow")
         if draft_vision is not None and draft_dir is None:
             raise typer.BadParameter("--draft-vision goes with --draft (it says how the draft sees the pages): add "
                                      "--draft DIR (or bundled), or leave --draft-vision out",

@@ -9,6 +9,19 @@ MODEL_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32"
 DEVICES = ("auto", "cpu", "cuda")
 
 
+def parse_spec_k(value: int | str) -> tuple[int, bool]:
+    """num_speculative_tokens: a number (fixed K) or "auto" (adaptive, K up to 8)."""
+    if isinstance(value, str):
+        if value == "auto":
+            return 8, True
+        if not value.isdigit():
+            raise ValueError(f"num_speculative_tokens must be a number or 'auto', got {value!r}")
+        value = int(value)
+    if not 1 <= value <= 15:
+        raise ValueError(f"num_speculative_tokens must be between 1 and 15, got {value}")
+    return value, False
+
+
 @dataclass
 class CacheConfig:
     kv_cache_dtype: str = "auto"
@@ -105,7 +118,6 @@ class SpecConfig:
     draft_vision: str = "auto"
 
     def __post_init__(self) -> None:
-        from docproc.engine.spec.policy import parse_spec_k  # (pure arithmetic: no torch)
 
         self.k_max, self.adaptive = parse_spec_k(self.num_speculative_tokens)
         if self.draft_vision not in SPEC_DRAFT_VISION:

@@ -431,9 +431,9 @@ def main() -> None:
 
 def _engine_fp4_line(by: dict) -> str:
     """The engine's FP4 decode against SDPA, from a CUDA graph: the Gluon kernel at the engine's
-    split count (the `ours_fp4_gluon_s{n}` row with the smallest n; the engine's pool has no value
-    slots). `ours_fp4_paged` above is the Triton kernel over a pool with value slots, the default
-    before the twentieth session."""
+    split count (the `ours_fp4_gluon_s{n}` row with the smallest n). `ours_fp4_paged` is the Triton
+    kernel over the same pool (results files from before the pool lost its value slots measured it
+    over pages with them, 9,984 bytes a block at 7B against 9,600)."""
     rows = [v for k, v in by.items() if re.fullmatch(r"ours_fp4_gluon_s\d+", k)]
     if not rows or "torch_sdpa_bf16" not in by:
         return ""

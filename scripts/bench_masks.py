@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from docproc import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
-from docproc.cli import bundled_model  # noqa: E402
+from docproc.pipeline.settings import bundled_model  # noqa: E402
 from docproc.pipeline.queries import build_prompt, load_queries  # noqa: E402
 
 

@@ -135,7 +135,7 @@ def main() -> None:
 
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "tests"))
-    from docproc.cli import bundled_model
+    from docproc.pipeline.settings import bundled_model
 
     report: dict = {"date": time.strftime("%Y-%m-%d"), "device": a.device, "cases": {}}
     if a.device.startswith("cuda"):

@@ -60,7 +60,7 @@ def make_inputs(work: Path, count: int, seed: int, blank: int) -> Path:
 
 
 def one_run(docs: Path, out: Path, queries: Path | None, args) -> dict:
-    from docproc.cli import bundled_model
+    from docproc.pipeline.settings import bundled_model
 
     s = RunSettings(inputs=[str(docs)], out=str(out), model=str(bundled_model("target")),
                     queries=str(queries) if queries else None, device=args.device, force=True)

@@ -29,9 +29,10 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kernels import paged_attention as pa  # noqa: E402
 
-# runtime values at the 7B geometry (FP4 pool: 9,984-byte pages; dense: bf16 blocks)
-FP4_INTS = dict(block_size=16, sq_t=3584, sq_h=128, so_t=3584, so_h=128, s_table=1024, sk_b=9984, sk_s=256,
-                sk_h=64, ss_b=9984, ss_s=32, ss_h=8, si_b=9984, si_s=8, si_h=2, sv_b=4992, sv_s=8, sv_h=2)
+# runtime values at the 7B geometry (FP4 pool: 9,600-byte pages, keys with 2 outlier slots and values
+# without; dense: bf16 blocks)
+FP4_INTS = dict(block_size=16, sq_t=3584, sq_h=128, so_t=3584, so_h=128, s_table=1024, sk_b=9600, sk_s=256,
+                sk_h=64, ss_b=9600, ss_s=32, ss_h=8, si_b=9600, si_s=8, si_h=2, sv_b=4800, sv_s=8, sv_h=2)
 DENSE_INTS = dict(block_size=16, sq_t=3584, sq_h=128, so_t=3584, so_h=128, s_table=1024, sk_b=16 * 4 * 128,
                   sk_s=4 * 128, sk_h=128)
 POINTER_TYPES = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
@@ -43,7 +44,7 @@ def compile_sass(kernel: str, block_n: int, num_warps: int, ptx_decode: bool = T
                 extra: dict | None = None) -> str:
     fn = pa._paged_attn_fp4_kernel if kernel == "fp4" else pa._paged_attn_kernel
     ints = FP4_INTS if kernel == "fp4" else DENSE_INTS
-    meta = dict(GROUP=7, TOKENS=1, BLOCK_M=16, BLOCK_N=block_n, HALF=64, SPLIT=True, NUM_OUTLIERS=2, NUM_V_OUTLIERS=2,
+    meta = dict(GROUP=7, TOKENS=1, BLOCK_M=16, BLOCK_N=block_n, HALF=64, SPLIT=True, NUM_OUTLIERS=2,
                 DOT_FP32=False, PTX_DECODE=ptx_decode, PDL=0)
     meta.update(extra or {})
     sig, consts, attrs = {}, {}, {}

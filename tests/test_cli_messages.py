@@ -118,6 +118,16 @@ def test_draft_options_without_a_draft_are_a_usage_error(docs, tmp_path, option,
     assert not (tmp_path / "out").exists()
 
 
+def test_the_removed_fp4_value_slots_option_takes_the_default_with_a_warning_and_refuses_slots(docs, tmp_path):
+    """FP4 values have no outlier slots: a command line that spelled out the default still runs (a
+    warning says to drop it); one that asks for slots is a usage error saying why."""
+    res = invoke("run", docs, "--out", tmp_path / "out", "--fp4-value-slots", "2")
+    assert res.exit_code == 2 and "no outlier slots" in res.stderr, res.output
+    assert not (tmp_path / "out").exists()
+    res = invoke("run", docs, "--out", tmp_path / "out", "--fp4-value-slots", "0", "--dry-run")
+    assert res.exit_code == 0 and "--fp4-value-slots 0 is what every FP4 run does" in res.stderr, res.output
+
+
 def test_the_summary_shows_a_dash_for_figures_of_a_model_not_loaded(monkeypatch, docs, tmp_path):
     out = tmp_path / "out"
     assert invoke("run", docs, "--out", out, "--device", "cuda:63").exit_code == 4

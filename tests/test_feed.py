@@ -29,7 +29,7 @@ def test_a_render_process_that_dies_fails_its_document_and_the_next_is_rendered(
     """A worker stuck in a document (here a FIFO nothing writes to) and then killed, as the
     out-of-memory killer or a crash in MuPDF would: that document comes back failed ("crashed"),
     a new worker takes its place and renders the next one."""
-    from docproc.cli import bundled_model
+    from docproc.pipeline.settings import bundled_model
     from docproc.pipeline.feed import Feed, WindowRules
     from docproc.pipeline.ingest import Candidate
 

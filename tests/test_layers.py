@@ -81,6 +81,15 @@ def test_layers_point_down_and_kernels_stand_alone():
     assert not wrong, "\n".join(sorted(wrong))
 
 
+def test_docprocs_own_small_modules_sit_under_every_layer():
+    """docproc's modules outside the layers (errors, multimodal, config, outputs, ...) are shared by
+    all of them, so they import none of them; the package and `python -m docproc` are the entries."""
+    entries = {"docproc", "docproc.__main__"}
+    wrong = [f"{a} -> {b}" for a, targets in graph().items() if layer(a) is None and a not in entries
+             for b in targets if layer(b) is not None]
+    assert not wrong, "\n".join(sorted(wrong))
+
+
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     """The strongly connected components of more than one module (Tarjan's algorithm)."""
     index: dict[str, int] = {}

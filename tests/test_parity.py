@@ -281,7 +281,7 @@ def test_engine_start_imports_no_transformers_modeling_code():
     import subprocess
     import sys
 
-    code = ("import sys; from docproc import LLM; from docproc.cli import bundled_model; "
+    code = ("import sys; from docproc import LLM; from docproc.pipeline.settings import bundled_model; "
             "LLM(str(bundled_model('target')), device='cpu', speculative_model=str(bundled_model('draft'))); "
             "print(sorted(m for m in ('transformers.modeling_utils', 'torch._dynamo', "
             "'transformers.models.qwen2_vl.modeling_qwen2_vl', 'transformers.image_processing_utils', "

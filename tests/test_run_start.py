@@ -200,7 +200,7 @@ def test_a_run_stopped_before_its_fingerprint_is_known_does_not_load_the_model_t
     """A first run into an empty OUT leaves its fingerprint to the engine's load; stopped before
     that (a signal, a fault), it drops the rows it holds (files settled without the engine) instead
     of loading the model in its wind-down to fingerprint them."""
-    from docproc.cli import bundled_model
+    from docproc.pipeline.settings import bundled_model
     from docproc.pipeline.run import Pipeline, RunSettings
 
     (tmp_path / "in").mkdir()
@@ -216,3 +216,21 @@ def test_a_run_stopped_before_its_fingerprint_is_known_does_not_load_the_model_t
     finally:
         p.store.unlock()
     assert p.llm is None and p._pending == [] and not p.store.part_files()
+
+
+def test_the_config_cache_key_holds_what_it_held():
+    """The settings a config-cache key hashes, for the defaults: a change here moves every key, and
+    every output folder's next run (a cron run with nothing to do included) loads the model once
+    to recompute a fingerprint it did not need. Settings that cannot change a fingerprint are held
+    at their old default (--batch-pages, the removed --fp4-value-slots) or left out."""
+    from docproc.pipeline.engine_setup import keyed_settings
+    from docproc.pipeline.settings import RunSettings
+
+    assert keyed_settings(RunSettings(inputs=["x"], out="o", model="m")) == {
+        "model": "m", "queries": None, "device": "auto", "kv_cache": "auto", "dpi": 120, "max_pages": None,
+        "max_num_batched_tokens": 8192, "gpu_memory_utilization": 0.9, "batch_pages": 32,
+        "max_image_tokens": 16384, "seed": 0, "draft": None, "spec_k": "auto", "draft_vision": "auto",
+        "anchor_text": False, "enforce_eager": False, "quantization": None, "tensor_parallel_size": 1,
+        "fp4_value_slots": None}
+    assert keyed_settings(RunSettings(inputs=["x"], out="o", model="m", batch_pages=4, render_workers=2)) == \
+        keyed_settings(RunSettings(inputs=["y"], out="p", model="m"))

@@ -210,8 +210,13 @@ class _WorkerPipeline(Pipeline):
             # hashed again (the verdict): a file changed since the driver hashed it keeps its new
             # hash on its rows (the driver's only grouped it); nothing is done or moved here
             feed = Feed([cand for cand, _ in docs], self._verdict, self.s.batch_pages, self.render_workers())
+            streamer = _Streamer(self, feed)
             try:
-                _Streamer(self, feed).run()
+                streamer.run()
+            except BaseException:
+                if streamer.stream is not None:  # the actor's engine outlives the batch: nothing of it left running
+                    streamer.stream.abort()
+                raise
             finally:
                 feed.close()
         except EnvironmentFault as e:

@@ -40,6 +40,21 @@ def load_fault(e: Exception, model: str, draft: str | None) -> EnvironmentFault:
                             f"{type(e).__name__}: {e}")
 
 
+def keyed_settings(s) -> dict:
+    """The settings a config-cache key holds: every one but the inputs and outputs and those that
+    decide where and how fast, not what (the fingerprint holds none of them). Keys of runs made
+    before a change stay: --batch-pages (unkeyed since) is held at its default, the removed
+    --fp4-value-slots at its default, load_format only when set."""
+    unkeyed = ("inputs", "out", "force", "formats", "debug", "ray", "ray_address", "data_parallel_size",
+               "render_workers")
+    settings = {k: v for k, v in asdict(s).items() if k not in unkeyed}
+    settings["batch_pages"] = 32
+    settings["fp4_value_slots"] = None
+    if settings.get("load_format") == "auto":
+        del settings["load_format"]
+    return settings
+
+
 class EngineSetup:
     _cached_model: dict | None = None  # the model's fingerprints from the config cache
     _cached_cfg: str | None = None  # the fingerprint taken from the cache, until checked
@@ -68,13 +83,7 @@ class EngineSetup:
                 return None
             stamps[name] = sorted((str(f.relative_to(root)), st.st_size, st.st_mtime_ns)
                                   for f in root.rglob("*") if f.is_file() for st in [f.stat()])
-        unkeyed = ("inputs", "out", "force", "formats", "debug", "ray", "ray_address", "data_parallel_size",
-                   "render_workers", "batch_pages")  # (where and how fast, not what: the fingerprint holds none)
-        settings = {k: v for k, v in asdict(self.s).items() if k not in unkeyed}
-        if settings.get("load_format") == "auto":  # (keyed only when set: the keys of runs before it stay)
-            del settings["load_format"]
-        settings["fp4_value_slots"] = None  # a setting no more, kept at its old default: the keys of runs before stay
-        payload = {"files": stamps, "settings": settings, "queries": self.queries.fingerprint,
+        payload = {"files": stamps, "settings": keyed_settings(self.s), "queries": self.queries.fingerprint,
                    "constraints": self.constrain, "prompt": PROMPT_VERSION, "docproc": __version__,
                    "cuda": cuda_environment(), "rules": FINGERPRINT_RULES}
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()

@@ -118,8 +118,26 @@ def _die_with_parent() -> None:
         pass
 
 
-def _worker(index: int, rules: WindowRules, jobs, results, credits, parent: int | None) -> None:
-    """A render worker's loop; parent None: a thread of the run's own process."""
+class _Stopped(Exception):
+    """The feed closed while a render thread waited for a credit."""
+
+
+def _take(credits, stop: threading.Event | None) -> None:
+    """One credit; a thread (stop given) gives up when the feed closes, since the credits of the
+    windows dropped with it never come back (a process is killed instead)."""
+    if stop is None:
+        credits.acquire()
+        return
+    while not credits.acquire(timeout=POLL_SECONDS):
+        if stop.is_set():
+            raise _Stopped
+
+
+def _worker(index: int, rules: WindowRules, jobs, results, credits, parent: int | None,
+            stop: threading.Event | None = None) -> None:
+    """A render worker's loop; parent None: a thread of the run's own process, which ends when
+    `stop` is set (a feed closed before its documents were all rendered: a Ray actor's batch that
+    failed leaves no thread behind)."""
     if parent is not None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # (blocked until here: see Feed._spawn)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
@@ -129,15 +147,17 @@ def _worker(index: int, rules: WindowRules, jobs, results, credits, parent: int 
         try:
             job = jobs.get(timeout=POLL_SECONDS)
         except queue.Empty:
-            if parent is not None and os.getppid() != parent:
+            if (parent is not None and os.getppid() != parent) or (stop is not None and stop.is_set()):
                 return
             continue
-        if job is None:
+        if job is None or (stop is not None and stop.is_set()):
             return
         key, cand, sha = job
         results.put(("start", key, index))
         try:
-            _render(key, cand, sha, rules, counter, results, credits)
+            _render(key, cand, sha, rules, counter, results, credits, stop)
+        except _Stopped:
+            return
         except BaseException as e:  # noqa: BLE001 -- the document's outcome, whatever it raised
             if isinstance(e, DocumentError):
                 results.put(("failed", key, e.kind, str(e), None))
@@ -145,10 +165,11 @@ def _worker(index: int, rules: WindowRules, jobs, results, credits, parent: int 
                 results.put(("failed", key, None, f"{type(e).__name__}: {e}", traceback.format_exc()))
 
 
-def _render(key: int, cand: Candidate, sha: str, rules: WindowRules, counter: _Counter, results, credits) -> None:
+def _render(key: int, cand: Candidate, sha: str, rules: WindowRules, counter: _Counter, results, credits,
+            stop: threading.Event | None = None) -> None:
     """Open, render and window one document. Each window goes with the seconds spent rendering
     its pages (waits for credits left out)."""
-    credits.acquire()  # the first page: rendered as the document opens
+    _take(credits, stop)  # the first page: rendered as the document opens
     held = 1
     t0 = time.perf_counter()
     try:
@@ -167,7 +188,7 @@ def _render(key: int, cand: Candidate, sha: str, rules: WindowRules, counter: _C
             if i > 0 and pages:
                 got = int(credits.acquire(False))  # inside a window: overdraw rather than wait on itself
             elif i > 0:
-                credits.acquire()
+                _take(credits, stop)
             held += got if i > 0 else 0
             t1 = time.perf_counter()
             page = doc.page(i)
@@ -180,7 +201,7 @@ def _render(key: int, cand: Candidate, sha: str, rules: WindowRules, counter: _C
                 results.put(("window", key, index, pages, held - got, False, busy, began))
                 index, held, pages, tokens, busy, began = index + 1, got, [], 0, 0.0, time.time() - took
                 if not got:  # this page begins the next window: it waits for room like any window's first
-                    credits.acquire()
+                    _take(credits, stop)
                     held = 1
             pages.append(page)
             tokens += n
@@ -215,6 +236,7 @@ class Feed:
             self._job_queue, self._results = queue.Queue(), queue.Queue()
             self._credits = threading.Semaphore(max(1, pages_in_flight))
         self._procs: dict[int, object] = {}  # worker index -> its process
+        self._thread: threading.Thread | None = None  # the render thread, with workers=0
         self._on: dict[int, int] = {}  # worker index -> the key of the document it is rendering
         self._rules: WindowRules | None = None
         self._triage = threading.Thread(target=self._walk, name="docproc-triage", daemon=True)
@@ -262,8 +284,10 @@ class Feed:
             for i in range(self.num_workers):
                 self._spawn(i)
         else:
-            threading.Thread(target=_worker, name="docproc-render", daemon=True,
-                             args=(0, rules, self._job_queue, self._results, self._credits, None)).start()
+            self._thread = threading.Thread(target=_worker, name="docproc-render", daemon=True,
+                                            args=(0, rules, self._job_queue, self._results, self._credits, None,
+                                                  self._stop))
+            self._thread.start()
         self._relay.start()
 
     def _spawn(self, index: int) -> None:
@@ -327,3 +351,5 @@ class Feed:
                 q.close()
         else:
             self._job_queue.put(None)
+            if self._thread is not None:  # (it sees the stop within POLL_SECONDS, or at its next page)
+                self._thread.join(timeout=5)

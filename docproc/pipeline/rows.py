@@ -8,7 +8,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from docproc.pipeline.ingest import Candidate, Document, DocumentError
+from docproc.pipeline.ingest import Candidate, Document
 from docproc.pipeline.constraints import SCHEMA_PROBLEM
 from docproc.pipeline.queries import parse_answer
 from docproc.pipeline.schema import document_json, is_bad, to_table
@@ -143,17 +143,6 @@ class DocumentRows:
         doc.close()
         self._pending.append((doc.candidate.rel, full, True))
         self.report("document", {"path": doc.candidate.rel, "status": status, "pages": doc.num_pages})
-
-    def _document_failed(self, cand: Candidate, sha: str | None, e: Exception) -> None:
-        """A document's error row from what it raised: a DocumentError's reason and kind, or an
-        unexpected exception's class and message (its traceback on stderr with --debug)."""
-        if isinstance(e, DocumentError):
-            kind, message = e.kind, str(e)
-        else:
-            kind, message = "internal", f"{type(e).__name__}: {e}"
-            if self.s.debug:
-                traceback.print_exception(e)
-        self._file_row(cand, sha, "error", message, kind)
 
     def _file_row(self, cand: Candidate, sha: str | None, status: str, error: str, kind: str | None) -> None:
         if status == "error":

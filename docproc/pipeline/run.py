@@ -1,18 +1,19 @@
-"""`docproc run`: documents in, extractions out, in bounded batches.
+"""`docproc run`: documents in, extractions out.
 
-Flow per batch: open documents lazily, render their pages window by window, build one request per
-(query, window) -- every query of a document shares the document's page prefix, and a batch keeps
-a document's requests together so the prefix is computed once -- run the engine, parse answers,
-and flush the finished documents' rows atomically. A document whose pages exceed the prompt's
-image-token budget is split into consecutive windows of pages; each query is asked of every
-window and the first window (in page order) with a non-empty parsed answer wins. With
---anchor-text, each born-digital PDF page's text layer (with coordinates) follows the images in
-the prompt, inside the shared prefix.
+Flow: discovery and the plan against OUT's stored rows, then a feed (pipeline/feed.py: triage on
+a thread, rendering ahead of the engine within the pages-in-flight bound) and the run's loop
+(pipeline/streamer.py): each window's requests -- one per (query, window), a document's requests
+together so its page prefix is computed once -- enter the engine as the window is rendered, the
+answers are parsed as they come back, and finished documents are flushed as atomic parts. A
+document whose pages exceed the prompt's image-token budget is split into consecutive windows of
+pages; each query is asked of every window and the first window (in page order) with a non-empty
+parsed answer wins. With --anchor-text, each born-digital PDF page's text layer (with
+coordinates) follows the images in the prompt, inside the shared prefix.
 
 Reliability: whatever one document raises, at any stage (discovery, open, render, hash,
-preprocessing, encode, write), becomes that document's error row and the run goes on; a batch
-that fails in the engine is run again document by document so that only the document at fault
-fails. Only faults of the environment (docproc.errors) stop a run; SIGTERM and SIGINT drop the
+preprocessing, encode, write), becomes that document's error row and the run goes on; requests
+whose engine step fails are run again document by document (_run_batch) so that only the document
+at fault fails. Only faults of the environment (docproc.errors) stop a run; SIGTERM and SIGINT drop the
 batch in flight. Either way the run ends with a manifest saying how it ended, and the lock freed.
 """
 from __future__ import annotations

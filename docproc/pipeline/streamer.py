@@ -234,6 +234,8 @@ class _Streamer:
     def _maybe_flush(self, now: bool = False) -> None:
         p = self.p
         t = time.perf_counter()
+        if p.store is None:
+            return  # no output folder (a Ray actor's batch): the rows go back to the caller whole
         if p.cfg is None and not now:
             return  # (the fingerprint comes with the engine: rows wait for it rather than load the model)
         if p._pending and (now or self.unflushed_pages >= p.s.batch_pages or len(p._pending) >= FLUSH_DOCUMENTS

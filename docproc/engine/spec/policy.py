@@ -12,19 +12,6 @@ from __future__ import annotations
 from collections import deque
 
 
-def parse_spec_k(value: int | str) -> tuple[int, bool]:
-    """num_speculative_tokens: a number (fixed K) or "auto" (adaptive, K up to 8)."""
-    if isinstance(value, str):
-        if value == "auto":
-            return 8, True
-        if not value.isdigit():
-            raise ValueError(f"num_speculative_tokens must be a number or 'auto', got {value!r}")
-        value = int(value)
-    if not 1 <= value <= 15:
-        raise ValueError(f"num_speculative_tokens must be between 1 and 15, got {value}")
-    return value, False
-
-
 def expected_tokens(a: float, k: int) -> float:
     """E(a, k): expected tokens per verification with k drafts at acceptance rate a."""
     if a >= 1.0:
