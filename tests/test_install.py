@@ -49,3 +49,19 @@ def test_the_first_install_command_brings_a_grammar_backend():
     from docproc.pipeline.constraints import xgrammar_available
 
     assert xgrammar_available()
+
+
+def test_a_caller_expecting_hugging_faces_kernels_is_told_the_fix():
+    """transformers 5.25 and later import Hugging Face's `kernels` distribution, whose import name
+    is this project's kernel package: the pin keeps it out, and a caller that still reaches for it
+    gets the fix, while this package's own modules import as before."""
+    import tomllib
+
+    import kernels
+    from kernels import paged_attention  # noqa: F401  (a module of ours: the import system's path)
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert "transformers>=5.0,<5.25" in deps
+    with pytest.raises(ImportError, match=r"transformers<5\.25.*pip uninstall -y kernels"):
+        from kernels import CUDAProperties  # noqa: F401
+    assert not hasattr(kernels, "__wrapped__")
