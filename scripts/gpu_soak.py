@@ -48,8 +48,9 @@ def name(c: dict) -> str:
 def run_one(c: dict, repeat: int, docs: Path, work: Path, share: float, timeout: int) -> dict:
     out = work / f"{name(c)}-r{repeat}"
     cmd = [sys.executable, "-m", "docproc", "run", str(docs), "--out", str(out), "--draft", c["draft"],
-           "--spec-k", c["spec_k"], "--kv-cache", c["kv"], "--device", "cuda", "--quiet",
-           "--gpu-memory-utilization", str(share)]
+           "--kv-cache", c["kv"], "--device", "cuda", "--quiet", "--gpu-memory-utilization", str(share)]
+    if c["draft"] != "none":
+        cmd += ["--spec-k", c["spec_k"]]  # a usage error without a draft
     if not c["graphs"]:
         cmd.append("--enforce-eager")
     t0 = time.perf_counter()

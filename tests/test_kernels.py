@@ -423,9 +423,9 @@ def test_fp4_gluon_decode_matches_the_reference(heads, kv_heads, dtype, key_slot
 
 @pytest.mark.gpu  # Gluon: GPU only
 def test_fp4_gluon_is_only_taken_where_it_can_run(monkeypatch):
-    """Value slots, verify windows or a named Triton variant keep the Triton kernel; fp4_gluon=True
-    where it cannot run is an error; the engine's fp4_gluon=False (attention_plan.FP4_GLUON) turns
-    the default off."""
+    """Verify windows or a named Triton variant keep the Triton kernel; fp4_gluon=True where it
+    cannot run is an error; the engine's fp4_gluon=False (attention_plan.FP4_GLUON) turns the
+    default off."""
     from kernels import fp4_gluon
 
     heads, kv_heads, d, bs = 28, 4, 128, 16
@@ -433,20 +433,20 @@ def test_fp4_gluon_is_only_taken_where_it_can_run(monkeypatch):
     layer = fp4_layer_with_outliers(24, bs, kv_heads, d, seed=12)
     plan = plan_tiles(qs, [300, 40], tables, heads // kv_heads, DEV, num_splits=2)
     fk, fv = layer.kernel_views("k"), layer.kernel_views("v")
-    assert "value outlier slots" in fp4_gluon.supported(q, plan, fk, fv)
-    assert fp4_gluon.supported(q, plan, fk, _zero_width(fv)) is None
-    with pytest.raises(AssertionError, match="cannot run"):
-        paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv, fp4_gluon=True)
+    assert fp4_gluon.supported(q, plan, fk, fv) is None
     q2, qs2, tables2 = make_batch([3], [300], heads, kv_heads, d, bs, 24, dtype=torch.bfloat16, seed=13)
     plan2 = plan_tiles(qs2, [300], tables2, heads // kv_heads, DEV, num_splits=2)
-    assert "decode tiles only" in fp4_gluon.supported(q2, plan2, fk, _zero_width(fv))
+    assert "decode tiles only" in fp4_gluon.supported(q2, plan2, fk, fv)
+    with pytest.raises(AssertionError, match="cannot run"):
+        paged_attention(q2, plan2, d ** -0.5, fp4_k=fk, fp4_v=fv, fp4_gluon=True)
     calls = []
     real = fp4_gluon.launch
     monkeypatch.setattr(fp4_gluon, "launch", lambda *a, **k: (calls.append(1), real(*a, **k)))
-    paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=_zero_width(fv))
-    paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=_zero_width(fv), fp4_ptx_decode="words")
+    paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv)
+    paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv, fp4_ptx_decode="words")
+    paged_attention(q2, plan2, d ** -0.5, fp4_k=fk, fp4_v=fv)
     monkeypatch.setattr(plan_module(), "FP4_GLUON", False)
-    paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=_zero_width(fv))
+    paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv)
     assert calls == [1]
 
 
