@@ -433,7 +433,7 @@ def test_without_xgrammar_answers_are_checked_against_their_rules(docs, qwen2_vl
     import pyarrow.parquet as _pq
 
     pytest.importorskip("xgrammar")
-    monkeypatch.setattr("docproc.pipeline.run.xgrammar_available", lambda: False)
+    monkeypatch.setattr("docproc.pipeline.documents.xgrammar_available", lambda: False)
     out = tmp_path / "checked"
     res = run_cli("run", docs, "--out", out, "--model", qwen2_vl_dir, "--device", "cpu")
     assert res.exit_code in (0, 1), res.output

@@ -209,7 +209,7 @@ def test_training_anchor_text_is_the_pipelines(tmp_path):
     from fixtures.documents import draw_pdf, make_spec
 
     from docproc.pipeline.ingest import discover, open_document
-    from docproc.pipeline.run import window_anchor
+    from docproc.pipeline.documents import window_anchor
 
     spec = make_spec(random.Random(5), "a5", max_pages=3)
     doc = draw_pdf(spec)

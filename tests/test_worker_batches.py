@@ -61,3 +61,26 @@ def test_a_failed_batch_leaves_no_request_and_no_render_thread(tmp_path, one_que
     assert len(good["docs"]) == 3 and all(r["doc_status"] == "ok" for r in rows), rows
     assert good["totals"]["documents"] == 3 and good["stage_seconds"]["engine"] > 0
     assert len(render_threads()) == before
+
+
+def test_an_actors_document_work_is_the_plain_runs(tmp_path, one_query):
+    """The actor's document work is built by the same constructor as the plain run's
+    (pipeline/documents.py): whatever state that work needs, the actor has, and it keeps none of
+    the plain run's output-folder side (discovery, removals, the manifest)."""
+    from docproc.pipeline.documents import DocumentWork
+    from docproc.pipeline.run import Pipeline
+
+    settings = RunSettings(inputs=[str(SAMPLES)], out=str(tmp_path / "out"), model=str(bundled_model("target")),
+                           queries=str(one_query), device="cpu")
+    plain = Pipeline(settings)
+    actor = _WorkerPipeline(settings, load_queries(one_query), "run", "cfg", None)
+    shared = set(vars(DocumentWork(settings, load_queries(one_query), "run", lambda e, d: None)))
+    assert shared <= set(vars(plain)) and shared <= set(vars(actor))
+    assert actor.cfg == "cfg" and actor.run_id == "run" and actor.store is None
+    assert not any(hasattr(actor, m) for m in ("run", "_start", "_remove_gone", "_manifest"))
+    actor.totals.pages = 3
+    actor.warnings.append("w")
+    actor.new_figures()
+    assert actor.totals.pages == 0 and actor.warnings == [] and set(actor.stage_seconds) == {
+        "open_render_hash", "engine", "load_model"}
+    assert set(plain.stage_seconds) == {"discover", "open_render_hash", "engine", "write", "load_model"}

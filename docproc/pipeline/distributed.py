@@ -46,9 +46,8 @@ import time
 from dataclasses import asdict, fields, replace
 
 from docproc.errors import DeviceUnavailable, EnvironmentFault, ModelUnavailable, OutputUnwritable, QueriesUnusable
-from docproc.pipeline.constraints import xgrammar_available
+from docproc.pipeline.documents import DocumentWork
 from docproc.pipeline.feed import Feed
-from docproc.pipeline.reconcile import Reconciliation
 from docproc.pipeline.run import Pipeline, UsageError
 from docproc.pipeline.settings import RunSettings, RunTotals
 from docproc.pipeline.streamer import _Streamer
@@ -149,37 +148,23 @@ def _probe_failure(e: Exception) -> str:
     return f"the Ray worker that loads the model to fingerprint this configuration {how}: {worker_failure(e)}"
 
 
-class _WorkerPipeline(Pipeline):
-    """A run's document code without its output folder: a batch's documents go through the plain
+class _WorkerPipeline(DocumentWork):
+    """A run's document work without its output folder: a batch's documents go through the plain
     run's loop (pipeline/streamer.py: rendered ahead of the engine, handed to it as they are ready),
     rows are kept (not flushed) and handed to the driver, the driver's run id and fingerprint are
     used, warnings are collected."""
 
     def __init__(self, settings: RunSettings, queries, run_id: str, cfg: str | None, key: str | None) -> None:
-        self.s = settings
-        self.store = None  # the driver's alone
-        self.queries = queries
-        self.constrain = xgrammar_available()
-        self.llm = None
-        self.report = self._collect
-        self.run_id = run_id
-        self.cfg = self._cached_cfg = cfg  # checked against this engine's own when it loads
-        self._key = key
-        self._plan = Reconciliation()
-        self._roots = {}
-        self.corrected: str | None = None  # this engine's fingerprint, where the driver's was stale
-        self._reset()
-
-    def _reset(self) -> None:
-        self.totals = RunTotals()
-        self.stage_seconds = {"open_render_hash": 0.0, "engine": 0.0, "load_model": 0.0}
-        self.page_hashes: set[str] = set()
-        self.failures: list[dict] = []
         self.warnings: list[str] = []
-        self._pending = []
-        self._live = None
-        self.timeline = {}
-        self._t0 = time.perf_counter()
+        super().__init__(settings, queries, run_id, self._collect, cfg=cfg)
+        self.store = None  # the driver's alone
+        self._cached_cfg = cfg  # checked against this engine's own when it loads
+        self._key = key
+        self.corrected: str | None = None  # this engine's fingerprint, where the driver's was stale
+
+    def new_figures(self) -> None:
+        super().new_figures()
+        self.warnings = []
 
     def render_workers(self) -> int:
         """--render-workers, or by default one thread: a batch's feed lives as long as the batch,
@@ -198,14 +183,14 @@ class _WorkerPipeline(Pipeline):
 
     def failed(self, docs: list, message: str) -> dict:
         """Every document of docs as an error row of kind "worker" (its worker died in it twice)."""
-        self._reset()
+        self.new_figures()
         for cand, sha in docs:
             self._file_row(cand, sha, "error", message, "worker")
         return self._result()
 
     def process(self, docs: list) -> dict:
         """Run (candidate, file hash) pairs; the rows of each and this batch's figures."""
-        self._reset()
+        self.new_figures()
         try:
             # hashed again (the verdict): a file changed since the driver hashed it keeps its new
             # hash on its rows (the driver's only grouped it); nothing is done or moved here
