@@ -62,9 +62,10 @@ class EngineConfig:
     # threads that preprocess page images ahead of their vision encode (None: up to 8 beside a GPU,
     # none on a CPU engine; 0: inline)
     image_prefetch_workers: int | None = None
-    # CUDA kernel choices (process-wide: the kernels' modules hold them; off for comparisons and
-    # profiles): one-row weight products in kernels/gemv.py (else cuBLAS), programmatic dependent
-    # launch on sm_90+ (kernels/pdl.py), the Gluon FP4 decode kernel (else the Triton one)
+    # CUDA kernel choices of this engine (kernels/options.py: handed to its model and attention
+    # backend; off for comparisons and profiles): one-row weight products in kernels/gemv.py (else
+    # cuBLAS), programmatic dependent launch on sm_90+ (kernels/pdl.py), the Gluon FP4 decode kernel
+    # (else the Triton one)
     one_row_kernels: bool = True
     pdl: bool = True
     fp4_gluon: bool = True

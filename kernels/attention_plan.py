@@ -10,9 +10,6 @@ from dataclasses import dataclass
 import torch
 from kernels._triton import triton
 
-FP4_GLUON = True  # FP4 decode tiles through kernels/fp4_gluon.py where it can run; the engine sets it
-#                   from its configuration (EngineConfig.fp4_gluon)
-
 LOG2E = 1.4426950408889634
 
 # Integer arguments Triton must not specialize on (it compiles a variant for a value of 1 and one

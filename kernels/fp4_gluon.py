@@ -50,7 +50,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from kernels import attention_plan
 from kernels._triton import interpreting
 from kernels.attention_plan import LOG2E, UNSPECIALIZED, TilePlan
 from kernels.fp4 import fp4_pair_steps
@@ -434,9 +433,10 @@ def _why_not(device, dtype: torch.dtype, head_dim: int, group: int, key_slots: i
 
 def engine_can_use(group: int, head_dim: int, key_slots: int, compute_dtype: torch.dtype, device) -> bool:
     """Whether an engine's FP4 decode steps will run this kernel (supported() for its calls), so
-    that its plans take this kernel's split count. Never with attention_plan.FP4_GLUON off
+    that its plans take this kernel's split count (the engine asks only where its
+    KernelOptions.fp4_gluon is on).
     (EngineConfig.fp4_gluon)."""
-    return attention_plan.FP4_GLUON and _why_not(device, compute_dtype, head_dim, group, key_slots) is None
+    return _why_not(device, compute_dtype, head_dim, group, key_slots) is None
 
 
 def supported(q: torch.Tensor, plan: TilePlan, fp4_k: tuple, fp4_v: tuple) -> str | None:

@@ -216,8 +216,8 @@ def default_config(n: int, k: int, gated: bool = False) -> tuple[int, int, int]:
 
 def gemv_fp8(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, group: int,
              bias: torch.Tensor | None = None, gated: bool = False,
-             config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """fp8_linear_ref for one row, in one kernel. x: (1, K) contiguous ((1, 2K) when gated); data
+             config: tuple[int, int, int] | None = None, pdl_on: bool = True) -> torch.Tensor:
+    """fp8_linear_ref for one row, in one kernel (pdl_on: as gemv's). x: (1, K) contiguous ((1, 2K) when gated); data
     (N, K) float8 codes with unit stride along K; scale (N, G) float32 (G = 1: per row; else
     groups of `group` columns, a power of two dividing BLOCK_K)."""
     n, k = data.shape
@@ -233,7 +233,7 @@ def gemv_fp8(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, group: in
         scale.stride(0),
         GATED=gated, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_K=group_k,
         PER_ROW=per_row, EVEN_K=k % block_k == 0, num_warps=warps,
-        **pdl.launch(x, early=not (gated and k >= 16384)))
+        **pdl.launch(x, early=not (gated and k >= 16384), on=pdl_on))
     return out
 
 

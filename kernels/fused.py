@@ -84,8 +84,9 @@ def _add_rms_norm_kernel(
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """As add_rms_norm_ref, in one kernel. x, residual: (N, hidden)."""
+                 eps: float, pdl_on: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """As add_rms_norm_ref, in one kernel. x, residual: (N, hidden). pdl_on: launched with PDL
+    where the device has it (kernels/pdl.py)."""
     assert x.dim() == 2 and x.stride(1) == 1, "x: (num_tokens, hidden), contiguous rows"
     n, hidden = x.shape
     assert weight.shape == (hidden,) and weight.is_contiguous()
@@ -101,7 +102,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
             hidden, eps,
             x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
             HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(hidden),
-            num_warps=4 if hidden <= 4096 else 8, **pdl.launch(x),
+            num_warps=4 if hidden <= 4096 else 8, **pdl.launch(x, on=pdl_on),
         )
     return out, res_out
 
@@ -195,9 +196,10 @@ def _rotary_store_kernel(
 
 
 def rotary_store_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int) -> torch.Tensor:
+                  v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int, pdl_on: bool = True) -> torch.Tensor:
     """As rotary_store_ref, in one kernel launch: qkv (N, H + 2 Hkv, D) contiguous in D, caches
-    (num_slots, Hkv, D) views contiguous in D, slots (N,) int64. Returns q, (N, H, D), a view."""
+    (num_slots, Hkv, D) views contiguous in D, slots (N,) int64. Returns q, (N, H, D), a view.
+    pdl_on: as add_rms_norm's."""
     n, heads, d = qkv.shape
     hkv = (heads - num_heads) // 2
     assert num_heads + 2 * hkv == heads, f"{heads} heads are not {num_heads} q heads plus k and v heads"
@@ -212,7 +214,7 @@ def rotary_store_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
             qkv.stride(0), qkv.stride(1), cos.stride(0), sin.stride(0),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             HALF=d // 2, BLOCK_H=triton.next_power_of_2(num_heads + hkv), BLOCK_KV=max(2, triton.next_power_of_2(hkv)),
-            **pdl.launch(qkv),
+            **pdl.launch(qkv, on=pdl_on),
         )
     return qkv[:, :num_heads]
 

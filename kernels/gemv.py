@@ -21,11 +21,12 @@ from kernels._triton import tl, triton
 
 from kernels import pdl
 from kernels.fused import silu_times
+from kernels.options import DEFAULT, KernelOptions
 
-# the model's one-row products go through gemv() on CUDA; the engine sets it from its configuration
-# (EngineConfig.one_row_kernels; off: cuBLAS for every product). Products of two or more rows go to
-# cuBLAS: a tensor-core kernel over the same streamed tiles measured 2.0-2.8x slower at 5 rows.
-ENABLED = True
+# the model's one-row products go through gemv() on CUDA unless its engine turns them off
+# (KernelOptions.one_row, from EngineConfig.one_row_kernels; off: cuBLAS for every product). Products
+# of two or more rows go to cuBLAS: a tensor-core kernel over the same streamed tiles measured
+# 2.0-2.8x slower at 5 rows.
 
 
 # ---- torch reference --------------------------------------------------------------------------------
@@ -134,9 +135,9 @@ def default_config(n: int, k: int, gated: bool = False) -> tuple[int, int, int]:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
-         config: tuple[int, int, int] | None = None) -> torch.Tensor:
+         config: tuple[int, int, int] | None = None, pdl_on: bool = True) -> torch.Tensor:
     """As gemv_ref, in one kernel. x: (1, K) contiguous ((1, 2K) when gated); weight (N, K) with
-    unit stride along K."""
+    unit stride along K. pdl_on: launched with PDL where the device has it (kernels/pdl.py)."""
     n, k = weight.shape
     assert x.dim() == 2 and x.shape[0] == 1 and x.shape[1] == (2 * k if gated else k) and x.stride(-1) == 1
     assert weight.stride(1) == 1 and x.dtype == weight.dtype
@@ -145,24 +146,25 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
         GATED=gated, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        num_warps=warps, **pdl.launch(x, early=not (gated and k >= 16384)))
+        num_warps=warps, **pdl.launch(x, early=not (gated and k >= 16384), on=pdl_on))
     return out
 
 
 # ---- a few rows: the tensor cores over the same streamed weight tiles ------------------------------
-def use_gemv(x: torch.Tensor) -> bool:
-    """Whether a product with input x takes this kernel: one row on CUDA."""
-    return ENABLED and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1
+def use_gemv(x: torch.Tensor, opts: KernelOptions = DEFAULT) -> bool:
+    """Whether a product with input x takes this kernel: one row on CUDA, where opts allow."""
+    return opts.one_row and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1
 
 
 def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-            gated: bool = False) -> torch.Tensor:
+            gated: bool = False, opts: KernelOptions = DEFAULT) -> torch.Tensor:
     """gemv() (callers check use_gemv first)."""
-    return gemv(x, weight, bias, gated=gated)
+    return gemv(x, weight, bias, gated=gated, pdl_on=opts.pdl)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through gemv() for one row on CUDA."""
-    if use_gemv(x):
-        return product(x, weight, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           opts: KernelOptions = DEFAULT) -> torch.Tensor:
+    """F.linear, through gemv() for one row on CUDA (where opts allow)."""
+    if use_gemv(x, opts):
+        return product(x, weight, bias, opts=opts)
     return torch.nn.functional.linear(x, weight, bias)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from kernels._triton import interpreting, tl, triton
 
-from kernels import attention_plan, pdl
+from kernels import pdl
 from kernels.fp4 import fp4_pair_steps
 from kernels.attention_plan import LOG2E, UNSPECIALIZED, TilePlan, merge_shape
 
@@ -536,7 +536,8 @@ def paged_attention(
     maxnreg: int | None = None,  # registers per thread the compiler may use (None: FP4 as tuned, see
     # default_fp4_maxnreg; dense the compiler's choice); 0: no cap
     fp4_gluon: bool | None = None,  # FP4 decode tiles: the Gluon kernel (kernels/fp4_gluon.py); None: where
-    # it can run the call (fp4_gluon.supported) unless FP4_GLUON is off; True: it must
+    # it can run the call (fp4_gluon.supported); True: it must; False: the Triton kernel
+    pdl_on: bool = True,  # launched with PDL where the device has it (kernels/pdl.py)
 ) -> torch.Tensor:
     n_tok, n_heads, d = q.shape
     is_fp4 = fp4_k is not None
@@ -554,8 +555,6 @@ def paged_attention(
         try:
             from kernels import fp4_gluon as gluon_kernel  # imported only where it may run
             why = gluon_kernel.supported(q, plan, fp4_k, fp4_v)
-            if why is None and fp4_gluon is None and not attention_plan.FP4_GLUON:
-                why = "turned off (EngineConfig.fp4_gluon)"
         except ImportError as e:  # a Triton without Gluon
             why = f"no Gluon in this Triton ({e})"
         assert not (fp4_gluon and why), f"the Gluon FP4 kernel cannot run this call: {why}"
@@ -628,7 +627,7 @@ def paged_attention(
             *strides_k,
             GROUP=group, TOKENS=plan.tokens_per_tile, BLOCK_M=plan.block_m, BLOCK_N=block_n, HALF=d // 2,
             SPLIT=splits > 1, DOT_FP32=dot_fp32,
-            num_warps=num_warps, num_stages=num_stages, **pdl.attention_launch(q),
+            num_warps=num_warps, num_stages=num_stages, **pdl.attention_launch(q, on=pdl_on),
             **({"maxnreg": maxnreg} if maxnreg else {}),
         )
     if splits > 1:
@@ -636,6 +635,6 @@ def paged_attention(
         _combine_kernel[(n_tiles, n_kv, d // block_d)](
             out, part_acc, part_ml, plan.tile_tok, plan.tile_nq, out.stride(0), out.stride(1), splits,
             GROUP=group, TOKENS=plan.tokens_per_tile, BLOCK_M=plan.block_m, HALF=d // 2, BLOCK_D=block_d,
-            CHUNK=chunk, **pdl.attention_launch(q),
+            CHUNK=chunk, **pdl.attention_launch(q, on=pdl_on),
         )
     return out

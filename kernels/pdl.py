@@ -20,8 +20,9 @@ Rules every kernel launched this way keeps (what makes it safe):
 Kernels launched without the flag keep plain stream order (they start after the previous kernel
 completes), so mixing the two is safe.
 
-On by default on sm_90+; the engine's `pdl=False` (EngineConfig, set here as ENABLED) turns it
-off: every kernel then launches as before and `wait` compiles out. Interpreter and CPU runs never
+On by default on sm_90+; the engine's `pdl=False` (EngineConfig, handed to the launches as
+KernelOptions.pdl, kernels/options.py) turns it off: every kernel then launches as before and
+`wait` compiles out. Interpreter and CPU runs never
 use it: the flag is a compile-time argument (PDL) of each kernel. The paged attention kernel and
 its merge let the next kernel launch on entry; the other call sites choose start or end (after
 their main loop) by what measured faster.
@@ -39,40 +40,38 @@ import functools
 import torch
 from kernels._triton import gdc_launch_dependents, gdc_wait, interpreting, tl, triton
 
-ENABLED = True  # the engine sets it from its configuration (EngineConfig.pdl)
-
-
 @functools.lru_cache(maxsize=None)
 def _capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
-def enabled(t: torch.Tensor) -> bool:
-    """Whether kernels working on t's device launch with PDL: CUDA, sm_90 or later, not turned off."""
-    return enabled_on(t.device)
+def enabled(t: torch.Tensor, on: bool = True) -> bool:
+    """Whether kernels working on t's device launch with PDL: asked for (on: the engine's
+    KernelOptions.pdl), CUDA, sm_90 or later."""
+    return enabled_on(t.device, on)
 
 
-def enabled_on(device: torch.device) -> bool:
+def enabled_on(device: torch.device, on: bool = True) -> bool:
     """enabled() for a device."""
     device = torch.device(device)
-    if not ENABLED or device.type != "cuda" or interpreting():
+    if not on or device.type != "cuda" or interpreting():
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def launch(t: torch.Tensor, early: bool = True) -> dict:
+def launch(t: torch.Tensor, early: bool = True, on: bool = True) -> dict:
     """Extra launch arguments for a kernel taking a PDL constexpr: PDL = 1 (let the next kernel
-    launch on entry: `start`) or 2 (after the main loop: `end`) with launch_pdl where enabled(t);
-    PDL = 0 (plain launch, no wait compiled in) otherwise."""
-    if not enabled(t):
+    launch on entry: `start`) or 2 (after the main loop: `end`) with launch_pdl where
+    enabled(t, on); PDL = 0 (plain launch, no wait compiled in) otherwise."""
+    if not enabled(t, on):
         return {"PDL": 0}
     return {"PDL": 1 if early else 2, "launch_pdl": True}
 
 
-def attention_launch(t: torch.Tensor) -> dict:
+def attention_launch(t: torch.Tensor, on: bool = True) -> dict:
     """launch() for the paged attention kernel and its merge: the next kernel may launch on entry
     (on the H200 faster than after the main loop, or than plain launches, at 2B and 7B)."""
-    return launch(t, early=True)
+    return launch(t, early=True, on=on)
 
 
 @triton.jit

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import gc
 import json
@@ -53,7 +54,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # fixtures: random checkpoints
 
-import kernels.gemv as kernels_gemv  # noqa: E402
 import kernels.pdl as kernels_pdl  # noqa: E402
 from docproc import LLM, SamplingParams  # noqa: E402
 from docproc.models.quant import Fp8Weight  # noqa: E402
@@ -249,17 +249,18 @@ def part_a(folder: Path, args, env: dict) -> dict:
     no_overlap_tps = max(decode_tps()[0] for _ in range(3))
     llm.overlap.enabled = True
     overlapped = llm.num_overlapped_steps
-    def without(module, attr: str = "ENABLED", value=False) -> float:
-        """tokens/s with module.ENABLED off (or `attr` set to `value`); then as before again, graphs
-        recaptured by a warm-up pass."""
-        with kernels_off(module, graphs, attr, value):
+    def without(**off) -> float:
+        """tokens/s with the engine's kernel options `off` (KernelOptions fields set to False); then
+        as before again, graphs recaptured by a warm-up pass."""
+        with kernels_off(llm, **off):
             tps = max(decode_tps()[0] for _ in range(3))
         decode_tps()
         return tps
 
     # cuBLAS for the one-row products; every kernel in plain stream order (no programmatic dependent launch)
-    no_gemv_tps = without(kernels_gemv) if graphs is not None and kernels_gemv.ENABLED else None
-    no_pdl_tps = (without(kernels_pdl) if graphs is not None and kernels_pdl.enabled(torch.zeros(1, device=args.device))
+    opts = llm.runner.kernel_options
+    no_gemv_tps = without(one_row=False) if graphs is not None and opts.one_row else None
+    no_pdl_tps = (without(pdl=False) if graphs is not None and kernels_pdl.enabled_on(llm.runner.device, opts.pdl)
                   else None)
     eager_tps = None
     if graphs is not None:  # the same engine with its CUDA graphs switched off
@@ -350,23 +351,24 @@ def host_profile(fn, top: int = 40) -> dict:
 
 
 @contextlib.contextmanager
-def kernels_off(module, graphs, attr: str = "ENABLED", value=False):
-    """module.ENABLED (a kernel family's switch; or another setting `attr`) set to `value` inside,
-    restored after; the step graphs (if any) are dropped on both sides so that they are captured
-    anew with the setting as it is (a new memory pool too: capturing into one whose graphs are gone
-    fails)."""
+def kernels_off(llm, **off):
+    """The engine's kernel options with the fields `off` set to False inside, restored after; the
+    step graphs (if any) are dropped on both sides so that they are captured anew with the options
+    as they are (a new memory pool too: capturing into one whose graphs are gone fails)."""
+    graphs = llm.runner.graphs
+
     def drop():
         if graphs is not None:
             graphs.graphs.clear()
             graphs.pool = None
 
-    was = getattr(module, attr)
-    setattr(module, attr, value)
+    was = llm.runner.kernel_options
+    llm.runner.set_kernel_options(dataclasses.replace(was, **{k: False for k in off}))
     drop()
     try:
         yield
     finally:
-        setattr(module, attr, was)
+        llm.runner.set_kernel_options(was)
         drop()
 
 
@@ -377,7 +379,7 @@ def profile_decode(llm, req, args) -> dict:
     sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     # with programmatic dependent launch a kernel's time includes its wait for the one before
     # (kernels/pdl.py), so the profile runs with it off, the step graphs captured anew
-    with kernels_off(kernels_pdl, llm.runner.graphs):
+    with kernels_off(llm, pdl=False):
         llm.generate([req], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # prompt now cached
         prof = profile_summary(lambda: llm.generate([req], sp), args.device)
     return {"steps": n, "pdl": False, "wall_s": prof["wall_s"], "wall_ms_per_step": round(1e3 * prof["wall_s"] / n, 3),

@@ -19,6 +19,7 @@ programmatic dependent launch (kernels/pdl.py) on and off, and with cuBLAS for t
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -29,7 +30,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-import kernels.pdl as kernels_pdl  # noqa: E402
 from kernels.fused import add_rms_norm, silu_mul  # noqa: E402
 from kernels.gemv import default_config, gemv  # noqa: E402
 from fixtures.checkpoints import GEOMETRIES  # noqa: E402
@@ -291,32 +291,31 @@ def chain(a, bw: float) -> None:
         x0 = torch.randn(1, h, device="cuda", dtype=dt)
         nbytes = sum(v.numel() * 2 for L in W for v in L.values())
 
-        def step(blas: bool):
+        def step(blas: bool, pdl: bool = True):
             lin = torch.nn.functional.linear
+            one_row = functools.partial(gemv, pdl_on=pdl)
             x, r = x0, x0
             for L in W:
-                hh, r = add_rms_norm(x, r, L["n1"], 1e-6)
-                qkv = lin(hh, L["qkv"], L["qkv_b"]) if blas else gemv(hh, L["qkv"], L["qkv_b"])
+                hh, r = add_rms_norm(x, r, L["n1"], 1e-6, pdl_on=pdl)
+                qkv = lin(hh, L["qkv"], L["qkv_b"]) if blas else one_row(hh, L["qkv"], L["qkv_b"])
                 q = qkv[:, :h].contiguous() if blas else qkv[:, :h]
-                o = lin(q, L["o"]) if blas else gemv(q, L["o"])
-                hh, r = add_rms_norm(o, r, L["n2"], 1e-6)
+                o = lin(q, L["o"]) if blas else one_row(q, L["o"])
+                hh, r = add_rms_norm(o, r, L["n2"], 1e-6, pdl_on=pdl)
                 if blas:
                     x = lin(silu_mul(lin(hh, L["gu"])), L["down"])
                 else:
-                    x = gemv(gemv(hh, L["gu"]), L["down"], gated=True)
+                    x = one_row(one_row(hh, L["gu"]), L["down"], gated=True)
             return x
 
         row = {"weight_bytes": nbytes, "kernels_per_layer": 6}
         ref = step(True)
         for name, blas, pdl in (("cublas", True, True), ("ours_pdl", False, True), ("ours_no_pdl", False, False)):
-            kernels_pdl.ENABLED = pdl
-            out = step(blas)
+            out = step(blas, pdl)
             err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6)).item()
-            us = graph_us(lambda: step(blas))
+            us = graph_us(lambda: step(blas, pdl))
             row[name + "_us"] = round(us, 1)
             row[name + "_bw"] = round(nbytes / (us * 1e-6) / bw, 3)
             row[name + "_max_rel_err_vs_cublas"] = round(err, 4)
-        kernels_pdl.ENABLED = True
         row["pdl_speedup"] = round(row["ours_no_pdl_us"] / row["ours_pdl_us"], 3)
         print(geo, "chain", json.dumps(row), flush=True)
         res["chain"][geo] = row

@@ -25,7 +25,6 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from kernels import pdl  # noqa: E402
 from kernels.fp4 import FP4PagedLayer, bytes_per_token_head  # noqa: E402
 from kernels.attention_plan import default_num_splits, plan_tiles  # noqa: E402
 from kernels.paged_attention import paged_attention  # noqa: E402
@@ -169,14 +168,10 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
     if pdl_ablation:
         # the same plan and kernels launched without programmatic dependent launch (kernels/pdl.py;
         # the engine with pdl=False for a whole run): the merge kernel then starts after the attention kernel ends
-        saved, pdl.ENABLED = pdl.ENABLED, False
-        try:
-            record("ours_bf16_paged_pdl_off", lambda: paged_attention(q, plan_d, d ** -0.5, k_cache=k, v_cache=v,
-                                                                      **cfg_d),
-                   2 * batch * ctx * hkv * d * 2, {"config": cfg_d, "dense_block_n": plan_d.dense_block_n},
-                   splits=plan_d.num_splits)
-        finally:
-            pdl.ENABLED = saved
+        record("ours_bf16_paged_pdl_off", lambda: paged_attention(q, plan_d, d ** -0.5, k_cache=k, v_cache=v,
+                                                                  pdl_on=False, **cfg_d),
+               2 * batch * ctx * hkv * d * 2, {"config": cfg_d, "dense_block_n": plan_d.dense_block_n},
+               splits=plan_d.num_splits)
     if bf16_alt:
         # the wide decode shape (kernels/paged_attention.py, dense_wide_decode: 128 keys a step, about
         # 2 programs an SM) at every cell, where the engine's rule takes it and where it does not
@@ -378,7 +373,7 @@ def main() -> None:
                          "outliers applied by a select instead of a gather of q")
     ap.add_argument("--kernel-profile", action="store_true",
                     help="also record each row's device kernels and their time per call (torch.profiler); "
-                         "run with PDL off (kernels.pdl.ENABLED = False), else a kernel's time includes its wait for the one before")
+                         "with PDL (on where the device has it) a kernel's time includes its wait for the one before")
     a = ap.parse_args()
     global KERNEL_PROFILE, BF16_ONLY, SWEEP_STAGES, GLUON
     KERNEL_PROFILE = a.kernel_profile

@@ -424,8 +424,8 @@ def test_fp4_gluon_decode_matches_the_reference(heads, kv_heads, dtype, key_slot
 @pytest.mark.gpu  # Gluon: GPU only
 def test_fp4_gluon_is_only_taken_where_it_can_run(monkeypatch):
     """Verify windows or a named Triton variant keep the Triton kernel; fp4_gluon=True where it
-    cannot run is an error; the engine's fp4_gluon=False (attention_plan.FP4_GLUON) turns the
-    default off."""
+    cannot run is an error; fp4_gluon=False (an engine whose KernelOptions.fp4_gluon is off) keeps
+    the Triton kernel."""
     from kernels import fp4_gluon
 
     heads, kv_heads, d, bs = 28, 4, 128, 16
@@ -445,8 +445,7 @@ def test_fp4_gluon_is_only_taken_where_it_can_run(monkeypatch):
     paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv)
     paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv, fp4_ptx_decode="words")
     paged_attention(q2, plan2, d ** -0.5, fp4_k=fk, fp4_v=fv)
-    monkeypatch.setattr(plan_module(), "FP4_GLUON", False)
-    paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv)
+    paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv, fp4_gluon=False)
     assert calls == [1]
 
 
@@ -476,7 +475,12 @@ def test_fp4_gluon_dispatch_and_its_register_cap(monkeypatch):
 def test_fp4_gluon_engine_rule_is_the_calls_rule(monkeypatch):
     """engine_can_use (what an engine plans for) and supported (what a call may run) share one rule:
     CUDA sm_80+, bf16/fp16, head_dim 128, GQA <= 8, 0 or 2 key slots; the engine's
-    fp4_gluon option turns its choice off. Checked on CPU with the capability stubbed."""
+    fp4_gluon option (KernelOptions, handed to its FP4 backend) turns its choice off. Checked on CPU
+    with the device stubbed."""
+    from types import SimpleNamespace
+
+    from docproc.layers.attention import FP4Attention
+    from kernels.options import KernelOptions
     from kernels import fp4_gluon
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
@@ -493,20 +497,17 @@ def test_fp4_gluon_engine_rule_is_the_calls_rule(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
     assert "sm_80" in fp4_gluon._why_not("cuda", torch.bfloat16, 128, 7, 2)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    monkeypatch.setattr(plan_module(), "FP4_GLUON", False)
-    assert not fp4_gluon.engine_can_use(**ok)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: SimpleNamespace(multi_processor_count=132))
+    backend = (28, 4, 128, 128 ** -0.5, torch.device("cuda"))
+    assert FP4Attention(*backend, compute_dtype=torch.bfloat16).fp4_gluon
+    off = FP4Attention(*backend, compute_dtype=torch.bfloat16, kernels=KernelOptions(fp4_gluon=False))
+    assert not off.fp4_gluon and off.kernels.pdl
 
 
 def pa_module():
     import kernels.paged_attention as pa
 
     return pa
-
-
-def plan_module():
-    import kernels.attention_plan as plan
-
-    return plan
 
 
 @pytest.mark.slow

@@ -8,9 +8,8 @@ import torch
 import kernels.pdl as pdl
 
 
-def test_pdl_launch_arguments(monkeypatch):
+def test_pdl_launch_arguments():
     """Off on CPU and when turned off; on CUDA sm_90+ the trigger placement of each call site."""
-    monkeypatch.setattr(pdl, "ENABLED", True)
     if _hopper():
         x = torch.zeros(1, device="cuda")
         assert pdl.launch(x) == {"PDL": 1, "launch_pdl": True}
@@ -20,39 +19,52 @@ def test_pdl_launch_arguments(monkeypatch):
     assert not pdl.enabled(torch.zeros(1)) and not pdl.enabled_on("cpu")
     if _hopper():
         assert pdl.enabled_on("cuda") and pdl.enabled_on(torch.device("cuda", 0))
-    monkeypatch.setattr(pdl, "ENABLED", False)
-    assert not pdl.enabled_on("cuda")
+    assert not pdl.enabled_on("cuda", on=False)
     if torch.cuda.is_available():
-        assert pdl.launch(torch.zeros(1, device="cuda")) == {"PDL": 0}
+        assert pdl.launch(torch.zeros(1, device="cuda"), on=False) == {"PDL": 0}
+        assert pdl.attention_launch(torch.zeros(1, device="cuda"), on=False) == {"PDL": 0}
 
 
 @pytest.mark.slow
-def test_engine_reports_whether_it_launches_with_pdl(qwen2_vl_dir, monkeypatch):
+def test_each_engine_keeps_its_own_kernel_choices(qwen2_vl_dir):
     """cache_info()["pdl"] (and so a run's manifest) says whether the decode kernels use PDL: never
-    on CPU, even where it is not turned off; the engine's pdl option sets the kernels' switch."""
+    on CPU. The engine's kernel options (pdl, one_row_kernels, fp4_gluon) are its own, held by its
+    model's modules and its attention backend: a second engine in the process does not change the
+    first's."""
     from docproc.engine.llm import LLM
+    from kernels.options import KernelOptions
 
-    assert LLM(str(qwen2_vl_dir), device="cpu").cache_info()["pdl"] is False and pdl.ENABLED
-    LLM(str(qwen2_vl_dir), device="cpu", pdl=False)
-    assert not pdl.ENABLED
-    LLM(str(qwen2_vl_dir), device="cpu")
-    assert pdl.ENABLED
+    off = LLM(str(qwen2_vl_dir), device="cpu", pdl=False, one_row_kernels=False, fp4_gluon=False)
+    on = LLM(str(qwen2_vl_dir), device="cpu")
+    assert on.cache_info()["pdl"] is False and off.cache_info()["pdl"] is False
+    for llm, want in ((off, KernelOptions(one_row=False, pdl=False, fp4_gluon=False)), (on, KernelOptions())):
+        runner = llm.runner
+        assert runner.kernel_options == want and runner.backend.kernels is runner.kernel_options
+        text = runner.model.text
+        holders = [text, text.norm] + [m for layer in text.layers
+                                       for m in (layer.self_attn, layer.mlp, layer.input_layernorm,
+                                                 layer.post_attention_layernorm)]
+        assert all(m.kernels is runner.kernel_options for m in holders)
 
 
 def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 
 
-def _chain(x, r, W, h):
-    """A decode step's layer kernels without attention, each reading the one before."""
+def _chain(x, r, W, h, on: bool = True):
+    """A decode step's layer kernels without attention, each reading the one before (on: launched
+    with PDL)."""
+    from functools import partial
+
     from kernels.fused import add_rms_norm
     from kernels.gemv import gemv
 
+    gemv = partial(gemv, pdl_on=on)
     for L in W:
-        hh, r = add_rms_norm(x, r, L["n1"], 1e-6)
+        hh, r = add_rms_norm(x, r, L["n1"], 1e-6, pdl_on=on)
         qkv = gemv(hh, L["qkv"], L["b"])
         o = gemv(qkv[:, :h], L["o"])
-        hh, r = add_rms_norm(o, r, L["n2"], 1e-6)
+        hh, r = add_rms_norm(o, r, L["n2"], 1e-6, pdl_on=on)
         x = gemv(gemv(hh, L["gu"]), L["down"], gated=True)
         x = gemv(torch.cat([x, r])[:1].contiguous(), L["o"])  # a torch kernel (cat) between two of ours
     return x
@@ -70,8 +82,7 @@ def test_pdl_chain_in_a_graph_matches_plain_order(monkeypatch, trigger):
     h, inter, layers = 512, 1408, 6
     dt = torch.bfloat16
     real = pdl.launch  # every kernel's trigger at the start, or every one at the end
-    monkeypatch.setattr(pdl, "launch", lambda t, early=True: real(t, early=trigger == "start"))
-    monkeypatch.setattr(pdl, "ENABLED", True)
+    monkeypatch.setattr(pdl, "launch", lambda t, early=True, on=True: real(t, early=trigger == "start", on=on))
 
     def w(n, k):
         return (torch.randn(n, k, device="cuda", generator=g) * 0.05).to(dt)
@@ -96,9 +107,7 @@ def test_pdl_chain_in_a_graph_matches_plain_order(monkeypatch, trigger):
         r_in.copy_(r)
         graph.replay()
         got = out.clone()
-        pdl.ENABLED = False
-        want = _chain(x, r, W, h)
-        pdl.ENABLED = True
+        want = _chain(x, r, W, h, on=False)
         torch.cuda.synchronize()
         assert torch.equal(got, want), f"replay {i}"
 
@@ -120,11 +129,11 @@ def test_engine_decodes_the_same_with_and_without_pdl(qwen2_vl_dir, monkeypatch)
     for on in (False, True):
         launched = []
         real = pdl.launch
-        monkeypatch.setattr(pdl, "launch", lambda t, early=True: (launched.append(1), real(t, early))[1])
+        monkeypatch.setattr(pdl, "launch", lambda t, early=True, on=True: (launched.append(on), real(t, early, on))[1])
         llm = LLM(str(qwen2_vl_dir), device="cuda", dtype="bfloat16", kv_cache_memory_bytes=64 << 20, pdl=on)
         assert llm.cache_info()["step_graphs"]
         one[on] = llm.generate(reqs[:1], sp)[0].outputs[0].token_ids
-        assert launched
+        assert launched and set(launched) == {on}  # every launch of this engine's kernels asked as it says
         monkeypatch.undo()
     assert one[True] == one[False], "bf16 batch-1 decode"
     plain = [o.outputs[0].token_ids for o in LLM(str(qwen2_vl_dir), device="cuda", dtype="float32",

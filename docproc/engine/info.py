@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import kernels.gemv as kernels_gemv
 import kernels.pdl as kernels_pdl
 from docproc.engine.jit_watch import WATCH
 
@@ -59,8 +58,9 @@ def cache_info(llm: LLM) -> dict:
         # decode steps launched before the tokens of the step in flight were read (overlap_decode)
         "overlap_decode": llm.overlap.enabled,
         "num_overlapped_steps": llm.overlap.num_steps,
-        "one_row_kernels": kernels_gemv.ENABLED and llm.runner.device.type == "cuda",  # kernels/gemv.py
-        "pdl": kernels_pdl.enabled_on(llm.runner.device),  # programmatic dependent launch, kernels/pdl.py
+        "one_row_kernels": llm.runner.kernel_options.one_row and llm.runner.device.type == "cuda",  # kernels/gemv.py
+        # programmatic dependent launch, kernels/pdl.py
+        "pdl": kernels_pdl.enabled_on(llm.runner.device, llm.runner.kernel_options.pdl),
         # FP8 language-model weights: how they came (None: the model dtype)
         "weights_fp8": llm.runner.model.quant_method,
         "weight_bytes": llm.runner.weight_bytes,

@@ -25,6 +25,7 @@ from docproc.errors import DeviceUnavailable
 from docproc.layers.attention import AttentionMetadata, DenseAttention, FP4Attention
 from docproc.models.loader import load_model, text_weight_bytes
 from docproc.models.processor import Processor
+from kernels.options import KernelOptions
 
 log = logging.getLogger("docproc.engine")
 
@@ -48,15 +49,9 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def apply_kernel_choices(config: EngineConfig) -> None:
-    """The configuration's kernel choices, into the kernels' modules (they hold them per process)."""
-    import kernels.attention_plan
-    import kernels.gemv
-    import kernels.pdl
-
-    kernels.gemv.ENABLED = config.one_row_kernels
-    kernels.pdl.ENABLED = config.pdl
-    kernels.attention_plan.FP4_GLUON = config.fp4_gluon
+def kernel_options(config: EngineConfig) -> KernelOptions:
+    """The configuration's kernel choices, as the model and the attention backend take them."""
+    return KernelOptions(one_row=config.one_row_kernels, pdl=config.pdl, fp4_gluon=config.fp4_gluon)
 
 
 def resolve_step_graphs(config: EngineConfig, device: torch.device) -> str | None:
@@ -126,7 +121,7 @@ class ModelRunner:
         loader's collectives)."""
         self.config = config
         self.device = resolve_device(config.device)
-        apply_kernel_choices(config)
+        self.kernel_options = kernel_options(config)
         from docproc.models.loader import read_config
 
         hf_config = read_config(config.model)
@@ -148,6 +143,7 @@ class ModelRunner:
             if self.tp is not None:
                 self.tp.abort()  # the ranks may be loading still, or waiting in the loader's collective
             raise
+        self.model.text.set_kernel_options(self.kernel_options)
         if tp_size > 1:
             self.model.text.set_tensor_parallel(tp_group)
         if self.tp is not None:
@@ -169,9 +165,10 @@ class ModelRunner:
         kv_name = resolve_kv_dtype(config.cache.kv_cache_dtype, self.dtype)
         heads = (tc.heads, tc.kv_heads, tc.head_dim, tc.head_dim ** -0.5, self.device)  # this rank's
         if kv_name == "fp4":
-            self.backend = FP4Attention(*heads, compute_dtype=self.dtype)
+            self.backend = FP4Attention(*heads, compute_dtype=self.dtype, kernels=self.kernel_options)
         else:
-            self.backend = DenseAttention(*heads, dtype=KV_DTYPES[kv_name], compute_dtype=self.dtype)
+            self.backend = DenseAttention(*heads, dtype=KV_DTYPES[kv_name], compute_dtype=self.dtype,
+                                          kernels=self.kernel_options)
         self.kv_cache = KVCache(self.backend, tc.num_hidden_layers, self.block_size, kv_name)
         if self.tp is not None:  # every rank holds its share of the same blocks
             self.kv_cache.allocate = self._allocate_everywhere
@@ -200,6 +197,14 @@ class ModelRunner:
         self._token_buf_turn = 0
         if allocate:
             self.allocate_kv()
+
+    def set_kernel_options(self, opts: KernelOptions) -> None:
+        """Other kernel choices for this engine's model and attention backend (comparisons and
+        profiles); captured step graphs keep the launches they were captured with, so the caller
+        drops them."""
+        self.kernel_options = opts
+        self.model.text.set_kernel_options(opts)
+        self.backend.kernels = opts
 
     def allocate_kv(self, share: float = 1.0, num_blocks: int | None = None) -> None:
         """Allocate the pool: `num_blocks` usable blocks exactly, or `share` of the memory budget;

@@ -19,10 +19,11 @@ def warm_fused(runner) -> float:
 
     t0 = time.perf_counter()
     tc = runner.text_config
+    opts = runner.kernel_options  # the launches the engine's steps make (PDL is a compile-time argument)
     x = torch.zeros(2, tc.hidden_size, dtype=runner.dtype, device=runner.device)
     w = torch.ones(tc.hidden_size, dtype=runner.dtype, device=runner.device)
-    add_rms_norm(x, None, w, tc.rms_norm_eps)
-    add_rms_norm(x, x, w, tc.rms_norm_eps)
+    add_rms_norm(x, None, w, tc.rms_norm_eps, pdl_on=opts.pdl)
+    add_rms_norm(x, x, w, tc.rms_norm_eps, pdl_on=opts.pdl)
     silu_mul(torch.zeros(2, 2 * tc.intermediate, dtype=runner.dtype, device=runner.device))
     from docproc.models.qwen2_vl import project
     from docproc.models.quant import Fp8Weight, fp8_linear
@@ -32,29 +33,30 @@ def warm_fused(runner) -> float:
     x1 = torch.zeros(1, tc.hidden_size, dtype=runner.dtype, device=runner.device)
     text = runner.model.text
     att, mlp = text.layers[0].self_attn, text.layers[0].mlp
-    if use_gemv(x1):  # the one-row products of batch-1 decode (kernels/gemv.py, kernels/fp8.py), each shape's
-        project(x1, att.qkv_weight, att.qkv_bias)
-        project(torch.zeros(1, att.o_proj.in_features, dtype=runner.dtype, device=runner.device), att.o_weight)
-        project(x1, mlp.gate_up_weight)
+    if use_gemv(x1, opts):  # the one-row products of batch-1 decode (kernels/gemv.py, kernels/fp8.py), each shape's
+        project(x1, att.qkv_weight, att.qkv_bias, opts)
+        project(torch.zeros(1, att.o_proj.in_features, dtype=runner.dtype, device=runner.device), att.o_weight,
+                opts=opts)
+        project(x1, mlp.gate_up_weight, opts=opts)
         gate_up = torch.zeros(1, 2 * tc.intermediate, dtype=runner.dtype, device=runner.device)
         if isinstance(mlp.down_weight, Fp8Weight):
-            fp8_linear(gate_up, mlp.down_weight, gated=True)
+            fp8_linear(gate_up, mlp.down_weight, gated=True, opts=opts)
         else:
-            gemv(gate_up, mlp.down_weight, gated=True)
-        gemv(x1, text.lm_head.weight)
+            gemv(gate_up, mlp.down_weight, gated=True, pdl_on=opts.pdl)
+        gemv(x1, text.lm_head.weight, pdl_on=opts.pdl)
     if isinstance(mlp.down_weight, Fp8Weight):
         # the few-row FP8 kernel of verification windows and small batches (2-15 rows, and 16: a
         # row count Triton specialises as a multiple of 16), and past ROWS_MAX the activation
         # quantization of the tensor-core products
-        few = (2, ROWS_MAX) if use_gemv(x1) else ()
+        few = (2, ROWS_MAX) if use_gemv(x1, opts) else ()
         for rows in (*few, ROWS_MAX + 1):
             x2 = torch.zeros(rows, tc.hidden_size, dtype=runner.dtype, device=runner.device)
-            project(x2, att.qkv_weight, att.qkv_bias)
+            project(x2, att.qkv_weight, att.qkv_bias, opts)
             project(torch.zeros(rows, att.o_proj.in_features, dtype=runner.dtype, device=runner.device),
-                    att.o_weight)
-            project(x2, mlp.gate_up_weight)
+                    att.o_weight, opts=opts)
+            project(x2, mlp.gate_up_weight, opts=opts)
             fp8_linear(torch.zeros(rows, 2 * tc.intermediate, dtype=runner.dtype, device=runner.device),
-                       mlp.down_weight, gated=True)
+                       mlp.down_weight, gated=True, opts=opts)
     if getattr(runner.model.vision, "fast_attention", False):  # the vision tower's (kernels/vision_fused.py)
         from kernels.vision_fused import quick_gelu, vision_rotary_qk
 

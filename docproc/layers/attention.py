@@ -18,6 +18,7 @@ import torch
 
 from kernels.fp4 import DEFAULT_NUM_OUTLIERS, DEFAULT_THRESHOLD, FP4PagedLayer
 from kernels.fused import rotary_, rotary_store_
+from kernels.options import DEFAULT, KernelOptions
 from kernels.attention_plan import TilePlan, plan_tiles, warmup_launches
 from kernels.paged_attention import paged_attention, paged_attention_ref
 
@@ -56,7 +57,9 @@ class _Backend:
     # split count (plan_tiles' fp4_gluon): FP4Attention where it can
     fp4_gluon = False
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, device: torch.device) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, device: torch.device,
+                 kernels: KernelOptions = DEFAULT) -> None:
+        self.kernels = kernels  # the engine's kernel choices (kernels/options.py)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -118,8 +121,8 @@ class DenseAttention(_Backend):
     """K/V as bf16/fp16/fp32; per layer a (2, num_blocks, block_size, Hkv, D) tensor."""
 
     def __init__(self, num_heads, num_kv_heads, head_dim, scale, device, dtype: torch.dtype,
-                 compute_dtype: torch.dtype) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale, device)
+                 compute_dtype: torch.dtype, kernels: KernelOptions = DEFAULT) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, device, kernels)
         self.dtype = dtype
         self.compute_dtype = compute_dtype
         # the wide decode shape for 2-byte caches and compute, head_dim <= 128 only (as measured:
@@ -153,12 +156,14 @@ class DenseAttention(_Backend):
                      meta: AttentionMetadata) -> torch.Tensor:
         # one launch rotates q and k and writes k and v to their slots (two index_copy_ fewer a layer)
         flat = layer.view(2, -1, self.num_kv_heads, self.head_dim)
-        return rotary_store_(qkv, cos, sin, flat[0], flat[1], meta.slot_mapping, self.num_heads)
+        return rotary_store_(qkv, cos, sin, flat[0], flat[1], meta.slot_mapping, self.num_heads,
+                             pdl_on=self.kernels.pdl)
 
     def attend(self, q: torch.Tensor, layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # q: (num_tokens, num_heads, D) -> (num_tokens, num_heads, D)
         if self.use_triton:
-            return paged_attention(q, meta.plan, self.scale, k_cache=layer[0], v_cache=layer[1])
+            return paged_attention(q, meta.plan, self.scale, k_cache=layer[0], v_cache=layer[1],
+                                   pdl_on=self.kernels.pdl)
 
         def gather(blocks):
             # index_select, not layer[:, idx]: on CPU advanced indexing on the block dim is ~8x slower
@@ -175,15 +180,16 @@ class FP4Attention(_Backend):
     """K/V in the FP4 format (codes, E4M3 group scales, fp16 outliers) in one page per block."""
 
     def __init__(self, num_heads, num_kv_heads, head_dim, scale, device, compute_dtype: torch.dtype,
-                 num_outliers: int = DEFAULT_NUM_OUTLIERS, threshold: float = DEFAULT_THRESHOLD) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale, device)
+                 num_outliers: int = DEFAULT_NUM_OUTLIERS, threshold: float = DEFAULT_THRESHOLD,
+                 kernels: KernelOptions = DEFAULT) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, device, kernels)
         if head_dim % 32 or head_dim & (head_dim - 1):
             raise ValueError(f"the FP4 KV cache needs a power-of-two head_dim >= 32; this model has {head_dim}: "
                              f"use kv_cache_dtype bf16")
         self.compute_dtype = compute_dtype
         self.num_outliers = num_outliers
         self.threshold = threshold
-        if self.use_triton:
+        if self.use_triton and kernels.fp4_gluon:
             from kernels import fp4_gluon  # CUDA only: Gluon imports where it can run
 
             self.fp4_gluon = fp4_gluon.engine_can_use(num_heads // num_kv_heads, head_dim, num_outliers,
@@ -210,7 +216,9 @@ class FP4Attention(_Backend):
 
     def attend(self, q: torch.Tensor, layer: FP4PagedLayer, meta: AttentionMetadata) -> torch.Tensor:
         if self.use_triton:
+            # the Gluon kernel where a call allows, if this engine's plans were made for it
             return paged_attention(q, meta.plan, self.scale, fp4_k=layer.kernel_views("k"),
-                                   fp4_v=layer.kernel_views("v"))
+                                   fp4_v=layer.kernel_views("v"), fp4_gluon=None if self.fp4_gluon else False,
+                                   pdl_on=self.kernels.pdl)
         return paged_attention_ref(q, layer.gather, meta.query_start, meta.context_lens, meta.block_tables,
                                    meta.block_size, self.scale)

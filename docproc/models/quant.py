@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-import kernels.gemv as kernels_gemv
 from kernels.fp8 import (FP8, FP8_MAX, ROWS_MAX, cublas_block_scales, dequantize_ref, gemm_fp8_rows, gemv_fp8,
                          quantize_rows, scaled_mm, scaled_mm_blocks, tensor_core_fp8)
 from kernels.fused import silu_mul, silu_mul_ref
+from kernels.options import DEFAULT, KernelOptions
 
 QUANTIZATION_METHODS = ("fp8",)
 LOAD_FORMATS = ("auto", "dummy")
@@ -104,19 +104,19 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> Fp8Weight:
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
-               gated: bool = False) -> torch.Tensor:
+               gated: bool = False, opts: KernelOptions = DEFAULT) -> torch.Tensor:
     """x W^T (+ bias): on CUDA one row through the FP8 one-row kernel, up to ROWS_MAX rows (a
     verification window, a decode batch) through the few-row kernel (the codes read once,
     weight-only), more rows through the FP8 tensor cores with the input quantized at run time
     (per token for per-row weights, per token and 128 columns for 128 x 128 block-wise weights),
     else the dequantized product; on CPU the dequantized product (weight-only reference
-    semantics)."""
-    if x.is_cuda and kernels_gemv.ENABLED and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1:
-        return gemv_fp8(x, w.data, w.scale, w.group, bias, gated=gated)
+    semantics). opts.one_row off: the one-row and few-row kernels and the fused SiLU are not taken."""
+    one_row = opts.one_row and x.is_cuda
+    if one_row and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1:
+        return gemv_fp8(x, w.data, w.scale, w.group, bias, gated=gated, pdl_on=opts.pdl)
     if gated:  # (one kernel on CUDA)
-        x = silu_mul(x) if x.is_cuda and kernels_gemv.ENABLED and x.dim() == 2 and x.stride(-1) == 1 \
-            else silu_mul_ref(x)
-    if (x.is_cuda and kernels_gemv.ENABLED and x.dim() == 2 and 1 <= x.shape[0] <= ROWS_MAX and x.stride(-1) == 1
+        x = silu_mul(x) if one_row and x.dim() == 2 and x.stride(-1) == 1 else silu_mul_ref(x)
+    if (one_row and x.dim() == 2 and 1 <= x.shape[0] <= ROWS_MAX and x.stride(-1) == 1
             and x.dtype in (torch.bfloat16, torch.float16)
             and (w.per_channel or (w.group >= 16 and w.group & (w.group - 1) == 0))):
         # a verification window or a small batch: the codes read once for all rows (weight-only;

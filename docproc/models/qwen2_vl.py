@@ -17,13 +17,14 @@ from docproc.models.rope import MRotaryEmbedding, apply_rotary
 from kernels.fused import add_rms_norm, add_rms_norm_ref, silu_mul
 from docproc.models.quant import Fp8Weight, fp8_linear, stack
 from kernels.gemv import linear, product, use_gemv
+from kernels.options import DEFAULT, KernelOptions
 
 
-def project(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+def project(x: torch.Tensor, w, bias: torch.Tensor | None = None, opts: KernelOptions = DEFAULT) -> torch.Tensor:
     """x W^T (+ bias) for a float weight or an FP8 one."""
     if isinstance(w, Fp8Weight):
-        return fp8_linear(x, w, bias)
-    return linear(x, w, bias)
+        return fp8_linear(x, w, bias, opts=opts)
+    return linear(x, w, bias, opts)
 
 
 def _stack(weights: list) -> torch.Tensor | Fp8Weight:
@@ -109,6 +110,8 @@ class TextConfig:
 
 
 class RMSNorm(nn.Module):
+    kernels = DEFAULT  # the engine's kernel choices (Qwen2VLTextModel.set_kernel_options)
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -117,12 +120,16 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """weight * norm(x); with a residual, (weight * norm(x + residual), x + residual). On CUDA
         one fused kernel (kernels/fused.py), else its torch reference."""
-        fn = add_rms_norm if x.is_cuda else add_rms_norm_ref
-        out, r = fn(x, residual, self.weight, self.eps)
+        if x.is_cuda:
+            out, r = add_rms_norm(x, residual, self.weight, self.eps, pdl_on=self.kernels.pdl)
+        else:
+            out, r = add_rms_norm_ref(x, residual, self.weight, self.eps)
         return out if residual is None else (out, r)
 
 
 class Attention(nn.Module):
+    kernels = DEFAULT  # as RMSNorm's
+
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
         self.num_heads = cfg.heads  # this rank's (all of them without tensor parallelism)
@@ -158,10 +165,10 @@ class Attention(nn.Module):
         n = x.shape[0]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_weight is not None:
-            qkv = project(x, self.qkv_weight, self.qkv_bias).view(n, h + 2 * hkv, d)
+            qkv = project(x, self.qkv_weight, self.qkv_bias, self.kernels).view(n, h + 2 * hkv, d)
             if x.is_cuda:  # q and k rotated in place and k, v stored: one kernel for a dense cache
                 q = backend.rotary_store(kv_cache, qkv, cos, sin, meta)
-                return project(backend.attend(q, kv_cache, meta).reshape(n, -1), self.o_weight)
+                return project(backend.attend(q, kv_cache, meta).reshape(n, -1), self.o_weight, opts=self.kernels)
             qk = apply_rotary(qkv[:, : h + hkv], cos, sin)
             q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + hkv:]
         else:
@@ -173,11 +180,13 @@ class Attention(nn.Module):
         backend.store(kv_cache, k, v, meta)
         o = backend.attend(q, kv_cache, meta)
         if self.o_weight is not None:
-            return project(o.reshape(n, -1), self.o_weight)
+            return project(o.reshape(n, -1), self.o_weight, opts=self.kernels)
         return self.o_proj(o.reshape(n, -1))
 
 
 class MLP(nn.Module):
+    kernels = DEFAULT  # as RMSNorm's
+
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate, bias=False)
@@ -199,16 +208,17 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
-            gate_up = project(x, self.gate_up_weight)  # (N, 2 * intermediate)
+            opts = self.kernels
+            gate_up = project(x, self.gate_up_weight, opts=opts)  # (N, 2 * intermediate)
             down = self.down_weight
-            if use_gemv(gate_up):  # SiLU x up inside the down projection's kernel
+            if use_gemv(gate_up, opts):  # SiLU x up inside the down projection's kernel
                 if isinstance(down, Fp8Weight):
-                    return fp8_linear(gate_up, down, gated=True)
-                return product(gate_up, down, gated=True)
+                    return fp8_linear(gate_up, down, gated=True, opts=opts)
+                return product(gate_up, down, gated=True, opts=opts)
             if x.is_cuda:
-                return project(silu_mul(gate_up), down)
+                return project(silu_mul(gate_up), down, opts=opts)
             gate, up = gate_up.chunk(2, dim=-1)
-            return project(F.silu(gate) * up, down)
+            return project(F.silu(gate) * up, down, opts=opts)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -242,6 +252,7 @@ class DecoderLayer(nn.Module):
 class Qwen2VLTextModel(nn.Module):
     """Embeddings, decoder layers, final norm and LM head. forward() works on a flattened batch
     of tokens (num_tokens, ...) with their (3, num_tokens) M-RoPE positions."""
+    kernels = DEFAULT  # as RMSNorm's
 
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
@@ -287,13 +298,20 @@ class Qwen2VLTextModel(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
+    def set_kernel_options(self, opts: KernelOptions) -> None:
+        """The engine's kernel choices (kernels/options.py), for every module that launches a kernel."""
+        self.kernels = opts
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, Attention, MLP)):
+                m.kernels = opts
+
     def set_tensor_parallel(self, group) -> None:
         self.tp = group
         for layer in self.layers:
             layer.tp = group
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.lm_head.weight).float()
+        logits = linear(hidden, self.lm_head.weight, opts=self.kernels).float()
         if self.tp is None:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.cfg.tp_size)]  # vocabulary-parallel head
