@@ -526,6 +526,25 @@ def paged_attention(
     v_cache: torch.Tensor | None = None,
     fp4_k: tuple | None = None,  # (codes, scales, outlier_idx, outlier_val, head_scale) views
     fp4_v: tuple | None = None,
+    fp4_gluon: bool = True,  # FP4 decode tiles may take the Gluon kernel where it can run the call
+    pdl_on: bool = True,  # launched with PDL where the device has it (kernels/pdl.py)
+) -> torch.Tensor:
+    """Causal attention of the plan's query tokens over their paged K/V (a dense cache, or the
+    FP4 views), with the kernels as tuned (paged_attention_tuned's defaults). Returns (num_tokens,
+    num_heads, D)."""
+    return paged_attention_tuned(q, plan, scale, k_cache=k_cache, v_cache=v_cache, fp4_k=fp4_k, fp4_v=fp4_v,
+                                 fp4_gluon=None if fp4_gluon else False, pdl_on=pdl_on)
+
+
+def paged_attention_tuned(
+    q: torch.Tensor,  # (num_tokens, num_heads, D)
+    plan: TilePlan,
+    scale: float,
+    *,
+    k_cache: torch.Tensor | None = None,  # (num_blocks, block_size, Hkv, D) dense caches
+    v_cache: torch.Tensor | None = None,
+    fp4_k: tuple | None = None,  # (codes, scales, outlier_idx, outlier_val, head_scale) views
+    fp4_v: tuple | None = None,
     block_n: int | None = None,  # keys per inner step (default: as tuned on the H200, see below)
     num_warps: int = 4,
     num_stages: int = 2,
@@ -539,6 +558,8 @@ def paged_attention(
     # it can run the call (fp4_gluon.supported); True: it must; False: the Triton kernel
     pdl_on: bool = True,  # launched with PDL where the device has it (kernels/pdl.py)
 ) -> torch.Tensor:
+    """paged_attention with the launch's tuning named: the kernel variant, its tile and pipeline
+    shape, the register cap, an output buffer (benches and tests; the engine takes the defaults)."""
     n_tok, n_heads, d = q.shape
     is_fp4 = fp4_k is not None
     # Defaults from bench_kernels on the H200 (7B and 2B geometry, batch 32, 16k keys, one query

@@ -27,7 +27,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kernels.fp4 import FP4PagedLayer, bytes_per_token_head  # noqa: E402
 from kernels.attention_plan import default_num_splits, plan_tiles  # noqa: E402
-from kernels.paged_attention import paged_attention  # noqa: E402
+from kernels.paged_attention import paged_attention_tuned  # noqa: E402
 
 GEOMETRIES = {"7b": (28, 4, 128), "2b": (12, 2, 128)}
 BLOCK_SIZE = 16
@@ -151,7 +151,7 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
     v = torch.randn(nb, BLOCK_SIZE, hkv, d, dtype=torch.bfloat16, device="cuda")
     cfg = configs["bf16"]
     cfg_d = {kk: vv for kk, vv in cfg.items() if not (kk == "block_n" and plan_d.dense_block_n)}
-    record("ours_bf16_paged", lambda: paged_attention(q, plan_d, d ** -0.5, k_cache=k, v_cache=v, **cfg_d),
+    record("ours_bf16_paged", lambda: paged_attention_tuned(q, plan_d, d ** -0.5, k_cache=k, v_cache=v, **cfg_d),
            2 * batch * ctx * hkv * d * 2, {"config": cfg_d, "dense_block_n": plan_d.dense_block_n},
            splits=plan_d.num_splits)
     if sweep_splits and batch <= 8:
@@ -162,13 +162,13 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
             if n_sp > 128 or ctx // n_sp < cfg.get("block_n", 32):
                 continue
             plan_x = plan_tiles(list(range(batch + 1)), [ctx] * batch, tables, hq // hkv, "cuda", num_splits=n_sp)
-            record(f"ours_bf16_paged_splits{n_sp}", lambda: paged_attention(
+            record(f"ours_bf16_paged_splits{n_sp}", lambda: paged_attention_tuned(
                 q, plan_x, d ** -0.5, k_cache=k, v_cache=v, **cfg), 2 * batch * ctx * hkv * d * 2, {"config": cfg},
                 splits=n_sp)
     if pdl_ablation:
         # the same plan and kernels launched without programmatic dependent launch (kernels/pdl.py;
         # the engine with pdl=False for a whole run): the merge kernel then starts after the attention kernel ends
-        record("ours_bf16_paged_pdl_off", lambda: paged_attention(q, plan_d, d ** -0.5, k_cache=k, v_cache=v,
+        record("ours_bf16_paged_pdl_off", lambda: paged_attention_tuned(q, plan_d, d ** -0.5, k_cache=k, v_cache=v,
                                                                   pdl_on=False, **cfg_d),
                2 * batch * ctx * hkv * d * 2, {"config": cfg_d, "dense_block_n": plan_d.dense_block_n},
                splits=plan_d.num_splits)
@@ -179,7 +179,7 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
         plan_x = plan_tiles(list(range(batch + 1)), [ctx] * batch, tables, hq // hkv, "cuda", num_splits=n_sp,
                             num_kv_heads=hkv, dense_block_n=128)
         cfg_x = {kk: vv for kk, vv in cfg.items() if kk != "block_n"}
-        record("ours_bf16_paged_wide", lambda: paged_attention(
+        record("ours_bf16_paged_wide", lambda: paged_attention_tuned(
             q, plan_x, d ** -0.5, k_cache=k, v_cache=v, **cfg_x), 2 * batch * ctx * hkv * d * 2,
             {"config": cfg_x, "dense_block_n": 128}, splits=n_sp)
     if config_sweep:
@@ -189,7 +189,7 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
             plan_x = plan_tiles(list(range(batch + 1)), [ctx] * batch, tables, hq // hkv, "cuda", num_splits=n_sp,
                                 num_kv_heads=hkv)
             cfg_x = {"block_n": bn, "num_warps": 4, "num_stages": st}
-            record(f"sweep_bf16_s{n_sp}_n{bn}_st{st}", lambda: paged_attention(
+            record(f"sweep_bf16_s{n_sp}_n{bn}_st{st}", lambda: paged_attention_tuned(
                 q, plan_x, d ** -0.5, k_cache=k, v_cache=v, **cfg_x), 2 * batch * ctx * hkv * d * 2,
                 {"config": cfg_x}, splits=n_sp)
     del k, v
@@ -207,7 +207,7 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
             c, sc, oi, ov, hs = layer.kernel_views(which)
             return c, sc, oi[..., :0], ov[..., :0], hs
 
-        record("ours_fp4_paged", lambda: paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"),
+        record("ours_fp4_paged", lambda: paged_attention_tuned(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"),
                                                          fp4_v=layer.kernel_views("v"), **cfg4),
                batch * ctx * layer.bytes_per_token, {"config": cfg4})
         if config_sweep:
@@ -215,14 +215,14 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
                 plan_x = plan_tiles(list(range(batch + 1)), [ctx] * batch, tables, hq // hkv, "cuda", num_splits=n_sp,
                                     num_kv_heads=hkv)
                 cfg_x = {"block_n": bn, "num_warps": 4, "num_stages": st, "maxnreg": cap}
-                record(f"sweep_fp4_s{n_sp}_n{bn}_st{st}_r{cap}", lambda: paged_attention(
+                record(f"sweep_fp4_s{n_sp}_n{bn}_st{st}_r{cap}", lambda: paged_attention_tuned(
                     q, plan_x, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"), **cfg_x),
                     batch * ctx * layer.bytes_per_token, {"config": cfg_x}, splits=n_sp)
         if maxnreg_ablation:
             # the register cap (default_fp4_maxnreg: 128 a thread for decode tiles) left off: 168 a
             # thread, 3 programs an SM against 4
             cfg_r = {**cfg4, "maxnreg": 0}
-            record("ours_fp4_paged_uncapped", lambda: paged_attention(
+            record("ours_fp4_paged_uncapped", lambda: paged_attention_tuned(
                 q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"), **cfg_r),
                 batch * ctx * layer.bytes_per_token, {"config": cfg_r})
         if GLUON:
@@ -232,10 +232,10 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
             n0_bytes = batch * ctx * hkv * 2 * (d // 2 + d // 16)
             fv0 = no_outliers("v")
             fk0 = no_outliers("k")
-            record("ours_fp4_gluon", lambda: paged_attention(
+            record("ours_fp4_gluon", lambda: paged_attention_tuned(
                 q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, fp4_gluon=True), nv_bytes,
                 {"config": "gluon"})
-            record("ours_fp4_gluon_no_outliers", lambda: paged_attention(
+            record("ours_fp4_gluon_no_outliers", lambda: paged_attention_tuned(
                 q, plan, d ** -0.5, fp4_k=fk0, fp4_v=fv0, fp4_gluon=True), n0_bytes, {"config": "gluon"})
             # other split counts: about 2, 3 and 4 programs an SM (2: the engine's, plan_tiles(fp4_gluon=True))
             n_w = default_num_splits(batch, ctx, 132, hkv, wide=True)
@@ -245,27 +245,27 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
                     continue
                 plan_x = plan_tiles(list(range(batch + 1)), [ctx] * batch, tables, hq // hkv, "cuda",
                                     num_splits=n_sp, num_kv_heads=hkv)
-                record(f"ours_fp4_gluon_s{n_sp}", lambda: paged_attention(
+                record(f"ours_fp4_gluon_s{n_sp}", lambda: paged_attention_tuned(
                     q, plan_x, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, fp4_gluon=True), nv_bytes,
                     {"config": "gluon"}, splits=n_sp)
                 if per_sm == 4:
                     continue
                 # a register cap of 168: 3 programs an SM fit (the kernel takes about 200 registers
                 # uncapped; compiled for sm_90 the cap spills nothing)
-                record(f"ours_fp4_gluon_r168_s{n_sp}", lambda: paged_attention(
+                record(f"ours_fp4_gluon_r168_s{n_sp}", lambda: paged_attention_tuned(
                     q, plan_x, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, fp4_gluon=True, maxnreg=168),
                     nv_bytes, {"config": "gluon, maxnreg 168"}, splits=n_sp)
-                record(f"ours_fp4_gluon_no_outliers_s{n_sp}", lambda: paged_attention(
+                record(f"ours_fp4_gluon_no_outliers_s{n_sp}", lambda: paged_attention_tuned(
                     q, plan_x, d ** -0.5, fp4_k=fk0, fp4_v=fv0, fp4_gluon=True), n0_bytes,
                     {"config": "gluon"}, splits=n_sp)
-                record(f"ours_fp4_gluon_no_outliers_r168_s{n_sp}", lambda: paged_attention(
+                record(f"ours_fp4_gluon_no_outliers_r168_s{n_sp}", lambda: paged_attention_tuned(
                     q, plan_x, d ** -0.5, fp4_k=fk0, fp4_v=fv0, fp4_gluon=True, maxnreg=168), n0_bytes,
                     {"config": "gluon, maxnreg 168"}, splits=n_sp)
-            record("ours_fp4_triton", lambda: paged_attention(
+            record("ours_fp4_triton", lambda: paged_attention_tuned(
                 q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=fv0, fp4_gluon=False, **cfg4), nv_bytes,
                 {"config": cfg4})
         # the same kernel decoding in float32 (the path before the PTX bf16x2 decode)
-        record("ours_fp4_paged_float_decode", lambda: paged_attention(
+        record("ours_fp4_paged_float_decode", lambda: paged_attention_tuned(
             q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"), fp4_ptx_decode=False,
             **cfg4), batch * ctx * layer.bytes_per_token, {"config": cfg4})
 
@@ -277,13 +277,13 @@ def bench_one(geo: str, batch: int, ctx: int, configs: dict, bw: float, sweep_sp
                 for tag, k_slots, nbytes in (("", True, batch * ctx * layer.bytes_per_token),
                                              ("_no_outliers", False, batch * ctx * hkv * 2 * (d // 2 + d // 16))):
                     fk = layer.kernel_views("k") if k_slots else no_outliers("k")
-                    record(f"ours_fp4_paged_{dec}{tag}", lambda: paged_attention(
+                    record(f"ours_fp4_paged_{dec}{tag}", lambda: paged_attention_tuned(
                         q, plan, d ** -0.5, fp4_k=fk, fp4_v=layer.kernel_views("v"), **cfg_d), nbytes,
                         {"config": cfg_d})
         if outlier_ablation:
             # the same kernel and pool with the outlier slots left out: what the outlier paths cost.
             # Bytes: codes and scales only.
-            record("ours_fp4_paged_no_outliers", lambda: paged_attention(
+            record("ours_fp4_paged_no_outliers", lambda: paged_attention_tuned(
                 q, plan, d ** -0.5, fp4_k=no_outliers("k"), fp4_v=no_outliers("v"), **cfg4),
                 batch * ctx * hkv * 2 * (d // 2 + d // 16), {"config": cfg4})
         del layer
@@ -314,9 +314,9 @@ def tune(geo: str = "7b", batch: int = 32, ctx: int = 16384) -> tuple[dict, list
     for fmt in ("bf16", "fp4"):
         for cfg in grid:
             if fmt == "bf16":
-                fn = lambda: paged_attention(q, plan, d ** -0.5, k_cache=k, v_cache=v, **cfg)  # noqa: E731
+                fn = lambda: paged_attention_tuned(q, plan, d ** -0.5, k_cache=k, v_cache=v, **cfg)  # noqa: E731
             else:
-                fn = lambda: paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"),  # noqa: E731
+                fn = lambda: paged_attention_tuned(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"),  # noqa: E731
                                              fp4_v=layer.kernel_views("v"), **cfg)
             try:
                 got = fn().float()

@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kernels.fp4 import FP4PagedLayer  # noqa: E402
 from kernels.attention_plan import default_num_splits, plan_tiles  # noqa: E402
-from kernels.paged_attention import paged_attention  # noqa: E402
+from kernels.paged_attention import paged_attention_tuned  # noqa: E402
 
 
 def main() -> None:
@@ -36,7 +36,7 @@ def main() -> None:
     if not slots:
         k = (k[0], k[1], k[2][..., :0], k[3][..., :0], k[4])
     for _ in range(3):
-        paged_attention(q, plan, d ** -0.5, fp4_k=k, fp4_v=v, fp4_gluon=True)
+        paged_attention_tuned(q, plan, d ** -0.5, fp4_k=k, fp4_v=v, fp4_gluon=True)
     torch.cuda.synchronize()
     print(f"3 launches, {n_w} splits")
 

@@ -9,7 +9,7 @@ from kernels import fp4  # noqa: E402
 from kernels.fp4 import (FP4PagedLayer, FP4Tensor, bytes_per_token_head, dequantize_lut,  # noqa: E402
                          dequantize_ref, e2m1_decode, e2m1_encode, e4m3_decode, e4m3_encode, quantize_ref)
 from kernels.attention_plan import default_num_splits, merge_shape, plan_tiles, tile_shape, warmup_launches  # noqa: E402
-from kernels.paged_attention import paged_attention, paged_attention_ref  # noqa: E402
+from kernels.paged_attention import paged_attention, paged_attention_ref, paged_attention_tuned  # noqa: E402
 
 # compiled kernels on a GPU, the interpreter on CPU
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -143,7 +143,7 @@ def dense_and_reference(q, qs, ctx_lens, tables, plan, kv_heads, bs, nb, **kw):
     d = q.shape[-1]
     k_cache = torch.randn(nb, bs, kv_heads, d, device=DEV)
     v_cache = torch.randn(nb, bs, kv_heads, d, device=DEV)
-    out = paged_attention(q, plan, d ** -0.5, k_cache=k_cache, v_cache=v_cache, **kw)
+    out = paged_attention_tuned(q, plan, d ** -0.5, k_cache=k_cache, v_cache=v_cache, **kw)
 
     def gather(blocks):
         idx = torch.tensor(blocks, device=DEV)
@@ -281,7 +281,7 @@ def test_paged_attention_fp4_matches_reference(q_lens, ctx_lens):
     layer = fp4_layer_with_outliers(nb, bs, kv_heads, d)
     assert (layer.k["oval"] != 0).any() and (layer.k["oval"] == 0).any() and layer.v["oval"].shape[-1] == 0
     plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=2)
-    out = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
+    out = paged_attention_tuned(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
                           block_n=16)
     ref = paged_attention_ref(q, layer.gather, qs, ctx_lens, tables, bs, d ** -0.5)
     assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4), (out - ref).abs().max()
@@ -297,7 +297,7 @@ def test_paged_attention_fp4_head_dim_128_non_power_of_two_head_scale():
     q, qs, tables = make_batch(q_lens, ctx_lens, heads, kv_heads, d, bs, nb, dtype=dtype, seed=2)
     layer = fp4_layer_with_outliers(nb, bs, kv_heads, d, seed=4, head_scale=0.07)
     plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=1)
-    out = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
+    out = paged_attention_tuned(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
                           block_n=16)
     ref = paged_attention_ref(q.float(), layer.gather, qs, ctx_lens, tables, bs, d ** -0.5)
     err = (out.float() - ref).abs().max() / ref.abs().max()
@@ -315,7 +315,7 @@ def test_paged_attention_fp4_7b_geometry_on_gpu(block_n, num_warps):
     ref = paged_attention_ref(q.float(), layer.gather, qs, ctx_lens, tables, bs, d ** -0.5)
     for splits in (1, 8):
         plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=splits)
-        out = paged_attention(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
+        out = paged_attention_tuned(q, plan, d ** -0.5, fp4_k=layer.kernel_views("k"), fp4_v=layer.kernel_views("v"),
                               block_n=block_n, num_warps=num_warps, fp4_gluon=False)
         err = ((out.float() - ref).abs().amax(-1) / ref.abs().amax(-1)).max()
         assert err < 2e-2, (splits, err)
@@ -369,9 +369,9 @@ def test_fp4_attention_with_ptx_decode_equals_the_float32_decode():
         plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=4)
         errs = {}
         views = {"fp4_k": layer.kernel_views("k"), "fp4_v": layer.kernel_views("v")}
-        ref = paged_attention(q, plan, d ** -0.5, **views, fp4_ptx_decode=False).float()
+        ref = paged_attention_tuned(q, plan, d ** -0.5, **views, fp4_ptx_decode=False).float()
         for ptx in variants:
-            out = paged_attention(q, plan, d ** -0.5, **views, fp4_ptx_decode=ptx, fp4_gluon=False).float()
+            out = paged_attention_tuned(q, plan, d ** -0.5, **views, fp4_ptx_decode=ptx, fp4_gluon=False).float()
             errs[ptx] = float(((out - ref).abs().amax(-1) / ref.abs().amax(-1)).max())
         print(q_lens, errs)
         # the decoded values are bit-identical (test above); the products may pair them with the
@@ -407,14 +407,14 @@ def test_fp4_gluon_decode_matches_the_reference(heads, kv_heads, dtype, key_slot
     fv = _zero_width(layer.kernel_views("v"))
     plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=4)
     assert paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv).equal(
-        paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv, fp4_gluon=True))  # the default
+        paged_attention_tuned(q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv, fp4_gluon=True))  # the default
     layer.v["oval"].zero_()
     if not key_slots:
         layer.k["oval"].zero_()
     ref = paged_attention_ref(q.float(), layer.gather, qs, ctx_lens, tables, bs, d ** -0.5)
     for splits in (1, 3, 8, 32):
         plan = plan_tiles(qs, ctx_lens, tables, heads // kv_heads, DEV, num_splits=splits)
-        out = paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv, fp4_gluon=True).float()
+        out = paged_attention_tuned(q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv, fp4_gluon=True).float()
         tri = paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv, fp4_gluon=False).float()
         err = ((out - ref).abs().amax(-1) / ref.abs().amax(-1)).max()
         err_tri = ((out - tri).abs().amax(-1) / tri.abs().amax(-1)).max()
@@ -438,15 +438,31 @@ def test_fp4_gluon_is_only_taken_where_it_can_run(monkeypatch):
     plan2 = plan_tiles(qs2, [300], tables2, heads // kv_heads, DEV, num_splits=2)
     assert "decode tiles only" in fp4_gluon.supported(q2, plan2, fk, fv)
     with pytest.raises(AssertionError, match="cannot run"):
-        paged_attention(q2, plan2, d ** -0.5, fp4_k=fk, fp4_v=fv, fp4_gluon=True)
+        paged_attention_tuned(q2, plan2, d ** -0.5, fp4_k=fk, fp4_v=fv, fp4_gluon=True)
     calls = []
     real = fp4_gluon.launch
     monkeypatch.setattr(fp4_gluon, "launch", lambda *a, **k: (calls.append(1), real(*a, **k)))
     paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv)
-    paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv, fp4_ptx_decode="words")
+    paged_attention_tuned(q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv, fp4_ptx_decode="words")
     paged_attention(q2, plan2, d ** -0.5, fp4_k=fk, fp4_v=fv)
     paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv, fp4_gluon=False)
     assert calls == [1]
+
+
+def test_the_engines_attention_entry_has_no_tuning_knobs():
+    """paged_attention (what the engine calls) takes caches, plan and the engine's choices only;
+    the launch's tuning is paged_attention_tuned's, whose defaults it runs: the same output."""
+    import inspect
+
+    assert set(inspect.signature(paged_attention).parameters) == {
+        "q", "plan", "scale", "k_cache", "v_cache", "fp4_k", "fp4_v", "fp4_gluon", "pdl_on"}
+    heads, kv_heads, d, bs, nb = 4, 2, 32, 4, 12
+    q, qs, tables = make_batch([1, 3], [9, 6], heads, kv_heads, d, bs, nb, seed=21)
+    k = torch.randn(nb, bs, kv_heads, d).to(DEV)
+    v = torch.randn(nb, bs, kv_heads, d).to(DEV)
+    plan = plan_tiles(qs, [9, 6], tables, heads // kv_heads, DEV, num_splits=2)
+    assert paged_attention(q, plan, d ** -0.5, k_cache=k, v_cache=v).equal(
+        paged_attention_tuned(q, plan, d ** -0.5, k_cache=k, v_cache=v))
 
 
 def test_fp4_gluon_dispatch_and_its_register_cap(monkeypatch):
@@ -465,9 +481,9 @@ def test_fp4_gluon_dispatch_and_its_register_cap(monkeypatch):
     monkeypatch.setattr(pa_module(), "default_fp4_maxnreg", lambda *a: 128)
     fk, fv = layer.kernel_views("k"), layer.kernel_views("v")
     paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv)
-    paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv, fp4_gluon=True, maxnreg=168)
+    paged_attention_tuned(q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv, fp4_gluon=True, maxnreg=168)
     assert caps == [None, 168]
-    paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv, maxnreg=168)  # a Triton variant: not Gluon
+    paged_attention_tuned(q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv, maxnreg=168)  # a Triton variant: not Gluon
     paged_attention(q, plan, d ** -0.5, fp4_k=fk, fp4_v=fv, fp4_gluon=False)
     assert caps == [None, 168]
 
@@ -651,7 +667,7 @@ def test_paged_attention_with_many_splits_matches_reference(splits):
     k_cache = torch.randn(nb, bs, kv_heads, d, device=DEV)
     v_cache = torch.randn(nb, bs, kv_heads, d, device=DEV)
     plan = plan_tiles(qs, [1000], tables, heads // kv_heads, DEV, num_splits=splits)
-    out = paged_attention(q, plan, d ** -0.5, k_cache=k_cache, v_cache=v_cache, block_n=16)
+    out = paged_attention_tuned(q, plan, d ** -0.5, k_cache=k_cache, v_cache=v_cache, block_n=16)
 
     def gather(blocks):
         idx = torch.tensor(blocks, device=DEV)

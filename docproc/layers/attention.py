@@ -218,7 +218,7 @@ class FP4Attention(_Backend):
         if self.use_triton:
             # the Gluon kernel where a call allows, if this engine's plans were made for it
             return paged_attention(q, meta.plan, self.scale, fp4_k=layer.kernel_views("k"),
-                                   fp4_v=layer.kernel_views("v"), fp4_gluon=None if self.fp4_gluon else False,
+                                   fp4_v=layer.kernel_views("v"), fp4_gluon=self.fp4_gluon,
                                    pdl_on=self.kernels.pdl)
         return paged_attention_ref(q, layer.gather, meta.query_start, meta.context_lens, meta.block_tables,
                                    meta.block_size, self.scale)
