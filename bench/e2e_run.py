@@ -4,6 +4,7 @@ config only with --load-format dummy), the real CLI in a subprocess, the GPU sam
 
     python3 bench/e2e_run.py --docs 240 --geometry 7b --trees .,.base --runs cold,warm --json $OUT/e2e.json
     python3 bench/e2e_run.py --docs 240 --geometry 72b --load-format dummy --run-args="--quantization fp8" ...
+    python3 bench/e2e_run.py --corpus .docs/soak --geometry 2b --trees .,.base --runs warm --json $OUT/e2e.json
 
 --trees: code trees run side by side (PYTHONPATH=tree), each over the same corpus and model, in
 turn per round (--runs: cold clears Triton's and the engine's caches first, warm keeps them).
@@ -126,6 +127,9 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=240)
     ap.add_argument("--seed", type=int, default=4900)
     ap.add_argument("--formats", default="pdf")
+    ap.add_argument("--corpus", default=None,
+                    help="a folder of documents to run instead of generating --docs of them (made where pymupdf "
+                         "is, e.g. `python3 scripts/gpu_soak.py --make-docs DIR --count N` for scans)")
     ap.add_argument("--geometry", default="7b")
     ap.add_argument("--draft-geometry", default=None, help="a draft model of this geometry (--draft)")
     ap.add_argument("--load-format", default="auto", help="dummy: config only, random weights at load "
@@ -137,11 +141,15 @@ def main() -> None:
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
     from fixtures.checkpoints import make_model
-    from fixtures.documents import generate
 
     work = Path(args.work or tempfile.mkdtemp(prefix="e2e-")).resolve()
     docs = work / f"docs-{args.seed}-{args.docs}"
-    if not docs.exists():
+    if args.corpus:
+        docs = Path(args.corpus).resolve()
+        args.docs = sum(1 for p in docs.iterdir() if p.is_file() and p.name != "truth.jsonl")
+    elif not docs.exists():
+        from fixtures.documents import generate  # (pymupdf draws them)
+
         generate(docs, count=args.docs, seed=args.seed, formats=args.formats.split(","))
         (docs / "truth.jsonl").unlink(missing_ok=True)
     def folder(geometry: str, seed: int) -> Path:
