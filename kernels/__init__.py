@@ -1,16 +1,19 @@
 """Triton kernels and their torch references (imports only torch and triton)."""
-from pathlib import Path
 
-_MODULES = frozenset(p.stem for p in Path(__file__).parent.glob("*.py"))
+# Hugging Face's `kernels` distribution (which transformers 5.25 and later require) has this
+# import name too. What transformers' hub-kernels module imports from it, asked of this package,
+# gets a message naming the fix rather than a bare ImportError from inside transformers; any
+# other missing name stays an AttributeError, as hasattr(), getattr() with a default and pickle
+# expect.
+_HUGGING_FACE_NAMES = frozenset((
+    "CUDAProperties", "Device", "FuncRepository", "KernelizeFallback", "LayerRepository", "LocalFuncRepository",
+    "LocalLayerRepository", "LockedLayerRepository", "Mode", "ROCMProperties", "get_kernel", "get_local_kernel",
+    "has_kernel", "kernelize", "load_kernel", "register_kernel_mapping", "replace_kernel_forward_from_hub",
+    "use_kernel_forward_from_hub", "use_kernel_mapping", "use_kernelized_func"))
 
 
 def __getattr__(name: str):
-    # Hugging Face's `kernels` distribution (which transformers 5.25 and later require) has this
-    # import name too. Whoever imports this package expecting that one (transformers' hub
-    # kernels: `from kernels import CUDAProperties`) gets a message naming the fix, not a bare
-    # ImportError from inside transformers. Dunders and this package's own modules stay
-    # AttributeErrors, which the import system and hasattr() expect.
-    if name.startswith("__") or name in _MODULES:
+    if name not in _HUGGING_FACE_NAMES:
         raise AttributeError(f"module 'kernels' has no attribute {name!r}")
     raise ImportError(
         f"cannot import {name!r} from 'kernels': this 'kernels' is docproc's kernel package, which "

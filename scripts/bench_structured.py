@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from docproc.pipeline.constraints import schema_violation  # noqa: E402
+from docproc.pipeline.json_schema import violation as schema_violation  # noqa: E402
 from docproc.pipeline.evaluate import evaluate  # noqa: E402
 from docproc.pipeline.queries import default_query_file, load_queries  # noqa: E402
 from docproc.pipeline.run import Pipeline, RunSettings  # noqa: E402

@@ -64,4 +64,4 @@ def test_a_caller_expecting_hugging_faces_kernels_is_told_the_fix():
     assert "transformers>=5.0,<5.25" in deps
     with pytest.raises(ImportError, match=r"transformers<5\.25.*pip uninstall -y kernels"):
         from kernels import CUDAProperties  # noqa: F401
-    assert not hasattr(kernels, "__wrapped__")
+    assert not hasattr(kernels, "__wrapped__") and getattr(kernels, "anything_else", None) is None

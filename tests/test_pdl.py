@@ -45,6 +45,12 @@ def test_each_engine_keeps_its_own_kernel_choices(qwen2_vl_dir):
                                        for m in (layer.self_attn, layer.mlp, layer.input_layernorm,
                                                  layer.post_attention_layernorm)]
         assert all(m.kernels is runner.kernel_options for m in holders)
+    switched = KernelOptions(pdl=False)  # what benches do (their graphs dropped)
+    on.runner.set_kernel_options(switched)
+    assert on.runner.backend.kernels is switched and on.runner.model.text.layers[0].mlp.kernels is switched
+    assert off.runner.kernel_options.pdl is False and off.runner.model.text.norm.kernels.one_row is False
+    with pytest.raises(ValueError, match="fp4_gluon is fixed"):  # the plans were made for it
+        on.runner.set_kernel_options(KernelOptions(fp4_gluon=False))
 
 
 def _hopper() -> bool:

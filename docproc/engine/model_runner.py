@@ -201,7 +201,9 @@ class ModelRunner:
     def set_kernel_options(self, opts: KernelOptions) -> None:
         """Other kernel choices for this engine's model and attention backend (comparisons and
         profiles); captured step graphs keep the launches they were captured with, so the caller
-        drops them."""
+        drops them. fp4_gluon stays as the engine was built (its plans' split counts follow it)."""
+        if opts.fp4_gluon != self.kernel_options.fp4_gluon:
+            raise ValueError("fp4_gluon is fixed when the engine is built: build another with LLM(fp4_gluon=...)")
         self.kernel_options = opts
         self.model.text.set_kernel_options(opts)
         self.backend.kernels = opts
