@@ -100,7 +100,7 @@ def instrument(llm, tally: Tally) -> None:
     sampler = runner.sampler
     runner.sampler = lambda *a, **kw: _ranged(rf, "part:sampling", sampler, *a, **kw)
     if runner.grammar is not None:
-        wrap(runner.grammar, "mask_logits", "part:grammar")
+        wrap(runner.grammar, "mask", "part:grammar")
 
 
 def _ranged(rf, label, fn, *a, **kw):

@@ -58,7 +58,7 @@ def main() -> None:
     wrap(llm, "append_token", "append_token")
     wrap(runner, "sample_pending", "sample_pending")
     g = runner.grammar
-    wrap(g, "mask_logits", "mask_logits")
+    wrap(g, "mask", "mask")
     wrap(g, "_apply", "apply")
     if g._fills is not None:
         wrap(g._fills, "fill", "fill")

@@ -297,7 +297,7 @@ def test_a_padded_vocabulary_stays_outside_the_grammar(llm):
     logits = torch.zeros(2, known + 500)
     logits[:, known:] = 10.0  # the padded ids would win every argmax
     m = gc.matcher(StructuredOutputsParams(regex="[0-9]+"), 16)
-    gc.mask_logits(logits, [m, None])
+    gc.mask_rows(logits, [m, None])
     assert int(logits[0].argmax()) < known and torch.isinf(logits[0, known:]).all()
     assert int(logits[1].argmax()) >= known  # the free row: untouched
 

@@ -446,7 +446,7 @@ class ModelRunner:
         None) and the copy of its tokens to the host."""
         logits, step.logits = step.logits, None
         if matchers is not None and self.grammar is not None:
-            self.grammar.mask_logits(logits, matchers)
+            self.grammar.mask_rows(logits, matchers)
         tokens = self.sampler(logits, [self.sampling_row(s.seq) for s in step.scheduled])
         n = len(step.scheduled)
         event = None
@@ -486,7 +486,7 @@ class ModelRunner:
             if self.logits_hook is not None:
                 self.logits_hook([seq for _, seq in sample], logits)
             if self.grammar is not None:
-                self.grammar.mask_logits(logits, [seq.grammar for _, seq in sample])
+                self.grammar.mask_rows(logits, [seq.grammar for _, seq in sample])
             sampled = self.sampler(logits, [self.sampling_row(seq) for _, seq in sample]).tolist()
             tokens = {seq.seq_id: t for (_, seq), t in zip(sample, sampled)}
         return StepResult(tokens, meta.num_tokens, time.perf_counter() - t0)

@@ -582,27 +582,51 @@ class GrammarCompiler:
             self._cache.move_to_end(key)
         return xgr.GrammarMatcher(compiled)
 
-    def mask_logits(self, logits: torch.Tensor, matchers: list) -> None:
-        """Rows of logits (n, V) whose matcher is not None: every token the grammar does not allow
-        next becomes -inf (in place)."""
-        rows = [i for i, m in enumerate(matchers) if m is not None]
+    def mask(self, logits: torch.Tensor, rows: list[tuple[int, object, list[int] | None]]) -> None:
+        """Mask a step's constrained rows of logits (n, V) in place, in one fill and one apply:
+        (row, matcher, None) masks that row by the matcher's state (every token it does not allow
+        next becomes -inf); (first row, matcher, proposals) masks a speculative window, row
+        first + j by the state after proposals 0..j-1 (the states verification scores them in).
+        A window's rows past a proposal the grammar refuses (which is rejected there) or past the
+        grammar's end are left as they are, being never sampled; its matcher is rolled back to
+        where it was (the tokens verification emits are accepted as they are appended)."""
         if not rows:
             return
         bitmask = self._bitmask(logits)
-        fills = []  # (row, xgrammar matcher): the rows the grammar's mask applies to
-        for i in rows:
-            token = matchers[i].forced_token()
-            if token is None:
-                fills.append((i, matchers[i].matcher))
-            else:
-                only_token(bitmask, i, token)
+        masked: list[int] = []
+        fills = []  # (row, xgrammar matcher): single rows whose mask the grammar fills
+        for r0, matcher, tokens in rows:
+            if tokens is None:
+                masked.append(r0)
+                token = matcher.forced_token()
+                if token is None:
+                    fills.append((r0, matcher.matcher))
+                else:
+                    only_token(bitmask, r0, token)
+                continue
+            advanced = 0
+            for j in range(len(tokens) + 1):
+                if matcher.is_terminated():
+                    break
+                matcher.fill_next_token_bitmask(bitmask, r0 + j)
+                masked.append(r0 + j)
+                if j == len(tokens) or not matcher.accept_token(tokens[j]):
+                    break
+                advanced += 1
+            if advanced:
+                matcher.rollback(advanced)
         if len(fills) == 1:
             fills[0][1].fill_next_token_bitmask(bitmask, fills[0][0])
         elif fills:
             if self._fills is None:
                 self._fills = FillThreads(self._xgr)
             self._fills.fill([m for _, m in fills], bitmask, [i for i, _ in fills])
-        self._apply(logits, bitmask, rows)
+        if masked:
+            self._apply(logits, bitmask, sorted(masked))
+
+    def mask_rows(self, logits: torch.Tensor, matchers: list) -> None:
+        """mask() for one row each: row i by matchers[i], rows whose matcher is None as they are."""
+        self.mask(logits, [(i, m, None) for i, m in enumerate(matchers) if m is not None])
 
     def _bitmask(self, logits: torch.Tensor) -> torch.Tensor:
         """(n, ceil(V / 32)) int32 on the host; for CUDA logits a pinned buffer, so that its copy to
@@ -651,32 +675,6 @@ class GrammarCompiler:
         self._copied = torch.cuda.Event()
         self._copied.record()
         apply_token_mask(logits, device_mask, device_tail, self.num_tokens)
-
-    def mask_windows(self, logits: torch.Tensor, windows: list[tuple[int, object, list[int]]]) -> None:
-        """Speculative windows of constrained rows: (first row, matcher, proposals). Row r0 + j of
-        logits is masked by the grammar's state after proposals 0..j-1, the states the target's
-        verification scores them in; a row past a proposal the grammar refuses (which is then
-        rejected there) or past the end of the grammar is left as it is, being never sampled.
-        Each matcher is rolled back to where it was: the tokens verification emits are accepted
-        into it as they are appended."""
-        if not windows:
-            return
-        bitmask = self._bitmask(logits)
-        rows: list[int] = []
-        for r0, matcher, tokens in windows:
-            advanced = 0
-            for j in range(len(tokens) + 1):
-                if matcher.is_terminated():
-                    break
-                matcher.fill_next_token_bitmask(bitmask, r0 + j)
-                rows.append(r0 + j)
-                if j == len(tokens) or not matcher.accept_token(tokens[j]):
-                    break
-                advanced += 1
-            if advanced:
-                matcher.rollback(advanced)
-        if rows:
-            self._apply(logits, bitmask, rows)
 
 
 def tokenizer_size(tokenizer) -> int:

@@ -166,7 +166,7 @@ class Proposer:
                     v.proposals.append(0)  # a placeholder until _read_chained: the device has the token
                 continue
             if matchers:
-                self.grammar.mask_logits(logits, [self._next_mask(matchers.get(seq.seq_id)) for seq, _ in live])
+                self.grammar.mask_rows(logits, [self._next_mask(matchers.get(seq.seq_id)) for seq, _ in live])
             rows = [runner.sampling_row(v) for _, v in live]
             if all(row.temperature == 0 for row in rows):
                 tok_dev = logits.argmax(-1)

@@ -168,18 +168,18 @@ class Verifier:
         runner = self.engine.runner
         result: dict[int, tuple[list[int], int]] = {}
         plain = [i for i, p in enumerate(props) if p is None and spans[i] is not None]
+        # the step's constrained rows masked in one fill and one apply: a plain row by its
+        # grammar's state, a window at each of its positions (lossless, since the rule accepts a
+        # proposal only where the masked target gives it mass)
+        constrained = [(spans[i][0], chunks[i].seq.grammar, None if p is None else p.tokens)
+                       for i, p in enumerate(props)
+                       if spans[i] is not None and chunks[i].seq.grammar is not None]
+        if constrained:
+            runner.grammar.mask(logits, constrained)
         if plain:
             rows = logits[[spans[i][0] for i in plain]]
-            if runner.grammar is not None:
-                runner.grammar.mask_logits(rows, [chunks[i].seq.grammar for i in plain])
             picked = runner.sampler(rows, [srows[i] for i in plain]).tolist()
             result.update((i, ([t], 0)) for i, t in zip(plain, picked))
-        # a constrained window is scored under the grammar at each of its positions: lossless,
-        # since the rule accepts a proposal only where the masked target gives it mass
-        constrained = [(spans[i][0], chunks[i].seq.grammar, props[i].tokens) for i, p in enumerate(props)
-                       if p is not None and chunks[i].seq.grammar is not None]
-        if constrained:
-            runner.grammar.mask_windows(logits, constrained)
         greedy = [i for i, p in enumerate(props) if p is not None and srows[i].temperature == 0]
         if greedy:
             top = logits.argmax(-1).tolist()
