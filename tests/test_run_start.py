@@ -113,6 +113,9 @@ def test_config_history_names_what_changed_and_takes_older_fingerprints_of_a_no_
     assert h.describe("old") == ("--anchor-text off -> on, FP4 value slots none -> 0, --kv-cache fp32 -> fp4, "
                                  "query set invoices (0011) -> receipts (a78bbd47f1ba5d5a)")
     assert h.describe("never-kept") == "an earlier configuration" and h.changes("never-kept") is None
+    slots = ConfigHistory(fingerprint_of(new), new, {"two": {"components": {**new, "fp4_value_slots": 2}}},
+                          any_constrained=True)
+    assert slots.describe("two") == "FP4 value slots (an option docproc no longer has) 2 -> 0"
     assert not h.same_answers("old", pdf=False, pages=1)
     # no constrained query: a fingerprint made with the mode off (as runs without xgrammar made
     # them, with or without components kept) is this configuration

@@ -124,6 +124,9 @@ COMPONENT_NAMES = {"queries": "query set", "constraints": "constrained decoding 
                    "dtype": "dtype", "max_image_tokens": "max image tokens", "prompt": "prompt version",
                    "anchor_text": "--anchor-text", "weights_fp8": "FP8 weights",
                    "fp4_value_slots": "FP4 value slots"}
+# components of options that are gone: a change from a value other than the one every run now has
+# says so (no setting brings the old answers back)
+REMOVED_OPTIONS = {"fp4_value_slots": (0, "an option docproc no longer has")}
 
 
 def _shown(value) -> str:
@@ -185,6 +188,8 @@ class ConfigHistory:
         for k, (before, now) in changes.items():
             head, _, sub = k.partition(".")
             name = COMPONENT_NAMES.get(head, head) + (f" {sub}" if sub else "")
+            if head in REMOVED_OPTIONS and before not in (None, REMOVED_OPTIONS[head][0]):
+                name += f" ({REMOVED_OPTIONS[head][1]})"
             if k == "queries":
                 before, now = (f"{label} ({fp})" if label else fp for label, fp in zip(labels, (before, now)))
             parts.append(f"{name} {_shown(before)} -> {_shown(now)}")
