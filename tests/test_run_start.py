@@ -149,6 +149,36 @@ def test_a_signal_during_an_import_is_raised_after_it(tmp_path, monkeypatch):
     assert module.INSIDE and module.DONE and e.value.signum == signal.SIGTERM
 
 
+def test_a_signal_that_c_code_swallowed_is_raised_again():
+    """A RunInterrupted raised in a Python callback of C code comes out as that code's own error
+    (torch, as a model loads: "could not determine the shape of object type ..."): the run's
+    catch-all boundaries raise it again rather than go on with every later signal ignored; once
+    the run has taken it (calm), nothing is raised again."""
+    from docproc.pipeline.signals import reraise_swallowed
+
+    def like_c_code():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)
+        except BaseException:
+            raise ValueError("could not determine the shape of object type 'torch.storage.UntypedStorage'") from None
+
+    with pytest.raises(RunInterrupted) as e:
+        with signals_raise():
+            try:
+                like_c_code()
+            except ValueError:
+                reraise_swallowed()
+    assert e.value.signum == signal.SIGTERM
+    with signals_raise() as guard:
+        try:
+            like_c_code()
+        except ValueError:
+            guard.calm()  # (the run took it)
+            reraise_swallowed()
+    reraise_swallowed()  # outside a run: nothing entered
+
+
 def test_a_signal_before_the_run_ends_the_command_with_its_code(tmp_path, monkeypatch, capsys):
     from docproc.pipeline import run as run_module
 

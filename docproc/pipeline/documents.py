@@ -21,7 +21,7 @@ from docproc.pipeline.queries import QuerySet, build_prompt
 from docproc.pipeline.reconcile import ConfigHistory, Reconciliation
 from docproc.pipeline.rows import DocumentRows, _Window, window_requests
 from docproc.pipeline.settings import RunSettings, RunTotals
-from docproc.pipeline.signals import RunInterrupted
+from docproc.pipeline.signals import RunInterrupted, reraise_swallowed
 
 Reporter = Callable[[str, dict], None]  # (event, data): "start", "load_start", "load_end", "page", "requests",
 #                                         "document", "batch", "warning", "note", "end"
@@ -193,6 +193,7 @@ class DocumentWork(EngineSetup, DocumentRows):
         except (EnvironmentFault, RunInterrupted):
             raise
         except Exception as e:  # noqa: BLE001 -- the per-document boundary
+            reraise_swallowed()
             if isinstance(e, DocumentError):
                 return ("settled", sha, "error", (e.kind, str(e)))
             if self.s.debug:
@@ -246,6 +247,7 @@ class DocumentWork(EngineSetup, DocumentRows):
         except (EnvironmentFault, RunInterrupted):
             raise
         except Exception as e:  # noqa: BLE001 -- one document's request broke the engine step
+            reraise_swallowed()
             states = list({id(w.doc): w.doc for w in batch}.values())
             if len(states) > 1:
                 for state in states:
@@ -267,6 +269,7 @@ class DocumentWork(EngineSetup, DocumentRows):
                     else:
                         self._blank_answers(w)
                 except Exception as e:  # noqa: BLE001 -- the per-document boundary, after the engine
+                    reraise_swallowed()
                     w.doc.failure = ("internal", f"{type(e).__name__}: {e}")
                     if self.s.debug:
                         traceback.print_exception(e)

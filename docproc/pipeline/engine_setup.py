@@ -18,6 +18,7 @@ from pathlib import Path
 from docproc.errors import DeviceUnavailable, EnvironmentFault, ModelUnavailable, QueriesUnusable
 from docproc.pipeline.reconcile import fingerprint_of
 from docproc.pipeline.runstore import atomic_write_bytes, output_fault
+from docproc.pipeline.signals import reraise_swallowed
 
 PROMPT_VERSION = "v1"
 CONFIG_CACHE_ENTRIES = 16  # configuration fingerprints kept (.docproc/config_cache.json)
@@ -188,6 +189,7 @@ class EngineSetup:
             except EnvironmentFault:
                 raise
             except Exception as e:  # noqa: BLE001 -- whatever loading raises stops the run, named
+                reraise_swallowed()  # (a signal whose RunInterrupted torch turned into its own error)
                 raise load_fault(e, self.s.model, self.s.draft) from e
             finally:
                 self.stage_seconds["load_model"] += time.perf_counter() - t0

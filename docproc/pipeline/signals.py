@@ -24,6 +24,20 @@ _IMPORT_FRAMES = "<frozen importlib._bootstrap"  # _bootstrap and _bootstrap_ext
 _START_FRAMES = (os.path.join(os.path.dirname(multiprocessing.__file__), "popen_spawn_posix.py"),)
 
 
+_ENTERED: list = []  # the signals_raise entered in the main thread, innermost last
+
+
+def reraise_swallowed() -> None:
+    """Raise again a RunInterrupted that code between the handler and the run swallowed: raised
+    inside a Python callback of C code (torch's tensor construction from storages while a model
+    loads), it comes out as that code's own error (a ValueError), and since the handler ignores
+    every later signal, the run would go on as if none had come. The run's catch-all boundaries
+    call this first."""
+    for guard in reversed(_ENTERED):
+        if guard.raised is not None:
+            raise RunInterrupted(guard.raised)
+
+
 class RunInterrupted(BaseException):
     """SIGTERM or SIGINT arrived: the batch in flight is dropped, the run ends with a manifest."""
 
@@ -55,6 +69,7 @@ class signals_raise:
     def __init__(self) -> None:
         self.saved: dict = {}
         self.pending: int | None = None  # a signal that arrived during an import, not raised yet
+        self.raised: int | None = None  # a signal raised as RunInterrupted that the run has not taken yet
         self.inner_entered = False  # a signals_raise was entered inside this one (a run started)
         self._quiet = False
         self._watcher: threading.Thread | None = None
@@ -62,6 +77,7 @@ class signals_raise:
     def __enter__(self):
         if threading.current_thread() is not threading.main_thread():
             return self
+        _ENTERED.append(self)
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.saved[sig] = signal.signal(sig, self._raise)
         outer = getattr(self.saved[signal.SIGTERM], "__self__", None)
@@ -81,7 +97,8 @@ class signals_raise:
             self._watch()
             return
         signum = self.pending if self.pending is not None else signum
-        self.calm()
+        self._ignore()
+        self.raised = signum
         raise RunInterrupted(signum)
 
     def _watch(self) -> None:
@@ -104,13 +121,20 @@ class signals_raise:
         self._watcher.start()
 
     def calm(self) -> None:
-        """From now on the signals are ignored: the run is winding down (a manifest to write)."""
+        """From now on the signals are ignored: the run is winding down (a manifest to write),
+        having taken the signal raised, if one was."""
+        self._ignore()
+        self.raised = None
+
+    def _ignore(self) -> None:
         self._quiet = True
         self.pending = None
         for sig in self.saved:
             signal.signal(sig, signal.SIG_IGN)
 
     def __exit__(self, *exc):
+        if self in _ENTERED:
+            _ENTERED.remove(self)
         self._quiet = True
         self.pending = None
         for sig, handler in self.saved.items():

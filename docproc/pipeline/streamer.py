@@ -24,7 +24,7 @@ from dataclasses import asdict
 from docproc.errors import EnvironmentFault
 from docproc.pipeline.feed import RenderedDocument
 from docproc.pipeline.rows import _DocState, _Window
-from docproc.pipeline.signals import RunInterrupted
+from docproc.pipeline.signals import RunInterrupted, reraise_swallowed
 
 FLUSH_SECONDS = 2.0
 FLUSH_DOCUMENTS = 64
@@ -164,6 +164,7 @@ class _Streamer:
         except (EnvironmentFault, RunInterrupted):
             raise
         except Exception as e:  # noqa: BLE001 -- a request broke the step: its documents one by one
+            reraise_swallowed()
             p.stage_seconds["engine"] += time.perf_counter() - t0
             docs = len({id(w.doc) for w, _ in self.flight.values()})
             p.report("warning", {"message": f"an engine step raised {type(e).__name__}: {e}; its {docs} document(s) "
@@ -194,6 +195,7 @@ class _Streamer:
         try:
             self.p._answers(w, outs)
         except Exception as e:  # noqa: BLE001 -- the per-document boundary, after the engine
+            reraise_swallowed()
             w.doc.failure = ("internal", f"{type(e).__name__}: {e}")
             if self.p.s.debug:
                 import traceback
