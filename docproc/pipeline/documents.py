@@ -56,6 +56,7 @@ class DocumentWork(EngineSetup, DocumentRows):
     """Documents to rows: what a run does between a file and its rows, wherever the rows go."""
     _history: ConfigHistory | None = None  # this run's configuration against the stored documents'
     _live: LiveFigures | None = None  # made when the first batch goes to the engine
+    STAGES = ("open_render_hash", "engine", "load_model")  # the stages timed (stage_seconds), in order
 
     def __init__(self, settings: RunSettings, queries: QuerySet, run_id: str, report: Reporter,
                  llm=None, cfg: str | None = None) -> None:
@@ -76,7 +77,7 @@ class DocumentWork(EngineSetup, DocumentRows):
         """This run's figures from zero: totals, stage seconds and timeline, pages seen, failures,
         rows not yet written."""
         self.totals = RunTotals()
-        self.stage_seconds = {"open_render_hash": 0.0, "engine": 0.0, "load_model": 0.0}
+        self.stage_seconds = {stage: 0.0 for stage in self.STAGES}
         self.page_hashes: set[str] = set()
         self.failures: list[dict] = []  # this run's failed files: path, kind, error
         self._pending: list[tuple[str, list[dict], bool]] = []  # (key, rows, write its JSON)

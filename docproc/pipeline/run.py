@@ -79,6 +79,7 @@ class Pipeline(DocumentWork):
     # with nothing done in OUT and no cached fingerprint, the fingerprint waits for the engine's
     # load (which then overlaps rendering) instead of loading the model before discovery
     defer_fingerprint = True
+    STAGES = ("discover", "open_render_hash", "engine", "write", "load_model")
 
     def __init__(self, settings: RunSettings, llm=None, reporter: Reporter | None = None) -> None:
         """Checks the inputs, the output folder's place and the query set; UsageError or
@@ -89,10 +90,6 @@ class Pipeline(DocumentWork):
         run_id = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ") + "-" + uuid.uuid4().hex[:6]
         super().__init__(settings, load_queries(settings.queries), run_id,
                          _quiet_on_failure(reporter or (lambda event, data: None)), llm)
-
-    def new_figures(self) -> None:
-        super().new_figures()
-        self.stage_seconds = {"discover": 0.0, **self.stage_seconds, "write": 0.0}
 
     def _check_paths(self) -> None:
         out = os.path.realpath(self.s.out)
