@@ -59,7 +59,8 @@ def main() -> None:
     out = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if cuda else "cpu",
            "torch": torch.__version__, "args": vars(args), "copy_GBps": round(bw / 1e9, 1),
            "weight_bytes_per_step": weight_bytes, "kv_bytes_per_token": info["bytes_per_token"],
-           "weights_fp8": info.get("weights_fp8"), "batches": {}}
+           "weights_fp8": info.get("weights_fp8"), "pool_tokens": info["num_blocks"] * info["block_size"],
+           "batches": {}}
     for b in [int(x) for x in args.batches.split(",")]:
         reqs = [be.request(3000 + i, be.QUESTIONS[i % len(be.QUESTIONS)], args) for i in range(b)]
         first = llm.generate(reqs, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # cached, captured
@@ -74,8 +75,12 @@ def main() -> None:
         roof = b * bw / step_bytes
         out["batches"][b] = {"tokens_per_s": round(best, 1), "ms_per_step": round(1e3 * b / best, 3),
                              "roofline_tokens_per_s": round(roof, 1), "share_of_bandwidth_roofline": round(best / roof, 3),
-                             "step_gb": round(step_bytes / 1e9, 3), "prompt_tokens": round(prompt)}
+                             "step_gb": round(step_bytes / 1e9, 3), "prompt_tokens": round(prompt),
+                             # whether the batch's KV fits the pool at once (else rows wait: not a kernel figure)
+                             "kv_tokens": round(b * (prompt + n)), "fits_pool": b * (prompt + n) <= out["pool_tokens"]}
         print(b, out["batches"][b], flush=True)
+    late = llm.cache_info()
+    out["kernels_compiled_after_warmup"] = late.get("kernels_compiled_after_warmup")
     Path(args.json).write_text(json.dumps(out, indent=1, default=str))
 
 

@@ -7,10 +7,16 @@
   program owns BLOCK_N output rows and streams them along K in (BLOCK_N, BLOCK_K) tiles as
   kernels/gemv.py does; products and sums in float32, each group's partial sum times its scale.
   The gated form computes SiLU(gate) x up from the gate|up product on the fly (down projection).
-- several rows on CUDA (`scaled_mm`): the input quantized per row (token) to FP8 at run time in
-  one kernel, then the FP8 tensor cores through torch._scaled_mm with row-wise scales (per-row
-  weights); `scaled_mm_blocks` for 128 x 128 block-wise weights: the input quantized per row and
-  128 columns, then cuBLAS's block scaling (torch.nn.functional.scaled_mm).
+- a few rows on CUDA (`gemm_fp8_rows`, verification windows and batches up to ROWS_MAX): the
+  codes read once for all rows, converted exactly to the input's dtype (weight-only).
+- a decode batch on CUDA (`gemm_fp8_tc`, up to TC_ROWS_MAX rows): the input quantized per row
+  (or per row and group) in one kernel, then a Triton product on the FP8 tensor cores whose tile
+  holds every row, so each weight tile is read once; its K split where the tiles alone leave SMs
+  idle.
+- more rows on CUDA (`scaled_mm`): the input quantized per row (token), then the FP8 tensor
+  cores through torch._scaled_mm with row-wise scales (per-row weights); `scaled_mm_blocks` for
+  128 x 128 block-wise weights: the input quantized per row and 128 columns, then cuBLAS's block
+  scaling (torch.nn.functional.scaled_mm).
 """
 from __future__ import annotations
 
@@ -312,6 +318,181 @@ def gemm_fp8_rows(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, grou
 
 
 # ---- several rows: FP8 tensor cores ------------------------------------------------------------------
+@triton.jit(do_not_specialize=["M", "M_TILES"])  # one compile for every row count of a tile shape
+def _tc_fp8_kernel(
+    q_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, out_ptr, ws_ptr,
+    M, N, K, M_TILES, K_SPLIT,
+    sq, ssx_row, ssx_col, sw, ssw, so,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PER_ROW: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """(codes_x x scale_x) (codes_w x scale_w)^T on the FP8 tensor cores, float32 sums. PER_ROW:
+    one scale per input row and one per weight row, applied to the finished sums; else one per
+    row and BLOCK_K columns on both sides (BLOCK_K = the group), applied per K step. The M tiles
+    of one N tile are neighbouring programs, so a weight tile is read from memory once (the next
+    M tile finds it in L2). SPLIT: program (., s) sums columns [s K_SPLIT, (s + 1) K_SPLIT) into
+    ws[s] (float32; per-row scales not yet applied) for _tc_reduce_kernel."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    pid_m = pid % M_TILES
+    pid_n = pid // M_TILES
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    nmask = n < N
+    mmask = m < M
+    k = tl.arange(0, BLOCK_K)
+    rows_w = w_ptr + n[:, None].to(tl.int64) * sw
+    rows_x = q_ptr + m[:, None].to(tl.int64) * sq
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    k_lo = split * K_SPLIT
+    k_hi = tl.minimum(K, k_lo + K_SPLIT)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + k
+        if EVEN_K:
+            a = tl.load(rows_x + kk[None, :], mask=mmask[:, None], other=0.0)
+            b = tl.load(rows_w + kk[None, :], mask=nmask[:, None], other=0.0)
+        else:
+            kmask = kk < K
+            a = tl.load(rows_x + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(rows_w + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        part = tl.dot(a, tl.trans(b), out_dtype=tl.float32)
+        if PER_ROW:
+            acc += part
+        else:
+            g = k0 // BLOCK_K
+            sa = tl.load(sx_ptr + m * ssx_row + g * ssx_col, mask=mmask, other=0.0)
+            sb = tl.load(sw_ptr + n * ssw + g, mask=nmask, other=0.0)
+            acc += part * sa[:, None] * sb[None, :]
+    cell = m[:, None].to(tl.int64) * N + n[None, :]
+    if SPLIT:
+        tl.store(ws_ptr + split.to(tl.int64) * M * N + cell, acc, mask=mmask[:, None] & nmask[None, :])
+    else:
+        if PER_ROW:
+            sa = tl.load(sx_ptr + m * ssx_row, mask=mmask, other=0.0)
+            sb = tl.load(sw_ptr + n * ssw, mask=nmask, other=0.0)
+            acc = acc * sa[:, None] * sb[None, :]
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + m[:, None].to(tl.int64) * so + n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit(do_not_specialize=["M", "SPLITS"])
+def _tc_reduce_kernel(ws_ptr, sx_ptr, sw_ptr, b_ptr, out_ptr, M, N, SPLITS, ssx_row, ssw, so,
+                      HAS_BIAS: tl.constexpr, PER_ROW: tl.constexpr, BLOCK: tl.constexpr):
+    """out[m] = the splits' partial sums of row m in order (x the row's and the weight rows'
+    scales where PER_ROW) + bias, in out's dtype: program (m, c) covers BLOCK columns."""
+    m = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    nmask = n < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(0, SPLITS):
+        acc += tl.load(ws_ptr + (s * M + m) * N + n, mask=nmask, other=0.0)
+    if PER_ROW:
+        acc = acc * tl.load(sx_ptr + m * ssx_row) * tl.load(sw_ptr + n * ssw, mask=nmask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * so + n, acc.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+# Up to this many rows the Triton product below; more: cuBLAS's where it applies. H200, one 72B
+# layer's four products in a CUDA graph (bench/fp8_products.py --graphs): at 32 rows 0.28 ms
+# per-channel against 0.39 for quantize + torch._scaled_mm, 0.36 block-wise; at 128 rows cuBLAS's
+# 0.28 against 0.38.
+TC_ROWS_MAX = 64
+# Group-wise weights that cuBLAS's block scaling does not take (a tensor-parallel share cut inside
+# a block, a GPU without it) stay on the Triton product up to this many rows, then take the
+# dequantized product: one 72B layer at 1,024 rows 5.5 ms against 9.1, at 8,192 rows 45 against 27
+# (the Triton product then in 128 x 128 tiles; BENCHMARKS.md).
+TC_GROUP_ROWS_MAX = 1024
+
+
+def tc_config(m: int, group: int, per_row: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the Triton FP8 product for m rows:
+    all rows in one tile up to 128 (a weight tile read once), 128-row tiles past that (group-wise
+    weights that cuBLAS's block scaling does not take). From the --sweep-tc tiles at 72B and 7B."""
+    block_m = min(128, max(16, triton.next_power_of_2(m)))
+    if block_m > 64:
+        return (block_m, 64, 128 if per_row else group, 4, 4)
+    return (block_m, 64, 256 if per_row else group, 4, 4)
+
+
+def tc_splits(programs: int, k_steps: int, num_sms: int) -> int:
+    """Key splits of the Triton FP8 product: enough programs for two per SM where the tiles alone
+    leave SMs idle or in a thin last wave (a 72B o projection: 128 tiles of 8,192 columns), each
+    split at least 8 BLOCK_K steps, at most 8 splits."""
+    if programs >= 2 * num_sms:
+        return 1
+    return max(1, min(8, -(-2 * num_sms // programs), k_steps // 8))
+
+
+def tc_warm_rows() -> tuple[int, ...]:
+    """A row count for each tile shape tc_config picks past ROWS_MAX (each is one Triton compile;
+    the row count itself is not specialised)."""
+    shapes = {}
+    for m in range(ROWS_MAX + 1, 257):
+        shapes.setdefault((tc_config(m, 128, True), tc_config(m, 128, False)), m)
+    return tuple(shapes.values())
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def gemm_fp8_tc(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, group: int,
+                bias: torch.Tensor | None = None, config: tuple | None = None) -> torch.Tensor:
+    """x (M, K) 16-bit against FP8 weights on the FP8 tensor cores: x quantized per row (per-row
+    weights) or per row and `group` columns (group-wise weights: the 128 x 128 block-wise layout
+    and the finer groups of a tensor-parallel share) in one kernel, then product_fp8_tc. Output
+    in x's dtype."""
+    if scale.shape[1] == 1:
+        xq, sx = quantize_rows_fast(x)
+    else:
+        assert group >= 32 and group & (group - 1) == 0, f"group {group}: a power of two from 32"
+        xq, sx = quantize_groups(x, group)
+    return product_fp8_tc(xq, sx, data, scale, group, bias, x.dtype, config)
+
+
+def product_fp8_tc(xq: torch.Tensor, sx: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, group: int,
+                   bias: torch.Tensor | None, out_dtype: torch.dtype, config: tuple | None = None) -> torch.Tensor:
+    """(xq x sx) (data x scale)^T (+ bias) for FP8 codes on both sides: sx (M, 1) with per-row
+    weight scales, (M, G) with group-wise ones. One Triton product that reads each weight tile
+    once for all rows (the M tiles of an N tile run side by side), its K split where the tiles
+    are too few for the SMs (partial sums in float32, added in a fixed order by a second kernel:
+    no atomics, the same result on every call). config: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[,
+    splits])."""
+    m, k = xq.shape
+    n = data.shape[0]
+    per_row = scale.shape[1] == 1
+    assert xq.stride(-1) == 1 and data.shape[1] == k and data.stride(1) == 1 and sx.shape[0] == m
+    block_m, block_n, block_k, warps, stages, *rest = config or tc_config(m, group, per_row)
+    assert per_row or block_k == group, f"group-wise scales need BLOCK_K = group ({group})"
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    if not m:
+        return out
+    m_tiles = triton.cdiv(m, block_m)
+    programs = m_tiles * triton.cdiv(n, block_n)
+    k_steps = triton.cdiv(k, block_k)
+    splits = rest[0] if rest else tc_splits(programs, k_steps, _num_sms(xq.device))
+    k_split = triton.cdiv(k_steps, splits) * block_k
+    splits = triton.cdiv(k, k_split)  # (no empty split)
+    ws = torch.empty(splits, m, n, dtype=torch.float32, device=xq.device) if splits > 1 else out
+    b = bias if bias is not None else scale
+    _tc_fp8_kernel[(programs, splits)](
+        xq, sx, data, scale, b, out, ws, m, n, k, m_tiles, k_split,
+        xq.stride(0), sx.stride(0), sx.stride(1), data.stride(0), scale.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PER_ROW=per_row,
+        EVEN_K=k % block_k == 0, SPLIT=splits > 1, num_warps=warps, num_stages=stages)
+    if splits > 1:
+        block = min(1024, triton.next_power_of_2(n))
+        _tc_reduce_kernel[(m, triton.cdiv(n, block))](
+            ws, sx, scale, b, out, m, n, splits, sx.stride(0), scale.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None, PER_ROW=per_row, BLOCK=block, num_warps=4)
+    return out
+
+
+# ---- several rows: cuBLAS ------------------------------------------------------------------------------
 def scaled_mm(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (M, K) bf16/fp16 against per-row FP8 weights (scale (N, 1)): x quantized per row (one

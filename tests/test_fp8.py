@@ -358,6 +358,60 @@ def test_fp8_few_row_kernel_in_the_interpreter(blocks):
                                fp8_linear_ref(x, q.data, q.scale, q.group, bias), rtol=1e-4, atol=1e-4)
 
 
+def test_fp8_tensor_core_product_in_the_interpreter():
+    """The Triton FP8 tensor-core product (decode batches past ROWS_MAX) under Triton's interpreter,
+    on codes quantized by the torch references (the interpreter's own float-to-FP8 conversion
+    rounds some values across a power of two wrongly; the GPU test checks the quantizers): per-row
+    and block-wise scales, 17 rows in two 16-row tiles and 40 in one, K unsplit and split in 2 and
+    3 (its partial sums added by the second kernel), a bias, a ragged K; equal to the float product
+    of the dequantized codes on both sides to float32 summation order."""
+    from kernels.fp8 import dequantize_ref, product_fp8_tc, quantize_groups_ref, quantize_rows
+
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter runs on CPU tensors")
+    g = torch.Generator().manual_seed(7)
+    n, k = 72, 320
+    for blocks in (False, True):
+        q = _small_fp8_weight(n, k, blocks, g)
+        bias = torch.randn(n, generator=g).to(torch.bfloat16)
+        for rows, block_m, splits in ((17, 16, 1), (40, 64, 1), (40, 32, 3), (17, 16, 2)):
+            x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+            xq, sx = quantize_groups_ref(x, q.group) if blocks else quantize_rows(x)
+            want = dequantize_ref(xq, sx, q.group, torch.float32) @ q.dequantize(torch.float32).t() + bias.float()
+            got = product_fp8_tc(xq, sx, q.data, q.scale, q.group, bias, torch.float32,
+                                 config=(block_m, 32, 128 if blocks else 64, 4, 2, splits))
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+@pytest.mark.parametrize("blocks", [False, True])
+def test_fp8_tensor_core_product_on_cuda(blocks):
+    """fp8_linear past ROWS_MAX on CUDA (the Triton tensor-core product up to TC_ROWS_MAX rows,
+    cuBLAS's past it) against the float product of the dequantized codes on both sides, and
+    within the activations' rounding of the weight-only reference: a decode batch's row counts
+    (17-256, each tile shape), 7B's shapes, a bias, and 72B's down projection width (231 groups)."""
+    from docproc.models.quant import fp8_linear, quantize_blocks
+    from kernels.fp8 import (TC_ROWS_MAX, dequantize_ref, fp8_linear_ref, quantize_groups, quantize_rows_fast,
+                             tc_warm_rows)
+
+    g = torch.Generator(device="cuda").manual_seed(8)
+    for n, k, bias in ((4608, 3584, True), (3584, 18944, False), (256, 29568, False)):
+        w = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
+        q = quantize_blocks(w, (128, 128)) if blocks else quantize(w)
+        b = torch.randn(n, device="cuda", generator=g, dtype=torch.bfloat16) if bias else None
+        for rows in (*tc_warm_rows(), 100, TC_ROWS_MAX, TC_ROWS_MAX + 3):
+            x = torch.randn(rows, k, device="cuda", generator=g, dtype=torch.bfloat16)
+            xq, sx = quantize_groups(x, 128) if blocks else quantize_rows_fast(x)
+            want = dequantize_ref(xq, sx, 128 if blocks else k, torch.float32) @ q.dequantize(torch.float32).t()
+            if b is not None:
+                want += b.float()
+            got = fp8_linear(x, q, b).float()
+            assert ((got - want).norm() / want.norm()).item() < 5e-3, (n, k, rows)
+            weight_only = fp8_linear_ref(x.float(), q.data, q.scale, q.group, None if b is None else b.float())
+            assert ((got - weight_only).norm() / weight_only.norm()).item() < 0.05, (n, k, rows)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
 @pytest.mark.parametrize("blocks", [False, True])
@@ -385,9 +439,10 @@ def test_fp8_few_row_kernel_on_cuda(blocks):
 def test_fp8_products_of_a_tensor_parallel_share_on_cuda():
     """A rank's share of 72B's block-wise down projection (K = 29,568, 128-column blocks): at 4
     ranks rank 3 starts at column 22,176 (groups of 32), at 2 ranks rank 1 at 14,784 (of 64). The
-    one-row (gated), few-row and many-row products on CUDA against the reference."""
+    one-row (gated), few-row and many-row products on CUDA against the reference (past ROWS_MAX:
+    the input's FP8 codes per group of the share, the Triton product on the tensor cores)."""
     from docproc.models.quant import fp8_linear, quantize_blocks, share_scales
-    from kernels.fp8 import fp8_linear_ref
+    from kernels.fp8 import ROWS_MAX, dequantize_ref, fp8_linear_ref, quantize_groups
 
     g = torch.Generator(device="cuda").manual_seed(3)
     n, k = 1024, 29568
@@ -400,7 +455,12 @@ def test_fp8_products_of_a_tensor_parallel_share_on_cuda():
         for rows, gated in ((1, True), (1, False), (5, False), (37, False)):
             x = torch.randn(rows, 2 * (hi - lo) if gated else hi - lo, device="cuda", generator=g,
                             dtype=torch.bfloat16)
-            want = fp8_linear_ref(x, whole.data[:, lo:hi], scale, gr, gated=gated).float()
+            if rows > ROWS_MAX:  # the tensor cores: the input quantized per row and group of the share
+                xq, sx = quantize_groups(x, gr)
+                xd = dequantize_ref(xq, sx, gr, torch.float32)
+                want = xd @ dequantize_ref(whole.data[:, lo:hi], scale, gr, torch.float32).t()
+            else:
+                want = fp8_linear_ref(x, whole.data[:, lo:hi], scale, gr, gated=gated).float()
             got = fp8_linear(x, q, gated=gated).float()
             err = ((got - want).abs().max() / want.abs().max()).item()
             assert err < 1e-2, (ranks, rows, gated, err)

@@ -27,7 +27,7 @@ def warm_fused(runner) -> float:
     silu_mul(torch.zeros(2, 2 * tc.intermediate, dtype=runner.dtype, device=runner.device))
     from docproc.models.qwen2_vl import project
     from docproc.models.quant import Fp8Weight, fp8_linear
-    from kernels.fp8 import ROWS_MAX
+    from kernels.fp8 import ROWS_MAX, TC_ROWS_MAX, tc_warm_rows
     from kernels.gemv import gemv, use_gemv
 
     x1 = torch.zeros(1, tc.hidden_size, dtype=runner.dtype, device=runner.device)
@@ -46,10 +46,11 @@ def warm_fused(runner) -> float:
         gemv(x1, text.lm_head.weight, pdl_on=opts.pdl)
     if isinstance(mlp.down_weight, Fp8Weight):
         # the few-row FP8 kernel of verification windows and small batches (2-15 rows, and 16: a
-        # row count Triton specialises as a multiple of 16), and past ROWS_MAX the activation
-        # quantization of the tensor-core products
-        few = (2, ROWS_MAX) if use_gemv(x1, opts) else ()
-        for rows in (*few, ROWS_MAX + 1):
+        # row count Triton specialises as a multiple of 16), past ROWS_MAX each tile shape of the
+        # Triton tensor-core product and its activation quantizers, and past TC_ROWS_MAX the
+        # quantizer of cuBLAS's
+        few = (2, ROWS_MAX) if use_gemv(x1, opts) else (ROWS_MAX,)  # (without: the Triton product's 16-row tile)
+        for rows in sorted({*few, *tc_warm_rows(), TC_ROWS_MAX + 1}):
             x2 = torch.zeros(rows, tc.hidden_size, dtype=runner.dtype, device=runner.device)
             project(x2, att.qkv_weight, att.qkv_bias, opts)
             project(torch.zeros(rows, att.o_proj.in_features, dtype=runner.dtype, device=runner.device),

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.fp8 import (FP8, FP8_MAX, ROWS_MAX, cublas_block_scales, dequantize_ref, gemm_fp8_rows, gemv_fp8,
-                         quantize_rows, scaled_mm, scaled_mm_blocks, tensor_core_fp8)
+from kernels.fp8 import (FP8, FP8_MAX, ROWS_MAX, TC_GROUP_ROWS_MAX, TC_ROWS_MAX, cublas_block_scales, dequantize_ref, gemm_fp8_rows,
+                         gemm_fp8_tc, gemv_fp8, quantize_rows, scaled_mm, scaled_mm_blocks, tensor_core_fp8)
 from kernels.fused import silu_mul, silu_mul_ref
 from kernels.options import DEFAULT, KernelOptions
 
@@ -107,9 +107,11 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
                gated: bool = False, opts: KernelOptions = DEFAULT) -> torch.Tensor:
     """x W^T (+ bias): on CUDA one row through the FP8 one-row kernel, up to ROWS_MAX rows (a
     verification window, a decode batch) through the few-row kernel (the codes read once,
-    weight-only), more rows through the FP8 tensor cores with the input quantized at run time
-    (per token for per-row weights, per token and 128 columns for 128 x 128 block-wise weights),
-    else the dequantized product; on CPU the dequantized product (weight-only reference
+    weight-only), more rows on the FP8 tensor cores with the input quantized at run time (per
+    token for per-row weights, per token and group for group-wise ones): up to TC_ROWS_MAX rows (a
+    decode batch) in Triton's product, which reads each weight tile once, past that in cuBLAS's
+    (row-wise scales, or 128 x 128 block scaling where it applies; else Triton's again, for
+    group-wise weights up to TC_GROUP_ROWS_MAX rows); else the dequantized product; on CPU the dequantized product (weight-only reference
     semantics). opts.one_row off: the one-row and few-row kernels and the fused SiLU are not taken."""
     one_row = opts.one_row and x.is_cuda
     if one_row and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1:
@@ -122,15 +124,24 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
         # a verification window or a small batch: the codes read once for all rows (weight-only;
         # 16-bit inputs only: the tensor cores would round a float32 input to TF32)
         return gemm_fp8_rows(x, w.data, w.scale, w.group, bias)
-    if x.is_cuda and w.per_channel and w.act_quant and x.dtype == torch.bfloat16 and x.shape[-1] % 16 == 0 \
-            and w.shape[0] % 16 == 0 and x.stride(-1) == 1 and tensor_core_fp8(x.device)[0]:
+    if (x.is_cuda and w.act_quant and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1
+            and (w.per_channel or (w.group >= 32 and w.group & (w.group - 1) == 0))
+            and tensor_core_fp8(x.device)[0]):
         lead = x.shape[:-1]
-        y = scaled_mm(x.reshape(-1, x.shape[-1]), w.data, w.scale, bias)
-        return y.view(*lead, -1)
-    if x.is_cuda and w.blocks is not None and w.act_quant and x.dtype == torch.bfloat16 and x.stride(-1) == 1:
-        lead = x.shape[:-1]
-        y = scaled_mm_blocks(x.reshape(-1, x.shape[-1]), w.data, w.blocks, bias)
-        return y.view(*lead, -1)
+        x2 = x.reshape(-1, x.shape[-1])
+        rows = x2.shape[0]
+        bf16 = x.dtype == torch.bfloat16
+        y = None
+        if rows <= TC_ROWS_MAX:  # a decode batch: each weight tile read once for every row (Triton)
+            y = gemm_fp8_tc(x2, w.data, w.scale, w.group, bias)
+        elif w.per_channel and bf16 and x.shape[-1] % 16 == 0 and w.shape[0] % 16 == 0:
+            y = scaled_mm(x2, w.data, w.scale, bias)  # (cuBLAS; a prefill's thousands of rows)
+        elif not w.per_channel and bf16 and w.blocks is not None:
+            y = scaled_mm_blocks(x2, w.data, w.blocks, bias)
+        elif w.per_channel or rows <= TC_GROUP_ROWS_MAX:
+            y = gemm_fp8_tc(x2, w.data, w.scale, w.group, bias)
+        if y is not None:
+            return y.view(*lead, -1)
     return torch.nn.functional.linear(x, w.dequantize(x.dtype), bias)
 
 
