@@ -105,3 +105,26 @@ def test_fp4_values_have_no_outlier_slots_and_the_pool_is_sized_from_that(qwen2_
 def test_fp4_rejects_small_head_dim():
     with pytest.raises(ValueError, match="head_dim"):
         FP4Attention(4, 2, 16, 1.0, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp4"])
+def test_a_greedy_answer_does_not_depend_on_its_batch(qwen2_vl_dir, kv):
+    """One request's greedy tokens alone, and inside batches of 2, 4 and 7 requests (other pages,
+    other lengths, a text-only one) at different places, with its page's prefix cached or not:
+    identical, with the bf16-class KV and with FP4 KV (CPU)."""
+    def req(i):
+        if i == 2:
+            return {"prompt": "<|im_start|>user\nthe quick brown fox"}
+        return {"prompt": "<|im_start|>user\n" + IMG + ("Invoice number?" if i % 2 else "What is the total, in words?"),
+                "multi_modal_data": {"image": [page(10 + i)]}}
+
+    mine = {"prompt": "<|im_start|>user\n" + IMG + "What is the total?", "multi_modal_data": {"image": [page(1)]}}
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    llm = LLM(str(qwen2_vl_dir), device="cpu", kv_cache_dtype=kv)
+    alone = llm.generate([mine], sp)[0].outputs[0].token_ids
+    fresh = LLM(str(qwen2_vl_dir), device="cpu", kv_cache_dtype=kv, enable_prefix_caching=False)
+    for engine, size, at in ((llm, 2, 1), (llm, 4, 0), (llm, 7, 5), (fresh, 7, 3), (fresh, 4, 2)):
+        batch = [req(i) for i in range(size - 1)]
+        batch.insert(at, mine)
+        outs = engine.generate(batch, sp)
+        assert outs[at].outputs[0].token_ids == alone, (kv, size, at)
