@@ -66,6 +66,14 @@ def qwen2_5_vl_dir(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("qwen2_5_vl"), "qwen2_5_vl", naming="published", shards=2, tie=True)
 
 
+@pytest.fixture(scope="session")
+def qwen3_vl_dir(tmp_path_factory):
+    from fixtures.checkpoints import make_model
+
+    # Qwen3-VL: head size 32 apart from hidden / heads, DeepStack from two tower blocks, untied
+    return make_model(tmp_path_factory.mktemp("qwen3_vl"), "qwen3_vl", naming="new", geometry="tiny-qwen3")
+
+
 @pytest.fixture(scope="module")
 def one_query(tmp_path_factory) -> Path:
     """A query set of one short string query: a run's figures without the whole default set's cost."""

@@ -396,6 +396,38 @@ def test_schema_and_choices_queries_are_answered_within_their_constraint(docs, q
     assert load_queries(qfile).fingerprint != q.fingerprint
 
 
+def test_a_qwen3_vl_run_with_a_draft_fp4_kv_fp8_weights_and_a_schema(docs, qwen3_vl_dir, tmp_path):
+    """docproc run --model QWEN3_VL with a Qwen3-VL draft, --kv-cache fp4, --quantization fp8 and
+    a schema query: every document answered, each answer that ended by itself valid for its schema,
+    the manifest naming the formats; then the bundled (Qwen2-VL) draft for it: one line, exit 3."""
+    pytest.importorskip("xgrammar")
+    from fixtures.checkpoints import make_model
+
+    draft = make_model(tmp_path / "q3draft", "qwen3_vl", geometry="tiny-qwen3", seed=4)
+    qfile = tmp_path / "q.toml"
+    qfile.write_text('[[query]]\nname = "doc"\nquestion = "Describe it as JSON."\ntype = "json"\nmax_tokens = 24\n'
+                     'schema = { type = "object", additionalProperties = false, required = ["kind"], '
+                     'properties = { kind = { enum = ["invoice", "receipt"] } } }\n\n'
+                     '[[query]]\nname = "total"\nquestion = "What is the total?"\nmax_tokens = 12\n')
+    out = tmp_path / "out"
+    res = run_cli("run", docs, "--out", out, "--model", qwen3_vl_dir, "--device", "cpu", "--draft", draft,
+                  "--kv-cache", "fp4", "--quantization", "fp8", "--queries", qfile)
+    assert res.exit_code in (0, 1), res.output
+    table = rows(out)
+    assert len(table) == 5 * 2, table
+    assert {r["status"] for r in table if r["query"] == "total"} <= {"ok", "truncated"}  # (12 tokens of noise)
+    assert {r["status"] for r in table if r["query"] == "doc"} <= {"ok", "parse_error"}
+    for r in table:
+        if r["query"] == "doc" and r["status"] == "ok":
+            assert json.loads(r["value"])["kind"] in ("invoice", "receipt"), r
+    m = manifest(out)
+    assert m["draft"]["draft_proposed"] > 0
+    assert m["engine"]["kv_cache_dtype"] == "fp4" and m["engine"]["weights_fp8"] == "online"
+    res = run_cli("run", docs, "--out", tmp_path / "x", "--model", qwen3_vl_dir, "--device", "cpu",
+                  "--draft", ROOT / "docproc" / "assets" / "models" / "draft")
+    assert res.exit_code == 3 and "a Qwen2-VL model and the target a Qwen3-VL" in res.output, res.output
+
+
 @pytest.mark.parametrize("body,message", [
     ('type = "string"\nschema = { type = "object" }', 'a schema needs type = "json"'),
     ('type = "json"\nschema_file = "missing.json"', "does not exist"),

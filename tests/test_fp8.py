@@ -41,9 +41,12 @@ def test_a_share_of_an_fp8_weight_keeps_its_values(group):
     assert torch.equal(Fp8Weight(codes[32:64].contiguous(), scale, gr).dequantize(), want[32:64])
 
 
-@pytest.mark.parametrize("layout,block", [("compressed-tensors", None), ("block", (16, 32))])
-def test_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(qwen2_vl_dir, tmp_path, layout, block):
-    fp8 = to_fp8(qwen2_vl_dir, tmp_path / "fp8", layout, block=block or (128, 128), dequantized=tmp_path / "deq")
+@pytest.mark.parametrize("layout,block,model", [("compressed-tensors", None, "qwen2_vl_dir"),
+                                                ("block", (16, 32), "qwen2_vl_dir"),
+                                                ("block", (16, 32), "qwen3_vl_dir")])  # Qwen3-VL's official layout
+def test_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(request, tmp_path, layout, block, model):
+    src = request.getfixturevalue(model)
+    fp8 = to_fp8(src, tmp_path / "fp8", layout, block=block or (128, 128), dequantized=tmp_path / "deq")
     llm = LLM(str(fp8), device="cpu")
     attn = llm.runner.model.text.layers[0].self_attn
     assert isinstance(attn.qkv_weight, Fp8Weight) and isinstance(llm.runner.model.text.layers[1].mlp.down_weight,

@@ -1,4 +1,4 @@
-"""Model parity against transformers' own Qwen2-VL / Qwen2.5-VL (CPU, float32).
+"""Model parity against transformers' own Qwen2-VL / Qwen2.5-VL / Qwen3-VL (CPU, float32).
 
 Our engine's logits at every sampled position must match transformers' forward over the same
 tokens within 1e-4, and greedy tokens must be identical, for 0/1/2 images, a mixed batch, chunked
@@ -39,10 +39,11 @@ def requests() -> list[dict]:
 
 
 def hf_model(folder):
-    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
+    from transformers import (AutoConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration,
+                              Qwen3VLForConditionalGeneration)
 
-    cls = {"qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration}[
-        AutoConfig.from_pretrained(folder).model_type]
+    cls = {"qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+           "qwen3_vl": Qwen3VLForConditionalGeneration}[AutoConfig.from_pretrained(folder).model_type]
     return cls.from_pretrained(folder, dtype=torch.float32).eval()
 
 
@@ -80,15 +81,21 @@ def hf_teacher_forced_logits(llm: LLM, hf, prompt_ids: list[int], gen: list[int]
     types = torch.zeros_like(ids, dtype=torch.int)
     types[0, : len(prompt_ids)] = (ids[0, : len(prompt_ids)] == llm.processor.image_token_id).int()
     emb = hf.model.get_input_embeddings()(ids)
-    grid = None
+    grid = deep = None
     if images:
         pv, grid = llm.processor.pixel_values(images)
-        feats = torch.cat(hf.model.get_image_features(pv, grid, return_dict=True).pooler_output)
-        emb[0, types[0].bool()] = feats
+        out = hf.model.get_image_features(pv, grid, return_dict=True)
+        emb[0, types[0].bool()] = torch.cat(out.pooler_output)
+        if getattr(out, "deepstack_features", None):  # Qwen3-VL: added after the first decoder layers
+            deep = [torch.cat(f) for f in out.deepstack_features]
     if grid is not None:
         pos, _ = hf.model.get_rope_index(ids, mm_token_type_ids=types, image_grid_thw=grid)
     else:
         pos = torch.arange(ids.shape[1]).view(1, 1, -1).expand(3, 1, -1)
+    if deep is not None:
+        hidden = hf.model.language_model(inputs_embeds=emb, position_ids=pos, visual_pos_masks=types.bool(),
+                                         deepstack_visual_embeds=deep).last_hidden_state
+        return hf.lm_head(hidden)[0].float()
     return hf(inputs_embeds=emb, position_ids=pos).logits[0].float()
 
 
@@ -108,10 +115,23 @@ def check_against_hf(llm: LLM, hf, reqs: list[dict], outs, logits) -> None:
         assert ref_rows.argmax(-1).tolist() == gen, f"request {i}: greedy tokens differ"
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
-def pair(request, qwen2_vl_dir, qwen2_5_vl_dir):
-    folder = {"qwen2_vl": qwen2_vl_dir, "qwen2_5_vl": qwen2_5_vl_dir}[request.param]
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def pair(request, qwen2_vl_dir, qwen2_5_vl_dir, qwen3_vl_dir):
+    folder = {"qwen2_vl": qwen2_vl_dir, "qwen2_5_vl": qwen2_5_vl_dir, "qwen3_vl": qwen3_vl_dir}[request.param]
     return folder, hf_model(folder)
+
+
+def test_qwen3_vl_tied_published_shards_match_transformers(tmp_path):
+    """A Qwen3-VL checkpoint with tied embeddings, in two shards: the mixed batch and its greedy
+    tokens as transformers' (the fixture's is untied, one file)."""
+    from fixtures.checkpoints import make_model
+
+    folder = make_model(tmp_path / "q3t", "qwen3_vl", geometry="tiny-qwen3", tie=True, shards=2, seed=3)
+    hf = hf_model(folder)
+    llm = LLM(str(folder), device="cpu")
+    reqs = requests()[1:4]
+    outs, logits = run_engine(llm, reqs)
+    check_against_hf(llm, hf, reqs, outs, logits)
 
 
 @pytest.mark.parametrize("n_images", [0, 1, 2])
@@ -194,6 +214,8 @@ def test_vision_tower_in_place_activation_gives_transformers_floats(qwen2_vl_dir
     None,  # the bundled target's (size: shortest_edge / longest_edge)
     {"min_pixels": 3136, "max_pixels": 200704, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
      "image_mean": [0.5, 0.4, 0.3], "image_std": [0.2, 0.3, 0.25]},  # published checkpoints' keys
+    {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
+     "image_std": [0.5, 0.5, 0.5], "size": {"longest_edge": 16777216, "shortest_edge": 65536}},  # Qwen3-VL's
 ])
 def test_image_processor_gives_transformers_patches(config, tmp_path):
     """Our preprocessing (resize, rescale, normalise, patch order) equals transformers'
@@ -294,11 +316,12 @@ def test_engine_start_imports_no_transformers_modeling_code():
 @pytest.mark.slow
 def test_two_tensor_parallel_ranks_give_transformers_logits(pair):
     """The language model split over 2 ranks (gloo): the mixed batch, prefilled in chunks, matches
-    transformers' logits and greedy tokens as one rank does (Qwen2-VL; Qwen2.5-VL's language
-    model is the same code)."""
+    transformers' logits and greedy tokens as one rank does (Qwen2-VL, and Qwen3-VL: per-head q/k
+    norms on each rank's heads, DeepStack features sent with the image embeddings; Qwen2.5-VL's
+    language model is Qwen2-VL's code)."""
     folder, hf = pair
-    if hf.config.model_type != "qwen2_vl":
-        pytest.skip("one model type is enough: the split is the language model's")
+    if hf.config.model_type == "qwen2_5_vl":
+        pytest.skip("its language model is Qwen2-VL's: the split is the language model's")
     llm = LLM(str(folder), device="cpu", tensor_parallel_size=2, max_num_batched_tokens=64)
     try:
         reqs = requests()
@@ -306,3 +329,35 @@ def test_two_tensor_parallel_ranks_give_transformers_logits(pair):
         check_against_hf(llm, hf, reqs, outs, logits)
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("which", ["fixture", "minimal", "tied_flat_rope"])
+def test_qwen3_vl_config_reader_reads_what_transformers_reads(which, qwen3_vl_dir, tmp_path):
+    """docproc's reader of a Qwen3-VL config.json against transformers' Qwen3VLConfig: the
+    language model's geometry (its own head size, no q/k/v bias, interleaved M-RoPE sections and
+    theta, DeepStack's layer count), the tower's fields, the image token and tied embeddings."""
+    import json
+
+    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLConfig
+
+    from docproc.models.hf_config import QWEN3_VISION_DEFAULTS, qwen3_vl_config
+    from docproc.models.loader import text_config
+
+    if which == "fixture":
+        raw = json.loads((qwen3_vl_dir / "config.json").read_text())
+    else:
+        raw = {"model_type": "qwen3_vl", "text_config": {"vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 4,
+                                                         "num_attention_heads": 4, "num_key_value_heads": 2},
+               "vision_config": {"depth": 3, "hidden_size": 32, "num_heads": 2, "deepstack_visual_indexes": [0, 2]}}
+        if which == "tied_flat_rope":  # the older rope_scaling / rope_theta keys, tied at the top
+            raw["tie_word_embeddings"] = True
+            raw["text_config"].update(rope_scaling={"rope_type": "default", "mrope_section": [8, 12, 12],
+                                                    "mrope_interleaved": True}, rope_theta=5000000.0, head_dim=64)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    theirs = Qwen3VLConfig.from_pretrained(str(tmp_path))
+    ours = qwen3_vl_config(json.loads(json.dumps(raw)))
+    assert text_config(ours) == text_config(theirs)
+    for k in QWEN3_VISION_DEFAULTS:
+        assert getattr(ours.vision_config, k) == getattr(theirs.vision_config, k), k
+    for k in ("model_type", "image_token_id", "tie_word_embeddings"):
+        assert getattr(ours, k) == getattr(theirs, k), k

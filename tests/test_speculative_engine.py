@@ -232,3 +232,32 @@ def test_a_probe_drafts_for_one_sequence_only(qwen2_vl_dir, draft_dir, plain):
     assert tokens(outs) == plain
     assert max(sizes) == 1 and sum(sizes) > 0
     assert llm.spec_info()["bypassed_steps"] > 0  # the other decoding sequences of each step
+
+
+def test_a_qwen3_vl_draft_is_lossless_for_a_qwen3_vl_target(qwen3_vl_dir, tmp_path):
+    """Qwen3-VL as target and as draft (other weights; each encodes the page with its own tower
+    and DeepStack mergers), chunked prefill and prefix hits, FP4 KV too: the plain greedy tokens."""
+    from fixtures.checkpoints import make_model
+
+    draft = make_model(tmp_path / "q3draft", "qwen3_vl", geometry="tiny-qwen3", seed=4)
+    for kv in ("auto", "fp4"):
+        want = tokens(LLM(str(qwen3_vl_dir), device="cpu", max_num_batched_tokens=16, kv_cache_dtype=kv)
+                      .generate(reqs(), GREEDY))
+        llm = LLM(str(qwen3_vl_dir), device="cpu", max_num_batched_tokens=16, kv_cache_dtype=kv,
+                  speculative_model=str(draft), num_speculative_tokens=4)
+        outs = llm.generate(reqs(), GREEDY)
+        assert tokens(outs) == want, kv
+        assert llm.spec_info()["draft_proposed"] > 0 and any(o.metrics.num_cached_tokens > 0 for o in outs)
+
+
+def test_a_draft_of_another_family_is_refused_before_weights_load(qwen2_vl_dir, qwen3_vl_dir, monkeypatch):
+    """A Qwen2-VL draft for a Qwen3-VL target (and the reverse): one line naming both families,
+    before any weights load (the tiny fixtures share a tokenizer, so the family is what refuses)."""
+    def no_weights(*a, **k):
+        raise AssertionError("weights were loaded before the family check")
+
+    monkeypatch.setattr("docproc.engine.model_runner.load_model", no_weights)
+    for target, draft, want in ((qwen3_vl_dir, qwen2_vl_dir, "a Qwen2-VL model and the target a Qwen3-VL"),
+                                (qwen2_vl_dir, qwen3_vl_dir, "a Qwen3-VL model and the target a Qwen2-VL")):
+        with pytest.raises(ValueError, match=want):
+            LLM(str(target), device="cpu", speculative_model=str(draft))

@@ -24,6 +24,10 @@ def warm_fused(runner) -> float:
     w = torch.ones(tc.hidden_size, dtype=runner.dtype, device=runner.device)
     add_rms_norm(x, None, w, tc.rms_norm_eps, pdl_on=opts.pdl)
     add_rms_norm(x, x, w, tc.rms_norm_eps, pdl_on=opts.pdl)
+    if tc.qk_norm:  # Qwen3's per-head q and k norms, at the head size
+        add_rms_norm(torch.zeros(2, tc.head_dim, dtype=runner.dtype, device=runner.device), None,
+                     torch.ones(tc.head_dim, dtype=runner.dtype, device=runner.device), tc.rms_norm_eps,
+                     pdl_on=opts.pdl)
     silu_mul(torch.zeros(2, 2 * tc.intermediate, dtype=runner.dtype, device=runner.device))
     from docproc.models.qwen2_vl import project
     from docproc.models.quant import Fp8Weight, fp8_linear
@@ -62,9 +66,10 @@ def warm_fused(runner) -> float:
         from kernels.vision_fused import quick_gelu, vision_rotary_qk
 
         vc = runner.model.hf_config.vision_config
-        d = vc.embed_dim // vc.num_heads
+        width = vc.embed_dim if runner.model.hf_config.model_type == "qwen2_vl" else vc.hidden_size  # (Qwen3-VL's)
+        d = width // vc.num_heads
         cs = torch.zeros(2, d, dtype=torch.float32, device=runner.device)  # transformers' float32 angles
-        vision_rotary_qk(torch.zeros(2, 3 * vc.embed_dim, dtype=runner.dtype, device=runner.device), cs, cs,
+        vision_rotary_qk(torch.zeros(2, 3 * width, dtype=runner.dtype, device=runner.device), cs, cs,
                          vc.num_heads)
         quick_gelu(torch.zeros(2, 16, dtype=runner.dtype, device=runner.device))
     # the grammar's mask on the logits (kernels/token_mask.py), at this vocabulary's widths, for

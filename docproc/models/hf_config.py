@@ -1,6 +1,7 @@
-"""A Qwen2-VL checkpoint's config.json as the engine reads it: the fields it uses, with
-transformers' Qwen2VLConfig defaults, from either layout (transformers 5's `text_config` /
-`vision_config`, or the flat layout published checkpoints use, text fields at the top). Our own
+"""A Qwen2-VL or Qwen3-VL checkpoint's config.json as the engine reads it: the fields it uses, with
+transformers' Qwen2VLConfig / Qwen3VLConfig defaults, from either Qwen2-VL layout (transformers
+5's `text_config` / `vision_config`, or the flat layout published checkpoints use, text fields at
+the top; Qwen3-VL's is always nested). Our own
 reader because transformers' config classes import its auto-model machinery (torch.distributed's
 FSDP among it) as they are defined: 6 s of an engine's start with transformers 5.17 on the H200
 machine. A test compares every field against transformers' own parse of each layout.
@@ -67,4 +68,63 @@ def qwen2_vl_config(raw: dict) -> SimpleNamespace:
             if k in fields and not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
                 raise ValueError(f"config.json: {where}{k} must be a positive integer, got {v!r}")
     return SimpleNamespace(model_type="qwen2_vl", text_config=SimpleNamespace(**text),
+                           vision_config=SimpleNamespace(**vision), **top)
+
+
+QWEN3_TEXT_DEFAULTS = {
+    "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "rms_norm_eps": 1e-06,
+    "max_position_embeddings": 128000, "attention_bias": False, "tie_word_embeddings": False,
+    "eos_token_id": None, "hidden_act": "silu",
+}
+QWEN3_VISION_DEFAULTS = {
+    "depth": 27, "hidden_size": 1152, "hidden_act": "gelu_pytorch_tanh", "intermediate_size": 4304,
+    "num_heads": 16, "in_channels": 3, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+    "out_hidden_size": 3584, "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24],
+    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "axial"},
+}
+QWEN3_TEXT_ROPE_THETA = 500000.0
+QWEN3_MROPE_SECTION = [24, 20, 20]
+
+
+def qwen3_vl_config(raw: dict) -> SimpleNamespace:
+    """Qwen3-VL's config.json (text_config and vision_config nested), as transformers'
+    Qwen3VLConfig would hold it. M-RoPE is interleaved over T/H/W (transformers' Qwen3-VL always
+    interleaves, whatever `mrope_interleaved` says)."""
+    text_raw = raw.get("text_config")
+    vision_raw = raw.get("vision_config") or {}
+    if not isinstance(text_raw, dict) or not isinstance(vision_raw, dict):
+        raise ValueError("config.json: a Qwen3-VL config needs text_config and vision_config objects")
+    text = _fill(QWEN3_TEXT_DEFAULTS, text_raw)
+    if text_raw.get("num_key_value_heads", 0) is None:
+        text["num_key_value_heads"] = text["num_attention_heads"]
+    if text["hidden_act"] != "silu":
+        raise ValueError(f"config.json: text_config.hidden_act {text['hidden_act']!r} is not supported (silu)")
+    rope = dict(text_raw.get("rope_parameters") or text_raw.get("rope_scaling") or {})
+    rope.setdefault("rope_theta", text_raw.get("rope_theta") or QWEN3_TEXT_ROPE_THETA)
+    rope_type = rope.pop("type", None) or rope.get("rope_type") or "default"
+    rope["rope_type"] = "default" if rope_type == "mrope" else rope_type
+    rope.setdefault("mrope_section", list(QWEN3_MROPE_SECTION))
+    rope["mrope_interleaved"] = True
+    text["rope_parameters"] = rope
+    vision = _fill(QWEN3_VISION_DEFAULTS, vision_raw)
+    vision["deepstack_visual_indexes"] = list(vision["deepstack_visual_indexes"])
+    top = _fill(TOP_DEFAULTS, raw)
+    top["tie_word_embeddings"] = bool(top["tie_word_embeddings"] or text["tie_word_embeddings"])
+    for where, fields in (("text_config.", text), ("vision_config.", vision)):
+        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "max_position_embeddings", "depth", "num_heads", "patch_size",
+                  "spatial_merge_size", "temporal_patch_size", "out_hidden_size", "num_position_embeddings"):
+            v = fields.get(k)
+            if k in fields and not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+                raise ValueError(f"config.json: {where}{k} must be a positive integer, got {v!r}")
+    side = int(vision["num_position_embeddings"] ** 0.5)
+    if side * side != vision["num_position_embeddings"]:
+        raise ValueError(f"config.json: vision_config.num_position_embeddings {vision['num_position_embeddings']} "
+                         f"is not a square grid")
+    bad = [i for i in vision["deepstack_visual_indexes"] if not (isinstance(i, int) and 0 <= i < vision["depth"])]
+    if bad or len(vision["deepstack_visual_indexes"]) > text["num_hidden_layers"]:
+        raise ValueError(f"config.json: vision_config.deepstack_visual_indexes {vision['deepstack_visual_indexes']} "
+                         f"must name tower layers (0-{vision['depth'] - 1}), at most one per decoder layer")
+    return SimpleNamespace(model_type="qwen3_vl", text_config=SimpleNamespace(**text),
                            vision_config=SimpleNamespace(**vision), **top)

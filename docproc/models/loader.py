@@ -1,4 +1,4 @@
-"""Loading local Hugging Face checkpoint folders of Qwen2-VL and Qwen2.5-VL.
+"""Loading local Hugging Face checkpoint folders of Qwen2-VL, Qwen2.5-VL and Qwen3-VL (dense).
 
 Accepts both key namings: published checkpoints (`visual.*`, `model.layers.*`, `lm_head.*`) and
 what today's save_pretrained writes (`model.visual.*`, `model.language_model.*`); single or sharded
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from docproc.errors import ModelUnavailable
-from docproc.models.hf_config import qwen2_vl_config
+from docproc.models.hf_config import QWEN3_MROPE_SECTION, qwen2_vl_config, qwen3_vl_config
 from docproc.models.quant import (FP8, LINEAR_NAMES, LOAD_FORMATS, Fp8Scheme, Fp8Weight, UnsupportedQuantization,
                                   block_scales, channel_scales, quantize, quantize_blocks, resolve_scheme,
                                   share_scales)
@@ -26,7 +26,7 @@ from docproc.models.qwen2_vl import Qwen2VLTextModel, TextConfig
 from docproc.models.rope import MRotaryEmbedding
 from docproc.models.vision import VisionEncoder
 
-SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 class CheckpointError(ModelUnavailable, ValueError):
@@ -54,13 +54,15 @@ def read_config(folder: str | Path):
         raise CheckpointError(f"{cfg_path} is not valid JSON: {e}") from None
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
+        what = " (a mixture-of-experts model: docproc runs the dense Qwen3-VL models)" \
+            if model_type == "qwen3_vl_moe" else ""
         raise CheckpointError(
-            f"{folder}: model_type {model_type!r} is not supported; docproc loads "
-            f"{' and '.join(SUPPORTED_MODEL_TYPES)} checkpoints"
+            f"{folder}: model_type {model_type!r} is not supported{what}; docproc loads "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} checkpoints"
         )
-    if model_type == "qwen2_vl":  # read by docproc/models/hf_config.py (why: its docstring)
+    if model_type in ("qwen2_vl", "qwen3_vl"):  # read by docproc/models/hf_config.py (why: its docstring)
         try:
-            return qwen2_vl_config(raw)
+            return (qwen2_vl_config if model_type == "qwen2_vl" else qwen3_vl_config)(raw)
         except (ValueError, TypeError, AttributeError) as e:
             raise CheckpointError(f"{folder}: {e}") from None
     from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLConfig  # its tower is transformers'
@@ -78,6 +80,7 @@ def text_config(hf_config) -> TextConfig:
         raise CheckpointError("sliding-window attention checkpoints are not supported")
     theta = rope.get("rope_theta", getattr(tc, "rope_theta", 1000000.0))
     tie = bool(getattr(hf_config, "tie_word_embeddings", False) or getattr(tc, "tie_word_embeddings", False))
+    qwen3 = hf_config.model_type == "qwen3_vl"
     return TextConfig(
         vocab_size=tc.vocab_size,
         hidden_size=tc.hidden_size,
@@ -87,9 +90,12 @@ def text_config(hf_config) -> TextConfig:
         num_key_value_heads=tc.num_key_value_heads or tc.num_attention_heads,
         rms_norm_eps=tc.rms_norm_eps,
         rope_theta=float(theta),
-        mrope_section=list(rope.get("mrope_section", [16, 24, 24])),
+        mrope_section=list(rope.get("mrope_section") or (QWEN3_MROPE_SECTION if qwen3 else [16, 24, 24])),
         tie_word_embeddings=tie,
         max_position_embeddings=tc.max_position_embeddings,
+        **(dict(head_size=tc.head_dim, attention_bias=bool(tc.attention_bias), qk_norm=True, mrope_interleaved=True,
+                deepstack_layers=len(hf_config.vision_config.deepstack_visual_indexes))
+           if qwen3 else {}),
     )
 
 
@@ -189,7 +195,7 @@ def load_model(folder: str | Path, device: torch.device, dtype: torch.dtype, qua
                 mod.weight = None  # never allocated in the model dtype: the loader sets loaded_weight
                 fp8_modules[name] = mod
     text = text.to_empty(device=device).to(dtype)
-    text.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section).to(device)
+    text.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved).to(device)
     vision = build_vision(hf_config, device if tp_rank == 0 else torch.device("meta"), dtype)
     pending: list = []  # quantization at load of row-parallel shares: their rows' maxima agree over the ranks
     if load_format == "dummy":

@@ -66,10 +66,19 @@ class TextConfig:
     max_position_embeddings: int
     tp_size: int = 1  # tensor parallelism: ranks the language model is split over
     tp_rank: int = 0
+    # Qwen3 (Qwen3-VL's language model): a head size of its own, no q/k/v bias, q and k normalised
+    # per head before the rotation, M-RoPE interleaved over T/H/W, and DeepStack: the first
+    # `deepstack_layers` decoder layers' outputs get one more set of visual features added at
+    # the image token positions
+    head_size: int | None = None
+    attention_bias: bool = True
+    qk_norm: bool = False
+    mrope_interleaved: bool = False
+    deepstack_layers: int = 0
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.head_size or self.hidden_size // self.num_attention_heads
 
     # ---- this rank's share (all of it at tp_size 1) ------------------------------------------
     @property
@@ -127,6 +136,12 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, r)
 
 
+def _per_head(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """A per-head RMSNorm over (N, heads, D): each head's D values normalised on their own."""
+    n, heads, d = x.shape
+    return norm(x.reshape(n * heads, d)).view(n, heads, d)
+
+
 class Attention(nn.Module):
     kernels = DEFAULT  # as RMSNorm's
 
@@ -135,10 +150,15 @@ class Attention(nn.Module):
         self.num_heads = cfg.heads  # this rank's (all of them without tensor parallelism)
         self.num_kv_heads = cfg.kv_heads
         self.head_dim = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=True)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over each head's q and k (transformers' names)
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
         self.qkv_weight: torch.Tensor | Fp8Weight | None = None  # set by fuse(): q, k, v in one matrix
         self.qkv_bias: torch.Tensor | None = None
         self.o_weight: torch.Tensor | Fp8Weight | None = None
@@ -150,13 +170,14 @@ class Attention(nn.Module):
         projs = (self.q_proj, self.k_proj, self.v_proj)
         sizes = [p.out_features for p in projs]
         with torch.no_grad():
-            b = torch.cat([p.bias for p in projs])
+            b = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
             w = _stack([weight_of(p) for p in projs])
         if not isinstance(w, Fp8Weight) and all(p.weight is not None for p in projs):
             for proj, wv in zip(projs, w.split(sizes)):
                 proj.weight.data = wv
-        for proj, bv in zip(projs, b.split(sizes)):
-            proj.bias.data = bv
+        if b is not None:
+            for proj, bv in zip(projs, b.split(sizes)):
+                proj.bias.data = bv
         _drop_loaded(projs)
         self.qkv_weight, self.qkv_bias = w, b
         self.o_weight = weight_of(self.o_proj)
@@ -166,6 +187,9 @@ class Attention(nn.Module):
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_weight is not None:
             qkv = project(x, self.qkv_weight, self.qkv_bias, self.kernels).view(n, h + 2 * hkv, d)
+            if self.qk_norm:
+                qkv = torch.cat([_per_head(self.q_norm, qkv[:, :h]), _per_head(self.k_norm, qkv[:, h: h + hkv]),
+                                 qkv[:, h + hkv:]], dim=1)
             if x.is_cuda:  # q and k rotated in place and k, v stored: one kernel for a dense cache
                 q = backend.rotary_store(kv_cache, qkv, cos, sin, meta)
                 return project(backend.attend(q, kv_cache, meta).reshape(n, -1), self.o_weight, opts=self.kernels)
@@ -175,6 +199,8 @@ class Attention(nn.Module):
             q = self.q_proj(x).view(n, h, d)  # (N, H, D)
             k = self.k_proj(x).view(n, hkv, d)  # (N, Hkv, D)
             v = self.v_proj(x).view(n, hkv, d)
+            if self.qk_norm:
+                q, k = _per_head(self.q_norm, q), _per_head(self.k_norm, k)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # Store before attending: a sequence in this batch may read blocks another one writes now.
         backend.store(kv_cache, k, v, meta)
@@ -264,7 +290,7 @@ class Qwen2VLTextModel(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab, bias=False)
-        self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
+        self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved)
 
     def forward(
         self,
@@ -274,7 +300,7 @@ class Qwen2VLTextModel(nn.Module):
         meta: AttentionMetadata,
         backend,
         image_rows: torch.Tensor | None = None,  # (M,) rows of the batch that are image tokens
-        image_embeds: torch.Tensor | None = None,  # (M, hidden)
+        image_embeds: torch.Tensor | None = None,  # (M, hidden x (1 + deepstack_layers))
     ) -> torch.Tensor:
         if self.tp is None:
             x = self.embed_tokens(input_ids)  # (N, hidden)
@@ -284,12 +310,18 @@ class Qwen2VLTextModel(nn.Module):
             outside = (local < 0) | (local >= self.cfg.vocab)
             x = self.embed_tokens(local.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0.0)
             torch.distributed.all_reduce(x, group=self.tp)
+        deep: list[torch.Tensor] = []
         if image_rows is not None and image_rows.numel():
-            x = x.index_copy(0, image_rows, image_embeds.to(x.dtype))
+            # an image token's embedding, then one DeepStack feature per early layer (Qwen3-VL), side by side
+            parts = image_embeds.to(x.dtype).split(self.cfg.hidden_size, dim=-1)
+            x = x.index_copy(0, image_rows, parts[0])
+            deep = list(parts[1: 1 + self.cfg.deepstack_layers])
         cos, sin = self.rotary(positions, x.dtype)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta, backend)
+            if i < len(deep):  # added to the layer's output (its MLP's share of the stream)
+                x = x.index_add(0, image_rows, deep[i])
         return self.norm(x, residual)[0] if residual is not None else self.norm(x)
 
     def fuse_projections(self) -> None:

@@ -36,7 +36,12 @@ def mrope_positions(images: list[ImageSpan], start: int, end: int, device=None) 
 
 
 class MRotaryEmbedding(torch.nn.Module):
-    def __init__(self, head_dim: int, theta: float, mrope_section: list[int]) -> None:
+    """cos and sin of the M-RoPE angles. Which of (t, h, w) drives each frequency: Qwen2-VL's
+    sections in turn (the first mrope_section[0] frequencies t, the next h, the rest w); Qwen3-VL's
+    interleaved (frequency i is h where i % 3 == 1 and i < 3 mrope_section[1], w where i % 3 == 2
+    and i < 3 mrope_section[2], else t)."""
+
+    def __init__(self, head_dim: int, theta: float, mrope_section: list[int], interleaved: bool = False) -> None:
         super().__init__()
         if sum(mrope_section) * 2 != head_dim:
             raise ValueError(f"mrope_section {mrope_section} must sum to head_dim/2 = {head_dim // 2}")
@@ -45,7 +50,14 @@ class MRotaryEmbedding(torch.nn.Module):
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         # which of (t, h, w) drives each frequency
-        axis = torch.cat([torch.full((n,), i % 3, dtype=torch.long, device="cpu") for i, n in enumerate(mrope_section)])
+        if interleaved:
+            i = torch.arange(head_dim // 2, device="cpu")
+            axis = torch.zeros(head_dim // 2, dtype=torch.long, device="cpu")
+            axis[(i % 3 == 1) & (i < 3 * mrope_section[1])] = 1
+            axis[(i % 3 == 2) & (i < 3 * mrope_section[2])] = 2
+        else:
+            axis = torch.cat([torch.full((n,), i % 3, dtype=torch.long, device="cpu")
+                              for i, n in enumerate(mrope_section)])
         self.register_buffer("axis", axis, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

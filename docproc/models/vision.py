@@ -43,7 +43,11 @@ class QuickGELUInPlace(nn.Module):
         return y.mul_(x)
 
 
-ACTIVATIONS = {"quick_gelu": QuickGELUInPlace, "gelu": nn.GELU}
+def _gelu_tanh() -> nn.Module:
+    return nn.GELU(approximate="tanh")
+
+
+ACTIVATIONS = {"quick_gelu": QuickGELUInPlace, "gelu": nn.GELU, "gelu_pytorch_tanh": _gelu_tanh}
 
 
 class EncodeCall:
@@ -59,11 +63,12 @@ class EncodeCall:
 class PatchEmbed(nn.Module):
     """Each patch (C x T x P x P values, flattened) to embed_dim: a Conv3d whose kernel is its stride."""
 
-    def __init__(self, patch_size: int, temporal_patch_size: int, in_channels: int, embed_dim: int) -> None:
+    def __init__(self, patch_size: int, temporal_patch_size: int, in_channels: int, embed_dim: int,
+                 bias: bool = False) -> None:
         super().__init__()
         self.shape = (in_channels, temporal_patch_size, patch_size, patch_size)
         self.embed_dim = embed_dim
-        self.proj = nn.Conv3d(in_channels, embed_dim, kernel_size=self.shape[1:], stride=self.shape[1:], bias=False)
+        self.proj = nn.Conv3d(in_channels, embed_dim, kernel_size=self.shape[1:], stride=self.shape[1:], bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.view(-1, *self.shape)  # (num_patches, C, T, P, P)
@@ -109,13 +114,26 @@ class VisionMlp(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
+class Qwen3VisionMlp(nn.Module):
+    """Qwen3-VL's tower MLP (transformers' names: linear_fc1, linear_fc2)."""
+
+    def __init__(self, dim: int, hidden: int, act: str) -> None:
+        super().__init__()
+        self.linear_fc1 = nn.Linear(dim, hidden)
+        self.act = ACTIVATIONS[act]()
+        self.linear_fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
+
+
 class VisionBlock(nn.Module):
-    def __init__(self, dim: int, num_heads: int, mlp_hidden: int, act: str) -> None:
+    def __init__(self, dim: int, num_heads: int, mlp_hidden: int, act: str, mlp=VisionMlp) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
         self.attn = VisionAttention(dim, num_heads)
-        self.mlp = VisionMlp(dim, mlp_hidden, act)
+        self.mlp = mlp(dim, mlp_hidden, act)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, call: EncodeCall) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, call)
@@ -160,25 +178,8 @@ class Qwen2VisionTower(nn.Module):
         hidden = int(vcfg.embed_dim * vcfg.mlp_ratio)
         self.blocks = nn.ModuleList(VisionBlock(vcfg.embed_dim, vcfg.num_heads, hidden, act) for _ in range(vcfg.depth))
         self.merger = PatchMerger(vcfg.hidden_size, vcfg.embed_dim, self.merge)
-        # 2-D rotary angles: a quarter of head_dim's frequencies per axis, rows then columns
         rope = getattr(vcfg, "rope_parameters", None) or {}
-        theta = rope.get("rope_theta", 10000.0)
-        quarter = vcfg.embed_dim // vcfg.num_heads // 2
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, quarter, 2, dtype=torch.float, device="cpu") / quarter))
-        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
-
-    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (num_patches, head_dim) float32 for (num_patches, 2) positions."""
-        dev = positions.device
-        if dev not in self._inv_freq_on:
-            self._inv_freq_on[dev] = self.inv_freq.to(dev)
-        freqs = positions[..., None].float() * self._inv_freq_on[dev]  # (N, 2, head_dim / 4)
-
-        def layout(f):  # (N, 2, D/4) -> (N, D): [rows | columns], twice (rotate_half pairs i and i + D/2)
-            f = torch.cat([f[:, 0], f[:, 1]], dim=-1)
-            return torch.cat([f, f], dim=-1)
-
-        return layout(freqs.cos()), layout(freqs.sin())
+        self.rotary = _Rotary(vcfg.embed_dim // vcfg.num_heads, rope.get("rope_theta", 10000.0))
 
     def forward(self, pixel_values: torch.Tensor, grid: list[list[int]], fused: bool = False,
                 sdpa_backends: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,6 +192,113 @@ class Qwen2VisionTower(nn.Module):
         for block in self.blocks:
             x = block(x, cos, sin, call)
         return x, self.merger(x)
+
+
+class Qwen3PatchMerger(nn.Module):
+    """Qwen3-VL's merger (transformers' names: norm, linear_fc1, linear_fc2): LayerNorm over each
+    patch (or, post-shuffle, over the merge x merge patches side by side: the DeepStack mergers),
+    then MLP with GELU to the language model's width."""
+
+    def __init__(self, dim: int, context_dim: int, merge: int, post_shuffle: bool) -> None:
+        super().__init__()
+        self.hidden = context_dim * merge**2
+        self.post_shuffle = post_shuffle
+        self.norm = nn.LayerNorm(self.hidden if post_shuffle else context_dim, eps=1e-6)
+        self.linear_fc1 = nn.Linear(self.hidden, self.hidden)
+        self.act_fn = nn.GELU()
+        self.linear_fc2 = nn.Linear(self.hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x.view(-1, self.hidden) if self.post_shuffle else x).view(-1, self.hidden)
+        return self.linear_fc2(self.act_fn(self.linear_fc1(x)))
+
+
+def bilinear_taps(index: torch.Tensor, size: torch.Tensor, side: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two taps into a `side`-long axis and their weights for each target `index` on an axis of
+    `size`: F.interpolate's bilinear with align_corners (transformers' Qwen3-VL arithmetic)."""
+    src = index.to(torch.float32) * (side - 1) / torch.clamp(size - 1, min=1)
+    floor = torch.floor(src)
+    offsets = torch.arange(0, 2)
+    taps = (floor.long()[:, None] + offsets).clamp(0, side - 1)
+    weights = (1 - (src[:, None] - floor[:, None] - offsets).abs()).clamp(min=0)
+    return taps, weights
+
+
+class Qwen3VisionTower(nn.Module):
+    """Qwen3-VL's tower: patches of 16 pixels (Conv3d with a bias), a learned square grid of
+    position embeddings resampled bilinearly to each image's grid, the same 2-D rotary and
+    per-image attention as Qwen2-VL's, LayerNorm + GELU(tanh) MLP blocks, and DeepStack: the
+    outputs of the blocks in deepstack_visual_indexes through their own mergers. forward returns
+    the trunk's output and, per merged token, the merger's output with each DeepStack feature
+    beside it (hidden x (1 + len(deepstack_visual_indexes)) columns: what the language model
+    splits, models/qwen2_vl.py)."""
+
+    def __init__(self, vcfg) -> None:
+        super().__init__()
+        self.merge = vcfg.spatial_merge_size
+        self.num_heads = vcfg.num_heads
+        act = vcfg.hidden_act
+        if act not in ACTIVATIONS:
+            raise ValueError(f"vision hidden_act {act!r} is not supported (one of {', '.join(ACTIVATIONS)})")
+        dim = vcfg.hidden_size
+        self.patch_embed = PatchEmbed(vcfg.patch_size, vcfg.temporal_patch_size, vcfg.in_channels, dim, bias=True)
+        self.pos_embed = nn.Embedding(vcfg.num_position_embeddings, dim)
+        self.side = int(vcfg.num_position_embeddings ** 0.5)
+        self.blocks = nn.ModuleList(VisionBlock(dim, vcfg.num_heads, vcfg.intermediate_size, act, Qwen3VisionMlp)
+                                    for _ in range(vcfg.depth))
+        self.merger = Qwen3PatchMerger(vcfg.out_hidden_size, dim, self.merge, post_shuffle=False)
+        self.deepstack_visual_indexes = list(vcfg.deepstack_visual_indexes)
+        self.deepstack_merger_list = nn.ModuleList(
+            Qwen3PatchMerger(vcfg.out_hidden_size, dim, self.merge, post_shuffle=True)
+            for _ in self.deepstack_visual_indexes)
+        rope = getattr(vcfg, "rope_parameters", None) or {}
+        self.rotary = _Rotary(dim // vcfg.num_heads, rope.get("rope_theta", 10000.0))
+
+    def position_embeddings(self, grid: list[list[int]], device) -> torch.Tensor:
+        """(num_patches, dim): the learned grid resampled to each image's (h, w), in patch order."""
+        pos = vision_positions(grid, self.merge)  # (N, 2) row, column
+        sizes = torch.cat([torch.tensor([[h, w]]).expand(t * h * w, 2) for t, h, w in grid])
+        h_taps, h_w = bilinear_taps(pos[:, 0], sizes[:, 0], self.side)
+        w_taps, w_w = bilinear_taps(pos[:, 1], sizes[:, 1], self.side)
+        idx = (h_taps[:, :, None] * self.side + w_taps[:, None, :]).reshape(-1, 4).to(device)
+        weights = (h_w[:, :, None] * w_w[:, None, :]).reshape(-1, 4).to(device)
+        return (self.pos_embed(idx) * weights[:, :, None]).sum(1)
+
+    def forward(self, pixel_values: torch.Tensor, grid: list[list[int]], fused: bool = False,
+                sdpa_backends: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        device = pixel_values.device
+        call = EncodeCall([h * w for t, h, w in grid for _ in range(t)], fused, sdpa_backends)
+        cos, sin = self.rotary(vision_positions(grid, self.merge).to(device, non_blocking=True))
+        x = self.patch_embed(pixel_values)
+        x = x + self.position_embeddings(grid, device).to(x.dtype)
+        deep = []
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, call)
+            if i in self.deepstack_visual_indexes:
+                deep.append(self.deepstack_merger_list[self.deepstack_visual_indexes.index(i)](x))
+        return x, torch.cat([self.merger(x), *deep], dim=-1)
+
+
+class _Rotary:
+    """The towers' 2-D rotary angles: a quarter of head_dim's frequencies per axis, rows then
+    columns, twice (rotate_half pairs i and i + D/2); float32 (num_patches, head_dim)."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        quarter = head_dim // 2
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, quarter, 2, dtype=torch.float, device="cpu") / quarter))
+        self._on: dict[torch.device, torch.Tensor] = {}
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dev = positions.device
+        if dev not in self._on:
+            self._on[dev] = self.inv_freq.to(dev)
+        freqs = positions[..., None].float() * self._on[dev]  # (N, 2, head_dim / 4)
+
+        def layout(f):
+            f = torch.cat([f[:, 0], f[:, 1]], dim=-1)
+            return torch.cat([f, f], dim=-1)
+
+        return layout(freqs.cos()), layout(freqs.sin())
 
 
 def build_transformers_tower(hf_config) -> nn.Module:
@@ -214,6 +322,8 @@ class VisionEncoder(nn.Module):
         super().__init__()
         if hf_config.model_type == "qwen2_vl":
             self.visual = Qwen2VisionTower(hf_config.vision_config)
+        elif hf_config.model_type == "qwen3_vl":
+            self.visual = Qwen3VisionTower(hf_config.vision_config)
         elif hf_config.model_type == "qwen2_5_vl":
             self.visual = build_transformers_tower(hf_config)
         else:  # the loader has already refused other model types
@@ -222,7 +332,7 @@ class VisionEncoder(nn.Module):
         # Qwen2-VL's merger reads the trunk output in patch order, so another model's merger can
         # be applied to it; Qwen2.5-VL's trunk output is window-permuted, so it is not shared.
         self.shares_trunk = hf_config.model_type == "qwen2_vl"
-        self.own_tower = isinstance(self.visual, Qwen2VisionTower)
+        self.own_tower = isinstance(self.visual, (Qwen2VisionTower, Qwen3VisionTower))
         # the fused rotation on CUDA in inference (force_fused: on CPU tensors too, tests under
         # Triton's interpreter); sdpa_backends: the SDPA backends the per-image attention may use
         # (torch.nn.attention.SDPBackend; None: torch's choice; bench_engine times each)

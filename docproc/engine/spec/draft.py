@@ -83,6 +83,19 @@ def tokenizer_hash(tokenizer) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
+def _family(folder: str) -> str | None:
+    """A checkpoint's model family from its config.json (None where it cannot be read: the load
+    names that)."""
+    import json
+    from pathlib import Path
+
+    try:
+        model_type = json.loads((Path(folder) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return {"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2-VL", "qwen3_vl": "Qwen3-VL"}.get(model_type)
+
+
 def check_tokenizers(target: str, draft: str) -> None:
     """The draft must encode text exactly as the target does; checked before any weights load."""
     from docproc.models.loader import CheckpointError, check_folder
@@ -94,6 +107,10 @@ def check_tokenizers(target: str, draft: str) -> None:
         missing = missing_tokenizer(folder)
         if missing is not None:
             raise CheckpointError(f"{what} folder {folder} {missing}")
+    families = [_family(p) for p in (target, draft)]
+    if None not in families and families[0] != families[1]:
+        raise ValueError(f"the draft is a {families[1]} model and the target a {families[0]} one: pick a draft of "
+                         f"the target's family (their tokenizers, image tokens and positions differ)")
     hashes = [tokenizer_hash(load_tokenizer(p)) for p in (target, draft)]
     if hashes[0] != hashes[1]:
         raise ValueError(f"draft tokenizer differs from target (vocab hash {hashes[1]} vs {hashes[0]}): "
