@@ -296,15 +296,16 @@ def test_config_reader_reads_what_transformers_reads(which, qwen2_vl_dir, tmp_pa
 
 
 @pytest.mark.slow
-def test_engine_start_imports_no_transformers_modeling_code():
+def test_engine_start_imports_no_transformers_modeling_code(qwen2_5_vl_dir, qwen3_vl_dir):
     """The engine's start imports transformers' tokenizer backend only: its modeling, image
     processing and auto-class code pulls in torch._dynamo, torch.distributed's FSDP and more,
-    seconds of every start."""
+    seconds of every start. The bundled pair, a Qwen2.5-VL and a Qwen3-VL model."""
     import subprocess
     import sys
 
     code = ("import sys; from docproc import LLM; from docproc.pipeline.settings import bundled_model; "
             "LLM(str(bundled_model('target')), device='cpu', speculative_model=str(bundled_model('draft'))); "
+            f"LLM({str(qwen2_5_vl_dir)!r}, device='cpu'); LLM({str(qwen3_vl_dir)!r}, device='cpu'); "
             "print(sorted(m for m in ('transformers.modeling_utils', 'torch._dynamo', "
             "'transformers.models.qwen2_vl.modeling_qwen2_vl', 'transformers.image_processing_utils', "
             "'transformers.models.auto.auto_factory', 'torch.distributed.fsdp') if m in sys.modules))")
@@ -358,6 +359,33 @@ def test_qwen3_vl_config_reader_reads_what_transformers_reads(which, qwen3_vl_di
     ours = qwen3_vl_config(json.loads(json.dumps(raw)))
     assert text_config(ours) == text_config(theirs)
     for k in QWEN3_VISION_DEFAULTS:
+        assert getattr(ours.vision_config, k) == getattr(theirs.vision_config, k), k
+    for k in ("model_type", "image_token_id", "tie_word_embeddings"):
+        assert getattr(ours, k) == getattr(theirs, k), k
+
+
+@pytest.mark.parametrize("which", ["fixture", "flat"])
+def test_qwen2_5_vl_config_reader_reads_what_transformers_reads(which, qwen2_5_vl_dir, tmp_path):
+    """docproc's reader of a Qwen2.5-VL config.json against transformers' Qwen2_5_VLConfig: the
+    language model, the tower's fields (window size, full-attention blocks, widths) and the top."""
+    import json
+
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLConfig
+
+    from docproc.models.hf_config import QWEN2_5_VISION_DEFAULTS, qwen2_5_vl_config
+    from docproc.models.loader import text_config
+
+    if which == "fixture":
+        raw = json.loads((qwen2_5_vl_dir / "config.json").read_text())
+    else:  # published checkpoints' flat layout, leaning on the tower's defaults
+        raw = {k: v for k, v in PUBLISHED_QWEN2_VL_2B.items() if k != "vision_config"}
+        raw.update(model_type="qwen2_5_vl", vision_config={"depth": 4, "hidden_size": 64, "out_hidden_size": 1536,
+                                                           "fullatt_block_indexes": [1, 3]})
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    theirs = Qwen2_5_VLConfig.from_pretrained(str(tmp_path))
+    ours = qwen2_5_vl_config(json.loads(json.dumps(raw)))
+    assert text_config(ours) == text_config(theirs)
+    for k in QWEN2_5_VISION_DEFAULTS:
         assert getattr(ours.vision_config, k) == getattr(theirs.vision_config, k), k
     for k in ("model_type", "image_token_id", "tie_word_embeddings"):
         assert getattr(ours, k) == getattr(theirs, k), k

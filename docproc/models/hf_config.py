@@ -1,10 +1,10 @@
-"""A Qwen2-VL or Qwen3-VL checkpoint's config.json as the engine reads it: the fields it uses, with
-transformers' Qwen2VLConfig / Qwen3VLConfig defaults, from either Qwen2-VL layout (transformers
-5's `text_config` / `vision_config`, or the flat layout published checkpoints use, text fields at
-the top; Qwen3-VL's is always nested). Our own
-reader because transformers' config classes import its auto-model machinery (torch.distributed's
-FSDP among it) as they are defined: 6 s of an engine's start with transformers 5.17 on the H200
-machine. A test compares every field against transformers' own parse of each layout.
+"""A Qwen2-VL, Qwen2.5-VL or Qwen3-VL checkpoint's config.json as the engine reads it: the fields
+it uses, with transformers' Qwen2VLConfig / Qwen2_5_VLConfig / Qwen3VLConfig defaults, from either
+Qwen2 layout (transformers 5's `text_config` / `vision_config`, or the flat layout published
+checkpoints use, text fields at the top; Qwen3-VL's is always nested). Our own reader because
+transformers' config classes import its auto-model machinery (torch.distributed's FSDP among it)
+as they are defined: 6 s of an engine's start with transformers 5.17 on the H200 machine. A test
+compares every field against transformers' own parse of each layout.
 """
 from __future__ import annotations
 
@@ -22,6 +22,12 @@ VISION_DEFAULTS = {
     "num_heads": 16, "in_channels": 3, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
     "rope_parameters": {"rope_theta": 10000.0, "rope_type": "axial"},
 }
+QWEN2_5_VISION_DEFAULTS = {
+    "depth": 32, "hidden_size": 3584, "hidden_act": "silu", "intermediate_size": 3420, "num_heads": 16,
+    "in_channels": 3, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "tokens_per_second": 4,
+    "window_size": 112, "out_hidden_size": 3584, "fullatt_block_indexes": [7, 15, 23, 31],
+    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "axial"},
+}
 TOP_DEFAULTS = {
     "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
     "vision_end_token_id": 151653, "tie_word_embeddings": False, "eos_token_id": None,
@@ -35,9 +41,14 @@ def _fill(defaults: dict, given: dict) -> dict:
     return out
 
 
-def qwen2_vl_config(raw: dict) -> SimpleNamespace:
+def qwen2_5_vl_config(raw: dict) -> SimpleNamespace:
+    """Qwen2.5-VL's config.json: Qwen2-VL's language model and layouts, its own tower's fields."""
+    return qwen2_vl_config(raw, "qwen2_5_vl")
+
+
+def qwen2_vl_config(raw: dict, model_type: str = "qwen2_vl") -> SimpleNamespace:
     """model_type, image_token_id, tie_word_embeddings, eos_token_id, text_config and
-    vision_config (namespaces), as transformers' Qwen2VLConfig would hold them."""
+    vision_config (namespaces), as transformers' Qwen2VLConfig (Qwen2_5_VLConfig) would hold them."""
     if isinstance(raw.get("text_config"), dict):
         text_raw, top_raw = raw["text_config"], raw
     else:  # the flat layout: the text fields (eos_token_id with them) at the top
@@ -56,18 +67,25 @@ def qwen2_vl_config(raw: dict) -> SimpleNamespace:
     vision_raw = raw.get("vision_config") or {}
     if not isinstance(vision_raw, dict):
         raise ValueError(f"config.json: vision_config must be an object, got {type(vision_raw).__name__}")
-    vision = _fill(VISION_DEFAULTS, vision_raw)
+    vision = _fill(VISION_DEFAULTS if model_type == "qwen2_vl" else QWEN2_5_VISION_DEFAULTS, vision_raw)
+    if model_type == "qwen2_5_vl":
+        vision["fullatt_block_indexes"] = list(vision["fullatt_block_indexes"])
+        if vision["hidden_act"] != "silu":
+            raise ValueError(f"config.json: vision_config.hidden_act {vision['hidden_act']!r} is not supported (silu)")
+        if vision["window_size"] % (vision["patch_size"] * vision["spatial_merge_size"]):
+            raise ValueError(f"config.json: vision_config.window_size {vision['window_size']} must be a multiple of "
+                             f"patch_size x spatial_merge_size")
     top = _fill(TOP_DEFAULTS, top_raw)
     # transformers 4 saved tie_word_embeddings inside text_config; the outer flag wins only if set
     top["tie_word_embeddings"] = bool(top["tie_word_embeddings"] or text["tie_word_embeddings"])
     for where, fields in (("", text), ("vision_config.", vision)):
         for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "max_position_embeddings", "depth", "embed_dim", "num_heads",
-                  "patch_size", "spatial_merge_size", "temporal_patch_size"):
+                  "patch_size", "spatial_merge_size", "temporal_patch_size", "out_hidden_size", "window_size"):
             v = fields.get(k)
             if k in fields and not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
                 raise ValueError(f"config.json: {where}{k} must be a positive integer, got {v!r}")
-    return SimpleNamespace(model_type="qwen2_vl", text_config=SimpleNamespace(**text),
+    return SimpleNamespace(model_type=model_type, text_config=SimpleNamespace(**text),
                            vision_config=SimpleNamespace(**vision), **top)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from docproc.errors import ModelUnavailable
-from docproc.models.hf_config import QWEN3_MROPE_SECTION, qwen2_vl_config, qwen3_vl_config
+from docproc.models.hf_config import QWEN3_MROPE_SECTION, qwen2_5_vl_config, qwen2_vl_config, qwen3_vl_config
 from docproc.models.quant import (FP8, LINEAR_NAMES, LOAD_FORMATS, Fp8Scheme, Fp8Weight, UnsupportedQuantization,
                                   block_scales, channel_scales, quantize, quantize_blocks, resolve_scheme,
                                   share_scales)
@@ -60,14 +60,11 @@ def read_config(folder: str | Path):
             f"{folder}: model_type {model_type!r} is not supported{what}; docproc loads "
             f"{', '.join(SUPPORTED_MODEL_TYPES)} checkpoints"
         )
-    if model_type in ("qwen2_vl", "qwen3_vl"):  # read by docproc/models/hf_config.py (why: its docstring)
-        try:
-            return (qwen2_vl_config if model_type == "qwen2_vl" else qwen3_vl_config)(raw)
-        except (ValueError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{folder}: {e}") from None
-    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLConfig  # its tower is transformers'
-
-    return Qwen2_5_VLConfig.from_pretrained(str(folder), local_files_only=True)
+    reader = {"qwen2_vl": qwen2_vl_config, "qwen2_5_vl": qwen2_5_vl_config, "qwen3_vl": qwen3_vl_config}[model_type]
+    try:  # docproc/models/hf_config.py (why our own: its docstring)
+        return reader(raw)
+    except (ValueError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{folder}: {e}") from None
 
 
 def text_config(hf_config) -> TextConfig:
@@ -217,15 +214,11 @@ def load_model(folder: str | Path, device: torch.device, dtype: torch.dtype, qua
 
 
 def build_vision(hf_config, device: torch.device, dtype: torch.dtype) -> VisionEncoder:
-    """The vision tower with uninitialised weights (the loader fills them): our own tower is built
-    on the meta device and given memory on `device`; transformers' (Qwen2.5-VL) is built on
-    `device`, since its rotary tables are buffers that must keep their values."""
+    """The vision tower with uninitialised weights (the loader fills them): built on the meta
+    device and given memory on `device`."""
     with torch.device("meta"):
-        probe = VisionEncoder(hf_config)
-    if probe.own_tower:
-        return probe.to(dtype).to_empty(device=device)
-    with torch.device(device):
-        return VisionEncoder(hf_config).to(dtype)
+        tower = VisionEncoder(hf_config)
+    return tower.to(dtype).to_empty(device=device)
 
 
 class _Hasher:

@@ -1,18 +1,19 @@
-"""The vision tower: pixels of several images in, one tensor of merged embeddings per image out
+"""The vision towers: pixels of several images in, one tensor of merged embeddings per image out
 (and, for trunk sharing with a draft, the trunk's output per image).
 
-Qwen2-VL's tower is our own module here, with transformers' parameter names (`patch_embed.proj`,
-`blocks.N.{norm1,attn.qkv,attn.proj,norm2,mlp.fc1,mlp.fc2}`, `merger.{ln_q,mlp.0,mlp.2}`), so a
-checkpoint loads as it is. It computes what transformers' Qwen2VisionTransformerPretrainedModel
-computes, op for op (float32 on a CPU: the same floats, bit for bit; a test holds it to that).
-Why not transformers' module: importing its modeling code pulls in torch._dynamo,
-torch.distributed's tensor and FSDP packages, custom-op registrations and more, 4-5 s of every
-engine's start on the H200 for a tower the engine runs once per unique page. Qwen2.5-VL's tower
-(window attention) is still transformers' module, imported only for such a checkpoint.
+Each tower is our own module with transformers' parameter names, so a checkpoint loads as it is:
+Qwen2-VL's (`patch_embed.proj`, `blocks.N.{norm1,attn.qkv,attn.proj,norm2,mlp.fc1,mlp.fc2}`,
+`merger.{ln_q,mlp.0,mlp.2}`), Qwen2.5-VL's (RMSNorm, a gated MLP, window attention) and Qwen3-VL's
+(a learned position grid, DeepStack mergers). Each computes what transformers' module computes,
+op for op (float32 on a CPU: Qwen2-VL's the same floats, bit for bit; the tests hold the others to
+transformers' logits and greedy tokens). Why not transformers' modules: importing its modeling
+code pulls in torch._dynamo, torch.distributed's tensor and FSDP packages, custom-op
+registrations and more, 4-5 s of every engine's start on the H200 for a tower the engine runs once
+per unique page.
 
 On CUDA in inference the attention rotates q and k with one Triton kernel (kernels/vision_fused.py,
-the same float32 math and rounding) and takes each image's span from the host (no read-back of
-cu_seqlens in every layer); QuickGELU is one kernel in place.
+the same float32 math and rounding) and takes each image's (or window's) span from the host (no
+read-back of cu_seqlens in every layer); QuickGELU is one kernel in place.
 """
 from __future__ import annotations
 
@@ -242,7 +243,10 @@ class Qwen3VisionTower(nn.Module):
             raise ValueError(f"vision hidden_act {act!r} is not supported (one of {', '.join(ACTIVATIONS)})")
         dim = vcfg.hidden_size
         self.patch_embed = PatchEmbed(vcfg.patch_size, vcfg.temporal_patch_size, vcfg.in_channels, dim, bias=True)
-        self.pos_embed = nn.Embedding(vcfg.num_position_embeddings, dim)
+        # an uninitialised weight (the loader fills it): a random init on the meta device would
+        # import torch._dynamo, seconds of every engine's start
+        self.pos_embed = nn.Embedding(vcfg.num_position_embeddings, dim,
+                                      _weight=torch.empty(vcfg.num_position_embeddings, dim))
         self.side = int(vcfg.num_position_embeddings ** 0.5)
         self.blocks = nn.ModuleList(VisionBlock(dim, vcfg.num_heads, vcfg.intermediate_size, act, Qwen3VisionMlp)
                                     for _ in range(vcfg.depth))
@@ -279,6 +283,108 @@ class Qwen3VisionTower(nn.Module):
         return x, torch.cat([self.merger(x), *deep], dim=-1)
 
 
+class VisionRMSNorm(nn.Module):
+    """transformers' Qwen2_5_VLRMSNorm: the norm in float32, cast back before the weight."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class GatedVisionMlp(nn.Module):
+    """Qwen2.5-VL's tower MLP: down(SiLU(gate(x)) * up(x)), every product with a bias."""
+
+    def __init__(self, dim: int, hidden: int, act: str) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden)
+        self.up_proj = nn.Linear(dim, hidden)
+        self.down_proj = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Qwen2_5VisionBlock(VisionBlock):
+    def __init__(self, dim: int, num_heads: int, mlp_hidden: int, act: str) -> None:
+        super().__init__(dim, num_heads, mlp_hidden, act, GatedVisionMlp)
+        self.norm1 = VisionRMSNorm(dim)
+        self.norm2 = VisionRMSNorm(dim)
+
+
+class Qwen2_5PatchMerger(PatchMerger):
+    """Qwen2-VL's merger with an RMSNorm (transformers' names: ln_q, mlp.0, mlp.2)."""
+
+    def __init__(self, dim: int, context_dim: int, merge: int) -> None:
+        super().__init__(dim, context_dim, merge)
+        self.ln_q = VisionRMSNorm(context_dim)
+
+
+def window_order(grid: list[list[int]], merge: int, window: int) -> tuple[torch.Tensor, list[int]]:
+    """Qwen2.5-VL's window attention (transformers' get_vision_window_index): the merge x merge
+    groups of each frame reordered window by window (windows of `window` groups a side, row by
+    row; a frame's last row and column of windows may be partial), and each window's patch count
+    in that order. Returns (group order, window lengths in patches)."""
+    order, lengths, base = [], [], 0
+    for t, h, w in grid:
+        gh, gw = h // merge, w // merge
+        idx = torch.arange(t * gh * gw).view(t, gh, gw)
+        for f in range(t):
+            for r in range(0, gh, window):
+                for c in range(0, gw, window):
+                    part = idx[f, r: r + window, c: c + window].reshape(-1)
+                    order.append(part + base)
+                    lengths.append(part.numel() * merge * merge)
+        base += t * gh * gw
+    return torch.cat(order), lengths
+
+
+class Qwen2_5VisionTower(nn.Module):
+    """Qwen2.5-VL's tower (transformers' parameter names): Qwen2-VL's patches and 2-D rotary,
+    RMSNorm blocks with a gated SiLU MLP, and window attention: the merge groups reordered window
+    by window (window_size pixels a side), attention within each window except in the blocks of
+    fullatt_block_indexes (within each image), the merger's output put back in patch order. The
+    trunk's output stays in window order (a draft cannot share it)."""
+
+    def __init__(self, vcfg) -> None:
+        super().__init__()
+        self.merge = vcfg.spatial_merge_size
+        self.num_heads = vcfg.num_heads
+        dim = vcfg.hidden_size
+        self.patch_embed = PatchEmbed(vcfg.patch_size, vcfg.temporal_patch_size, vcfg.in_channels, dim)
+        self.blocks = nn.ModuleList(Qwen2_5VisionBlock(dim, vcfg.num_heads, vcfg.intermediate_size, "silu")
+                                    for _ in range(vcfg.depth))
+        self.merger = Qwen2_5PatchMerger(vcfg.out_hidden_size, dim, self.merge)
+        self.full = set(vcfg.fullatt_block_indexes)
+        self.window = vcfg.window_size // vcfg.spatial_merge_size // vcfg.patch_size  # merge groups a side
+        rope = getattr(vcfg, "rope_parameters", None) or {}
+        self.rotary = _Rotary(dim // vcfg.num_heads, rope.get("rope_theta", 10000.0))
+
+    def forward(self, pixel_values: torch.Tensor, grid: list[list[int]], fused: bool = False,
+                sdpa_backends: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        device = pixel_values.device
+        unit = self.merge * self.merge
+        order, windows = window_order(grid, self.merge, self.window)
+        order_dev = order.to(device, non_blocking=True)
+        whole = EncodeCall([h * w for t, h, w in grid for _ in range(t)], fused, sdpa_backends)
+        windowed = EncodeCall(windows, fused, sdpa_backends)
+
+        def permute(x):  # patches in merge groups, the groups in window order
+            return x.view(-1, unit, x.shape[-1])[order_dev].view(-1, x.shape[-1])
+        cos, sin = self.rotary(vision_positions(grid, self.merge).to(device, non_blocking=True))
+        cos, sin = permute(cos), permute(sin)
+        x = permute(self.patch_embed(pixel_values))
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, whole if i in self.full else windowed)
+        merged = self.merger(x)
+        return x, merged[torch.argsort(order_dev)]
+
+
 class _Rotary:
     """The towers' 2-D rotary angles: a quarter of head_dim's frequencies per axis, rows then
     columns, twice (rotate_half pairs i and i + D/2); float32 (num_patches, head_dim)."""
@@ -301,22 +407,6 @@ class _Rotary:
         return layout(freqs.cos()), layout(freqs.sin())
 
 
-def build_transformers_tower(hf_config) -> nn.Module:
-    """Qwen2.5-VL: transformers' own tower (imported only here)."""
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
-
-    vcfg = hf_config.vision_config
-    vcfg._attn_implementation = "sdpa"
-    tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(vcfg)
-    from transformers.activations import QuickGELUActivation
-
-    for module in list(tower.modules()):
-        for name, child in module.named_children():
-            if isinstance(child, QuickGELUActivation):
-                setattr(module, name, QuickGELUInPlace())
-    return tower
-
-
 class VisionEncoder(nn.Module):
     def __init__(self, hf_config) -> None:
         super().__init__()
@@ -325,27 +415,23 @@ class VisionEncoder(nn.Module):
         elif hf_config.model_type == "qwen3_vl":
             self.visual = Qwen3VisionTower(hf_config.vision_config)
         elif hf_config.model_type == "qwen2_5_vl":
-            self.visual = build_transformers_tower(hf_config)
+            self.visual = Qwen2_5VisionTower(hf_config.vision_config)
         else:  # the loader has already refused other model types
             raise ValueError(f"no vision tower for model_type {hf_config.model_type!r}")
         self.spatial_merge_size = hf_config.vision_config.spatial_merge_size
         # Qwen2-VL's merger reads the trunk output in patch order, so another model's merger can
         # be applied to it; Qwen2.5-VL's trunk output is window-permuted, so it is not shared.
         self.shares_trunk = hf_config.model_type == "qwen2_vl"
-        self.own_tower = isinstance(self.visual, (Qwen2VisionTower, Qwen3VisionTower))
         # the fused rotation on CUDA in inference (force_fused: on CPU tensors too, tests under
         # Triton's interpreter); sdpa_backends: the SDPA backends the per-image attention may use
         # (torch.nn.attention.SDPBackend; None: torch's choice; bench_engine times each)
-        self.fast_attention = self.own_tower
+        self.fast_attention = True
         self.force_fused = False
         self.sdpa_backends: list | None = None
 
     def _run(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(trunk output, merged) over all images."""
         dtype = next(self.visual.parameters()).dtype
-        if not self.own_tower:
-            out = self.visual(pixel_values.to(dtype), grid_thw=grid_thw.to(pixel_values.device))
-            return getattr(out, "last_hidden_state", None), getattr(out, "pooler_output", out)
         fused = self.fast_attention and (pixel_values.is_cuda or self.force_fused) and not torch.is_grad_enabled()
         return self.visual(pixel_values.to(dtype), grid_thw.tolist(), fused, self.sdpa_backends)
 
