@@ -21,6 +21,26 @@ def test_cuda_float32_matches_cpu(qwen2_vl_dir):
     assert info["device"].startswith("cuda") and info["num_blocks"] > 1000
 
 
+@pytest.mark.parametrize("model", ["qwen2_5_vl_dir", "qwen3_vl_dir"])
+@pytest.mark.parametrize("kv", ["auto", "fp4"])
+def test_cuda_float32_matches_cpu_for_qwen2_5_and_qwen3(request, model, kv):
+    """Qwen2.5-VL (window attention) and Qwen3-VL (per-head q/k norms, DeepStack, its tower) on
+    CUDA in float32, eager prefill and graph-captured decode, dense and FP4 KV: the CPU engine's
+    tokens; with bf16 weights no kernel is compiled after warm-up."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    folder = request.getfixturevalue(model)
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    cpu = LLM(str(folder), device="cpu", kv_cache_dtype=kv).generate(requests(), sp)
+    gpu = LLM(str(folder), device="cuda", dtype="float32", kv_cache_dtype=kv,
+              gpu_memory_utilization=0.3).generate(requests(), sp)
+    assert [o.outputs[0].token_ids for o in gpu] == [o.outputs[0].token_ids for o in cpu]
+    llm = LLM(str(folder), device="cuda", kv_cache_dtype="bf16" if kv == "auto" else kv, gpu_memory_utilization=0.2)
+    llm.generate(requests() * 2, SamplingParams(max_tokens=12, ignore_eos=True))
+    info = llm.cache_info()
+    assert info["num_cuda_graphs"] > 0
+    assert info["kernel_compiles_after_warmup"] == 0, info["kernels_compiled_after_warmup"]
+
+
 def test_cuda_bf16_pool_is_sized_from_memory_utilization(qwen2_vl_dir):
     llm = LLM(str(qwen2_vl_dir), device="cuda", gpu_memory_utilization=0.2)
     info = llm.cache_info()
