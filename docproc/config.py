@@ -32,6 +32,9 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     num_kv_blocks: int | None = None  # exact pool size; overrides both of the above (tests)
     encoder_cache_entries: int = 256  # vision outputs kept, keyed by (vision fingerprint, image hash)
+    # and at most this many bytes of them (a Qwen3-VL-8B page's outputs with DeepStack: ~40 MiB);
+    # on CUDA the KV pool is sized with this much of the card left to them
+    encoder_cache_bytes: int = 2 << 30
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -46,6 +49,8 @@ class CacheConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.encoder_cache_entries < 1:
             raise ValueError(f"encoder_cache_entries must be >= 1, got {self.encoder_cache_entries}")
+        if self.encoder_cache_bytes < 0:
+            raise ValueError(f"encoder_cache_bytes must be >= 0, got {self.encoder_cache_bytes}")
 
 
 @dataclass

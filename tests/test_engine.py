@@ -326,3 +326,25 @@ def test_a_dropped_engine_frees_its_memory_without_the_garbage_collector(qwen2_v
     finally:
         if enabled:
             gc.enable()
+
+
+def test_the_vision_cache_is_bounded_by_bytes_as_well_as_entries():
+    """Least recently used outputs go once the cache holds more bytes than its bound (or more
+    entries), the one just put always stays, and replacing a key counts its bytes once."""
+    import torch
+
+    from docproc.engine.encoder_cache import EncoderCache
+
+    cache = EncoderCache(max_entries=10, max_bytes=3 * 400)
+    for i in range(4):
+        cache.put(("fp", str(i)), torch.zeros(100))  # 400 bytes each
+    assert [k for _, k in cache._entries] == ["1", "2", "3"] and cache.nbytes == 1200
+    assert cache.get(("fp", "1")) is not None  # now the most recently used
+    cache.put(("fp", "big"), torch.zeros(1000))  # over the bound alone: stays, the rest goes
+    assert [k for _, k in cache._entries] == ["big"] and cache.nbytes == 4000
+    cache.put(("fp", "big"), torch.zeros(10))
+    assert cache.nbytes == 40 and len(cache) == 1
+    few = EncoderCache(max_entries=2)
+    for i in range(3):
+        few.put(("fp", str(i)), torch.zeros(1))
+    assert [k for _, k in few._entries] == ["1", "2"] and few.stats.num_evictions == 1

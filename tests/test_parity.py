@@ -349,7 +349,8 @@ def test_qwen3_vl_config_reader_reads_what_transformers_reads(which, qwen3_vl_di
     else:
         raw = {"model_type": "qwen3_vl", "text_config": {"vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 4,
                                                          "num_attention_heads": 4, "num_key_value_heads": 2},
-               "vision_config": {"depth": 3, "hidden_size": 32, "num_heads": 2, "deepstack_visual_indexes": [0, 2]}}
+               "vision_config": {"depth": 3, "hidden_size": 32, "num_heads": 2, "deepstack_visual_indexes": [0, 2],
+                                 "out_hidden_size": 64}}
         if which == "tied_flat_rope":  # the older rope_scaling / rope_theta keys, tied at the top
             raw["tie_word_embeddings"] = True
             raw["text_config"].update(rope_scaling={"rope_type": "default", "mrope_section": [8, 12, 12],
@@ -389,3 +390,33 @@ def test_qwen2_5_vl_config_reader_reads_what_transformers_reads(which, qwen2_5_v
         assert getattr(ours.vision_config, k) == getattr(theirs.vision_config, k), k
     for k in ("model_type", "image_token_id", "tie_word_embeddings"):
         assert getattr(ours, k) == getattr(theirs, k), k
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"vision_config": {"out_hidden_size": 256}}, "out_hidden_size 256 differs from the language model's hidden_size"),
+    ({"text_config": {"rope_parameters": {"mrope_section": [8, 8]}}}, "mrope_section must be three positive integers"),
+    ({"text_config": {"rope_parameters": {"mrope_section": ["6", "5", "5"]}}}, "three positive integers"),
+    ({"vision_config": {"deepstack_visual_indexes": 1}}, "must be a list of tower layers"),
+    ({"vision_config": {"num_heads": 3}}, "must split into 3 heads"),
+    ({"text_config": {"attention_bias": True}}, "attention_bias true"),
+])
+def test_a_qwen3_vl_config_the_model_cannot_run_is_one_clear_error(qwen3_vl_dir, tmp_path, change, message):
+    """Fields whose values would give wrong answers or fail every document are refused as the
+    config is read, naming the field."""
+    import json
+    import shutil
+
+    from docproc.models.loader import CheckpointError, read_config
+
+    raw = json.loads((qwen3_vl_dir / "config.json").read_text())
+    for part, fields in change.items():
+        for k, v in fields.items():
+            if isinstance(v, dict):
+                raw[part].setdefault(k, {}).update(v)
+            else:
+                raw[part][k] = v
+    folder = tmp_path / "m"
+    shutil.copytree(qwen3_vl_dir, folder)
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match=message):
+        read_config(folder)

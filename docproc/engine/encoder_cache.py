@@ -1,4 +1,5 @@
-"""Vision-tower outputs cached by (vision-weights fingerprint, image content hash), LRU-bounded."""
+"""Vision-tower outputs cached by (vision-weights fingerprint, image content hash), LRU-bounded
+by entries and by bytes (the entry just put always stays: the step that put it reads it)."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -16,8 +17,10 @@ class EncoderCacheStats:
 
 
 class EncoderCache:
-    def __init__(self, max_entries: int) -> None:
+    def __init__(self, max_entries: int, max_bytes: int | None = None) -> None:
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.nbytes = 0
         self._entries: OrderedDict[tuple[str, str], torch.Tensor] = OrderedDict()
         self.stats = EncoderCacheStats()
 
@@ -36,9 +39,18 @@ class EncoderCache:
         return value
 
     def put(self, key: tuple[str, str], value: torch.Tensor) -> None:
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.nbytes -= _size(old)
         self._entries[key] = value
-        self._entries.move_to_end(key)
+        self.nbytes += _size(value)
         self.stats.num_encoded_images += 1
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        while len(self._entries) > 1 and (len(self._entries) > self.max_entries or
+                                          (self.max_bytes is not None and self.nbytes > self.max_bytes)):
+            _, evicted = self._entries.popitem(last=False)
+            self.nbytes -= _size(evicted)
             self.stats.num_evictions += 1
+
+
+def _size(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

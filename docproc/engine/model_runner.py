@@ -172,7 +172,7 @@ class ModelRunner:
         self.kv_cache = KVCache(self.backend, tc.num_hidden_layers, self.block_size, kv_name)
         if self.tp is not None:  # every rank holds its share of the same blocks
             self.kv_cache.allocate = self._allocate_everywhere
-        self.encoder_cache = EncoderCache(config.cache.encoder_cache_entries)
+        self.encoder_cache = EncoderCache(config.cache.encoder_cache_entries, config.cache.encoder_cache_bytes)
         workers = config.image_prefetch_workers
         self.prefetcher = ImagePrefetcher(self.processor, default_workers(self.device) if workers is None else workers,
                                           pin=self.device.type == "cuda")
@@ -288,7 +288,8 @@ class ModelRunner:
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(self.device).total_memory
         used = torch.cuda.memory_allocated(self.device)
-        return int(total * self.config.cache.gpu_memory_utilization) - used - activations
+        return int(total * self.config.cache.gpu_memory_utilization) - used - activations \
+            - self.config.cache.encoder_cache_bytes
 
     # ---- one step --------------------------------------------------------------------------
     def _image_embeddings(self, seqs: list[Sequence]) -> None:

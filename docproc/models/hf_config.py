@@ -75,6 +75,14 @@ def qwen2_vl_config(raw: dict, model_type: str = "qwen2_vl") -> SimpleNamespace:
         if vision["window_size"] % (vision["patch_size"] * vision["spatial_merge_size"]):
             raise ValueError(f"config.json: vision_config.window_size {vision['window_size']} must be a multiple of "
                              f"patch_size x spatial_merge_size")
+    width = vision["embed_dim"] if model_type == "qwen2_vl" else vision["hidden_size"]
+    heads = vision["num_heads"]
+    if isinstance(width, int) and isinstance(heads, int) and heads > 0 and (width % heads or (width // heads) % 4):
+        raise ValueError(f"config.json: the vision tower's width {width} must split into {heads} heads of a "
+                         f"multiple of 4 values")
+    if model_type == "qwen2_5_vl" and vision["out_hidden_size"] != text["hidden_size"]:
+        raise ValueError(f"config.json: vision_config.out_hidden_size {vision['out_hidden_size']} differs from the "
+                         f"language model's hidden_size {text['hidden_size']}")
     top = _fill(TOP_DEFAULTS, top_raw)
     # transformers 4 saved tie_word_embeddings inside text_config; the outer flag wins only if set
     top["tie_word_embeddings"] = bool(top["tie_word_embeddings"] or text["tie_word_embeddings"])
@@ -125,8 +133,18 @@ def qwen3_vl_config(raw: dict) -> SimpleNamespace:
     rope.setdefault("mrope_section", list(QWEN3_MROPE_SECTION))
     rope["mrope_interleaved"] = True
     text["rope_parameters"] = rope
+    if text["attention_bias"]:
+        raise ValueError("config.json: text_config.attention_bias true (q/k/v/o biases) is not supported")
+    sections = rope["mrope_section"]
+    if not (isinstance(sections, list) and len(sections) == 3
+            and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sections)):
+        raise ValueError(f"config.json: text_config's mrope_section must be three positive integers, got {sections!r}")
     vision = _fill(QWEN3_VISION_DEFAULTS, vision_raw)
-    vision["deepstack_visual_indexes"] = list(vision["deepstack_visual_indexes"])
+    deep = vision["deepstack_visual_indexes"]
+    if not isinstance(deep, (list, tuple)):
+        raise ValueError(f"config.json: vision_config.deepstack_visual_indexes must be a list of tower layers, "
+                         f"got {deep!r}")
+    vision["deepstack_visual_indexes"] = list(deep)
     top = _fill(TOP_DEFAULTS, raw)
     top["tie_word_embeddings"] = bool(top["tie_word_embeddings"] or text["tie_word_embeddings"])
     for where, fields in (("text_config.", text), ("vision_config.", vision)):
@@ -136,6 +154,12 @@ def qwen3_vl_config(raw: dict) -> SimpleNamespace:
             v = fields.get(k)
             if k in fields and not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
                 raise ValueError(f"config.json: {where}{k} must be a positive integer, got {v!r}")
+    if vision["out_hidden_size"] != text["hidden_size"]:
+        raise ValueError(f"config.json: vision_config.out_hidden_size {vision['out_hidden_size']} differs from the "
+                         f"language model's hidden_size {text['hidden_size']}")
+    if vision["hidden_size"] % vision["num_heads"] or (vision["hidden_size"] // vision["num_heads"]) % 4:
+        raise ValueError(f"config.json: vision_config.hidden_size {vision['hidden_size']} must split into "
+                         f"{vision['num_heads']} heads of a multiple of 4 values")
     side = int(vision["num_position_embeddings"] ** 0.5)
     if side * side != vision["num_position_embeddings"]:
         raise ValueError(f"config.json: vision_config.num_position_embeddings {vision['num_position_embeddings']} "

@@ -125,8 +125,8 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
         # 16-bit inputs only: the tensor cores would round a float32 input to TF32)
         return gemm_fp8_rows(x, w.data, w.scale, w.group, bias)
     if (x.is_cuda and w.act_quant and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1
-            and (w.per_channel or (w.group >= 32 and w.group & (w.group - 1) == 0))
-            and tensor_core_fp8(x.device)[0]):
+            and (w.per_channel or (32 <= w.group <= 256 and w.group & (w.group - 1) == 0))
+            and tensor_core_fp8(x.device)[0]):  # (wider groups: tiles of K = group overflow shared memory)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         rows = x2.shape[0]

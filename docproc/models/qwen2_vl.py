@@ -320,8 +320,8 @@ class Qwen2VLTextModel(nn.Module):
         residual = None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta, backend)
-            if i < len(deep):  # added to the layer's output (its MLP's share of the stream)
-                x = x.index_add(0, image_rows, deep[i])
+            if i < len(deep):  # added to the stream after the layer, as transformers adds it (same rounding)
+                x, residual = (x + residual).index_add(0, image_rows, deep[i]), None
         return self.norm(x, residual)[0] if residual is not None else self.norm(x)
 
     def fuse_projections(self) -> None:

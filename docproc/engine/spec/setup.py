@@ -42,6 +42,6 @@ def attach(target: ModelRunner, draft: ModelRunner, spec: SpecConfig) -> Propose
     if (spec.draft_vision == "auto" and t_model.vision_trunk_fingerprint == d_model.vision_trunk_fingerprint
             and t_model.vision.shares_trunk and d_model.vision.shares_trunk):
         # the page goes through the trunk once; each model applies its own merger
-        target.trunk_cache = EncoderCache(cache.encoder_cache_entries)
+        target.trunk_cache = EncoderCache(cache.encoder_cache_entries, cache.encoder_cache_bytes)
         draft.trunk_source = target.trunk_cache
     return proposer
