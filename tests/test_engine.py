@@ -1,7 +1,6 @@
 """End-to-end engine behaviour on a tiny random model (CPU): sampling, stops, errors, caches."""
 from __future__ import annotations
 
-import io
 import json
 
 import numpy as np

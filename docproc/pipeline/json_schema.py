@@ -100,7 +100,7 @@ def check_schema(schema) -> None:
         err = best_match(Draft202012Validator(Draft202012Validator.META_SCHEMA,
                                               format_checker=Draft202012Validator.FORMAT_CHECKER).iter_errors(schema))
     except RecursionError:  # (nesting within MAX_DEPTH that the meta-schema still walks too deep)
-        raise SchemaProblem(f"the schema is nested too deeply to check: flatten it") from None
+        raise SchemaProblem("the schema is nested too deeply to check: flatten it") from None
     if err is not None:
         path = list(err.absolute_path)
         keyword = next((p for p in reversed(path) if isinstance(p, str)), None)
