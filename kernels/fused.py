@@ -34,12 +34,25 @@ def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def qk_norm_ref(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                num_q: int) -> torch.Tensor:
+    """Qwen3's per-head RMSNorm of q and k heads (N, heads, D): the first num_q heads with
+    q_weight, the others with k_weight (add_rms_norm_ref's arithmetic, head by head)."""
+    q = add_rms_norm_ref(qk[:, :num_q], None, q_weight, eps)[0]
+    k = add_rms_norm_ref(qk[:, num_q:], None, k_weight, eps)[0]
+    return torch.cat([q, k], dim=1).to(qk.dtype)
+
+
 def rotary_store_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int) -> torch.Tensor:
+                     v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int,
+                     norm: tuple | None = None) -> torch.Tensor:
     """qkv: (N, H + 2 Hkv, D), the fused projection's output; k_cache, v_cache: (num_slots, Hkv, D).
-    Rotates q and k in place (rotary_ref), writes row i's k and v heads to slot slots[i] of the
-    caches (in their dtype) and returns q, (N, H, D)."""
+    Rotates q and k in place (rotary_ref; with norm (q_weight, k_weight, eps), qk_norm_ref first),
+    writes row i's k and v heads to slot slots[i] of the caches (in their dtype) and returns q,
+    (N, H, D)."""
     hkv = (qkv.shape[1] - num_heads) // 2
+    if norm is not None:
+        qkv[:, : num_heads + hkv] = qk_norm_ref(qkv[:, : num_heads + hkv], *norm, num_heads)
     qkv[:, : num_heads + hkv] = rotary_ref(qkv[:, : num_heads + hkv], cos, sin)
     k_cache.index_copy_(0, slots, qkv[:, num_heads: num_heads + hkv].to(k_cache.dtype))
     v_cache.index_copy_(0, slots, qkv[:, num_heads + hkv:].to(v_cache.dtype))
@@ -109,9 +122,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 @triton.jit
 def _rotate_token_(x_ptr, cos_ptr, sin_ptr, t, num_heads, sx_t, sx_h, sc_t, ss_t,
-                   HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, qw_ptr, kw_ptr, num_q, eps, NORM: tl.constexpr):
     """Token t's first num_heads heads rotated in place; returns them (model dtype) as the two
-    halves (BLOCK_H, HALF), with the head index and mask."""
+    halves (BLOCK_H, HALF), with the head index and mask. NORM: each head RMS-normalised first
+    (Qwen3's q and k norms: heads below num_q take qw, the others kw), rounded as
+    add_rms_norm_ref rounds (the norm in float32, cast, times the weight, cast)."""
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, HALF)
     hmask = (h < num_heads)[:, None]
@@ -123,6 +138,14 @@ def _rotate_token_(x_ptr, cos_ptr, sin_ptr, t, num_heads, sx_t, sx_h, sc_t, ss_t
     base = x_ptr + t * sx_t + h[:, None] * sx_h + d[None, :]
     x1 = tl.load(base, mask=hmask, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF, mask=hmask, other=0.0).to(tl.float32)
+    if NORM:
+        rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+        is_q = (h < num_q)[:, None]
+        w1 = tl.where(is_q, tl.load(qw_ptr + d).to(tl.float32)[None, :], tl.load(kw_ptr + d).to(tl.float32)[None, :])
+        w2 = tl.where(is_q, tl.load(qw_ptr + HALF + d).to(tl.float32)[None, :],
+                      tl.load(kw_ptr + HALF + d).to(tl.float32)[None, :])
+        x1 = (w1 * (x1 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        x2 = (w2 * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     # the reference rounds x * cos, rotate_half(x) * sin and their sum, each to the model dtype
     o1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
     o2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
@@ -134,30 +157,33 @@ def _rotate_token_(x_ptr, cos_ptr, sin_ptr, t, num_heads, sx_t, sx_h, sc_t, ss_t
 @triton.jit
 def _rotary_kernel(
     # pointers
-    x_ptr, cos_ptr, sin_ptr,
+    x_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
     # sizes
-    num_heads,
+    num_heads, num_q, eps,
     # strides
     sx_t, sx_h, sc_t, ss_t,
     # meta
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
 ):
-    _rotate_token_(x_ptr, cos_ptr, sin_ptr, tl.program_id(0), num_heads, sx_t, sx_h, sc_t, ss_t, HALF, BLOCK_H)
+    _rotate_token_(x_ptr, cos_ptr, sin_ptr, tl.program_id(0), num_heads, sx_t, sx_h, sc_t, ss_t, HALF, BLOCK_H,
+                   qw_ptr, kw_ptr, num_q, eps, NORM)
 
 
-def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: tuple | None = None) -> torch.Tensor:
     """As rotary_ref, in place on x (N, heads, D) (a strided view, e.g. the q and k heads of a
-    fused qkv output); returns x."""
+    fused qkv output); returns x. norm (q_weight, k_weight, eps, num_q): each head RMS-normalised
+    first (qk_norm_ref), the first num_q with q_weight."""
     n, heads, d = x.shape
     assert d % 2 == 0 and (d // 2) & (d // 2 - 1) == 0, f"head_dim/2 must be a power of two, got {d}"
     assert x.stride(2) == 1, "x must be contiguous in head_dim"
     assert cos.shape == (n, d) == sin.shape and cos.stride(1) == 1 and sin.stride(1) == 1
+    qw, kw, eps, num_q = norm if norm is not None else (x, x, 0.0, 0)
     if n:
         _rotary_kernel[(n,)](
-            x, cos, sin,
-            heads,
+            x, cos, sin, qw, kw,
+            heads, num_q, eps,
             x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
-            HALF=d // 2, BLOCK_H=triton.next_power_of_2(heads),
+            HALF=d // 2, BLOCK_H=triton.next_power_of_2(heads), NORM=norm is not None,
         )
     return x
 
@@ -165,13 +191,13 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 @triton.jit
 def _rotary_store_kernel(
     # pointers
-    x_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr,
+    x_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr, qw_ptr, kw_ptr,
     # sizes
-    num_heads, num_kv_heads,
+    num_heads, num_kv_heads, eps,
     # strides
     sx_t, sx_h, sc_t, ss_t, sk_s, sk_h, sv_s, sv_h,
     # meta
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, PDL: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr,
 ):
     """One token: its q and k heads rotated in place (as _rotary_kernel), its rotated k heads and
     its v heads written to its cache slot. Saves the two index_copy_ launches per layer of the
@@ -180,7 +206,7 @@ def _rotary_store_kernel(
     pdl.start(PDL)
     pdl.wait(PDL)
     o1, o2, h, d, hmask = _rotate_token_(x_ptr, cos_ptr, sin_ptr, t, num_heads + num_kv_heads, sx_t, sx_h, sc_t,
-                                         ss_t, HALF, BLOCK_H)
+                                         ss_t, HALF, BLOCK_H, qw_ptr, kw_ptr, num_heads, eps, NORM)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     pdl.end(PDL)
     kmask = hmask & (h >= num_heads)[:, None]
@@ -196,10 +222,12 @@ def _rotary_store_kernel(
 
 
 def rotary_store_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int, pdl_on: bool = True) -> torch.Tensor:
+                  v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int, pdl_on: bool = True,
+                  norm: tuple | None = None) -> torch.Tensor:
     """As rotary_store_ref, in one kernel launch: qkv (N, H + 2 Hkv, D) contiguous in D, caches
     (num_slots, Hkv, D) views contiguous in D, slots (N,) int64. Returns q, (N, H, D), a view.
-    pdl_on: as add_rms_norm's."""
+    pdl_on: as add_rms_norm's. norm (q_weight, k_weight, eps): the q and k heads RMS-normalised
+    before the rotation (Qwen3; qk_norm_ref)."""
     n, heads, d = qkv.shape
     hkv = (heads - num_heads) // 2
     assert num_heads + 2 * hkv == heads, f"{heads} heads are not {num_heads} q heads plus k and v heads"
@@ -207,14 +235,15 @@ def rotary_store_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     assert qkv.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1
     assert k_cache.shape[1:] == (hkv, d) == v_cache.shape[1:] and slots.shape == (n,)
     assert cos.shape == (n, d) == sin.shape and cos.stride(1) == 1 and sin.stride(1) == 1
+    qw, kw, eps = norm if norm is not None else (qkv, qkv, 0.0)
     if n:
         _rotary_store_kernel[(n,)](
-            qkv, cos, sin, k_cache, v_cache, slots,
-            num_heads, hkv,
+            qkv, cos, sin, k_cache, v_cache, slots, qw, kw,
+            num_heads, hkv, eps,
             qkv.stride(0), qkv.stride(1), cos.stride(0), sin.stride(0),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             HALF=d // 2, BLOCK_H=triton.next_power_of_2(num_heads + hkv), BLOCK_KV=max(2, triton.next_power_of_2(hkv)),
-            **pdl.launch(qkv, on=pdl_on),
+            NORM=norm is not None, **pdl.launch(qkv, on=pdl_on),
         )
     return qkv[:, :num_heads]
 

@@ -78,6 +78,37 @@ def test_rotary_store_rotates_in_place_and_fills_the_cache_slots(dtype, cache_dt
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_qwen3_qk_norm_inside_the_rotary_kernels_matches_reference(dtype):
+    """Qwen3's per-head q and k RMSNorm done inside the rotation (rotary_ and rotary_store_, norm=):
+    the q heads with q's weight, the k heads with k's, then rotated; v heads untouched, the cache
+    filled with the normalised, rotated k."""
+    from kernels.fused import qk_norm_ref
+
+    g = torch.Generator().manual_seed(5)
+    n, h, hkv, d, num_slots = 7, 4, 2, 64, 20
+    qkv = (torch.randn(n, h + 2 * hkv, d, generator=g) * 3).to(DEV, dtype)
+    qw, kw = (1 + 0.3 * torch.randn(d, generator=g)).to(DEV, dtype), (1 + 0.3 * torch.randn(d, generator=g)).to(DEV, dtype)
+    pos = torch.arange(n, dtype=torch.float32)[:, None] * (1.0 / 10000 ** (torch.arange(0, d, 2) / d))
+    emb = torch.cat([pos, pos], dim=-1)
+    cos, sin = emb.cos().to(DEV, dtype), emb.sin().to(DEV, dtype)
+    # (the interpreter's bf16 cast truncates, and the norm adds two roundings to the rotation's)
+    t = tol(dtype) * (4 if DEV != "cuda" and dtype == torch.bfloat16 else 1)
+    ref = rotary_ref(qk_norm_ref(qkv[:, : h + hkv].clone(), qw, kw, 1e-6, h), cos, sin)
+    x = qkv.clone()
+    rotary_(x[:, : h + hkv], cos, sin, norm=(qw, kw, 1e-6, h))
+    assert torch.allclose(x[:, : h + hkv].float(), ref.float(), rtol=t, atol=t)
+    assert torch.equal(x[:, h + hkv:], qkv[:, h + hkv:])
+    slots = torch.randperm(num_slots, generator=g)[:n].to(DEV)
+    caches = [torch.zeros(2, num_slots, hkv, d, dtype=dtype, device=DEV) for _ in range(2)]
+    ref_qkv, x = qkv.clone(), qkv.clone()
+    ref_q = rotary_store_ref(ref_qkv, cos, sin, caches[0][0], caches[0][1], slots, h, norm=(qw, kw, 1e-6))
+    q = rotary_store_(x, cos, sin, caches[1][0], caches[1][1], slots, h, norm=(qw, kw, 1e-6))
+    assert torch.allclose(q.float(), ref_q.float(), rtol=t, atol=t)
+    assert torch.allclose(caches[1].float(), caches[0].float(), rtol=t, atol=t)
+    assert torch.allclose(ref_q.float(), ref[:, :h].float(), rtol=t, atol=t)  # the two references agree
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_matches_reference(dtype):
     g = torch.Generator().manual_seed(2)
     x = (torch.randn(3, 2 * 1500, generator=g) * 2).to(DEV, dtype)  # two column blocks, the last partial
@@ -87,11 +118,13 @@ def test_silu_mul_matches_reference(dtype):
     assert out.shape == (3, 1500) and torch.allclose(out.float(), ref.float(), rtol=t, atol=t)
 
 
+@pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("fmt", ["dense", "fp4"])
-def test_backend_rotary_store_equals_rotate_then_store(fmt):
+def test_backend_rotary_store_equals_rotate_then_store(fmt, qk_norm):
     """The CUDA model path hands the fused projection output to backend.rotary_store (one kernel
-    for a dense cache); it must leave the cache, and give the attention, that rotating then
-    storing gives (the CPU path)."""
+    for a dense cache; with Qwen3's q and k norms inside it); it must leave the cache, and give
+    the attention, that normalising, rotating then storing gives (the CPU path)."""
+    from kernels.fused import qk_norm_ref
     from docproc.layers.attention import AttentionMetadata, DenseAttention, FP4Attention
 
     h, hkv, d, bs, n = 4, 2, 32, 4, 9
@@ -109,8 +142,11 @@ def test_backend_rotary_store_equals_rotate_then_store(fmt):
     pos = torch.arange(n, dtype=torch.float32)[:, None] * (1.0 / 10000 ** (torch.arange(0, d, 2) / d))
     cos, sin = torch.cat([pos, pos], -1).cos().to(dev), torch.cat([pos, pos], -1).sin().to(dev)
     fused_layer, plain_layer = backend.allocate(6, bs), backend.allocate(6, bs)
-    q = backend.rotary_store(fused_layer, qkv.clone(), cos, sin, meta)
-    qk = rotary_ref(qkv[:, : h + hkv], cos, sin)
+    norm = (1 + 0.2 * torch.randn(d, generator=g), 1 + 0.2 * torch.randn(d, generator=g), 1e-6) if qk_norm else None
+    norm = None if norm is None else (norm[0].to(dev), norm[1].to(dev), norm[2])
+    q = backend.rotary_store(fused_layer, qkv.clone(), cos, sin, meta, norm)
+    qk = qkv[:, : h + hkv] if norm is None else qk_norm_ref(qkv[:, : h + hkv].clone(), *norm, h)
+    qk = rotary_ref(qk, cos, sin)
     backend.store(plain_layer, qk[:, h:], qkv[:, h + hkv:], meta)
     assert torch.allclose(q, qk[:, :h], atol=1e-6)
     if fmt == "dense":

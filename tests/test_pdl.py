@@ -259,7 +259,7 @@ def test_pdl_kernels_wait_before_reading_activations(pdl_mode):
     res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
                          timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "checked 8 kernels" in res.stdout
+    assert "checked 9 kernels" in res.stdout
 
 
 def _check_load_order(pdl_mode: int) -> None:
@@ -272,7 +272,8 @@ def _check_load_order(pdl_mode: int) -> None:
         (gemv._gemv_kernel, dict(GATED=False, HAS_BIAS=True, BLOCK_N=4, BLOCK_K=512, EVEN_K=True), {"w_ptr"}, 3),
         (gemv._gemv_kernel, dict(GATED=True, HAS_BIAS=False, BLOCK_N=8, BLOCK_K=256, EVEN_K=False), {"w_ptr"}, 3),
         (fused._add_rms_norm_kernel, dict(HAS_RES=True, BLOCK=1024), {"w_ptr"}, 3),
-        (fused._rotary_store_kernel, dict(HALF=64, BLOCK_H=32, BLOCK_KV=4), set(), 3),
+        (fused._rotary_store_kernel, dict(HALF=64, BLOCK_H=32, BLOCK_KV=4, NORM=False), set(), 3),
+        (fused._rotary_store_kernel, dict(HALF=64, BLOCK_H=32, BLOCK_KV=4, NORM=True), set(), 3),  # (Qwen3's)
         (pa._paged_attn_kernel, dict(GROUP=7, TOKENS=1, BLOCK_M=16, BLOCK_N=32, HALF=64, SPLIT=True, DOT_FP32=False),
          set(), 2),
         (pa._combine_kernel, dict(GROUP=7, TOKENS=1, BLOCK_M=16, HALF=64, BLOCK_D=32, CHUNK=8), set(), 3),

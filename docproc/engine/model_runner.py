@@ -218,7 +218,8 @@ class ModelRunner:
         self.kv_cache.allocate(usable + self.num_reserved_blocks)
         WATCH.install()
         mark = WATCH.mark()
-        self.warmup_seconds = self.backend.warmup(self.kv_cache.layers[0], self.block_size) + warm_fused(self)
+        self.warmup_seconds = self.backend.warmup(self.kv_cache.layers[0], self.block_size,
+                                                  self.text_config.qk_norm) + warm_fused(self)
         self.warmup_compiles = WATCH.mark() - mark  # kernel variants compiled (or loaded from disk)
         if self.step_graphs:
             max_len = (self.config.max_model_len or self.text_config.max_position_embeddings) + 16

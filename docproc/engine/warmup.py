@@ -24,10 +24,6 @@ def warm_fused(runner) -> float:
     w = torch.ones(tc.hidden_size, dtype=runner.dtype, device=runner.device)
     add_rms_norm(x, None, w, tc.rms_norm_eps, pdl_on=opts.pdl)
     add_rms_norm(x, x, w, tc.rms_norm_eps, pdl_on=opts.pdl)
-    if tc.qk_norm:  # Qwen3's per-head q and k norms, at the head size
-        add_rms_norm(torch.zeros(2, tc.head_dim, dtype=runner.dtype, device=runner.device), None,
-                     torch.ones(tc.head_dim, dtype=runner.dtype, device=runner.device), tc.rms_norm_eps,
-                     pdl_on=opts.pdl)
     silu_mul(torch.zeros(2, 2 * tc.intermediate, dtype=runner.dtype, device=runner.device))
     from docproc.models.qwen2_vl import project
     from docproc.models.quant import Fp8Weight, fp8_linear

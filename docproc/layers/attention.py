@@ -77,18 +77,20 @@ class _Backend:
                                    fp4_gluon=self.fp4_gluon)
 
     def rotary_store(self, layer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     meta: AttentionMetadata) -> torch.Tensor:
+                     meta: AttentionMetadata, norm: tuple | None = None) -> torch.Tensor:
         """CUDA: rotate the q and k heads of a fused projection output (N, H + 2 Hkv, D) in place
-        and store k and v; returns q. A backend may do both in one kernel."""
+        (norm (q_weight, k_weight, eps): each RMS-normalised first, Qwen3's q and k norms) and
+        store k and v; returns q. A backend may do both in one kernel."""
         h, hkv = self.num_heads, self.num_kv_heads
-        qk = rotary_(qkv[:, : h + hkv], cos, sin)
+        qk = rotary_(qkv[:, : h + hkv], cos, sin, None if norm is None else (*norm, h))
         self.store(layer, qk[:, h:], qkv[:, h + hkv:], meta)
         return qk[:, :h]
 
-    def warmup(self, layer, block_size: int) -> float:
+    def warmup(self, layer, block_size: int, qk_norm: bool = False) -> float:
         """Compile the kernels for every launch shape the engine can ask for (each tile shape:
         decode, verify windows, prefill chunks; each split count: kernels/paged_attention.py's
-        warmup_launches), so no request pays Triton's JIT. Returns seconds."""
+        warmup_launches; qk_norm: the rotation with Qwen3's q and k norms), so no request pays
+        Triton's JIT. Returns seconds."""
         if not self.use_triton or self.device.type != "cuda":
             return 0.0
         t0 = time.perf_counter()
@@ -112,7 +114,9 @@ class _Backend:
             qkv = torch.zeros(q_len, self.num_heads + 2 * self.num_kv_heads, self.head_dim, device=self.device,
                               dtype=self.compute_dtype)
             cs = torch.zeros(q_len, self.head_dim, device=self.device, dtype=self.compute_dtype)
-            self.rotary_store(layer, qkv, cs, cs, meta)  # the model's path on CUDA (fused qkv)
+            w = torch.ones(self.head_dim, device=self.device, dtype=self.compute_dtype)
+            # the model's path on CUDA (fused qkv)
+            self.rotary_store(layer, qkv, cs, cs, meta, (w, w, 1e-6) if qk_norm else None)
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
@@ -153,11 +157,12 @@ class DenseAttention(_Backend):
         flat[1].index_copy_(0, meta.slot_mapping, v.to(layer.dtype))
 
     def rotary_store(self, layer: torch.Tensor, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     meta: AttentionMetadata) -> torch.Tensor:
-        # one launch rotates q and k and writes k and v to their slots (two index_copy_ fewer a layer)
+                     meta: AttentionMetadata, norm: tuple | None = None) -> torch.Tensor:
+        # one launch (q and k normalised where norm is given) rotates q and k and writes k and v to
+        # their slots (two index_copy_ fewer a layer)
         flat = layer.view(2, -1, self.num_kv_heads, self.head_dim)
         return rotary_store_(qkv, cos, sin, flat[0], flat[1], meta.slot_mapping, self.num_heads,
-                             pdl_on=self.kernels.pdl)
+                             pdl_on=self.kernels.pdl, norm=norm)
 
     def attend(self, q: torch.Tensor, layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # q: (num_tokens, num_heads, D) -> (num_tokens, num_heads, D)

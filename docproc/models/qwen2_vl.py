@@ -187,12 +187,13 @@ class Attention(nn.Module):
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_weight is not None:
             qkv = project(x, self.qkv_weight, self.qkv_bias, self.kernels).view(n, h + 2 * hkv, d)
+            if x.is_cuda:  # (q and k normalised,) rotated in place and k, v stored: one kernel for a dense cache
+                norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
+                q = backend.rotary_store(kv_cache, qkv, cos, sin, meta, norm)
+                return project(backend.attend(q, kv_cache, meta).reshape(n, -1), self.o_weight, opts=self.kernels)
             if self.qk_norm:
                 qkv = torch.cat([_per_head(self.q_norm, qkv[:, :h]), _per_head(self.k_norm, qkv[:, h: h + hkv]),
                                  qkv[:, h + hkv:]], dim=1)
-            if x.is_cuda:  # q and k rotated in place and k, v stored: one kernel for a dense cache
-                q = backend.rotary_store(kv_cache, qkv, cos, sin, meta)
-                return project(backend.attend(q, kv_cache, meta).reshape(n, -1), self.o_weight, opts=self.kernels)
             qk = apply_rotary(qkv[:, : h + hkv], cos, sin)
             q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + hkv:]
         else:
