@@ -33,7 +33,8 @@ class CacheConfig:
     num_kv_blocks: int | None = None  # exact pool size; overrides both of the above (tests)
     encoder_cache_entries: int = 256  # vision outputs kept, keyed by (vision fingerprint, image hash)
     # and at most this many bytes of them (a Qwen3-VL-8B page's outputs with DeepStack: ~40 MiB);
-    # on CUDA the KV pool is sized with this much of the card left to them
+    # on CUDA the KV pool is sized with this much of the card left to them (at most an eighth of
+    # what the pool would have had)
     encoder_cache_bytes: int = 2 << 30
 
     def __post_init__(self) -> None:

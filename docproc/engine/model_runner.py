@@ -289,8 +289,12 @@ class ModelRunner:
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(self.device).total_memory
         used = torch.cuda.memory_allocated(self.device)
-        return int(total * self.config.cache.gpu_memory_utilization) - used - activations \
-            - self.config.cache.encoder_cache_bytes
+        budget = int(total * self.config.cache.gpu_memory_utilization) - used - activations
+        # the vision cache's bytes come out of it too: encoder_cache_bytes, at most an eighth of
+        # the budget (a small budget keeps its KV pool; the cache then holds fewer pages)
+        reserve = min(self.config.cache.encoder_cache_bytes, max(0, budget) // 8)
+        self.encoder_cache.max_bytes = reserve
+        return budget - reserve
 
     # ---- one step --------------------------------------------------------------------------
     def _image_embeddings(self, seqs: list[Sequence]) -> None:
