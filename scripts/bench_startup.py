@@ -6,8 +6,9 @@ the files as the cold run left them. Each measurement is its own process: CUDA's
 imports, `LLM(...)` (weights read and copied, the fingerprint hashed, kernels warmed), then one
 request with a page (the vision tower's and the first step's graph captures) reported apart.
 
-Cases: `bundled` (the bundled target and draft, as `docproc run` loads them) and `7b` (a Qwen2-VL-7B
-geometry bf16 checkpoint of random weights, written to local disk first: 15 GB).
+Cases: `bundled` (the bundled target and draft, as `docproc run` loads them), `7b` (a Qwen2-VL-7B
+geometry bf16 checkpoint of random weights, written to local disk first: 15 GB) and `qwen3-8b` (the
+same at Qwen3-VL-8B geometry: 17.5 GB).
 
     python3 scripts/bench_startup.py --json startup.json [--cases bundled,7b] [--work /tmp/docproc-startup]
         [--profile profile.txt]
@@ -143,13 +144,13 @@ def main() -> None:
     for case in a.cases.split(","):
         if case == "bundled":
             model, draft = bundled_model("target"), bundled_model("draft")
-        elif case == "7b":
+        elif case in ("7b", "qwen3-8b"):
             from fixtures.checkpoints import make_model
 
-            model, draft = Path(a.work) / "7b", None
+            model, draft = Path(a.work) / case, None
             t0 = time.perf_counter()
             if not (model / "config.json").is_file():
-                make_model(model, geometry="7b", dtype=torch.bfloat16, device=a.device if a.device != "cpu" else "cpu",
+                make_model(model, geometry=case, dtype=torch.bfloat16, device=a.device if a.device != "cpu" else "cpu",
                            init_std=None, max_pixels=28 * 28 * 1280, shards=4)
                 import gc
 
@@ -157,7 +158,7 @@ def main() -> None:
                 torch.cuda.empty_cache()  # the writer's memory back for the measured processes
             report.setdefault("written_seconds", {})[case] = round(time.perf_counter() - t0, 1)
         else:
-            raise SystemExit(f"unknown case {case!r}: bundled or 7b")
+            raise SystemExit(f"unknown case {case!r}: bundled, 7b or qwen3-8b")
         folders = [model] + ([draft] if draft else [])
         cache = tempfile.mkdtemp(prefix="triton-cache-")
         dropped = drop_from_page_cache(folders)
