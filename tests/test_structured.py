@@ -141,7 +141,8 @@ def test_with_a_draft_constrained_output_is_that_without_it(qwen2_vl_dir, other_
     """Constrained rows draft under their grammar and are verified under it at every window
     position, beside an unconstrained row: each row's tokens equal the engine's without a draft.
     With the target as its own draft every proposal is accepted (the draft's masks are the
-    target's); with another draft proposals are rejected and the matchers rolled back."""
+    target's); with another draft proposals are rejected and the matchers rolled back. The
+    windows are masked with the draft's masks where it made them."""
     folder = str(qwen2_vl_dir if draft == "target" else other_draft)
     spec = LLM(str(qwen2_vl_dir), device="cpu", speculative_model=folder, num_speculative_tokens=3)
     sps = [SamplingParams(max_tokens=120, structured_outputs=StructuredOutputsParams(json=SCHEMAS[1])),
@@ -155,6 +156,8 @@ def test_with_a_draft_constrained_output_is_that_without_it(qwen2_vl_dir, other_
     proposed = [o.metrics.draft_proposed for o in outs]
     accepted = [o.metrics.draft_accepted for o in outs]
     assert proposed[0] > 0 and proposed[2] > 0, proposed  # the constrained rows drafted
+    # the verification took the draft's masks at the positions it had masked (not filled again)
+    assert spec.runner.grammar.num_reused_masks > 0
     if draft == "target":
         assert accepted == proposed, (accepted, proposed)
     else:

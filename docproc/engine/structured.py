@@ -477,6 +477,7 @@ class GrammarCompiler:
         self._bytes: dict[int, int] | None = None  # a byte -> the token of that byte alone
         self._widths: dict[str, tuple] = {}  # a constraint's key -> (max_output_bytes, json_growth_bound)
         self._fills = None  # FillThreads: a step's masks filled on the thread count measured fastest
+        self.num_reused_masks = 0  # verification rows masked with the draft's mask of that state
         self._pinned: torch.Tensor | None = None  # the host side of CUDA masks
         self._tail: torch.Tensor | None = None  # per row: 1 where the ids past num_tokens stay allowed
         self._copied = None  # a CUDA event after the last copy out of them
@@ -582,20 +583,23 @@ class GrammarCompiler:
             self._cache.move_to_end(key)
         return xgr.GrammarMatcher(compiled)
 
-    def mask(self, logits: torch.Tensor, rows: list[tuple[int, object, list[int] | None]]) -> None:
+    def mask(self, logits: torch.Tensor, rows: list[tuple], keep: bool = False) -> dict[int, torch.Tensor] | None:
         """Mask a step's constrained rows of logits (n, V) in place, in one fill and one apply:
         (row, matcher, None) masks that row by the matcher's state (every token it does not allow
-        next becomes -inf); (first row, matcher, proposals) masks a speculative window, row
-        first + j by the state after proposals 0..j-1 (the states verification scores them in).
-        A window's rows past a proposal the grammar refuses (which is rejected there) or past the
-        grammar's end are left as they are, being never sampled; its matcher is rolled back to
-        where it was (the tokens verification emits are accepted as they are appended)."""
+        next becomes -inf); (first row, matcher, proposals[, masks]) masks a speculative window,
+        row first + j by the state after proposals 0..j-1 (the states verification scores them
+        in), taking masks[j] where given instead of filling it again (the draft's: it masked its
+        round j in that same state). A window's rows past a proposal the grammar refuses (which
+        is rejected there) or past the grammar's end are left as they are, being never sampled;
+        its matcher is rolled back to where it was (the tokens verification emits are accepted as
+        they are appended). keep: returns each masked single row's mask (a host copy), by row."""
         if not rows:
-            return
+            return {} if keep else None
         bitmask = self._bitmask(logits)
         masked: list[int] = []
         fills = []  # (row, xgrammar matcher): single rows whose mask the grammar fills
-        for r0, matcher, tokens in rows:
+        for r0, matcher, tokens, *given in rows:
+            premade = given[0] if given else None
             if tokens is None:
                 masked.append(r0)
                 token = matcher.forced_token()
@@ -608,7 +612,11 @@ class GrammarCompiler:
             for j in range(len(tokens) + 1):
                 if matcher.is_terminated():
                     break
-                matcher.fill_next_token_bitmask(bitmask, r0 + j)
+                if premade is not None and j < len(premade) and premade[j] is not None:
+                    bitmask[r0 + j].copy_(premade[j])
+                    self.num_reused_masks += 1
+                else:
+                    matcher.fill_next_token_bitmask(bitmask, r0 + j)
                 masked.append(r0 + j)
                 if j == len(tokens) or not matcher.accept_token(tokens[j]):
                     break
@@ -621,12 +629,14 @@ class GrammarCompiler:
             if self._fills is None:
                 self._fills = FillThreads(self._xgr)
             self._fills.fill([m for _, m in fills], bitmask, [i for i, _ in fills])
+        kept = {r0: bitmask[r0].clone() for r0, _, tokens, *_ in rows if tokens is None} if keep else None
         if masked:
             self._apply(logits, bitmask, sorted(masked))
+        return kept
 
-    def mask_rows(self, logits: torch.Tensor, matchers: list) -> None:
+    def mask_rows(self, logits: torch.Tensor, matchers: list, keep: bool = False) -> dict[int, torch.Tensor] | None:
         """mask() for one row each: row i by matchers[i], rows whose matcher is None as they are."""
-        self.mask(logits, [(i, m, None) for i, m in enumerate(matchers) if m is not None])
+        return self.mask(logits, [(i, m, None) for i, m in enumerate(matchers) if m is not None], keep)
 
     def _bitmask(self, logits: torch.Tensor) -> torch.Tensor:
         """(n, ceil(V / 32)) int32 on the host; for CUDA logits a pinned buffer, so that its copy to

@@ -21,6 +21,9 @@ from docproc.outputs import SpecStats
 class Proposal:
     tokens: list[int]
     probs: torch.Tensor | None  # (k, V) draft distributions the tokens were drawn from; None if greedy
+    # a constrained sequence's grammar mask of each round (host rows; None where it had none):
+    # the verification's masks at those positions, in the same grammar states
+    masks: list | None = None
 
 
 class Proposer:
@@ -166,7 +169,12 @@ class Proposer:
                     v.proposals.append(0)  # a placeholder until _read_chained: the device has the token
                 continue
             if matchers:
-                self.grammar.mask_rows(logits, [self._next_mask(matchers.get(seq.seq_id)) for seq, _ in live])
+                kept = self.grammar.mask_rows(logits, [self._next_mask(matchers.get(seq.seq_id)) for seq, _ in live],
+                                              keep=True)
+                for i, (seq, _) in enumerate(live):
+                    if seq.seq_id in matchers:
+                        prop = out[seq.seq_id]
+                        prop.masks = (prop.masks or []) + [kept.get(i)]
             rows = [runner.sampling_row(v) for _, v in live]
             if all(row.temperature == 0 for row in rows):
                 tok_dev = logits.argmax(-1)

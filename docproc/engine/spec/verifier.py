@@ -171,7 +171,9 @@ class Verifier:
         # the step's constrained rows masked in one fill and one apply: a plain row by its
         # grammar's state, a window at each of its positions (lossless, since the rule accepts a
         # proposal only where the masked target gives it mass)
-        constrained = [(spans[i][0], chunks[i].seq.grammar, None if p is None else p.tokens)
+        # (a window takes the draft's masks where it made them: the same grammar states)
+        constrained = [(spans[i][0], chunks[i].seq.grammar, None) if p is None else
+                       (spans[i][0], chunks[i].seq.grammar, p.tokens, p.masks)
                        for i, p in enumerate(props)
                        if spans[i] is not None and chunks[i].seq.grammar is not None]
         if constrained:
