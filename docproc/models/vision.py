@@ -57,6 +57,17 @@ class EncodeCall:
 
     def __init__(self, lengths: list[int], fused: bool, sdpa_backends: list | None) -> None:
         self.lengths = lengths
+        # runs of equal spans: (first patch, span length, spans), one attention call each (Qwen2.5-VL's
+        # windows: a page's ~80 windows of 64 patches are a handful of runs)
+        self.runs: list[tuple[int, int, int]] = []
+        s0 = 0
+        for length in lengths:
+            if self.runs and self.runs[-1][1] == length:
+                start, _, count = self.runs[-1]
+                self.runs[-1] = (start, length, count + 1)
+            else:
+                self.runs.append((s0, length, 1))
+            s0 += length
         self.fused = fused  # q and k rotated by the Triton kernel
         self.sdpa_backends = sdpa_backends
 
@@ -91,16 +102,17 @@ class VisionAttention(nn.Module):
         q, k = rotate(qkv, cos, sin, self.num_heads)  # (N, heads, D) each
         v = qkv.view(n, 3, self.num_heads, -1)[:, 2]
         out = torch.empty(n, self.num_heads, q.shape[-1], dtype=q.dtype, device=q.device)
-        # full attention within each image (frame), one SDPA call each on strided views
+        # full attention within each span (an image's frame, or a window), one SDPA call for each
+        # run of equal spans (the spans as its batch) on strided views
+        h, d = self.num_heads, q.shape[-1]
         with contextlib.nullcontext() if call.sdpa_backends is None else sdpa_kernel(call.sdpa_backends):
-            s0 = 0
-            for length in call.lengths:
-                sl = slice(s0, s0 + length)
-                o = F.scaled_dot_product_attention(q[sl].transpose(0, 1).unsqueeze(0),
-                                                   k[sl].transpose(0, 1).unsqueeze(0),
-                                                   v[sl].transpose(0, 1).unsqueeze(0), scale=self.scaling)
-                out[sl] = o[0].transpose(0, 1)
-                s0 += length
+            for s0, length, count in call.runs:
+                sl = slice(s0, s0 + length * count)
+
+                def spans(t):  # (count * length, heads, D) -> (count, heads, length, D)
+                    return t[sl].view(count, length, h, d).transpose(1, 2)
+                o = F.scaled_dot_product_attention(spans(q), spans(k), spans(v), scale=self.scaling)
+                out[sl] = o.transpose(1, 2).reshape(count * length, h, d)
         return self.proj(out.view(n, -1))
 
 
