@@ -369,7 +369,6 @@ def test_a_forced_token_is_one_the_grammar_takes(llm):
 
 @pytest.mark.slow
 def test_a_schemas_date_format_admits_exactly_the_real_dates_the_validator_accepts():
-    import datetime
 
     from docproc.engine.structured import _strict_strings, compile_problem
     from docproc.sampling_params import StructuredOutputsParams

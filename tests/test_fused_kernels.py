@@ -68,6 +68,7 @@ def test_rotary_store_rotates_in_place_and_fills_the_cache_slots(dtype, cache_dt
     q = rotary_store_(qkv, cos, sin, caches[1][0], caches[1][1], slots, h)
     assert q.data_ptr() == qkv.data_ptr() and q.shape == (n, h, d)
     t = tol(dtype)
+    assert torch.allclose(q.float(), ref_q.float(), rtol=t, atol=t)
     assert torch.allclose(qkv.float(), ref_qkv.float(), rtol=t, atol=t)  # q, k rotated; v as it was
     assert torch.equal(qkv[:, h + hkv:], ref_qkv[:, h + hkv:])
     assert torch.allclose(caches[1].float(), caches[0].float(), rtol=t, atol=t)
