@@ -256,6 +256,27 @@ PUBLISHED_QWEN2_VL_2B = {  # the flat layout published Qwen2-VL checkpoints use 
 }
 
 
+def reads_as_transformers(raw: dict, folder, ours_reader, theirs_class, vision_keys) -> None:
+    """raw written as folder/config.json: our reader's language-model config, the vision fields
+    named and the top-level fields equal transformers' parse of the same file."""
+    import json
+
+    from docproc.models.loader import text_config
+
+    (folder / "config.json").write_text(json.dumps(raw))
+    theirs = theirs_class.from_pretrained(str(folder))
+    ours = ours_reader(json.loads(json.dumps(raw)))
+    assert text_config(ours) == text_config(theirs)
+    for k in vision_keys:
+        assert getattr(ours.vision_config, k) == getattr(theirs.vision_config, k), k
+    for k in ("model_type", "image_token_id", "tie_word_embeddings"):
+        assert getattr(ours, k) == getattr(theirs, k), k
+
+    def eos(c):
+        return getattr(c, "eos_token_id", None) or getattr(c.text_config, "eos_token_id", None)
+    assert eos(ours) == eos(theirs)
+
+
 @pytest.mark.parametrize("which", ["bundled_target", "bundled_draft", "fixture", "published_flat", "minimal",
                                    "null_kv_heads"])
 def test_config_reader_reads_what_transformers_reads(which, qwen2_vl_dir, tmp_path):
@@ -268,7 +289,6 @@ def test_config_reader_reads_what_transformers_reads(which, qwen2_vl_dir, tmp_pa
 
     from docproc.pipeline.settings import bundled_model
     from docproc.models.hf_config import VISION_DEFAULTS, qwen2_vl_config
-    from docproc.models.loader import text_config
 
     folders = {"bundled_target": bundled_model("target"), "bundled_draft": bundled_model("draft"),
                "fixture": qwen2_vl_dir}
@@ -281,18 +301,7 @@ def test_config_reader_reads_what_transformers_reads(which, qwen2_vl_dir, tmp_pa
                "num_attention_heads": 4, "vision_config": {"depth": 1, "embed_dim": 32, "num_heads": 2}}
         if which == "null_kv_heads":
             raw["num_key_value_heads"] = None
-    (tmp_path / "config.json").write_text(json.dumps(raw))
-    theirs = Qwen2VLConfig.from_pretrained(str(tmp_path))
-    ours = qwen2_vl_config(json.loads(json.dumps(raw)))
-    assert text_config(ours) == text_config(theirs)
-    for k in VISION_DEFAULTS:
-        assert getattr(ours.vision_config, k) == getattr(theirs.vision_config, k), k
-    for k in ("model_type", "image_token_id", "tie_word_embeddings"):
-        assert getattr(ours, k) == getattr(theirs, k), k
-
-    def eos(c):
-        return getattr(c, "eos_token_id", None) or getattr(c.text_config, "eos_token_id", None)
-    assert eos(ours) == eos(theirs)
+    reads_as_transformers(raw, tmp_path, qwen2_vl_config, Qwen2VLConfig, VISION_DEFAULTS)
 
 
 @pytest.mark.slow
@@ -342,7 +351,6 @@ def test_qwen3_vl_config_reader_reads_what_transformers_reads(which, qwen3_vl_di
     from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLConfig
 
     from docproc.models.hf_config import QWEN3_VISION_DEFAULTS, qwen3_vl_config
-    from docproc.models.loader import text_config
 
     if which == "fixture":
         raw = json.loads((qwen3_vl_dir / "config.json").read_text())
@@ -355,14 +363,7 @@ def test_qwen3_vl_config_reader_reads_what_transformers_reads(which, qwen3_vl_di
             raw["tie_word_embeddings"] = True
             raw["text_config"].update(rope_scaling={"rope_type": "default", "mrope_section": [8, 12, 12],
                                                     "mrope_interleaved": True}, rope_theta=5000000.0, head_dim=64)
-    (tmp_path / "config.json").write_text(json.dumps(raw))
-    theirs = Qwen3VLConfig.from_pretrained(str(tmp_path))
-    ours = qwen3_vl_config(json.loads(json.dumps(raw)))
-    assert text_config(ours) == text_config(theirs)
-    for k in QWEN3_VISION_DEFAULTS:
-        assert getattr(ours.vision_config, k) == getattr(theirs.vision_config, k), k
-    for k in ("model_type", "image_token_id", "tie_word_embeddings"):
-        assert getattr(ours, k) == getattr(theirs, k), k
+    reads_as_transformers(raw, tmp_path, qwen3_vl_config, Qwen3VLConfig, QWEN3_VISION_DEFAULTS)
 
 
 @pytest.mark.parametrize("which", ["fixture", "flat"])
@@ -374,7 +375,6 @@ def test_qwen2_5_vl_config_reader_reads_what_transformers_reads(which, qwen2_5_v
     from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLConfig
 
     from docproc.models.hf_config import QWEN2_5_VISION_DEFAULTS, qwen2_5_vl_config
-    from docproc.models.loader import text_config
 
     if which == "fixture":
         raw = json.loads((qwen2_5_vl_dir / "config.json").read_text())
@@ -382,14 +382,7 @@ def test_qwen2_5_vl_config_reader_reads_what_transformers_reads(which, qwen2_5_v
         raw = {k: v for k, v in PUBLISHED_QWEN2_VL_2B.items() if k != "vision_config"}
         raw.update(model_type="qwen2_5_vl", vision_config={"depth": 4, "hidden_size": 64, "out_hidden_size": 1536,
                                                            "fullatt_block_indexes": [1, 3]})
-    (tmp_path / "config.json").write_text(json.dumps(raw))
-    theirs = Qwen2_5_VLConfig.from_pretrained(str(tmp_path))
-    ours = qwen2_5_vl_config(json.loads(json.dumps(raw)))
-    assert text_config(ours) == text_config(theirs)
-    for k in QWEN2_5_VISION_DEFAULTS:
-        assert getattr(ours.vision_config, k) == getattr(theirs.vision_config, k), k
-    for k in ("model_type", "image_token_id", "tie_word_embeddings"):
-        assert getattr(ours, k) == getattr(theirs, k), k
+    reads_as_transformers(raw, tmp_path, qwen2_5_vl_config, Qwen2_5_VLConfig, QWEN2_5_VISION_DEFAULTS)
 
 
 @pytest.mark.parametrize("change,message", [
