@@ -127,7 +127,7 @@ def resolve_model(model: Optional[str]) -> str:
     if not (default / "config.json").is_file():
         raise typer.BadParameter(
             f"no --model given and the bundled default model is not installed ({default}): pass --model DIR "
-            f"(a local Qwen2-VL or Qwen2.5-VL checkpoint folder)", param_hint="--model")
+            f"(a local Qwen2-VL, Qwen2.5-VL or Qwen3-VL checkpoint folder)", param_hint="--model")
     return str(default)
 
 
@@ -568,6 +568,101 @@ def _summary(m: dict) -> None:
         if t["errors"] > FAILURES_SHOWN:
             out_console.print(f"  ... and {t['errors'] - FAILURES_SHOWN} more: "
                               f"docproc stats {escape(m['settings']['out'])} --failures")
+
+
+@app.command("run-batch", cls=_Command)
+def run_batch_cmd(
+    input_file: Path = typer.Option(..., "-i", "--input", help="OpenAI batch file: JSONL of {custom_id, method, "
+                                    "url, body}, url /v1/chat/completions or /v1/completions."),
+    output_file: Path = typer.Option(..., "-o", "--output", help="Results JSONL (appended to: a rerun answers only "
+                                     "the custom_ids it does not hold)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Local checkpoint folder. Default: the bundled model."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="Draft model folder for speculative decoding, or "
+                                        "bundled."),
+    spec_k: str = typer.Option("auto", "--spec-k", help="With --draft: draft tokens per step, a number or auto."),
+    kv_cache: str = typer.Option("auto", "--kv-cache", help="KV cache format: auto, bf16, fp16, fp32 or fp4."),
+    quantization: Optional[str] = typer.Option(None, "--quantization", help="fp8: the language weights in FP8."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
+    gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization", help="Share of the GPU."),
+    max_num_batched_tokens: int = typer.Option(8192, "--max-num-batched-tokens", help="Tokens per engine step."),
+    image_root: Optional[Path] = typer.Option(None, "--image-root", help="Local images and PDFs named in the file "
+                                              "are read from under this folder only (data: URLs always work)."),
+    seed: int = typer.Option(0, "--seed", help="The engine's seed (a body's seed is per request)."),
+    quiet: bool = typer.Option(False, "--quiet", help="Only errors and the summary line."),
+) -> None:
+    """Answer an OpenAI batch file with the engine (crash-safe, resumable; see README)."""
+    from docproc.errors import DeviceUnavailable, ModelUnavailable, OutputUnwritable
+    from docproc.openai_compat.batch import run_batch
+    from docproc.openai_compat.protocol import Limits
+    from docproc.pipeline.runstore import LockedError
+
+    if not input_file.is_file():
+        error(f"--input {input_file} is not a file", "usage")
+        raise typer.Exit(EXIT_USAGE)
+    if image_root is not None and not image_root.is_dir():
+        error(f"--image-root {image_root} is not a folder", "usage")
+        raise typer.Exit(EXIT_USAGE)
+    if output_file.exists() and not output_file.is_file():
+        error(f"--output {output_file} is not a regular file", "usage")
+        raise typer.Exit(EXIT_USAGE)
+    if output_file.exists() and output_file.resolve() == input_file.resolve():
+        error("--output is the --input file: results go to a file of their own", "usage")
+        raise typer.Exit(EXIT_USAGE)
+    k: int | str = spec_k
+    if spec_k != "auto":
+        if not spec_k.isdigit() or int(spec_k) < 1:
+            error(f"--spec-k must be a number >= 1 or auto, got {spec_k!r}", "usage")
+            raise typer.Exit(EXIT_USAGE)
+        k = int(spec_k)
+    try:
+        model_dir, draft_dir = resolve_model(model), resolve_draft(draft)
+    except typer.BadParameter as e:
+        error(str(e), "usage")
+        raise typer.Exit(EXIT_USAGE) from None
+    from docproc import LLM
+
+    try:
+        llm = LLM(model_dir, device=device, kv_cache_dtype=kv_cache, quantization=quantization,
+                  speculative_model=draft_dir, num_speculative_tokens=k, seed=seed,
+                  gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens)
+    except DeviceUnavailable as e:
+        error(str(e))
+        raise typer.Exit(EXIT_DEVICE) from None
+    except (ModelUnavailable, ValueError, RuntimeError, OSError) as e:
+        error(f"cannot load {model_dir}{f' with draft {draft_dir}' if draft_dir else ''}: {e}")
+        raise typer.Exit(EXIT_MODEL) from None
+    name = Path(model_dir).name
+    from docproc.pipeline.signals import EXIT_INTERRUPTED, RunInterrupted
+
+    try:
+        summary = run_batch(input_file, output_file, llm, name, Limits(image_root=image_root))
+    except (KeyboardInterrupt, RunInterrupted) as e:
+        import signal
+
+        signum = getattr(e, "signum", signal.SIGINT)
+        error(f"stopped by {signal.Signals(signum).name}: the lines written are kept; run the same command again "
+              f"to answer the rest", "interrupted", "yellow")
+        raise typer.Exit(EXIT_INTERRUPTED[signum]) from None
+    except LockedError as e:
+        error(f"{e}; exiting", "locked", "yellow")
+        raise typer.Exit(EXIT_LOCKED) from None
+    except OutputUnwritable as e:
+        error(str(e))
+        raise typer.Exit(EXIT_OUTPUT) from None
+    finally:
+        llm.close()
+    s = summary
+    tok_s = s.completion_tokens / s.seconds if s.seconds > 0 else 0.0
+    spec = llm.spec_info()
+    line = (f"docproc run-batch {s.lines} lines: answered {s.answered}, errors {s.errors}, already done "
+            f"{s.already_done}, duplicate custom_ids skipped {s.duplicates}; {s.completion_tokens} tokens, "
+            f"{_fmt(tok_s)} tok/s in {s.seconds:.1f} s"
+            + (f"; draft acceptance {_fmt(spec.get('acceptance_rate'))}" if spec else "") + f" -> {output_file}")
+    out_console.print(escape(line), soft_wrap=True)
+    if s.other_models and not quiet:
+        error(f"bodies name other models ({', '.join(s.other_models[:3])}); every line was answered by {name}",
+              "note", "yellow")
+    raise typer.Exit(EXIT_FAILURES if s.errors else EXIT_OK)
 
 
 @app.command()

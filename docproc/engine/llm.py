@@ -293,29 +293,34 @@ class LLM:
         per conversation; ValueError for a message that cannot become a prompt."""
         conversations = messages if (isinstance(messages, (list, tuple)) and messages
                                      and all(isinstance(c, (list, tuple)) for c in messages)) else [messages]
+        requests = [self.chat_prompt(conversation, "messages" if len(conversations) == 1 and conversations[0] is messages
+                                     else f"messages[{c}]", chat_template, add_generation_prompt, chat_template_kwargs)
+                    for c, conversation in enumerate(conversations)]
+        return self.generate(requests, sampling_params, use_tqdm)
+
+    def chat_prompt(self, conversation: list[dict], where: str = "messages", chat_template: str | None = None,
+                    add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> PromptType:
+        """One conversation as chat() prompts it: the model's chat template (or `chat_template`)
+        over its messages, with its images. ValueError naming what cannot become a prompt."""
         template = chat_template if chat_template is not None else getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise ValueError(f"{self.config.model} has no chat template (chat_template.jinja, or chat_template in "
                              f"tokenizer_config.json): pass chat_template=, or build the prompt and call generate")
         from jinja2 import TemplateError
 
-        requests: list[PromptType] = []
-        for c, conversation in enumerate(conversations):
-            where = "messages" if len(conversations) == 1 and conversations[0] is messages else f"messages[{c}]"
-            msgs, images = chat_messages(conversation, where)
-            try:
-                prompt = self.tokenizer.apply_chat_template(msgs, chat_template=template, tokenize=False,
-                                                            add_generation_prompt=add_generation_prompt,
-                                                            **(chat_template_kwargs or {}))
-            except TemplateError as e:
-                raise ValueError(f"{where}: the chat template refused the messages: {e}") from None
-            if prompt.count(IMAGE_PAD) != len(images):
-                raise ValueError(f"{where}: the prompt the chat template made has {prompt.count(IMAGE_PAD)} "
-                                 f"{IMAGE_PAD} for {len(images)} image(s): the template must write "
-                                 f"<|vision_start|>{IMAGE_PAD}<|vision_end|> for each {{'type': 'image'}} part, and "
-                                 f"the text may not hold {IMAGE_PAD}")
-            requests.append({"prompt": prompt, "multi_modal_data": {"image": images}} if images else prompt)
-        return self.generate(requests, sampling_params, use_tqdm)
+        msgs, images = chat_messages(conversation, where)
+        try:
+            prompt = self.tokenizer.apply_chat_template(msgs, chat_template=template, tokenize=False,
+                                                        add_generation_prompt=add_generation_prompt,
+                                                        **(chat_template_kwargs or {}))
+        except TemplateError as e:
+            raise ValueError(f"{where}: the chat template refused the messages: {e}") from None
+        if prompt.count(IMAGE_PAD) != len(images):
+            raise ValueError(f"{where}: the prompt the chat template made has {prompt.count(IMAGE_PAD)} "
+                             f"{IMAGE_PAD} for {len(images)} image(s): the template must write "
+                             f"<|vision_start|>{IMAGE_PAD}<|vision_end|> for each {{'type': 'image'}} part, and "
+                             f"the text may not hold {IMAGE_PAD}")
+        return {"prompt": prompt, "multi_modal_data": {"image": images}} if images else prompt
 
     def get_tokenizer(self):
         """The target model's tokenizer (a transformers tokenizer)."""

@@ -1,0 +1,235 @@
+"""`docproc run-batch`: an OpenAI batch file (JSONL of `{custom_id, method, url, body}`) through
+the engine, one output line per input line (`{id, custom_id, response: {status_code,
+request_id, body}, error}`), written as each request finishes.
+
+Crash-safe and resumable: every output line is whole or cut off at the end of the file; a rerun
+truncates a cut-off last line, answers only the custom_ids the file does not hold yet and
+appends, so after any number of kills and reruns every custom_id is in the file exactly once. A
+line that cannot be answered (unparsable, an unknown url, a bad body, an image that does not
+decode) is an error line and the batch goes on: one without a custom_id is keyed by its line
+number (`error.line`). One run per output file (a lock beside it, `RESULTS.jsonl.lock`).
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from docproc.openai_compat.protocol import Limits, Parsed, RequestError, parse, response_body
+from docproc.pipeline.runstore import LockedError, output_fault
+
+IN_FLIGHT = 256  # requests queued in the engine at once (their images held in memory)
+SYNC_SECONDS = 2.0  # finished lines reach the disk (fsync) at least this often
+
+
+@dataclass
+class BatchSummary:
+    lines: int = 0
+    answered: int = 0  # status 200
+    errors: int = 0  # error lines written by this run
+    already_done: int = 0  # custom_ids the output file held before this run
+    duplicates: int = 0  # lines repeating a custom_id (skipped)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    seconds: float = 0.0
+    other_models: list[str] = field(default_factory=list)  # body.model values other than the loaded one
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def _line_id(custom_id: str | None, line: int) -> str:
+    return "batch_req_" + hashlib.sha256(f"{custom_id}|{line}".encode()).hexdigest()[:24]
+
+
+class OutputFile:
+    """The output JSONL: locked, its whole lines read back (a cut-off last line dropped), lines
+    appended and synced."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.done: set[str] = set()  # custom_ids, and "#line N" for error lines without one
+        self._lock_fd: int | None = None
+        self._f = None
+        self._synced = time.monotonic()
+
+    def open(self) -> None:
+        try:
+            fd = os.open(str(self.path) + ".lock", os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as e:
+            raise output_fault(e, self.path) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise LockedError(f"another docproc run-batch holds {self.path}.lock") from None
+        self._lock_fd = fd
+        try:
+            good = 0
+            if self.path.exists():
+                with open(self.path, "rb") as f:
+                    for raw in f:
+                        if not raw.endswith(b"\n"):
+                            break  # a line cut off by a kill: dropped, answered again
+                        try:
+                            rec = json.loads(raw)
+                        except ValueError:
+                            break
+                        key = self.key_of(rec)
+                        if key is None:
+                            break
+                        self.done.add(key)
+                        good += len(raw)
+                if good < self.path.stat().st_size:
+                    os.truncate(self.path, good)
+            self._f = open(self.path, "ab")
+        except OSError as e:
+            self.close()
+            raise output_fault(e, self.path) from None
+
+    @staticmethod
+    def key_of(rec: object) -> str | None:
+        if not isinstance(rec, dict):
+            return None
+        if isinstance(rec.get("custom_id"), str):
+            return rec["custom_id"]
+        err = rec.get("error")
+        if isinstance(err, dict) and isinstance(err.get("line"), int):
+            return f"#line {err['line']}"
+        return None
+
+    def write(self, rec: dict) -> None:
+        try:
+            self._f.write(json.dumps(rec, ensure_ascii=False).encode() + b"\n")
+            self._f.flush()
+            if time.monotonic() - self._synced > SYNC_SECONDS:
+                os.fsync(self._f.fileno())
+                self._synced = time.monotonic()
+        except OSError as e:
+            raise output_fault(e, self.path) from None
+        key = self.key_of(rec)
+        if key is not None:
+            self.done.add(key)
+
+    def close(self) -> None:
+        if self._f is not None:
+            try:
+                self._f.flush()
+                os.fsync(self._f.fileno())
+            except OSError:
+                pass
+            self._f.close()
+            self._f = None
+        if self._lock_fd is not None:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+def error_line(custom_id: str | None, line: int, message: str, status: int = 400) -> dict:
+    """A line the batch could not answer. With a custom_id it carries OpenAI's error response
+    (status_code 400 and an error body); without one, `error` keys it by its line number."""
+    if custom_id is None:
+        return {"id": _line_id(None, line), "custom_id": None, "response": None,
+                "error": {"code": "invalid_request", "message": message, "line": line}}
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
+    return {"id": _line_id(custom_id, line), "custom_id": custom_id,
+            "response": {"status_code": status, "request_id": _line_id(custom_id, line), "body": body}, "error": None}
+
+
+def read_lines(path: Path):
+    """(line number, custom_id or None, url, body, problem or None) for each non-blank line."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                rec = json.loads(raw)
+            except (ValueError, UnicodeDecodeError) as e:
+                yield n, None, None, None, f"line {n} is not JSON ({type(e).__name__})"
+                continue
+            if not isinstance(rec, dict):
+                yield n, None, None, None, f"line {n} is not a JSON object"
+                continue
+            cid = rec.get("custom_id")
+            if not isinstance(cid, str) or not cid:
+                yield n, None, None, None, f"line {n}: custom_id must be a non-empty string"
+                continue
+            if rec.get("method", "POST") != "POST":
+                yield n, cid, None, None, f"method {rec.get('method')!r} is not served: POST"
+                continue
+            yield n, cid, rec.get("url"), rec.get("body"), None
+
+
+def run_batch(input_path: Path, output_path: Path, llm, model_name: str, limits: Limits,
+              on_progress=None) -> BatchSummary:
+    """Answer every line of input_path that output_path does not hold yet (see the module)."""
+    from docproc.engine.stream import RequestStream
+
+    out = OutputFile(output_path)
+    out.open()
+    summary = BatchSummary()
+    t0 = time.perf_counter()
+    stream = RequestStream(llm)
+    seen: set[str] = set()
+    others: set[str] = set()
+    pending: dict[int, tuple[int, str, Parsed]] = {}  # tag -> (line, custom_id, parsed)
+
+    def drain(until: int) -> None:
+        while stream.unfinished > until:
+            for tag, result in stream.step():
+                line, cid, parsed = pending.pop(tag)
+                if result.error is not None:
+                    out.write(error_line(cid, line, result.error))
+                    summary.errors += 1
+                else:
+                    rid = _line_id(cid, line)
+                    body = response_body(parsed, result, model_name, rid)
+                    out.write({"id": rid, "custom_id": cid,
+                               "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None})
+                    summary.answered += 1
+                    summary.prompt_tokens += body["usage"]["prompt_tokens"]
+                    summary.completion_tokens += body["usage"]["completion_tokens"]
+                if on_progress is not None:
+                    on_progress(summary)
+
+    try:
+        for n, cid, url, body, problem in read_lines(input_path):
+            summary.lines += 1
+            key = cid if cid is not None else f"#line {n}"
+            if key in out.done:
+                summary.already_done += 1
+                continue
+            if cid is not None and cid in seen:
+                summary.duplicates += 1
+                continue
+            if cid is not None:
+                seen.add(cid)
+            if problem is None:
+                try:
+                    parsed = parse(url, body, limits, llm.chat_prompt)
+                except RequestError as e:
+                    problem = str(e)
+            if problem is not None:
+                out.write(error_line(cid, n, problem))
+                summary.errors += 1
+                continue
+            if parsed.model and parsed.model != model_name and parsed.model not in others:
+                others.add(parsed.model)
+            tag = n
+            pending[tag] = (n, cid, parsed)
+            stream.add([parsed.prompt], [parsed.params], [tag])
+            drain(IN_FLIGHT)
+        drain(0)
+    except BaseException:
+        stream.abort()
+        raise
+    finally:
+        out.close()
+        summary.seconds = time.perf_counter() - t0
+        summary.other_models = sorted(others)
+    return summary

@@ -1,0 +1,248 @@
+"""OpenAI's request and response shapes, for `docproc run-batch`: a `/v1/chat/completions` or
+`/v1/completions` body becomes one engine request (a prompt made by the model's chat template,
+with its images, and its SamplingParams); an engine output becomes a `chat.completion` or `text_completion` body.
+
+Images come as `image_url` parts: `data:` URLs, or local files (`file://` URLs or paths) under the
+root the user names; nothing is fetched over the network. A PDF comes as OpenAI's `file` part
+(`{"type": "file", "file": {"file_data": "data:application/pdf;base64,..."}}`, or a local file's
+URL or path in `file_data`, under the root): its pages become images, in order. Every problem
+with a body is a RequestError naming the field (the batch writes it as that line's error and goes
+on).
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from docproc.outputs import RequestOutput
+from docproc.sampling_params import SamplingParams, StructuredOutputsParams
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+DEFAULT_MAX_TOKENS = 512
+# parameters docproc cannot honour, refused when set to anything but their neutral value
+UNSUPPORTED = {"tools": None, "tool_choice": None, "functions": None, "function_call": None, "logprobs": False,
+               "top_logprobs": None, "stream": False, "frequency_penalty": 0, "presence_penalty": 0,
+               "logit_bias": None, "audio": None, "modalities": None, "prediction": None, "suffix": None,
+               "echo": False, "best_of": 1}
+
+
+class RequestError(ValueError):
+    """A request body docproc cannot answer: the message names the field."""
+
+
+@dataclass
+class Limits:
+    image_root: Path | None = None  # local images and PDFs only from under this folder
+    max_images: int = 64  # per request, a PDF's pages included
+    max_bytes: int = 64 << 20  # per data URL or local file
+    pdf_dpi: int = 120
+
+
+@dataclass
+class Parsed:
+    kind: str  # CHAT or COMPLETIONS
+    prompt: str | dict
+    params: SamplingParams
+    model: str | None
+
+
+def parse(url: object, body: object, limits: Limits, render) -> Parsed:
+    """render: the engine's chat prompt (LLM.chat_prompt: the model's chat template)."""
+    if url not in (CHAT, COMPLETIONS):
+        raise RequestError(f"url {url!r} is not served: {CHAT} or {COMPLETIONS}")
+    if not isinstance(body, dict):
+        raise RequestError(f"body must be an object, got {type(body).__name__}")
+    for key, neutral in UNSUPPORTED.items():
+        value = body.get(key)
+        if value is not None and value != neutral and value != [] and value != {}:
+            raise RequestError(f"{key} is not supported by docproc run-batch")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise RequestError("model must be a string")
+    params = sampling(body)
+    if url == CHAT:
+        try:
+            prompt: str | dict = render(chat_messages(body.get("messages"), limits))
+        except ValueError as e:
+            if isinstance(e, RequestError):
+                raise
+            raise RequestError(str(e)) from None
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise RequestError("prompt must be a non-empty string (one prompt per line)")
+    return Parsed(url, prompt, params, model)
+
+
+def sampling(body: dict) -> SamplingParams:
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    kw: dict = {"max_tokens": DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+                "temperature": 1.0 if body.get("temperature") is None else body["temperature"],
+                "top_p": 1.0 if body.get("top_p") is None else body["top_p"],
+                "seed": body.get("seed"), "n": 1 if body.get("n") is None else body["n"]}
+    stop = body.get("stop")
+    if stop is not None:
+        kw["stop"] = stop
+    rf = body.get("response_format")
+    if rf is not None:
+        kw["structured_outputs"] = response_format(rf)
+    try:
+        return SamplingParams(**kw)
+    except (ValueError, TypeError) as e:
+        raise RequestError(str(e).replace("SamplingParams.", "")) from None
+
+
+def response_format(rf: object) -> StructuredOutputsParams | None:
+    """`{"type": "text"}`: none; `json_object`: any JSON object; `json_schema`: its `schema`
+    (docproc's decoding is always strict: every answer that ends by itself is valid)."""
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json={"type": "object"})
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise RequestError("response_format.json_schema.schema must be a JSON Schema object")
+        try:
+            return StructuredOutputsParams(json=schema)
+        except ValueError as e:
+            raise RequestError(f"response_format.json_schema.schema: {e}") from None
+    raise RequestError("response_format.type must be text, json_object or json_schema")
+
+
+def chat_messages(messages: object, limits: Limits) -> list[dict]:
+    """The body's messages as LLM.chat_prompt takes them: every image part read here (a data: URL,
+    or a local file under the image root) and every PDF part turned into its pages, so that
+    the engine gets bytes and PIL pages only; `developer` messages as `system` ones."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list")
+    out, count = [], 0
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise RequestError(f"messages[{i}] must be an object with a role of {', '.join(ROLES)}")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                where = f"messages[{i}].content[{j}]"
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text" and isinstance(part.get("text"), str):
+                    parts.append({"type": "text", "text": part["text"]})
+                elif kind == "image_url":
+                    url = part.get("image_url")
+                    parts.append({"type": "image", "image": _read(url.get("url") if isinstance(url, dict) else url,
+                                                                  limits, where)})
+                    count += 1
+                elif kind == "file":
+                    f = part.get("file")
+                    pages = _pdf_pages(_read(f.get("file_data") if isinstance(f, dict) else None, limits, where),
+                                       limits, where)
+                    parts.extend({"type": "image", "image": page} for page in pages)
+                    count += len(pages)
+                else:
+                    raise RequestError(f"{where} must be a text, image_url or file part")
+                if count > limits.max_images:
+                    raise RequestError(f"more than {limits.max_images} images in one request")
+            content = parts
+        elif not isinstance(content, str):
+            raise RequestError(f"messages[{i}].content must be a string or a list of parts")
+        out.append({"role": ROLES[m["role"]], "content": content})
+    return out
+
+
+DATA_URL = re.compile(r"data:([\w.+/-]*)(;[\w=.+-]+)*?(;base64)?,", re.I)
+
+
+def _read(url: object, limits: Limits, where: str) -> bytes:
+    """A data: URL's bytes, or a local file's under the image root."""
+    if not isinstance(url, str) or not url:
+        raise RequestError(f"{where}: a data: URL or a local file is needed")
+    m = DATA_URL.match(url)
+    if m:
+        payload = url[m.end():]
+        if len(payload) > limits.max_bytes * 4 // 3 + 4:
+            raise RequestError(f"{where}: more than {limits.max_bytes} bytes")
+        try:
+            return base64.b64decode(payload, validate=True) if m.group(3) else unquote(payload).encode("latin-1")
+        except (binascii.Error, ValueError, UnicodeEncodeError):
+            raise RequestError(f"{where}: the data: URL's base64 is damaged") from None
+    parsed = urlparse(url)
+    if parsed.scheme in ("http", "https", "ftp"):
+        raise RequestError(f"{where}: docproc fetches nothing over the network: send the image as a data: URL")
+    if parsed.scheme not in ("", "file"):
+        raise RequestError(f"{where}: unsupported URL scheme {parsed.scheme!r}")
+    path = Path(unquote(parsed.path) if parsed.scheme == "file" else url)
+    root = limits.image_root
+    if root is None:
+        raise RequestError(f"{where}: local files are read only under --image-root, which is not set")
+    try:
+        full = (path if path.is_absolute() else root / path).resolve(strict=True)
+    except (OSError, RuntimeError):
+        raise RequestError(f"{where}: {path} does not exist") from None
+    if not full.is_relative_to(root.resolve()):
+        raise RequestError(f"{where}: {path} is outside --image-root")
+    if not full.is_file():
+        raise RequestError(f"{where}: {path} is not a regular file")
+    if full.stat().st_size > limits.max_bytes:
+        raise RequestError(f"{where}: {path} is larger than {limits.max_bytes} bytes")
+    try:
+        return full.read_bytes()
+    except OSError as e:
+        raise RequestError(f"{where}: cannot read {path}: {e.strerror}") from None
+
+
+def _pdf_pages(data: bytes, limits: Limits, where: str) -> list:
+    """A PDF's pages as RGB images at limits.pdf_dpi (PyMuPDF), at most limits.max_images."""
+    import pymupdf
+    from PIL import Image
+
+    try:
+        doc = pymupdf.open(stream=data, filetype="pdf")
+    except Exception:  # noqa: BLE001 - MuPDF's errors vary: any is a damaged file
+        raise RequestError(f"{where}: not a readable PDF") from None
+    try:
+        if doc.needs_pass:
+            raise RequestError(f"{where}: the PDF is encrypted")
+        if doc.page_count == 0:
+            raise RequestError(f"{where}: the PDF has no pages")
+        if doc.page_count > limits.max_images:
+            raise RequestError(f"{where}: {doc.page_count} pages, more than {limits.max_images}")
+        pages = []
+        for page in doc:
+            pix = page.get_pixmap(dpi=limits.pdf_dpi, alpha=False)
+            pages.append(Image.frombytes("RGB", (pix.width, pix.height), pix.samples))
+        return pages
+    except RequestError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a page MuPDF cannot render
+        raise RequestError(f"{where}: a page of the PDF cannot be rendered ({type(e).__name__})") from None
+    finally:
+        doc.close()
+
+
+def response_body(parsed: Parsed, out: RequestOutput, model: str, request_id: str) -> dict:
+    """The `chat.completion` or `text_completion` body of a finished request."""
+    created = int(time.time())
+    completion = sum(len(c.token_ids) for c in out.outputs)
+    usage = {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": completion,
+             "total_tokens": len(out.prompt_token_ids) + completion}
+    if parsed.kind == CHAT:
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "finish_reason": c.finish_reason, "logprobs": None} for c in out.outputs]
+        return {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": created, "model": model,
+                "choices": choices, "usage": usage}
+    choices = [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}
+               for c in out.outputs]
+    return {"id": f"cmpl-{request_id}", "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": usage}
+
