@@ -1,5 +1,5 @@
 """The import structure docs/architecture.md draws: layers point down only (cli and ray ->
-pipeline -> engine -> models -> layers -> kernels; kernels import neither docproc nor anything but
+openai_compat -> pipeline -> engine -> models -> layers -> kernels; kernels import neither docproc nor anything but
 torch and Triton), and no two modules import each other, directly or round a circle, counting the
 imports inside functions (only `if TYPE_CHECKING:` blocks are left out)."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYERS = ["docproc.cli", "docproc.ray", "docproc.pipeline", "docproc.engine", "docproc.models", "docproc.layers",
-          "kernels"]  # from the top; docproc's own small modules (errors, multimodal, config, ...) sit under all
+LAYERS = ["docproc.cli", "docproc.ray", "docproc.openai_compat", "docproc.pipeline", "docproc.engine", "docproc.models",
+          "docproc.layers", "kernels"]  # from the top; docproc's own small modules (errors, multimodal, config, ...) sit under all
 
 
 def modules() -> dict[str, Path]:
