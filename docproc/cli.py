@@ -646,9 +646,9 @@ def run_batch_cmd(
     except LockedError as e:
         error(f"{e}; exiting", "locked", "yellow")
         raise typer.Exit(EXIT_LOCKED) from None
-    except OutputUnwritable as e:
+    except (OutputUnwritable, DeviceUnavailable) as e:  # (the environment's faults: one line, their exit code)
         error(str(e))
-        raise typer.Exit(EXIT_OUTPUT) from None
+        raise typer.Exit(e.exit_code) from None
     finally:
         llm.close()
     s = summary
