@@ -592,7 +592,7 @@ def run_batch_cmd(
 ) -> None:
     """Answer an OpenAI batch file with the engine (crash-safe, resumable; see README)."""
     from docproc.errors import DeviceUnavailable, ModelUnavailable, OutputUnwritable
-    from docproc.openai_compat.batch import run_batch
+    from docproc.openai_compat.batch import NotResults, OutputFile, run_batch
     from docproc.openai_compat.protocol import Limits
     from docproc.pipeline.runstore import LockedError
 
@@ -605,7 +605,7 @@ def run_batch_cmd(
     if output_file.exists() and not output_file.is_file():
         error(f"--output {output_file} is not a regular file", "usage")
         raise typer.Exit(EXIT_USAGE)
-    if output_file.exists() and output_file.resolve() == input_file.resolve():
+    if output_file.exists() and os.path.samefile(output_file, input_file):
         error("--output is the --input file: results go to a file of their own", "usage")
         raise typer.Exit(EXIT_USAGE)
     k: int | str = spec_k
@@ -619,6 +619,18 @@ def run_batch_cmd(
     except typer.BadParameter as e:
         error(str(e), "usage")
         raise typer.Exit(EXIT_USAGE) from None
+    out = OutputFile(output_file)
+    try:  # the lock and the output's lines before the model loads
+        out.open()
+    except LockedError as e:
+        error(f"{e}; exiting", "locked", "yellow")
+        raise typer.Exit(EXIT_LOCKED) from None
+    except NotResults as e:
+        error(str(e), "usage")
+        raise typer.Exit(EXIT_USAGE) from None
+    except OutputUnwritable as e:
+        error(str(e))
+        raise typer.Exit(EXIT_OUTPUT) from None
     from docproc import LLM
 
     try:
@@ -626,16 +638,18 @@ def run_batch_cmd(
                   speculative_model=draft_dir, num_speculative_tokens=k, seed=seed,
                   gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens)
     except DeviceUnavailable as e:
+        out.close()
         error(str(e))
         raise typer.Exit(EXIT_DEVICE) from None
     except (ModelUnavailable, ValueError, RuntimeError, OSError) as e:
+        out.close()
         error(f"cannot load {model_dir}{f' with draft {draft_dir}' if draft_dir else ''}: {e}")
         raise typer.Exit(EXIT_MODEL) from None
     name = Path(model_dir).name
     from docproc.pipeline.signals import EXIT_INTERRUPTED, RunInterrupted
 
     try:
-        summary = run_batch(input_file, output_file, llm, name, Limits(image_root=image_root))
+        summary = run_batch(input_file, out, llm, name, Limits(image_root=image_root))
     except (KeyboardInterrupt, RunInterrupted) as e:
         import signal
 
@@ -643,13 +657,14 @@ def run_batch_cmd(
         error(f"stopped by {signal.Signals(signum).name}: the lines written are kept; run the same command again "
               f"to answer the rest", "interrupted", "yellow")
         raise typer.Exit(EXIT_INTERRUPTED[signum]) from None
-    except LockedError as e:
-        error(f"{e}; exiting", "locked", "yellow")
-        raise typer.Exit(EXIT_LOCKED) from None
     except (OutputUnwritable, DeviceUnavailable) as e:  # (the environment's faults: one line, their exit code)
         error(str(e))
         raise typer.Exit(e.exit_code) from None
+    except Exception as e:  # noqa: BLE001 - a bug: one line (the lines written are kept), exit 70
+        error(f"{type(e).__name__}: {e} (the lines written are kept)", "internal error")
+        raise typer.Exit(EXIT_INTERNAL) from None
     finally:
+        out.close()
         llm.close()
     s = summary
     tok_s = s.completion_tokens / s.seconds if s.seconds > 0 else 0.0

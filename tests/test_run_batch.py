@@ -100,7 +100,7 @@ def test_good_and_bad_lines_each_get_one_line(tmp_path):
         "invoice", "receipt")
     assert recs["line3"]["error"]["line"] == 3 and recs["line3"]["response"] is None
     for cid, words in (("url", "not served"), ("passwd", "outside --image-root"), ("neg", "max_tokens"),
-                       ("broken", "cannot read image"), ("badschema", "does not compile")):
+                       ("broken", "not an image"), ("badschema", "does not compile")):
         resp = recs[cid]["response"]
         assert resp["status_code"] == 400 and words in resp["body"]["error"]["message"], (cid, resp)
 
@@ -204,3 +204,46 @@ def test_images_and_pdfs_from_the_image_root_only(tmp_path):
               limits, render)
     with pytest.raises(RequestError, match="stream is not supported"):
         parse(url, {**body({"type": "text", "text": "x"}), "stream": True}, limits, render)
+
+
+def test_hostile_lines_and_output_files(tmp_path):
+    """Lines that once crashed or misled the batch: JSON nested 2,000 deep, a lone surrogate in a
+    custom_id and in a prompt, a custom_id spelled like a line key, an image header of 13,000 x
+    13,000 pixels, n past 128, max_completion_tokens null beside max_tokens: each its own line.
+    An output file that holds other text is refused untouched (exit 2); a blank line inside a
+    results file keeps every result after it."""
+    big = io.BytesIO()
+    Image.new("1", (13000, 13000)).save(big, "PNG")
+    lines = [
+        "[" * 2000 + "]" * 2000,
+        '{"custom_id": "sur\\ud800", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}',
+        '{"custom_id": "text", "method": "POST", "url": "/v1/completions", "body": {"prompt": "\\ud800 hello"}}',
+        {"custom_id": "#line 1", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "Total:", "max_tokens": 2, "temperature": 0}},
+        chat("bomb", [{"type": "image_url", "image_url": {"url": data_url(big.getvalue())}}]),
+        chat("many", "hi", n=1000),
+        chat("tokens", "hi", max_tokens=3, max_completion_tokens=None, temperature=0, ignore=None),
+    ]
+    src, out = write(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    res = run("-i", src, "-o", out, "--model", MODEL, "--device", "cpu")
+    assert res.exit_code == 1, res.output
+    recs = records(out)
+    assert sorted(keys(out), key=str) == sorted([("line", 1), ("line", 2), ("line", 3), "#line 1", "bomb", "many",
+                                                 "tokens"], key=str)
+    by = {r["custom_id"]: r for r in recs if r["custom_id"]}
+    assert by["#line 1"]["response"]["status_code"] == 200
+    assert "13000x13000 pixels" in by["bomb"]["response"]["body"]["error"]["message"]
+    assert "n must be at most 128" in by["many"]["response"]["body"]["error"]["message"]
+    assert by["tokens"]["response"]["body"]["usage"]["completion_tokens"] <= 3
+    # a blank line in the results: nothing after it is lost
+    text = out.read_text().splitlines(keepends=True)
+    out.write_text("".join(text[:2] + ["\n"] + text[2:]))
+    res = run("-i", src, "-o", out, "--model", MODEL, "--device", "cpu")
+    assert "already done 7" in res.output and "answered 0" in res.output, res.output
+    notes = tmp_path / "notes.md"
+    notes.write_text("# my notes\nnot results\n")
+    res = run("-i", src, "-o", notes, "--model", MODEL, "--device", "cpu")
+    assert res.exit_code == 2 and "not a run-batch result" in res.output
+    assert notes.read_text() == "# my notes\nnot results\n"
+    os.link(src, tmp_path / "hard.jsonl")
+    assert run("-i", src, "-o", tmp_path / "hard.jsonl", "--model", MODEL, "--device", "cpu").exit_code == 2

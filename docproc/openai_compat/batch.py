@@ -22,7 +22,8 @@ from pathlib import Path
 from docproc.openai_compat.protocol import Limits, Parsed, RequestError, parse, response_body
 from docproc.pipeline.runstore import LockedError, output_fault
 
-IN_FLIGHT = 256  # requests queued in the engine at once (their images held in memory)
+IN_FLIGHT = 256  # requests queued in the engine at once
+PIXELS_IN_FLIGHT = 400_000_000  # and their images' pixels (decoded as they are queued: ~1.2 GB RGB)
 SYNC_SECONDS = 2.0  # finished lines reach the disk (fsync) at least this often
 
 
@@ -46,13 +47,17 @@ def _line_id(custom_id: str | None, line: int) -> str:
     return "batch_req_" + hashlib.sha256(f"{custom_id}|{line}".encode()).hexdigest()[:24]
 
 
+class NotResults(ValueError):
+    """The output file holds lines that are not run-batch results."""
+
+
 class OutputFile:
     """The output JSONL: locked, its whole lines read back (a cut-off last line dropped), lines
     appended and synced."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.done: set[str] = set()  # custom_ids, and "#line N" for error lines without one
+        self.done: set[tuple] = set()  # ("id", custom_id), and ("line", N) for error lines without one
         self._lock_fd: int | None = None
         self._f = None
         self._synced = time.monotonic()
@@ -69,37 +74,47 @@ class OutputFile:
             raise LockedError(f"another docproc run-batch holds {self.path}.lock") from None
         self._lock_fd = fd
         try:
-            good = 0
-            if self.path.exists():
-                with open(self.path, "rb") as f:
-                    for raw in f:
-                        if not raw.endswith(b"\n"):
-                            break  # a line cut off by a kill: dropped, answered again
-                        try:
-                            rec = json.loads(raw)
-                        except ValueError:
-                            break
-                        key = self.key_of(rec)
-                        if key is None:
-                            break
-                        self.done.add(key)
-                        good += len(raw)
-                if good < self.path.stat().st_size:
-                    os.truncate(self.path, good)
+            self._read_back()
             self._f = open(self.path, "ab")
         except OSError as e:
             self.close()
             raise output_fault(e, self.path) from None
 
+    def _read_back(self) -> None:
+        """The keys of the output's whole lines. A last line without its newline (a kill during
+        its write) is cut off, to be answered again; any other line that is not a result (a
+        file that is not run-batch's output) stops the run before anything is changed."""
+        if not self.path.exists():
+            return
+        good = 0
+        with open(self.path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                if not raw.endswith(b"\n"):
+                    break  # the cut-off last line
+                good += len(raw)
+                if not raw.strip():
+                    continue
+                try:
+                    key = self.key_of(json.loads(raw))
+                except (ValueError, RecursionError):
+                    key = None
+                if key is None:
+                    self.close()
+                    raise NotResults(f"{self.path} line {n} is not a run-batch result: give an output file of its "
+                                     f"own (a new one, or one an earlier run-batch of this input wrote)")
+                self.done.add(key)
+        if good < self.path.stat().st_size:
+            os.truncate(self.path, good)
+
     @staticmethod
-    def key_of(rec: object) -> str | None:
-        if not isinstance(rec, dict):
+    def key_of(rec: object) -> tuple | None:
+        if not isinstance(rec, dict) or "response" not in rec:
             return None
         if isinstance(rec.get("custom_id"), str):
-            return rec["custom_id"]
+            return ("id", rec["custom_id"])
         err = rec.get("error")
         if isinstance(err, dict) and isinstance(err.get("line"), int):
-            return f"#line {err['line']}"
+            return ("line", err["line"])
         return None
 
     def write(self, rec: dict) -> None:
@@ -117,13 +132,16 @@ class OutputFile:
 
     def close(self) -> None:
         if self._f is not None:
+            f, self._f = self._f, None
             try:
-                self._f.flush()
-                os.fsync(self._f.fileno())
+                f.flush()
+                os.fsync(f.fileno())
             except OSError:
                 pass
-            self._f.close()
-            self._f = None
+            try:
+                f.close()
+            except OSError:  # (a full disk: the error was reported where the write failed)
+                pass
         if self._lock_fd is not None:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             os.close(self._lock_fd)
@@ -149,8 +167,9 @@ def read_lines(path: Path):
                 continue
             try:
                 rec = json.loads(raw)
-            except (ValueError, UnicodeDecodeError) as e:
-                yield n, None, None, None, f"line {n} is not JSON ({type(e).__name__})"
+                json.dumps(rec, ensure_ascii=False).encode()  # lone surrogates (\ud800) are not text
+            except (ValueError, UnicodeError, RecursionError) as e:
+                yield n, None, None, None, f"line {n} is not JSON text ({type(e).__name__})"
                 continue
             if not isinstance(rec, dict):
                 yield n, None, None, None, f"line {n} is not a JSON object"
@@ -165,24 +184,24 @@ def read_lines(path: Path):
             yield n, cid, rec.get("url"), rec.get("body"), None
 
 
-def run_batch(input_path: Path, output_path: Path, llm, model_name: str, limits: Limits,
+def run_batch(input_path: Path, out: OutputFile, llm, model_name: str, limits: Limits,
               on_progress=None) -> BatchSummary:
-    """Answer every line of input_path that output_path does not hold yet (see the module)."""
+    """Answer every line of input_path that the (opened) output does not hold yet (see the module)."""
     from docproc.engine.stream import RequestStream
 
-    out = OutputFile(output_path)
-    out.open()
     summary = BatchSummary()
     t0 = time.perf_counter()
     stream = RequestStream(llm)
     seen: set[str] = set()
     others: set[str] = set()
     pending: dict[int, tuple[int, str, Parsed]] = {}  # tag -> (line, custom_id, parsed)
+    pixels = [0]  # of the requests in flight
 
-    def drain(until: int) -> None:
-        while stream.unfinished > until:
+    def drain(until: int, pixel_room: int = 0) -> None:
+        while stream.unfinished > until or (stream.unfinished and pixels[0] + pixel_room > PIXELS_IN_FLIGHT):
             for tag, result in stream.step():
                 line, cid, parsed = pending.pop(tag)
+                pixels[0] -= parsed.pixels
                 if result.error is not None:
                     out.write(error_line(cid, line, result.error))
                     summary.errors += 1
@@ -200,7 +219,7 @@ def run_batch(input_path: Path, output_path: Path, llm, model_name: str, limits:
     try:
         for n, cid, url, body, problem in read_lines(input_path):
             summary.lines += 1
-            key = cid if cid is not None else f"#line {n}"
+            key = ("id", cid) if cid is not None else ("line", n)
             if key in out.done:
                 summary.already_done += 1
                 continue
@@ -220,16 +239,16 @@ def run_batch(input_path: Path, output_path: Path, llm, model_name: str, limits:
                 continue
             if parsed.model and parsed.model != model_name and parsed.model not in others:
                 others.add(parsed.model)
+            drain(IN_FLIGHT - 1, parsed.pixels)  # room for it first
             tag = n
             pending[tag] = (n, cid, parsed)
+            pixels[0] += parsed.pixels
             stream.add([parsed.prompt], [parsed.params], [tag])
-            drain(IN_FLIGHT)
         drain(0)
     except BaseException:
         stream.abort()
         raise
     finally:
-        out.close()
         summary.seconds = time.perf_counter() - t0
         summary.other_models = sorted(others)
     return summary

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import base64
 import binascii
+import io
 import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import unquote, urlparse
+from urllib.parse import unquote, unquote_to_bytes, urlparse
 
 from docproc.outputs import RequestOutput
 from docproc.sampling_params import SamplingParams, StructuredOutputsParams
@@ -26,10 +27,11 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 DEFAULT_MAX_TOKENS = 512
 # parameters docproc cannot honour, refused when set to anything but their neutral value
-UNSUPPORTED = {"tools": None, "tool_choice": None, "functions": None, "function_call": None, "logprobs": False,
-               "top_logprobs": None, "stream": False, "frequency_penalty": 0, "presence_penalty": 0,
+UNSUPPORTED = {"tools": None, "tool_choice": "none", "functions": None, "function_call": "none", "logprobs": False,
+               "top_logprobs": 0, "stream": False, "frequency_penalty": 0, "presence_penalty": 0,
                "logit_bias": None, "audio": None, "modalities": None, "prediction": None, "suffix": None,
                "echo": False, "best_of": 1}
+MAX_N = 128  # choices a request (OpenAI's bound)
 
 
 class RequestError(ValueError):
@@ -41,7 +43,9 @@ class Limits:
     image_root: Path | None = None  # local images and PDFs only from under this folder
     max_images: int = 64  # per request, a PDF's pages included
     max_bytes: int = 64 << 20  # per data URL or local file
-    pdf_dpi: int = 120
+    pdf_dpi: int = 120  # a PDF page's resolution, lowered for a page that would pass max_pixels
+    max_pixels: int = 40_000_000  # per image (from its header, before it is decoded) and per rendered page
+    max_request_pixels: int = 160_000_000  # all of a request's images
 
 
 @dataclass
@@ -50,6 +54,7 @@ class Parsed:
     prompt: str | dict
     params: SamplingParams
     model: str | None
+    pixels: int = 0  # the request's images, decoded (what it holds in memory while queued)
 
 
 def parse(url: object, body: object, limits: Limits, render) -> Parsed:
@@ -66,12 +71,12 @@ def parse(url: object, body: object, limits: Limits, render) -> Parsed:
     if model is not None and not isinstance(model, str):
         raise RequestError("model must be a string")
     params = sampling(body)
+    pixels = 0
     if url == CHAT:
+        messages, pixels = chat_messages(body.get("messages"), limits)
         try:
-            prompt: str | dict = render(chat_messages(body.get("messages"), limits))
+            prompt: str | dict = render(messages)
         except ValueError as e:
-            if isinstance(e, RequestError):
-                raise
             raise RequestError(str(e)) from None
     else:
         prompt = body.get("prompt")
@@ -79,11 +84,15 @@ def parse(url: object, body: object, limits: Limits, render) -> Parsed:
             prompt = prompt[0]
         if not isinstance(prompt, str) or not prompt:
             raise RequestError("prompt must be a non-empty string (one prompt per line)")
-    return Parsed(url, prompt, params, model)
+    return Parsed(url, prompt, params, model, pixels)
 
 
 def sampling(body: dict) -> SamplingParams:
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
+    if isinstance(body.get("n"), int) and body["n"] > MAX_N:
+        raise RequestError(f"n must be at most {MAX_N}, got {body['n']}")
     kw: dict = {"max_tokens": DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
                 "temperature": 1.0 if body.get("temperature") is None else body["temperature"],
                 "top_p": 1.0 if body.get("top_p") is None else body["top_p"],
@@ -120,13 +129,14 @@ def response_format(rf: object) -> StructuredOutputsParams | None:
     raise RequestError("response_format.type must be text, json_object or json_schema")
 
 
-def chat_messages(messages: object, limits: Limits) -> list[dict]:
+def chat_messages(messages: object, limits: Limits) -> tuple[list[dict], int]:
     """The body's messages as LLM.chat_prompt takes them: every image part read here (a data: URL,
     or a local file under the image root) and every PDF part turned into its pages, so that
-    the engine gets bytes and PIL pages only; `developer` messages as `system` ones."""
+    the engine gets bytes and PIL pages only; `developer` messages as `system` ones. Also the
+    images' pixels (each image's size read from its header, refused past limits.max_pixels)."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list")
-    out, count = [], 0
+    out, count, pixels = [], 0, 0
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise RequestError(f"messages[{i}] must be an object with a role of {', '.join(ROLES)}")
@@ -140,8 +150,9 @@ def chat_messages(messages: object, limits: Limits) -> list[dict]:
                     parts.append({"type": "text", "text": part["text"]})
                 elif kind == "image_url":
                     url = part.get("image_url")
-                    parts.append({"type": "image", "image": _read(url.get("url") if isinstance(url, dict) else url,
-                                                                  limits, where)})
+                    raw = _read(url.get("url") if isinstance(url, dict) else url, limits, where)
+                    pixels += _image_pixels(raw, limits, where)
+                    parts.append({"type": "image", "image": raw})
                     count += 1
                 elif kind == "file":
                     f = part.get("file")
@@ -149,15 +160,37 @@ def chat_messages(messages: object, limits: Limits) -> list[dict]:
                                        limits, where)
                     parts.extend({"type": "image", "image": page} for page in pages)
                     count += len(pages)
+                    pixels += sum(p.width * p.height for p in pages)
                 else:
                     raise RequestError(f"{where} must be a text, image_url or file part")
                 if count > limits.max_images:
                     raise RequestError(f"more than {limits.max_images} images in one request")
+                if pixels > limits.max_request_pixels:
+                    raise RequestError(f"the request's images hold more than {limits.max_request_pixels} pixels")
             content = parts
         elif not isinstance(content, str):
             raise RequestError(f"messages[{i}].content must be a string or a list of parts")
         out.append({"role": ROLES[m["role"]], "content": content})
-    return out
+    return out, pixels
+
+
+def _image_pixels(raw: bytes, limits: Limits, where: str) -> int:
+    """An image's pixel count from its header (nothing decoded); RequestError past max_pixels or
+    for bytes Pillow does not recognise."""
+    import warnings
+
+    from PIL import Image
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(raw)) as img:
+                w, h = img.size
+    except (Image.UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError):
+        raise RequestError(f"{where}: not an image Pillow recognises") from None
+    if w * h > limits.max_pixels:
+        raise RequestError(f"{where}: {w}x{h} pixels, more than {limits.max_pixels}")
+    return w * h
 
 
 DATA_URL = re.compile(r"data:([\w.+/-]*)(;[\w=.+-]+)*?(;base64)?,", re.I)
@@ -173,8 +206,8 @@ def _read(url: object, limits: Limits, where: str) -> bytes:
         if len(payload) > limits.max_bytes * 4 // 3 + 4:
             raise RequestError(f"{where}: more than {limits.max_bytes} bytes")
         try:
-            return base64.b64decode(payload, validate=True) if m.group(3) else unquote(payload).encode("latin-1")
-        except (binascii.Error, ValueError, UnicodeEncodeError):
+            return base64.b64decode(payload, validate=True) if m.group(3) else unquote_to_bytes(payload)
+        except (binascii.Error, ValueError):
             raise RequestError(f"{where}: the data: URL's base64 is damaged") from None
     parsed = urlparse(url)
     if parsed.scheme in ("http", "https", "ftp"):
@@ -217,9 +250,18 @@ def _pdf_pages(data: bytes, limits: Limits, where: str) -> list:
             raise RequestError(f"{where}: the PDF has no pages")
         if doc.page_count > limits.max_images:
             raise RequestError(f"{where}: {doc.page_count} pages, more than {limits.max_images}")
-        pages = []
+        # each page at pdf_dpi, lowered to fit max_pixels (a poster-sized page); the whole PDF
+        # within the request's pixels, checked before anything is rendered
+        dpis = []
         for page in doc:
-            pix = page.get_pixmap(dpi=limits.pdf_dpi, alpha=False)
+            area = max(1.0, page.rect.width * page.rect.height) / 72 ** 2
+            dpis.append((max(1, int(min(float(limits.pdf_dpi), (limits.max_pixels / area) ** 0.5))), area))
+        if sum(d * d * a for d, a in dpis) > limits.max_request_pixels:
+            raise RequestError(f"{where}: its pages hold more than {limits.max_request_pixels} pixels at "
+                               f"{limits.pdf_dpi} dpi")
+        pages = []
+        for page, (dpi, _) in zip(doc, dpis):
+            pix = page.get_pixmap(dpi=dpi, alpha=False)
             pages.append(Image.frombytes("RGB", (pix.width, pix.height), pix.samples))
         return pages
     except RequestError:
