@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from docproc.openai_compat.protocol import Limits, Parsed, RequestError, parse, response_body
-from docproc.pipeline.runstore import LockedError, output_fault
+from docproc.pipeline.runstore import output_fault, take_lock
 
 IN_FLIGHT = 256  # requests queued in the engine at once
 PIXELS_IN_FLIGHT = 400_000_000  # and their images' pixels (decoded as they are queued: ~1.2 GB RGB)
@@ -63,16 +63,7 @@ class OutputFile:
         self._synced = time.monotonic()
 
     def open(self) -> None:
-        try:
-            fd = os.open(str(self.path) + ".lock", os.O_RDWR | os.O_CREAT, 0o666)
-        except OSError as e:
-            raise output_fault(e, self.path) from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise LockedError(f"another docproc run-batch holds {self.path}.lock") from None
-        self._lock_fd = fd
+        self._lock_fd = take_lock(Path(str(self.path) + ".lock"), self.path, "docproc run-batch")
         try:
             self._read_back()
             self._f = open(self.path, "ab")

@@ -59,6 +59,21 @@ def _umask() -> int:
     return mask
 
 
+def take_lock(path: Path, what: Path | str, holder: str) -> int:
+    """An exclusive flock on `path` (made if missing): its descriptor. LockedError naming `holder`
+    when another process holds it; OutputUnwritable (for `what`) when it cannot be made."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as e:
+        raise output_fault(e, what) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise LockedError(f"another {holder} holds {path}") from None
+    return fd
+
+
 def output_fault(e: OSError, what: Path | str) -> OutputUnwritable:
     """An OSError from writing OUT as the run-stopping fault, with the fix in the message."""
     code = e.errno
@@ -179,14 +194,9 @@ class RunStore:
         cannot be made or written. Parts left by an older layout (OUT/parts) move into the state."""
         try:
             self.state_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.state_dir / "lock", os.O_RDWR | os.O_CREAT, 0o666)
         except OSError as e:
             raise output_fault(e, self.out) from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise LockedError(f"another docproc run holds {self.state_dir / 'lock'}") from None
+        fd = take_lock(self.state_dir / "lock", self.out, "docproc run")
         self._lock_fd = fd
         try:
             os.ftruncate(fd, 0)
