@@ -570,28 +570,77 @@ def _summary(m: dict) -> None:
                               f"docproc stats {escape(m['settings']['out'])} --failures")
 
 
+# the engine options of run-batch and serve
+MODEL_OPT = typer.Option(None, "--model", help="Local checkpoint folder. Default: the bundled model.")
+DRAFT_OPT = typer.Option(None, "--draft", help="Draft model folder for speculative decoding, or bundled.")
+SPEC_K_OPT = typer.Option("auto", "--spec-k", help="With --draft: draft tokens per step, a number or auto.")
+KV_CACHE_OPT = typer.Option("auto", "--kv-cache", help="KV cache format: auto, bf16, fp16, fp32 or fp4.")
+QUANTIZATION_OPT = typer.Option(None, "--quantization", help="fp8: the language weights in FP8.")
+DEVICE_OPT = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N.")
+GPU_UTIL_OPT = typer.Option(0.9, "--gpu-memory-utilization", help="Share of the GPU.")
+BATCHED_TOKENS_OPT = typer.Option(8192, "--max-num-batched-tokens", help="Tokens per engine step.")
+SEED_OPT = typer.Option(0, "--seed", help="The engine's seed (a body's seed is per request).")
+
+
+def _spec_k(spec_k: str) -> int | str:
+    """--spec-k: a number >= 1 or auto (exit 2 otherwise)."""
+    if spec_k == "auto":
+        return spec_k
+    if not spec_k.isdigit() or int(spec_k) < 1:
+        error(f"--spec-k must be a number >= 1 or auto, got {spec_k!r}", "usage")
+        raise typer.Exit(EXIT_USAGE)
+    return int(spec_k)
+
+
+def _model_dirs(model: Optional[str], draft: Optional[str]) -> tuple[str, Optional[str]]:
+    try:
+        return resolve_model(model), resolve_draft(draft)
+    except typer.BadParameter as e:
+        error(str(e), "usage")
+        raise typer.Exit(EXIT_USAGE) from None
+
+
+def _load_llm(model_dir: str, draft_dir: Optional[str], on_fail=None, **engine):
+    """The engine for run-batch and serve; a model or device that fails is one line and its exit
+    code (on_fail runs first)."""
+    from docproc import LLM
+    from docproc.errors import DeviceUnavailable, ModelUnavailable
+
+    try:
+        return LLM(model_dir, speculative_model=draft_dir, **engine)
+    except DeviceUnavailable as e:
+        if on_fail is not None:
+            on_fail()
+        error(str(e))
+        raise typer.Exit(EXIT_DEVICE) from None
+    except (ModelUnavailable, ValueError, RuntimeError, OSError) as e:
+        if on_fail is not None:
+            on_fail()
+        error(f"cannot load {model_dir}{f' with draft {draft_dir}' if draft_dir else ''}: {e}")
+        raise typer.Exit(EXIT_MODEL) from None
+
+
 @app.command("run-batch", cls=_Command)
 def run_batch_cmd(
     input_file: Path = typer.Option(..., "-i", "--input", help="OpenAI batch file: JSONL of {custom_id, method, "
                                     "url, body}, url /v1/chat/completions or /v1/completions."),
     output_file: Path = typer.Option(..., "-o", "--output", help="Results JSONL (appended to: a rerun answers only "
                                      "the custom_ids it does not hold)."),
-    model: Optional[str] = typer.Option(None, "--model", help="Local checkpoint folder. Default: the bundled model."),
-    draft: Optional[str] = typer.Option(None, "--draft", help="Draft model folder for speculative decoding, or "
-                                        "bundled."),
-    spec_k: str = typer.Option("auto", "--spec-k", help="With --draft: draft tokens per step, a number or auto."),
-    kv_cache: str = typer.Option("auto", "--kv-cache", help="KV cache format: auto, bf16, fp16, fp32 or fp4."),
-    quantization: Optional[str] = typer.Option(None, "--quantization", help="fp8: the language weights in FP8."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
-    gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization", help="Share of the GPU."),
-    max_num_batched_tokens: int = typer.Option(8192, "--max-num-batched-tokens", help="Tokens per engine step."),
+    model: Optional[str] = MODEL_OPT,
+    draft: Optional[str] = DRAFT_OPT,
+    spec_k: str = SPEC_K_OPT,
+    kv_cache: str = KV_CACHE_OPT,
+    quantization: Optional[str] = QUANTIZATION_OPT,
+    device: str = DEVICE_OPT,
+    gpu_memory_utilization: float = GPU_UTIL_OPT,
+    max_num_batched_tokens: int = BATCHED_TOKENS_OPT,
     image_root: Optional[Path] = typer.Option(None, "--image-root", help="Local images and PDFs named in the file "
                                               "are read from under this folder only (data: URLs always work)."),
-    seed: int = typer.Option(0, "--seed", help="The engine's seed (a body's seed is per request)."),
+    seed: int = SEED_OPT,
     quiet: bool = typer.Option(False, "--quiet", help="Only errors and the summary line."),
 ) -> None:
     """Answer an OpenAI batch file with the engine (crash-safe, resumable; see README)."""
-    from docproc.errors import DeviceUnavailable, ModelUnavailable, OutputUnwritable
+    from docproc.errors import DeviceUnavailable, OutputUnwritable
     from docproc.openai_compat.batch import NotResults, OutputFile, run_batch
     from docproc.openai_compat.protocol import Limits
     from docproc.pipeline.runstore import LockedError
@@ -608,17 +657,8 @@ def run_batch_cmd(
     if output_file.exists() and os.path.samefile(output_file, input_file):
         error("--output is the --input file: results go to a file of their own", "usage")
         raise typer.Exit(EXIT_USAGE)
-    k: int | str = spec_k
-    if spec_k != "auto":
-        if not spec_k.isdigit() or int(spec_k) < 1:
-            error(f"--spec-k must be a number >= 1 or auto, got {spec_k!r}", "usage")
-            raise typer.Exit(EXIT_USAGE)
-        k = int(spec_k)
-    try:
-        model_dir, draft_dir = resolve_model(model), resolve_draft(draft)
-    except typer.BadParameter as e:
-        error(str(e), "usage")
-        raise typer.Exit(EXIT_USAGE) from None
+    k = _spec_k(spec_k)
+    model_dir, draft_dir = _model_dirs(model, draft)
     out = OutputFile(output_file)
     try:  # the lock and the output's lines before the model loads
         out.open()
@@ -631,20 +671,9 @@ def run_batch_cmd(
     except OutputUnwritable as e:
         error(str(e))
         raise typer.Exit(EXIT_OUTPUT) from None
-    from docproc import LLM
-
-    try:
-        llm = LLM(model_dir, device=device, kv_cache_dtype=kv_cache, quantization=quantization,
-                  speculative_model=draft_dir, num_speculative_tokens=k, seed=seed,
-                  gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens)
-    except DeviceUnavailable as e:
-        out.close()
-        error(str(e))
-        raise typer.Exit(EXIT_DEVICE) from None
-    except (ModelUnavailable, ValueError, RuntimeError, OSError) as e:
-        out.close()
-        error(f"cannot load {model_dir}{f' with draft {draft_dir}' if draft_dir else ''}: {e}")
-        raise typer.Exit(EXIT_MODEL) from None
+    llm = _load_llm(model_dir, draft_dir, on_fail=out.close, device=device, kv_cache_dtype=kv_cache,
+                    quantization=quantization, num_speculative_tokens=k, seed=seed,
+                    gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens)
     name = Path(model_dir).name
     from docproc.pipeline.signals import EXIT_INTERRUPTED, RunInterrupted
 
@@ -678,6 +707,89 @@ def run_batch_cmd(
         error(f"bodies name other models ({', '.join(s.other_models[:3])}); every line was answered by {name}",
               "note", "yellow")
     raise typer.Exit(EXIT_FAILURES if s.errors else EXIT_OK)
+
+
+@app.command("serve", cls=_Command)
+def serve_cmd(
+    model: Optional[str] = MODEL_OPT,
+    draft: Optional[str] = DRAFT_OPT,
+    spec_k: str = SPEC_K_OPT,
+    kv_cache: str = KV_CACHE_OPT,
+    quantization: Optional[str] = QUANTIZATION_OPT,
+    device: str = DEVICE_OPT,
+    gpu_memory_utilization: float = GPU_UTIL_OPT,
+    max_num_batched_tokens: int = BATCHED_TOKENS_OPT,
+    seed: int = SEED_OPT,
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+    port: int = typer.Option(8000, "--port", help="Port to listen on (0: any free port, printed at start)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="DOCPROC_API_KEY",
+                                          help="Require Authorization: Bearer KEY on /v1 (or set DOCPROC_API_KEY)."),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
+                                                    help="The model's name in /v1/models and answers. Default: "
+                                                    "the model folder's name."),
+    image_root: Optional[Path] = typer.Option(None, "--image-root", help="Requests may name local images and PDFs "
+                                              "(file:// URLs, paths) under this folder; without it only data: URLs."),
+    max_request_mb: float = typer.Option(32.0, "--max-request-mb", help="Largest request body, in MiB."),
+    max_images: int = typer.Option(16, "--max-images", help="Most images in one request (a PDF's pages count)."),
+    log_level: str = typer.Option("warning", "--log-level", help="The HTTP server's log: warning, info or debug."),
+) -> None:
+    """Serve the model over OpenAI's HTTP API: /v1/chat/completions (streaming or not),
+    /v1/completions, /v1/models, /health, /metrics. Ctrl-C or SIGTERM lets the requests in
+    flight finish, then stops (a second one stops at once)."""
+    import importlib.util
+    import socket
+
+    if importlib.util.find_spec("starlette") is None or importlib.util.find_spec("uvicorn") is None:
+        error("docproc serve needs its HTTP extra: pip install 'docproc[serve]'", "usage")
+        raise typer.Exit(EXIT_USAGE) from None
+    from docproc.openai_compat.protocol import Limits
+    from docproc.openai_compat.server import ServerConfig, serve
+
+    k = _spec_k(spec_k)
+    if not 0 <= port <= 65535:
+        error(f"--port must be 0-65535, got {port}", "usage")
+        raise typer.Exit(EXIT_USAGE)
+    if image_root is not None and not image_root.is_dir():
+        error(f"--image-root {image_root} is not a folder", "usage")
+        raise typer.Exit(EXIT_USAGE)
+    if max_request_mb <= 0 or max_images < 1:
+        error("--max-request-mb must be > 0 and --max-images >= 1", "usage")
+        raise typer.Exit(EXIT_USAGE)
+    if log_level not in ("warning", "info", "debug"):
+        error(f"--log-level must be warning, info or debug, got {log_level!r}", "usage")
+        raise typer.Exit(EXIT_USAGE)
+    if api_key is not None and not api_key.strip():
+        error("--api-key is empty", "usage")
+        raise typer.Exit(EXIT_USAGE)
+    model_dir, draft_dir = _model_dirs(model, draft)
+    # the address first: a port in use is found before the model loads
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)  # connections made while the model loads wait for it
+    except OSError as e:
+        error(f"cannot listen on {host}:{port}: {e.strerror or e} (pick another --port or --host)", "usage")
+        raise typer.Exit(EXIT_USAGE) from None
+    llm = _load_llm(model_dir, draft_dir, on_fail=sock.close, device=device, kv_cache_dtype=kv_cache,
+                    quantization=quantization, num_speculative_tokens=k, seed=seed,
+                    gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens)
+    name = served_model_name or Path(model_dir).name
+    cfg = ServerConfig(name, Limits(image_root=image_root, max_images=max_images,
+                                    max_bytes=int(max_request_mb * (1 << 20))),
+                       api_key=api_key, max_request_bytes=int(max_request_mb * (1 << 20)),
+                       max_model_len=llm.max_model_len)
+    where = sock.getsockname()
+    shown_host = f"[{where[0]}]" if family == socket.AF_INET6 else where[0]
+    out_console.print(escape(f"docproc serve: {name} at http://{shown_host}:{where[1]}/v1 "
+                             f"(Ctrl-C or SIGTERM stops after the requests in flight)"), soft_wrap=True)
+    sys.stdout.flush()
+    try:
+        code = serve(llm, cfg, sock, log_level)
+    finally:
+        llm.close()
+    raise typer.Exit(code)
 
 
 @app.command()

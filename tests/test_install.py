@@ -65,3 +65,13 @@ def test_a_caller_expecting_hugging_faces_kernels_is_told_the_fix():
     with pytest.raises(ImportError, match=r"transformers<5\.25.*pip uninstall -y kernels"):
         from kernels import CUDAProperties  # noqa: F401
     assert not hasattr(kernels, "__wrapped__") and getattr(kernels, "anything_else", None) is None
+
+
+def test_every_package_is_installed():
+    """pyproject lists its packages by hand (`kernels` is also a Hugging Face distribution's name):
+    a package left out works from a checkout (`pip install -e`) and is missing from a wheel."""
+    tomllib = pytest.importorskip("tomllib")
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.relative_to(ROOT).parent.parts) for top in ("docproc", "kernels")
+             for p in (ROOT / top).rglob("__init__.py") if "assets" not in p.parts}
+    assert found - listed == set()

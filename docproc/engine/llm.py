@@ -446,6 +446,23 @@ class LLM:
         seq.finish_time = now
         return True
 
+    def cancel(self, seq: Sequence) -> bool:
+        """Stop a sequence its caller no longer wants, between steps. One that holds no place in a
+        step in flight leaves now (its blocks go back to the pool; the K/V it computed stays in
+        the prefix cache) and True is returned; one inside an overlapped step still in flight is
+        marked and stops at that step's token (LLM.step returns it, finish_reason "abort")."""
+        if seq.is_finished:
+            return True
+        seq.cancelled = True
+        pending = self.overlap.pending
+        if pending is not None and any(sc.seq is seq for sc in pending.scheduled):
+            return False
+        self.scheduler.finish(seq, "abort")
+        if self.speculator is not None:
+            self.speculator.release(seq)
+        seq.finish_time = time.perf_counter()
+        return True
+
     def count_step(self, tokens: int, seconds: float, decode: bool) -> None:
         self.num_steps += 1
         self.num_step_tokens += tokens

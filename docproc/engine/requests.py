@@ -66,7 +66,9 @@ def make_sequence(processor, prompt: PromptType, sp: SamplingParams, request_id:
 
 def stop_reason(seq: Sequence, token: int, eos_ids: set[int], tokenizer, max_model_len: int) -> str | None:
     """"stop" (EOS, or a stop string in the text), "length" (max_tokens, max_model_len) or None;
-    what stopped it goes to seq.stop_reason."""
+    what stopped it goes to seq.stop_reason; "abort" for a sequence its caller cancelled."""
+    if seq.cancelled:
+        return "abort"
     sp: SamplingParams = seq.sampling
     if seq.grammar is not None and seq.grammar.is_terminated():  # the constraint is complete
         seq.stop_reason = token

@@ -62,6 +62,7 @@ class Sequence:
         self.sampling = None
         self.generator = None
         self.grammar = None  # a structured-output request's grammar matcher (engine/structured.py)
+        self.cancelled = False  # its caller gave it up (LLM.cancel): it stops at its next token
         # text position offset of tokens after the last image (M-RoPE): pos(i) = i + mrope_delta
         self.mrope_delta = sum(im.position_span - im.num_tokens for im in self.images)
         for a, b in zip(self.images, self.images[1:]):

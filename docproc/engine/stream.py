@@ -5,7 +5,7 @@ continuous batching takes them in); `LLM.generate` is one stream filled at once 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence as Seq
 
 import torch
@@ -31,6 +31,7 @@ class _Request:
     prompt: PromptType
     params: SamplingParams
     samples: list  # one RequestOutput per sequence (n of them), None until it finishes
+    seqs: list = field(default_factory=list)  # its sequences (for cancel and progress)
 
 
 class RequestStream:
@@ -41,12 +42,14 @@ class RequestStream:
         self._next_id = 0
         self.unfinished = 0  # requests added and not yet handed back
 
-    def add(self, prompts: Seq[PromptType], params: Seq[SamplingParams], tags: Seq[Any]) -> None:
+    def add(self, prompts: Seq[PromptType], params: Seq[SamplingParams], tags: Seq[Any]) -> list:
         """Queue requests (each with the tag it comes back with). A prompt the engine cannot take
         comes back from the next step as an error output; an exception here leaves nothing of
-        this call queued."""
+        this call queued. Returns a handle per request (for cancel and progress; None for a
+        refused one)."""
         memo: dict = {}  # one conversion per image object among these prompts (they share pages)
-        added: list[int] = []
+        handles: list = []
+        unfinished, refused = self.unfinished, len(self._refused)
         try:
             for i, (prompt, sp, tag) in enumerate(zip(prompts, params, tags)):
                 if not isinstance(sp, SamplingParams):
@@ -59,15 +62,52 @@ class RequestStream:
                                           self.llm._matcher) for one in sp.sequences()]
                 except PromptError as e:
                     self._refused.append((tag, error_output(rid, prompt, [], str(e))))
+                    handles.append(None)
                     continue
-                req = _Request(tag, prompt, sp, [None] * len(seqs))
+                req = _Request(tag, prompt, sp, [None] * len(seqs), seqs)
+                handles.append(req)
                 for j, seq in enumerate(seqs):
                     self._running[seq.seq_id] = (req, j)
-                    added.append(seq.seq_id)
                     self.llm.scheduler.add(seq)
         except BaseException:
-            self.abort()  # none of this call's requests stays queued
+            # none of this call's requests stays queued (they are all still waiting); earlier ones run on
+            for req in handles:
+                for seq in req.seqs if req is not None else ():
+                    self._running.pop(seq.seq_id, None)
+                    if not seq.is_finished:
+                        self.llm.scheduler.finish(seq, "abort")
+            del self._refused[refused:]
+            self.unfinished = unfinished
             raise
+        return handles
+
+    def cancel(self, handle: _Request) -> None:
+        """Give a request up (a client that went away): its sequences leave the engine now, or at
+        the token of a step already in flight (LLM.cancel); it comes back from a step as usual,
+        with finish_reason "abort" where it was cut short."""
+        llm = self.llm
+        for j, seq in enumerate(handle.seqs):
+            if seq.seq_id not in self._running or seq.is_finished:
+                continue
+            if llm.cancel(seq):
+                self._running.pop(seq.seq_id)
+                self._sample_done(handle, j, seq, self._refused)
+
+    def progress(self, handle: _Request) -> list[list[int]]:
+        """The tokens each of a running request's sequences has generated so far (a token still
+        being computed by an overlapped step not among them)."""
+        pending = self.llm.overlap.pending
+        inflight = {id(sc.seq) for sc in pending.scheduled} if pending is not None else ()
+        out = []
+        for seq in handle.seqs:
+            ids = seq.generated_token_ids
+            out.append(ids[:-1] if ids and id(seq) in inflight and not seq.is_finished else ids)
+        return out
+
+    def _sample_done(self, req: _Request, j: int, seq, done: list) -> None:
+        req.samples[j] = request_output(seq, req.prompt, self.llm.tokenizer)
+        if all(s is not None for s in req.samples):  # its last sample
+            done.append((req.tag, merge_samples(req.samples, req.params.n)))
 
     def step(self) -> list[tuple[Any, RequestOutput]]:
         """Run one engine step (none when nothing runs); the requests that finished, with their tags."""
@@ -82,10 +122,9 @@ class RequestStream:
                 if where is None:
                     continue
                 req, j = where
-                req.samples[j] = request_output(seq, req.prompt, llm.tokenizer)
-                if all(s is not None for s in req.samples):  # its last sample
-                    done.append((req.tag, merge_samples(req.samples, req.params.n)))
-                    self.unfinished -= 1
+                before = len(done)
+                self._sample_done(req, j, seq, done)
+                self.unfinished -= len(done) - before
         except BaseException as e:
             self.abort()  # the engine stays usable for the caller's next requests
             if is_device_failure(e):

@@ -1,5 +1,5 @@
-"""OpenAI's request and response shapes, for `docproc run-batch`: a `/v1/chat/completions` or
-`/v1/completions` body becomes one engine request (a prompt made by the model's chat template,
+"""OpenAI's request and response shapes, for `docproc run-batch` and `docproc serve`: a
+`/v1/chat/completions` or `/v1/completions` body becomes one engine request (a prompt made by the model's chat template,
 with its images, and its SamplingParams); an engine output becomes a `chat.completion` or `text_completion` body.
 
 Images come as `image_url` parts: `data:` URLs, or local files (`file://` URLs or paths) under the
@@ -7,7 +7,7 @@ root the user names; nothing is fetched over the network. A PDF comes as OpenAI'
 (`{"type": "file", "file": {"file_data": "data:application/pdf;base64,..."}}`, or a local file's
 URL or path in `file_data`, under the root): its pages become images, in order. Every problem
 with a body is a RequestError naming the field (the batch writes it as that line's error and goes
-on).
+on; the server answers 400).
 """
 from __future__ import annotations
 
@@ -55,18 +55,32 @@ class Parsed:
     params: SamplingParams
     model: str | None
     pixels: int = 0  # the request's images, decoded (what it holds in memory while queued)
+    stream: bool = False  # answer in chunks (server-sent events)
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
 
 
-def parse(url: object, body: object, limits: Limits, render) -> Parsed:
-    """render: the engine's chat prompt (LLM.chat_prompt: the model's chat template)."""
+def parse(url: object, body: object, limits: Limits, render, streaming: bool = False) -> Parsed:
+    """render: the engine's chat prompt (LLM.chat_prompt: the model's chat template); streaming:
+    whether `stream: true` can be answered (the server: yes; a batch file: no)."""
     if url not in (CHAT, COMPLETIONS):
         raise RequestError(f"url {url!r} is not served: {CHAT} or {COMPLETIONS}")
     if not isinstance(body, dict):
         raise RequestError(f"body must be an object, got {type(body).__name__}")
     for key, neutral in UNSUPPORTED.items():
         value = body.get(key)
+        if streaming and key == "stream":
+            if value is not None and not isinstance(value, bool):
+                raise RequestError("stream must be true or false")
+            continue
         if value is not None and value != neutral and value != [] and value != {}:
-            raise RequestError(f"{key} is not supported by docproc run-batch")
+            raise RequestError(f"{key} is not supported by docproc" + ("" if streaming else " run-batch"))
+    stream = bool(body.get("stream")) if streaming else False
+    include_usage = False
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise RequestError("stream_options must be an object")
+        include_usage = bool(opts.get("include_usage"))
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError("model must be a string")
@@ -84,7 +98,7 @@ def parse(url: object, body: object, limits: Limits, render) -> Parsed:
             prompt = prompt[0]
         if not isinstance(prompt, str) or not prompt:
             raise RequestError("prompt must be a non-empty string (one prompt per line)")
-    return Parsed(url, prompt, params, model, pixels)
+    return Parsed(url, prompt, params, model, pixels, stream, include_usage)
 
 
 def sampling(body: dict) -> SamplingParams:
@@ -100,6 +114,10 @@ def sampling(body: dict) -> SamplingParams:
     stop = body.get("stop")
     if stop is not None:
         kw["stop"] = stop
+    if body.get("ignore_eos") is not None:  # vLLM's extension: generate max_tokens whatever comes
+        if not isinstance(body["ignore_eos"], bool):
+            raise RequestError("ignore_eos must be true or false")
+        kw["ignore_eos"] = body["ignore_eos"]
     rf = body.get("response_format")
     if rf is not None:
         kw["structured_outputs"] = response_format(rf)

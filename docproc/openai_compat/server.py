@@ -1,0 +1,562 @@
+"""`docproc serve`: the engine behind OpenAI's HTTP API (`/v1/chat/completions`, `/v1/completions`,
+`/v1/models`), with `/health` and Prometheus `/metrics`.
+
+One thread owns the engine (EngineLoop): requests join its RequestStream between steps and leave
+as they finish, so concurrent clients share the engine's continuous batching, its prefix cache and
+its vision cache. The HTTP side (Starlette on uvicorn, in the main thread) reads and checks a body
+(protocol.parse, in a worker thread: images are read and PDFs rendered there), hands the request
+to the loop and waits for its events: the tokens so far after each step (streamed as server-sent
+events) and the finished output. A client that goes away cancels its request. Bad input is a 4xx
+with OpenAI's error body; SIGTERM or Ctrl-C stops taking connections, lets the requests in flight
+finish, and exits.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import hmac
+import json
+import queue
+import sys
+import threading
+import time
+import traceback
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from docproc.openai_compat.protocol import CHAT, COMPLETIONS, Limits, Parsed, RequestError, parse, response_body
+
+IN_FLIGHT = 256  # requests in the engine at once; more wait in the loop's queue
+PIXELS_IN_FLIGHT = 400_000_000  # and their images' pixels
+MAX_QUEUED = 1024  # requests waiting for the engine before new ones get 429
+MAX_QUEUED_BYTES = 2 << 30  # and their bodies' bytes
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+@dataclass
+class Job:
+    """One HTTP request inside the engine loop. Events reach the handler through `events`:
+    ("tokens", [ids per choice]) after a step that grew it (streaming requests only),
+    ("done", RequestOutput), or ("error", HTTPError)."""
+
+    parsed: Parsed
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    nbytes: int = 0
+    handle: Any = None  # RequestStream's, once it is in the engine
+    sent: list = field(default_factory=list)  # token counts last posted, per choice
+    arrival: float = field(default_factory=time.perf_counter)
+
+    def post(self, event: tuple) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop has closed (the server is gone)
+            pass
+
+
+class Histogram:
+    def __init__(self, buckets: tuple) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
+
+    def observe(self, v: float) -> None:
+        self.sum += v
+        for i, b in enumerate(self.buckets):
+            if v <= b:
+                self.counts[i] += 1
+                return
+        self.counts[-1] += 1
+
+    def lines(self, name: str) -> list[str]:
+        out, acc = [f"# TYPE {name} histogram"], 0
+        for b, c in zip(self.buckets, self.counts):
+            acc += c
+            out.append(f'{name}_bucket{{le="{b}"}} {acc}')
+        acc += self.counts[-1]
+        out += [f'{name}_bucket{{le="+Inf"}} {acc}', f"{name}_sum {self.sum:.6f}", f"{name}_count {acc}"]
+        return out
+
+
+class EngineLoop:
+    """The thread that runs the engine: takes submitted jobs in between steps (at most IN_FLIGHT
+    and PIXELS_IN_FLIGHT in the engine; the rest wait here, first come first served), runs a step
+    whenever anything is in the engine, and posts each job's events."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("submit", job), ("cancel", job), ("stop", None)
+        self._thread = threading.Thread(target=self._run, name="docproc-engine", daemon=True)
+        self.failure: str | None = None  # the device failed: the loop stopped
+        self.on_failure = None  # called (from the loop's thread) when it stops for a failure
+        self.queued = 0  # jobs submitted and not yet in the engine
+        self.queued_bytes = 0
+        self.running = 0  # jobs in the engine
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.finished: dict[str, int] = {}  # finish_reason -> requests
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.latency = Histogram(LATENCY_BUCKETS)
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.failure is None
+
+    def submit(self, job: Job) -> None:
+        if not self.alive:
+            raise HTTPError(503, self.failure or "the engine is not running", "server_error")
+        with self._lock:
+            if self.queued >= MAX_QUEUED or self.queued_bytes + job.nbytes > MAX_QUEUED_BYTES:
+                raise HTTPError(429, f"{self.queued} requests are waiting for the engine: retry later",
+                                "rate_limit_error")
+            self.queued += 1
+            self.queued_bytes += job.nbytes
+        self._inbox.put(("submit", job))
+
+    def cancel(self, job: Job) -> None:
+        self._inbox.put(("cancel", job))
+
+    # ---- the engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        from docproc.engine.stream import RequestStream
+        from docproc.errors import DeviceUnavailable
+
+        stream = RequestStream(self.llm)
+        waiting: deque[Job] = deque()
+        live: dict[int, Job] = {}  # id(job) -> job, in the engine
+        pixels = 0
+        stopping = False
+        while True:
+            items = []
+            if not live and not waiting and not stream.unfinished:
+                if stopping:
+                    return
+                items.append(self._inbox.get())  # nothing to do: wait for a request
+            while True:
+                try:
+                    items.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for kind, job in items:
+                if kind == "stop":
+                    stopping = True
+                elif kind == "submit":
+                    waiting.append(job)
+                elif kind == "cancel":
+                    if job.handle is not None and id(job) in live:
+                        stream.cancel(job.handle)
+                    elif job in waiting:
+                        waiting.remove(job)
+                        self._dequeued(job)
+            # into the engine while there is room
+            while waiting and (not live or (len(live) < IN_FLIGHT
+                                            and pixels + waiting[0].parsed.pixels <= PIXELS_IN_FLIGHT)):
+                job = waiting.popleft()
+                self._dequeued(job)
+                try:
+                    job.handle = stream.add([job.parsed.prompt], [job.parsed.params], [id(job)])[0]
+                except Exception as e:  # noqa: BLE001 - a request the engine cannot take: its own 400
+                    job.post(("error", HTTPError(400, f"{type(e).__name__}: {e}")))
+                    continue
+                job.sent = [0] * job.parsed.params.n
+                live[id(job)] = job
+                pixels += job.parsed.pixels
+                self.running = len(live)
+            if not stream.unfinished:
+                continue
+            try:
+                done = stream.step()
+            except DeviceUnavailable as e:
+                self.failure = str(e)
+                for job in [*live.values(), *waiting]:
+                    job.post(("error", HTTPError(503, self.failure, "server_error")))
+                live.clear()
+                waiting.clear()
+                self.running = 0
+                if self.on_failure is not None:
+                    self.on_failure(self.failure)
+                return
+            except Exception as e:  # noqa: BLE001 - a bug: these requests fail (500), the server goes on
+                traceback.print_exc(file=sys.stderr)
+                for job in live.values():
+                    job.post(("error", HTTPError(500, f"internal error: {type(e).__name__}: {e}", "server_error")))
+                live.clear()
+                pixels = 0
+                self.running = 0
+                continue
+            now = time.perf_counter()
+            for tag, out in done:
+                job = live.pop(tag, None)
+                if job is None:
+                    continue
+                pixels -= job.parsed.pixels
+                self._account(job, out, now)
+                job.post(("done", out))
+            self.running = len(live)
+            for job in live.values():
+                if job.parsed.stream and job.handle is not None:
+                    ids = stream.progress(job.handle)
+                    counts = [len(x) for x in ids]
+                    if counts != job.sent:
+                        job.sent = counts
+                        job.post(("tokens", [list(x) for x in ids]))
+
+    def _dequeued(self, job: Job) -> None:
+        with self._lock:
+            self.queued -= 1
+            self.queued_bytes -= job.nbytes
+
+    def _account(self, job: Job, out, now: float) -> None:
+        if out.error is not None:
+            self.finished["error"] = self.finished.get("error", 0) + 1
+            return
+        self.prompt_tokens += len(out.prompt_token_ids)
+        for c in out.outputs:
+            self.generation_tokens += len(c.token_ids)
+            self.finished[c.finish_reason or "stop"] = self.finished.get(c.finish_reason or "stop", 0) + 1
+        ttft = out.metrics.time_to_first_token if out.metrics is not None else None
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        self.latency.observe(now - job.arrival)
+
+
+class TextDelta:
+    """A choice's text as its tokens arrive: each update returns the new text, decoded over a
+    window of the last tokens (a token that ends inside a UTF-8 character waits for the next),
+    and holds back the last `hold` characters, where a stop string may be starting."""
+
+    def __init__(self, tokenizer, hold: int) -> None:
+        self.tok = tokenizer
+        self.hold = hold
+        self.prefix = 0  # token offsets of the decoding window
+        self.read = 0
+        self.text = ""  # decoded so far
+        self.sent = 0  # characters of text already sent
+
+    def update(self, ids: list[int]) -> str:
+        if len(ids) > self.read:
+            head = self.tok.decode(ids[self.prefix:self.read], skip_special_tokens=True)
+            full = self.tok.decode(ids[self.prefix:], skip_special_tokens=True)
+            if len(full) > len(head) and not full.endswith("\ufffd"):
+                self.text += full[len(head):]
+                self.prefix, self.read = self.read, len(ids)
+        end = max(self.sent, len(self.text) - self.hold)
+        delta, self.sent = self.text[self.sent:end], end
+        return delta
+
+    def finish(self, final: str) -> str:
+        """The rest of the final text (the engine's, stop strings cut off), after what was sent."""
+        return final[self.sent:]
+
+
+@dataclass
+class ServerConfig:
+    model_name: str
+    limits: Limits
+    api_key: str | None = None
+    max_request_bytes: int = 32 << 20
+    max_model_len: int = 0
+
+
+def error_body(e: HTTPError) -> dict:
+    return {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.status}}
+
+
+def build_app(engine: EngineLoop, cfg: ServerConfig):
+    """The Starlette application (routes, error bodies, key check, metrics)."""
+    from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    llm = engine.llm
+    tokenizer = copy.deepcopy(llm.tokenizer)  # the handlers' own: the engine's is in use in its thread
+    counts: dict[tuple[str, int], int] = {}
+    served = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+
+    def count(path: str, status: int) -> None:
+        key = (path if path in served else "other", status)
+        counts[key] = counts.get(key, 0) + 1
+
+    def answer_error(e: HTTPError, path: str) -> JSONResponse:
+        count(path, e.status)
+        return JSONResponse(error_body(e), status_code=e.status)
+
+    def check_key(request: Request) -> None:
+        if cfg.api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        token = got[7:] if got[:7].lower() == "bearer " else ""
+        if not hmac.compare_digest(token.encode(), cfg.api_key.encode()):
+            raise HTTPError(401, "a valid API key is needed: Authorization: Bearer KEY", "authentication_error")
+
+    async def read_json(request: Request) -> tuple[Any, int]:
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > cfg.max_request_bytes:
+            raise HTTPError(413, f"the request is larger than {cfg.max_request_bytes} bytes")
+        chunks, n = [], 0
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > cfg.max_request_bytes:
+                raise HTTPError(413, f"the request is larger than {cfg.max_request_bytes} bytes")
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        try:
+            body = json.loads(raw)
+            json.dumps(body, ensure_ascii=False).encode()  # lone surrogates (\ud800) are not text
+        except (ValueError, UnicodeError, RecursionError) as e:
+            raise HTTPError(400, f"the body is not JSON text ({type(e).__name__})") from None
+        return body, n
+
+    async def completions(request: Request) -> Response:
+        path = request.url.path
+        kind = CHAT if path.endswith("/chat/completions") else COMPLETIONS
+        try:
+            check_key(request)
+            body, nbytes = await read_json(request)
+            try:
+                parsed = await run_in_threadpool(parse, kind, body, cfg.limits, llm.chat_prompt, True)
+            except RequestError as e:
+                raise HTTPError(400, str(e)) from None
+            job = Job(parsed, asyncio.get_running_loop(), asyncio.Queue(), nbytes)
+            engine.submit(job)
+        except HTTPError as e:
+            return answer_error(e, path)
+        rid = uuid.uuid4().hex[:24]
+        if parsed.stream:
+            count(path, 200)
+            return StreamingResponse(stream_events(job, rid), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await whole_answer(request, job, rid)
+
+    async def whole_answer(request: Request, job: Job, rid: str) -> Response:
+        gone = asyncio.ensure_future(wait_disconnect(request))
+        try:
+            while True:
+                got = asyncio.ensure_future(job.events.get())
+                await asyncio.wait({got, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not got.done():
+                    got.cancel()
+                    engine.cancel(job)
+                    return Response(status_code=499)  # nobody reads it
+                kind, value = got.result()
+                if kind == "error":
+                    return answer_error(value, request.url.path)
+                if kind == "done":
+                    if value.error is not None:
+                        return answer_error(HTTPError(400, value.error), request.url.path)
+                    count(request.url.path, 200)
+                    return JSONResponse(response_body(job.parsed, value, cfg.model_name, rid))
+        finally:
+            gone.cancel()
+
+    async def wait_disconnect(request: Request) -> None:
+        while True:
+            message = await request.receive()
+            if message.get("type") == "http.disconnect":
+                return
+
+    def chunk(job: Job, rid: str, created: int, choices: list, usage: dict | None = None) -> str:
+        if job.parsed.kind == CHAT:
+            body = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created,
+                    "model": cfg.model_name, "choices": choices}
+        else:
+            body = {"id": f"cmpl-{rid}", "object": "text_completion", "created": created, "model": cfg.model_name,
+                    "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def choice(job: Job, index: int, text: str, finish: str | None, first: bool = False) -> dict:
+        if job.parsed.kind == CHAT:
+            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
+        return {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
+
+    async def stream_events(job: Job, rid: str):
+        created = int(time.time())
+        params = job.parsed.params
+        hold = max((len(s) for s in params.stop), default=1) - 1 if params.stop else 0
+        deltas = [TextDelta(tokenizer, hold) for _ in range(params.n)]
+        done = False
+        try:
+            if job.parsed.kind == CHAT:
+                yield chunk(job, rid, created, [choice(job, j, "", None, first=True) for j in range(params.n)])
+            while True:
+                kind, value = await job.events.get()
+                while kind == "tokens" and not job.events.empty():  # only the latest counts
+                    kind, value = job.events.get_nowait()
+                if kind == "tokens":
+                    parts = [choice(job, j, t, None) for j, ids in enumerate(value)
+                             if (t := deltas[j].update(ids))]
+                    if parts:
+                        yield chunk(job, rid, created, parts)
+                    continue
+                done = True
+                if kind == "error":
+                    yield f"data: {json.dumps(error_body(value))}\n\n"
+                    break
+                if value.error is not None:
+                    yield f"data: {json.dumps(error_body(HTTPError(400, value.error)))}\n\n"
+                    break
+                parts = [choice(job, c.index, deltas[c.index].finish(c.text), c.finish_reason) for c in value.outputs]
+                yield chunk(job, rid, created, parts)
+                if job.parsed.include_usage:
+                    usage = response_body(job.parsed, value, cfg.model_name, rid)["usage"]
+                    yield chunk(job, rid, created, [], usage)
+                break
+            yield "data: [DONE]\n\n"
+        finally:
+            if not done:
+                engine.cancel(job)  # the client went away
+
+    async def models(request: Request) -> Response:
+        try:
+            check_key(request)
+        except HTTPError as e:
+            return answer_error(e, request.url.path)
+        count(request.url.path, 200)
+        return JSONResponse({"object": "list", "data": [
+            {"id": cfg.model_name, "object": "model", "created": int(START), "owned_by": "docproc",
+             "max_model_len": cfg.max_model_len}]})
+
+    async def health(request: Request) -> Response:
+        if engine.alive:
+            return PlainTextResponse("ok\n")
+        return PlainTextResponse(f"unavailable: {engine.failure or 'the engine stopped'}\n", status_code=503)
+
+    async def metrics(request: Request) -> Response:
+        return PlainTextResponse(metrics_text(engine, counts), media_type="text/plain; version=0.0.4")
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        status = getattr(exc, "status_code", 404)
+        message = {404: f"{request.url.path} is not served", 405: f"{request.method} is not allowed on "
+                   f"{request.url.path}"}.get(status, getattr(exc, "detail", "bad request"))
+        return answer_error(HTTPError(status, message), request.url.path)
+
+    async def internal(request: Request, exc: Exception) -> Response:
+        traceback.print_exception(exc, file=sys.stderr)
+        return answer_error(HTTPError(500, f"internal error: {type(exc).__name__}", "server_error"),
+                            request.url.path)
+
+    routes = [Route("/v1/chat/completions", completions, methods=["POST"]),
+              Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/models", models, methods=["GET"]),
+              Route("/health", health, methods=["GET"]),
+              Route("/metrics", metrics, methods=["GET"])]
+    return Starlette(routes=routes, exception_handlers={StarletteHTTPException: not_found, Exception: internal})
+
+
+START = time.time()
+
+
+def metrics_text(engine: EngineLoop, counts: dict) -> str:
+    """Prometheus' text format: requests by endpoint and status, tokens, finish reasons, latency
+    histograms, speculation, KV cache use, prefix and vision cache hits."""
+    llm = engine.llm
+    lines = ["# TYPE docproc_http_requests_total counter"]
+    for (path, status), n in sorted(counts.items()):
+        lines.append(f'docproc_http_requests_total{{path="{path}",status="{status}"}} {n}')
+    lines += ["# TYPE docproc_requests_running gauge", f"docproc_requests_running {engine.running}",
+              "# TYPE docproc_requests_waiting gauge", f"docproc_requests_waiting {engine.queued}",
+              "# TYPE docproc_prompt_tokens_total counter", f"docproc_prompt_tokens_total {engine.prompt_tokens}",
+              "# TYPE docproc_generation_tokens_total counter",
+              f"docproc_generation_tokens_total {engine.generation_tokens}",
+              "# TYPE docproc_request_finished_total counter"]
+    for reason, n in sorted(engine.finished.items()):
+        lines.append(f'docproc_request_finished_total{{finish_reason="{reason}"}} {n}')
+    lines += engine.ttft.lines("docproc_time_to_first_token_seconds")
+    lines += engine.latency.lines("docproc_request_latency_seconds")
+    bm = llm.block_manager
+    usable = max(1, bm.num_blocks)
+    lines += ["# TYPE docproc_kv_cache_usage gauge",
+              f"docproc_kv_cache_usage {max(0.0, 1 - bm.num_free_blocks / usable):.6f}",
+              "# TYPE docproc_prefix_cache_query_tokens_total counter",
+              f"docproc_prefix_cache_query_tokens_total {bm.stats.num_query_tokens}",
+              "# TYPE docproc_prefix_cache_hit_tokens_total counter",
+              f"docproc_prefix_cache_hit_tokens_total {bm.stats.num_hit_tokens}",
+              "# TYPE docproc_prefix_cache_hit_rate gauge",
+              f"docproc_prefix_cache_hit_rate {_rate(bm.stats.num_hit_tokens, bm.stats.num_query_tokens)}"]
+    enc = llm.runner.encoder_cache.stats
+    lines += ["# TYPE docproc_vision_cache_lookups_total counter",
+              f"docproc_vision_cache_lookups_total {enc.num_lookups}",
+              "# TYPE docproc_vision_cache_hits_total counter", f"docproc_vision_cache_hits_total {enc.num_hits}"]
+    if llm.speculator is not None:
+        st = llm.speculator.stats
+        lines += ["# TYPE docproc_spec_draft_tokens_total counter", f"docproc_spec_draft_tokens_total {st.proposed}",
+                  "# TYPE docproc_spec_accepted_tokens_total counter",
+                  f"docproc_spec_accepted_tokens_total {st.accepted}",
+                  "# TYPE docproc_spec_acceptance_rate gauge",
+                  f"docproc_spec_acceptance_rate {_rate(st.accepted, st.proposed)}"]
+    lines.append("# TYPE docproc_engine_up gauge")
+    lines.append(f"docproc_engine_up {int(engine.alive)}")
+    return "\n".join(lines) + "\n"
+
+
+def _rate(num: int, den: int) -> str:
+    return f"{num / den:.6f}" if den else "NaN"
+
+
+def serve(llm, cfg: ServerConfig, sock, log_level: str = "warning") -> int:
+    """Run the server on a bound socket until SIGINT/SIGTERM (the requests in flight finish first;
+    a second signal stops at once) or a device failure. Returns the exit code: 0 when stopped by
+    a signal, 4 when the device failed."""
+    import signal
+
+    import uvicorn
+
+    engine = EngineLoop(llm)
+    app = build_app(engine, cfg)
+
+    class _Server(uvicorn.Server):
+        def capture_signals(self):  # ours below: drain on the first signal, no re-raise after
+            import contextlib
+
+            return contextlib.nullcontext()
+
+    server = _Server(uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="off",
+                                    timeout_keep_alive=5))
+    failed: list[str] = []
+
+    def on_failure(message: str) -> None:
+        failed.append(message)
+        server.should_exit = True
+
+    def on_signal(signum, frame) -> None:
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
+    engine.on_failure = on_failure
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    engine.start()
+    try:
+        asyncio.run(server.serve(sockets=[sock]))
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        engine.stop(timeout=None if not failed else 5)
+    if failed:
+        print(f"error: {failed[0]}", file=sys.stderr)
+        return 4
+    return 0
+

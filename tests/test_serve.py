@@ -1,0 +1,249 @@
+"""docproc serve: a real server process (CPU, the bundled model) answering the `openai` client."""
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import io
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+from docproc import LLM, SamplingParams  # noqa: E402
+from docproc.pipeline.settings import bundled_model  # noqa: E402
+
+pytestmark = pytest.mark.slow
+MODEL = bundled_model("target")
+KEY = "sk-test-key"
+
+
+def png(seed: int, w: int = 112, h: int = 84) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def data_url(raw: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(raw).decode()
+
+
+def start(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """A `docproc serve --port 0` process and its base URL (read from its first line)."""
+    proc = subprocess.Popen([sys.executable, "-m", "docproc", "serve", "--port", "0", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "COLUMNS": "200", **(env or {})})
+    line = proc.stdout.readline()
+    m = re.search(r"http://[\d.]+:\d+", line)
+    if m is None:
+        proc.kill()
+        raise AssertionError(f"no address in {line!r}: {proc.stderr.read()}")
+    return proc, m.group(0)
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, base = start("--api-key", KEY)
+    yield proc, base
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[1] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return LLM(str(MODEL), device="cpu")
+
+
+def messages(seed: int, question: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png(seed))}},
+                                         {"type": "text", "text": question}]}]
+
+
+def post(base: str, path: str, body: bytes | str, key: str | None = KEY, method: str = "POST") -> tuple[int, dict]:
+    req = urllib.request.Request(base + path, data=body.encode() if isinstance(body, str) else body, method=method,
+                                 headers={"Content-Type": "application/json",
+                                          **({"Authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def metric(base: str, name: str) -> float:
+    text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_chat_answers_equal_the_engine_alone_and_among_16_concurrent(client, reference):
+    """Greedy chat completions with an image as a data: URL: the text equals LLM.chat's for the
+    same messages, for one request and for each of 16 sent at once (different pages and
+    questions; two of them the same page, which the engine encodes once)."""
+    questions = ["What is the total?", "Who is the vendor?", "What is the invoice number?", "Which currency?"]
+    convs = [messages(i % 15, questions[i % 4]) for i in range(16)]
+    expected = [o.outputs[0].text for o in reference.chat(convs, SamplingParams(temperature=0, max_tokens=12))]
+
+    one = client.chat.completions.create(model="whatever", messages=convs[0], max_tokens=12, temperature=0)
+    assert one.choices[0].message.content == expected[0]
+    assert one.object == "chat.completion" and one.usage.completion_tokens > 0
+
+    def ask(conv):
+        r = client.chat.completions.create(model="target", messages=conv, max_tokens=12, temperature=0)
+        return r.choices[0].message.content
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(ask, convs))
+    assert got == expected
+
+
+def test_streaming_yields_the_same_text_in_chunks(client):
+    kw = dict(model="target", messages=messages(3, "Describe the page."), max_tokens=24, temperature=0)
+    whole = client.chat.completions.create(**kw).choices[0].message.content
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    texts = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert "".join(texts) == whole
+    assert sum(1 for t in texts if t) >= 2  # it came in pieces
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    # completions too, with a stop string: the streamed text ends where the whole one does
+    cw = client.completions.create(model="target", prompt="Invoice number:", max_tokens=30, temperature=0)
+    stop = cw.choices[0].text[4:6]
+    cw = client.completions.create(model="target", prompt="Invoice number:", max_tokens=30, temperature=0, stop=[stop])
+    parts = [c.choices[0].text for c in client.completions.create(model="target", prompt="Invoice number:",
+                                                                    max_tokens=30, temperature=0, stop=[stop],
+                                                                    stream=True)]
+    assert "".join(parts) == cw.choices[0].text and stop not in cw.choices[0].text
+
+
+def test_json_schema_answers_parse_and_match(client):
+    pytest.importorskip("xgrammar")
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "properties": {"total": {"type": "number"}, "currency": {"enum": ["EUR", "USD"]}},
+              "required": ["total", "currency"], "additionalProperties": False}
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model="target", messages=messages(seed, "Total and currency as JSON."), max_tokens=60, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": True}})
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
+def test_malformed_requests_get_4xx_and_the_server_goes_on(server, client):
+    base = server[1]
+    good = {"model": "target", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    cases = [
+        ("/v1/chat/completions", "{not json", 400),
+        ("/v1/chat/completions", json.dumps({**good, "messages": "hi"}), 400),
+        ("/v1/chat/completions", json.dumps({**good, "messages": [{"role": "wizard", "content": "x"}]}), 400),
+        ("/v1/chat/completions", json.dumps({**good, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}), 400),
+        ("/v1/chat/completions", json.dumps({**good, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]}), 400),
+        ("/v1/chat/completions", json.dumps({**good, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]}), 400),
+        ("/v1/chat/completions", json.dumps({**good, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}), 400),
+        ("/v1/chat/completions", json.dumps({**good, "max_tokens": -5}), 400),
+        ("/v1/chat/completions", json.dumps({**good, "temperature": "hot"}), 400),
+        ("/v1/chat/completions", json.dumps({**good, "tools": [{"type": "function"}]}), 400),
+        ("/v1/chat/completions", json.dumps({**good, "messages": [{"role": "user", "content": "x" * 100_000}]}), 400),
+        ("/v1/chat/completions", '"\\ud800"', 400),
+        ("/v1/chat/completions", "[" * 100_000, 400),
+        ("/v1/completions", json.dumps({"prompt": ""}), 400),
+        ("/v1/embeddings", json.dumps(good), 404),
+    ]
+    for path, body, status in cases:
+        code, err = post(base, path, body)
+        assert code == status, (path, body[:80], code, err)
+        assert err["error"]["message"] and err["error"]["code"] == status
+    host, port = base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:  # 413 from the header, before the body
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                  f"Content-Type: application/json\r\nContent-Length: {40 << 20}\r\n\r\n".encode())
+        assert s.recv(4096).startswith(b"HTTP/1.1 413")
+    assert post(base, "/v1/chat/completions", json.dumps(good), key="wrong")[0] == 401
+    assert post(base, "/v1/chat/completions", json.dumps(good), key=None)[0] == 401
+    assert post(base, "/v1/completions", "", method="GET")[0] == 405
+    assert urllib.request.urlopen(base + "/health", timeout=10).read() == b"ok\n"
+    r = client.chat.completions.create(model="target", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert r.choices[0].message.content is not None
+    assert metric(base, 'docproc_http_requests_total{path="/v1/chat/completions",status="400"}') >= 13
+
+
+def test_a_client_that_goes_away_cancels_its_request(server, client):
+    base = server[1]
+    before = metric(base, 'docproc_request_finished_total{finish_reason="abort"}')
+    stream = client.completions.create(model="target", prompt="Invoice", max_tokens=4000, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))
+    stream.close()
+    # and one that waits for a whole answer, timed out by its client
+    slow = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=1.5)
+    with pytest.raises(openai.APITimeoutError):
+        slow.completions.create(model="target", prompt="Total", max_tokens=4000, extra_body={"ignore_eos": True})
+    deadline = time.time() + 30
+    while time.time() < deadline and metric(base, 'docproc_request_finished_total{finish_reason="abort"}') < before + 2:
+        time.sleep(0.2)
+    assert metric(base, 'docproc_request_finished_total{finish_reason="abort"}') == before + 2
+    assert metric(base, "docproc_requests_running") == 0
+    assert metric(base, "docproc_generation_tokens_total") < 6000  # neither ran to its 4,000 tokens
+
+
+def test_sigterm_lets_the_request_in_flight_finish(tmp_path):
+    proc, base = start()
+    try:
+        blocked = socket.socket()
+        host, port = base.removeprefix("http://").split(":")
+        got = {}
+
+        def ask():
+            got["r"] = post(base, "/v1/completions", json.dumps({"prompt": "Invoice", "max_tokens": 300,
+                                                                  "ignore_eos": True, "temperature": 0}), key=None)
+
+        t = threading.Thread(target=ask)
+        t.start()
+        deadline = time.time() + 30
+        while metric(base, "docproc_requests_running") < 1 and time.time() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        t.join(120)
+        assert got["r"][0] == 200 and got["r"][1]["usage"]["completion_tokens"] == 300
+        assert proc.wait(60) == 0
+        with pytest.raises(OSError):  # no longer listening
+            blocked.connect((host, int(port)))
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_port_in_use_stops_before_the_model_loads():
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    r = subprocess.run([sys.executable, "-m", "docproc", "serve", "--port", str(taken.getsockname()[1]),
+                        "--model", "/nonexistent"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "cannot listen on" in r.stderr
+    taken.close()
