@@ -93,15 +93,18 @@ class RequestStream:
                 self._running.pop(seq.seq_id)
                 self._sample_done(handle, j, seq, self._refused)
 
-    def progress(self, handle: _Request) -> list[list[int]]:
-        """The tokens each of a running request's sequences has generated so far (a token still
-        being computed by an overlapped step not among them)."""
+    def progress(self, handles: list) -> list[list[list[int]]]:
+        """For each request (a handle add returned), the tokens each of its sequences has
+        generated so far (a token an overlapped step is still computing not among them)."""
         pending = self.llm.overlap.pending
         inflight = {id(sc.seq) for sc in pending.scheduled} if pending is not None else ()
         out = []
-        for seq in handle.seqs:
-            ids = seq.generated_token_ids
-            out.append(ids[:-1] if ids and id(seq) in inflight and not seq.is_finished else ids)
+        for handle in handles:
+            per = []
+            for seq in handle.seqs:
+                ids = seq.generated_token_ids
+                per.append(ids[:-1] if ids and id(seq) in inflight and not seq.is_finished else ids)
+            out.append(per)
         return out
 
     def _sample_done(self, req: _Request, j: int, seq, done: list) -> None:

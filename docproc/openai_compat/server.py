@@ -57,10 +57,24 @@ class Job:
     arrival: float = field(default_factory=time.perf_counter)
 
     def post(self, event: tuple) -> None:
+        post([(self, event)])
+
+
+def post(events: list[tuple[Job, tuple]]) -> None:
+    """Hand events to their jobs' event loops: one wake-up per loop, whatever their number."""
+    by_loop: dict = {}
+    for job, event in events:
+        by_loop.setdefault(job.loop, []).append((job, event))
+    for loop, items in by_loop.items():
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+            loop.call_soon_threadsafe(_deliver, items)
         except RuntimeError:  # the event loop has closed (the server is gone)
             pass
+
+
+def _deliver(items: list) -> None:
+    for job, event in items:
+        job.events.put_nowait(event)
 
 
 class Histogram:
@@ -202,21 +216,22 @@ class EngineLoop:
                 self.running = 0
                 continue
             now = time.perf_counter()
+            events = []
             for tag, out in done:
                 job = live.pop(tag, None)
                 if job is None:
                     continue
                 pixels -= job.parsed.pixels
                 self._account(job, out, now)
-                job.post(("done", out))
+                events.append((job, ("done", out)))
             self.running = len(live)
-            for job in live.values():
-                if job.parsed.stream and job.handle is not None:
-                    ids = stream.progress(job.handle)
-                    counts = [len(x) for x in ids]
-                    if counts != job.sent:
-                        job.sent = counts
-                        job.post(("tokens", [list(x) for x in ids]))
+            streaming = [job for job in live.values() if job.parsed.stream and job.handle is not None]
+            for job, ids in zip(streaming, stream.progress([job.handle for job in streaming])):
+                counts = [len(x) for x in ids]
+                if counts != job.sent:
+                    job.sent = counts
+                    events.append((job, ("tokens", [list(x) for x in ids])))
+            post(events)
 
     def _dequeued(self, job: Job) -> None:
         with self._lock:
@@ -397,14 +412,17 @@ def build_app(engine: EngineLoop, cfg: ServerConfig):
         params = job.parsed.params
         hold = max((len(s) for s in params.stop), default=1) - 1 if params.stop else 0
         deltas = [TextDelta(tokenizer, hold) for _ in range(params.n)]
-        done = False
+        done = started = False
         try:
-            if job.parsed.kind == CHAT:
-                yield chunk(job, rid, created, [choice(job, j, "", None, first=True) for j in range(params.n)])
             while True:
                 kind, value = await job.events.get()
                 while kind == "tokens" and not job.events.empty():  # only the latest counts
                     kind, value = job.events.get_nowait()
+                if not started and kind != "error" and job.parsed.kind == CHAT:
+                    # the role chunk comes with the first token, as the peers' servers send it: a
+                    # client's time to this chunk is its time to first token
+                    started = True
+                    yield chunk(job, rid, created, [choice(job, j, "", None, first=True) for j in range(params.n)])
                 if kind == "tokens":
                     parts = [choice(job, j, t, None) for j, ids in enumerate(value)
                              if (t := deltas[j].update(ids))]
