@@ -57,7 +57,7 @@ def child(model: str, draft: str | None, device: str, profile: str | None = None
         prof = cProfile.Profile()
         prof.enable()
     t1 = time.perf_counter()
-    llm = LLM(model, device=device, speculative_model=draft, num_speculative_tokens="auto" if draft else None)
+    llm = LLM(model, device=device, **({"speculative_model": draft, "num_speculative_tokens": "auto"} if draft else {}))
     t_llm = time.perf_counter() - t1
     if profile:
         import io
