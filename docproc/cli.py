@@ -752,15 +752,26 @@ def serve_cmd(
     if image_root is not None and not image_root.is_dir():
         error(f"--image-root {image_root} is not a folder", "usage")
         raise typer.Exit(EXIT_USAGE)
-    if max_request_mb <= 0 or max_images < 1:
-        error("--max-request-mb must be > 0 and --max-images >= 1", "usage")
+    if not 0.01 <= max_request_mb <= 4096:  # (nan is neither)
+        error(f"--max-request-mb must be a number from 0.01 to 4096, got {max_request_mb}", "usage")
+        raise typer.Exit(EXIT_USAGE)
+    if not 1 <= max_images <= 1024:
+        error(f"--max-images must be 1-1024, got {max_images}", "usage")
+        raise typer.Exit(EXIT_USAGE)
+    if not host.strip():
+        error("--host is empty: name an address (127.0.0.1, or 0.0.0.0 for every interface)", "usage")
         raise typer.Exit(EXIT_USAGE)
     if log_level not in ("warning", "info", "debug"):
         error(f"--log-level must be warning, info or debug, got {log_level!r}", "usage")
         raise typer.Exit(EXIT_USAGE)
-    if api_key is not None and not api_key.strip():
-        error("--api-key is empty", "usage")
-        raise typer.Exit(EXIT_USAGE)
+    if api_key is None and os.environ.get("DOCPROC_API_KEY") is not None:
+        api_key = os.environ["DOCPROC_API_KEY"]  # (an empty one reads as unset: it is refused below)
+    if api_key is not None:
+        api_key = api_key.strip()  # (a header's value is; a key file's newline is not part of it)
+        if not api_key:
+            error("the API key (--api-key or DOCPROC_API_KEY) is empty: give a key, or unset it to serve "
+                  "without one", "usage")
+            raise typer.Exit(EXIT_USAGE)
     model_dir, draft_dir = _model_dirs(model, draft)
     # the address first: a port in use is found before the model loads
     try:

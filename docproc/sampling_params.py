@@ -102,11 +102,16 @@ class StructuredOutputsParams:
         return f"{self.kind}:{value if isinstance(value, str) else json.dumps(value)}"
 
 
+MIN_TEMPERATURE = 1e-5  # a temperature below it decodes greedily
+MAX_TEMPERATURE = 1e4  # past it, masked (-inf) logits over it are not numbers in float32
+TEMPERATURE_RANGE = f"a number from 0 (greedy) to {MAX_TEMPERATURE:g}"
+
+
 @dataclass
 class SamplingParams:
     """How one request is decoded.
 
-    temperature 0 means greedy. top_k -1 and top_p 1.0 disable those filters. `stop` strings end
+    temperature 0 means greedy (as does any below 1e-5). top_k -1 and top_p 1.0 disable those filters. `stop` strings end
     the output (the stop string itself is not included in the text). `seed` makes a sampled
     request reproducible whatever else is in the batch. `n` outputs per prompt: a sampled request
     runs as n sequences drawn independently (with a seed, sequence i draws from seed + i); a
@@ -125,9 +130,10 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         own = "SamplingParams"
-        if real_number(own, "temperature", self.temperature, "a number >= 0 (0 is greedy)") < 0:
-            raise ValueError(f"{own}.temperature must be a number >= 0 (0 is greedy), got {shown(self.temperature)}")
-        self.temperature = float(self.temperature)
+        if not 0 <= real_number(own, "temperature", self.temperature, TEMPERATURE_RANGE) <= MAX_TEMPERATURE:
+            raise ValueError(f"{own}.temperature must be {TEMPERATURE_RANGE}, got {shown(self.temperature)}")
+        # below MIN_TEMPERATURE, greedy (the limit): float32 logits divided by less overflow
+        self.temperature = float(self.temperature) if self.temperature >= MIN_TEMPERATURE else 0.0
         if not 0.0 < real_number(own, "top_p", self.top_p, "a number in (0, 1]") <= 1.0:
             raise ValueError(f"{own}.top_p must be a number in (0, 1], got {shown(self.top_p)}")
         self.top_p = float(self.top_p)

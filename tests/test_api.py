@@ -41,8 +41,9 @@ def page():
 @pytest.mark.parametrize("kwargs, message", [
     ({"max_tokens": "8"}, "SamplingParams.max_tokens must be a whole number >= 1, got '8' (str)"),
     ({"max_tokens": True}, "SamplingParams.max_tokens must be a whole number >= 1, got True (bool)"),
-    ({"temperature": "hot"}, "SamplingParams.temperature must be a number >= 0 (0 is greedy), got 'hot' (str)"),
-    ({"temperature": float("nan")}, "SamplingParams.temperature must be a number >= 0"),
+    ({"temperature": "hot"}, "SamplingParams.temperature must be a number from 0 (greedy) to 10000, got 'hot' (str)"),
+    ({"temperature": float("nan")}, "SamplingParams.temperature must be a number from 0 (greedy) to 10000"),
+    ({"temperature": 1e300}, "SamplingParams.temperature must be a number from 0 (greedy) to 10000"),
     ({"top_p": "0.9"}, "SamplingParams.top_p must be a number in (0, 1], got '0.9' (str)"),
     ({"top_k": True}, "SamplingParams.top_k must be a whole number, got True (bool)"),
     ({"top_k": 2.5}, "SamplingParams.top_k must be a whole number, got 2.5 (float)"),
@@ -56,6 +57,14 @@ def test_sampling_params_name_the_bad_argument(kwargs, message):
     with pytest.raises(ValueError) as e:
         SamplingParams(**kwargs)
     assert message in str(e.value)
+
+
+def test_a_temperature_too_small_for_float32_decodes_greedily():
+    # 1e-300 is 0 in float32: logits divided by it were inf and nan (garbage tokens)
+    for t in (1e-300, 1e-6):
+        sp = SamplingParams(temperature=t)
+        assert sp.temperature == 0.0 and sp.is_greedy
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5
 
 
 def test_sampling_params_take_numbers_of_any_numeric_type():

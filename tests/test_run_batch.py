@@ -196,7 +196,9 @@ def test_images_and_pdfs_from_the_image_root_only(tmp_path):
     for bad, words in (("../secret.png", "outside --image-root"), ("link.png", "outside --image-root"),
                        (str(tmp_path / "secret.png"), "outside --image-root"),
                        ("https://example.com/a.png", "fetches nothing"), ("missing.png", "does not exist"),
-                       ("ftp://x/y", "fetches nothing")):
+                       ("ftp://x/y", "fetches nothing"), ("page\0.png", "NUL"), ("file:///x%00y", "NUL"),
+                       # whether a file outside the root exists is not told
+                       ("/nonexistent/x.png", "outside --image-root"), ("../missing.png", "outside --image-root")):
         with pytest.raises(RequestError, match=words):
             parse(url, body({"type": "image_url", "image_url": {"url": bad}}), limits, render)
     with pytest.raises(RequestError, match="not a readable PDF"):
@@ -204,6 +206,11 @@ def test_images_and_pdfs_from_the_image_root_only(tmp_path):
               limits, render)
     with pytest.raises(RequestError, match="stream is not supported"):
         parse(url, {**body({"type": "text", "text": "x"}), "stream": True}, limits, render)
+    for role in (["user"], {"a": 1}, None, 3):  # (a list or dict role was a TypeError: unhashable)
+        with pytest.raises(RequestError, match=r"messages\[0\] must be an object with a role"):
+            parse(url, {"messages": [{"role": role, "content": "x"}]}, limits, render)
+    with pytest.raises(RequestError, match="stream_options is only for stream: true"):
+        parse(url, {**body({"type": "text", "text": "x"}), "stream_options": {"include_usage": True}}, limits, render)
 
 
 def test_hostile_lines_and_output_files(tmp_path):

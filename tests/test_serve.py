@@ -138,6 +138,52 @@ def test_streaming_yields_the_same_text_in_chunks(client):
     assert "".join(parts) == cw.choices[0].text and stop not in cw.choices[0].text
 
 
+def test_n_choices_stream_each_to_its_stop_string(client):
+    """n sampled choices with a seed and a stop string: each choice's streamed text is its whole
+    answer's, and none holds the stop string (a choice that stopped sent its last tokens, the
+    stop string among them, before the request ended); greedy n streams every choice."""
+    kw = dict(model="target", prompt="Invoice number:", max_tokens=30, temperature=1.0, seed=11, n=3)
+    first = client.completions.create(**kw)
+    stop = first.choices[0].text[3:5]
+    whole = {c.index: c.text for c in client.completions.create(**kw, stop=[stop]).choices}
+    assert whole[0] == first.choices[0].text[:3]
+    streamed = {i: "" for i in range(3)}
+    for c in client.completions.create(**kw, stop=[stop], stream=True):
+        for ch in c.choices:
+            streamed[ch.index] += ch.text
+    assert streamed == whole and not any(stop in t for t in streamed.values())
+    greedy = {i: "" for i in range(2)}
+    for c in client.completions.create(model="target", prompt="Total:", max_tokens=12, temperature=0, n=2,
+                                       stream=True):
+        for ch in c.choices:
+            greedy[ch.index] += ch.text
+    assert greedy[0] == greedy[1] != ""
+
+
+def test_a_slow_constraint_compiles_beside_the_engine(server, client):
+    """A constraint that takes xgrammar a second or more to compile (a pattern with a long
+    repetition) holds up only its own request: one sent after it, of 16 tokens, is answered
+    before the constrained one's single token (compiled in the engine's thread, it held the
+    engine: both then ran together and the one token came first)."""
+    pytest.importorskip("xgrammar")
+    done = []
+
+    def constrained():
+        client.chat.completions.create(model="target", messages=[{"role": "user", "content": "code?"}], max_tokens=1,
+                                       response_format={"type": "json_schema", "json_schema": {
+                                           "name": "c", "schema": {"type": "string", "pattern": "^a{1,5000}$"}}})
+        done.append("constrained")
+
+    t = threading.Thread(target=constrained)
+    t.start()
+    time.sleep(0.3)
+    client.chat.completions.create(model="target", messages=[{"role": "user", "content": "hi"}], max_tokens=16,
+                                   extra_body={"ignore_eos": True})
+    done.append("plain")
+    t.join(120)
+    assert done == ["plain", "constrained"]
+
+
 def test_json_schema_answers_parse_and_match(client):
     pytest.importorskip("xgrammar")
     jsonschema = pytest.importorskip("jsonschema")
@@ -174,6 +220,14 @@ def test_malformed_requests_get_4xx_and_the_server_goes_on(server, client):
         ("/v1/chat/completions", "[" * 100_000, 400),
         ("/v1/completions", json.dumps({"prompt": ""}), 400),
         ("/v1/embeddings", json.dumps(good), 404),
+        ("/v1/chat/completions", json.dumps({**good, "messages": [{"role": ["user"], "content": "x"}]}), 400),
+        ("/v1/chat/completions", json.dumps({**good, "stream_options": {"include_usage": True}}), 400),
+        ("/v1/chat/completions", json.dumps({**good, "stream": True, "stream_options": {"include_usage": "yes"}}),
+         400),
+        # too long for the model: refused before a stream starts (not a 200 with an error event)
+        ("/v1/chat/completions", json.dumps({**good, "stream": True,
+                                             "messages": [{"role": "user", "content": "x" * 100_000}]}), 400),
+        ("/v1/chat/completions", json.dumps({**good, "temperature": 1e300}), 400),
     ]
     for path, body, status in cases:
         code, err = post(base, path, body)
@@ -187,10 +241,23 @@ def test_malformed_requests_get_4xx_and_the_server_goes_on(server, client):
     assert post(base, "/v1/chat/completions", json.dumps(good), key="wrong")[0] == 401
     assert post(base, "/v1/chat/completions", json.dumps(good), key=None)[0] == 401
     assert post(base, "/v1/completions", "", method="GET")[0] == 405
+    assert post(base, "/v1/models/", "", method="GET")[0] == 404  # not a redirect
+    with socket.create_connection((host, int(port)), timeout=30) as s:  # a client gone mid-body: not a 500
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                  f"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{{\"prompt\"".encode())
+    deadline = time.time() + 30
+    while metric(base, 'docproc_http_requests_total{path="/v1/completions",status="499"}') < 1:
+        assert time.time() < deadline
+        time.sleep(0.1)
     assert urllib.request.urlopen(base + "/health", timeout=10).read() == b"ok\n"
     r = client.chat.completions.create(model="target", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     assert r.choices[0].message.content is not None
-    assert metric(base, 'docproc_http_requests_total{path="/v1/chat/completions",status="400"}') >= 13
+    assert metric(base, 'docproc_http_requests_total{path="/v1/chat/completions",status="400"}') >= 18
+    assert not re.search(r'status="5\d\d"', urllib.request.urlopen(base + "/metrics", timeout=10).read().decode())
+    # a temperature float32 holds as 0 decodes greedily (it was inf and nan: garbage tokens)
+    kw = dict(model="target", messages=[{"role": "user", "content": "Total?"}], max_tokens=8)
+    assert (client.chat.completions.create(**kw, temperature=1e-300).choices[0].message.content
+            == client.chat.completions.create(**kw, temperature=0).choices[0].message.content)
 
 
 def test_a_client_that_goes_away_cancels_its_request(server, client):
@@ -213,10 +280,15 @@ def test_a_client_that_goes_away_cancels_its_request(server, client):
 
 
 def test_sigterm_lets_the_request_in_flight_finish(tmp_path):
+    """SIGTERM: the request being answered finishes (200, all its tokens), a client still
+    sending its body gets 503 (it held the server open), the server exits 0."""
     proc, base = start()
     try:
         blocked = socket.socket()
         host, port = base.removeprefix("http://").split(":")
+        half = socket.create_connection((host, int(port)), timeout=60)
+        half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"prompt\"")
         got = {}
 
         def ask():
@@ -229,6 +301,7 @@ def test_sigterm_lets_the_request_in_flight_finish(tmp_path):
         while metric(base, "docproc_requests_running") < 1 and time.time() < deadline:
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
+        assert half.recv(4096).startswith(b"HTTP/1.1 503")
         t.join(120)
         assert got["r"][0] == 200 and got["r"][1]["usage"]["completion_tokens"] == 300
         assert proc.wait(60) == 0
@@ -237,6 +310,46 @@ def test_sigterm_lets_the_request_in_flight_finish(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_second_signal_stops_at_once():
+    """Ctrl-C twice with a long whole-answer request in flight: it gets a 503 and the server
+    exits without generating it to the end (it waited for the engine to finish it)."""
+    proc, base = start()
+    try:
+        got = {}
+
+        def ask():
+            got["r"] = post(base, "/v1/completions", json.dumps({"prompt": "Invoice", "max_tokens": 100_000,
+                                                                  "ignore_eos": True}), key=None)
+
+        t = threading.Thread(target=ask, daemon=True)
+        t.start()
+        deadline = time.time() + 30
+        while metric(base, "docproc_requests_running") < 1 and time.time() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+        t.join(30)
+        assert got["r"][0] == 503 and "stopping" in got["r"][1]["error"]["message"]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("args, env, words", [
+    (["--host", ""], {}, "--host is empty"),
+    (["--max-request-mb", "nan"], {}, "--max-request-mb must be a number from 0.01 to 4096"),
+    (["--max-request-mb", "0.0000001"], {}, "--max-request-mb must be a number from 0.01 to 4096"),
+    ([], {"DOCPROC_API_KEY": ""}, "the API key (--api-key or DOCPROC_API_KEY) is empty"),
+    (["--api-key", "  "], {}, "the API key (--api-key or DOCPROC_API_KEY) is empty"),
+])
+def test_options_that_would_serve_wrongly_are_refused(args, env, words):
+    r = subprocess.run([sys.executable, "-m", "docproc", "serve", "--model", "/nonexistent", *args],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200", **env})
+    assert r.returncode == 2 and words in r.stderr, r.stderr
 
 
 def test_a_port_in_use_stops_before_the_model_loads():

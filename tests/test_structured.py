@@ -104,6 +104,26 @@ def test_a_constraint_that_does_not_compile_fails_its_request_alone(llm):
     assert outs[2].outputs[0].text in ("a", "b")
 
 
+def test_a_constraint_compiled_ahead_in_another_thread_is_not_compiled_again(llm, monkeypatch):
+    """LLM.compile_constraint (the server calls it in its own threads) fills the cache the
+    engine's matcher reads: the request itself compiles nothing; one that does not compile
+    raises there, with the engine's message."""
+    import threading
+
+    so = StructuredOutputsParams(json={"type": "string", "pattern": "^[a-c]{2,3}$"})
+    t = threading.Thread(target=llm.compile_constraint, args=(so,))
+    t.start()
+    t.join()
+    compiler = llm.runner.grammar._compiler
+    calls = []
+    real = type(compiler).compile_grammar
+    monkeypatch.setattr(type(compiler), "compile_grammar", lambda self, g: calls.append(g) or real(self, g))
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=8, structured_outputs=so))[0]
+    assert re.fullmatch(r'"[a-c]{2,3}"', out.outputs[0].text) and calls == []
+    with pytest.raises(ValueError, match="json constraint does not compile"):
+        llm.compile_constraint(StructuredOutputsParams(json={"type": "object", "properties": {"a": {"$ref": "#/x"}}}))
+
+
 def test_parameters_take_exactly_one_constraint():
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputsParams(json={"type": "null"}, regex="x")

@@ -11,6 +11,7 @@ import base64
 import binascii
 import itertools
 import os
+import threading
 import warnings
 import weakref
 import time
@@ -212,6 +213,7 @@ class LLM:
         self.verifier = Verifier(self)
         self.processor = self.runner.processor
         self.tokenizer = self.processor.tokenizer
+        self._grammar_lock = threading.Lock()  # the grammar compiler is made once, from whichever thread
         limit = self.runner.text_config.max_position_embeddings
         if max_model_len is not None and max_model_len > limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}")
@@ -327,15 +329,26 @@ class LLM:
         return self.tokenizer
 
     def _matcher(self, params, max_tokens: int):
-        """A grammar matcher for a structured-output request (the compiler made on first use)."""
-        if self.runner.grammar is None:
-            from docproc.engine.structured import GrammarCompiler
+        """A grammar matcher for a structured-output request."""
+        return self._grammar().matcher(params, max_tokens)
 
-            self.runner.grammar = GrammarCompiler(self.tokenizer, self.runner.text_config.vocab_size,
-                                                  self.eos_token_ids)
-            if self.speculator is not None:  # the draft proposes under the same grammars
-                self.speculator.grammar = self.runner.grammar
-        return self.runner.grammar.matcher(params, max_tokens)
+    def compile_constraint(self, params) -> None:
+        """Compile a structured-output constraint (StructuredOutputsParams) ahead of its request,
+        from any thread: the request then costs the engine no compile. StructuredOutputError
+        (a ValueError) if it does not compile."""
+        self._grammar().compile(params)
+
+    def _grammar(self):
+        """The grammar compiler (made on first use)."""
+        with self._grammar_lock:
+            if self.runner.grammar is None:
+                from docproc.engine.structured import GrammarCompiler
+
+                self.runner.grammar = GrammarCompiler(self.tokenizer, self.runner.text_config.vocab_size,
+                                                      self.eos_token_ids)
+                if self.speculator is not None:  # the draft proposes under the same grammars
+                    self.speculator.grammar = self.runner.grammar
+            return self.runner.grammar
 
     def model_fingerprint(self) -> dict:
         """The target's weights as two short hashes: its language model and its vision tower."""

@@ -36,6 +36,20 @@ def make_sequence(processor, prompt: PromptType, sp: SamplingParams, request_id:
     """Tokenize the prompt, expand its image placeholders by each image's grid and load the
     images; a constrained request gets its grammar matcher from `grammar` (a callable of the
     StructuredOutputsParams). PromptError for a prompt the engine cannot take."""
+    ids, spans, loaded = _processed(processor, prompt, max_model_len, images_memo)
+    seq = Sequence(ids, spans, max_tokens=min(sp.max_tokens, max_model_len - len(ids)),
+                   request_id=request_id, arrival_time=time.perf_counter())
+    seq.mm_inputs = loaded
+    seq.sampling = sp
+    if sp.structured_outputs is not None:
+        try:
+            seq.grammar = grammar(sp.structured_outputs, seq.max_tokens)
+        except ValueError as e:  # StructuredOutputError: a constraint that does not compile, or no xgrammar
+            raise PromptError(str(e)) from None
+    return seq
+
+
+def _processed(processor, prompt: PromptType, max_model_len: int, images_memo: dict | None = None):
     if isinstance(prompt, str):
         text, token_ids, images, uuids = prompt, None, [], None
     elif isinstance(prompt, dict):
@@ -52,16 +66,20 @@ def make_sequence(processor, prompt: PromptType, sp: SamplingParams, request_id:
             f"prompt is {len(ids)} tokens (images expanded) but max_model_len is {max_model_len}: "
             f"shorten it, lower the image max_pixels, or raise max_model_len"
         )
-    seq = Sequence(ids, spans, max_tokens=min(sp.max_tokens, max_model_len - len(ids)),
-                   request_id=request_id, arrival_time=time.perf_counter())
-    seq.mm_inputs = loaded
-    seq.sampling = sp
-    if sp.structured_outputs is not None:
-        try:
-            seq.grammar = grammar(sp.structured_outputs, seq.max_tokens)
-        except ValueError as e:  # StructuredOutputError: a constraint that does not compile, or no xgrammar
-            raise PromptError(str(e)) from None
-    return seq
+    return ids, spans, loaded
+
+
+def preload(processor, prompt: PromptType, max_model_len: int) -> tuple[PromptType, int]:
+    """The prompt with its images decoded (as the engine takes them, unchanged), and their
+    pixels, for a caller that prepares requests away from the engine's thread (the server's
+    worker threads): adding it then costs the engine no decoding, and a prompt the engine would
+    refuse (PromptError: an image it cannot read, too many tokens) is refused here. processor:
+    one of the caller's own (a tokenizer is not shared between threads)."""
+    _, _, loaded = _processed(processor, prompt, max_model_len)
+    if not loaded:
+        return prompt, 0
+    prompt = {**prompt, "multi_modal_data": {**prompt["multi_modal_data"], "image": loaded}}
+    return prompt, sum(im.image.width * im.image.height for im in loaded)
 
 
 def stop_reason(seq: Sequence, token: int, eos_ids: set[int], tokenizer, max_model_len: int) -> str | None:

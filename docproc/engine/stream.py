@@ -93,9 +93,11 @@ class RequestStream:
                 self._running.pop(seq.seq_id)
                 self._sample_done(handle, j, seq, self._refused)
 
-    def progress(self, handles: list) -> list[list[list[int]]]:
+    def progress(self, handles: list) -> list[list[list[int] | None]]:
         """For each request (a handle add returned), the tokens each of its sequences has
-        generated so far (a token an overlapped step is still computing not among them)."""
+        generated so far (a token an overlapped step is still computing not among them); None
+        for a sequence that has finished, whose last tokens may hold a stop string its output
+        text leaves out (its text comes with the request's output)."""
         pending = self.llm.overlap.pending
         inflight = {id(sc.seq) for sc in pending.scheduled} if pending is not None else ()
         out = []
@@ -103,7 +105,7 @@ class RequestStream:
             per = []
             for seq in handle.seqs:
                 ids = seq.generated_token_ids
-                per.append(ids[:-1] if ids and id(seq) in inflight and not seq.is_finished else ids)
+                per.append(None if seq.is_finished else ids[:-1] if ids and id(seq) in inflight else ids)
             out.append(per)
         return out
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 import time
 from collections import OrderedDict
 
@@ -481,29 +482,51 @@ class GrammarCompiler:
         self._pinned: torch.Tensor | None = None  # the host side of CUDA masks
         self._tail: torch.Tensor | None = None  # per row: 1 where the ids past num_tokens stay allowed
         self._copied = None  # a CUDA event after the last copy out of them
+        # compile() may run in other threads (the server compiles a request's constraint before
+        # the engine takes it): the compiler's creation and the caches are taken under this lock;
+        # xgrammar compiles without the GIL, outside it
+        self._lock = threading.Lock()
 
     def _ensure(self):
-        if self._compiler is None:
-            xgr = _xgrammar()
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.num_tokens,
-                                                      stop_token_ids=self.stop_token_ids or None)
-            self._xgr, self._compiler = xgr, xgr.GrammarCompiler(info, cache_enabled=False)
-            self._vocab = info.decoded_vocab
+        with self._lock:
+            if self._compiler is None:
+                xgr = _xgrammar()
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.num_tokens,
+                                                          stop_token_ids=self.stop_token_ids or None)
+                self._vocab = info.decoded_vocab
+                self._xgr, self._compiler = xgr, xgr.GrammarCompiler(info, cache_enabled=False)
         return self._xgr, self._compiler
+
+    def compile(self, params: StructuredOutputsParams) -> None:
+        """Compile a constraint into the cache ahead of its request (from any thread): the
+        request's matcher then costs no compile on the engine's thread. StructuredOutputError
+        if it does not compile."""
+        self._widths_of(params)
+        self._compiled(params)
 
     def matcher(self, params: StructuredOutputsParams, max_tokens: int) -> BudgetMatcher:
         """A fresh matcher for the constraint and a request of max_tokens (StructuredOutputError if
         it does not compile). A constraint whose every output fits in max_tokens (a bounded regex,
         choices) is never steered: its budget is None."""
-        key = params.key()
-        if key not in self._widths:  # (parsing a rule takes milliseconds: once a constraint)
-            if len(self._widths) >= CACHE_ENTRIES:
-                self._widths.pop(next(iter(self._widths)))
-            self._widths[key] = (max_output_bytes(params), json_growth_bound(params))
-        most, growth = self._widths[key]
+        most, growth = self._widths_of(params)
         fits = most is not None and most <= max_tokens  # every output fits: nothing to steer
-        return BudgetMatcher(self._matcher(params), None if fits else max_tokens, self,
+        compiled = self._compiled(params)
+        return BudgetMatcher(self._xgr.GrammarMatcher(compiled), None if fits else max_tokens, self,
                              json_text=params.kind == "json", growth_bound=growth)
+
+    def _widths_of(self, params: StructuredOutputsParams) -> tuple:
+        """(max_output_bytes, json_growth_bound) of a constraint (parsing a rule takes
+        milliseconds: once a constraint)."""
+        key = params.key()
+        with self._lock:
+            widths = self._widths.get(key)
+        if widths is None:
+            widths = (max_output_bytes(params), json_growth_bound(params))
+            with self._lock:
+                if len(self._widths) >= CACHE_ENTRIES:
+                    self._widths.pop(next(iter(self._widths)))
+                self._widths[key] = widths
+        return widths
 
     def token_text(self, token: int) -> str:
         """A token's bytes as latin-1 text (one character a byte: quotes and backslashes are
@@ -565,23 +588,27 @@ class GrammarCompiler:
             self._continuations = [t for t, b in enumerate(self._vocab) if len(b) == 1 and 0x80 <= b[0] <= 0xBF]
         return self._continuations
 
-    def _matcher(self, params: StructuredOutputsParams):
+    def _compiled(self, params: StructuredOutputsParams):
+        """The constraint's compiled grammar, from the cache or compiled now (outside the lock:
+        a slow compile holds up nobody else)."""
         xgr, compiler = self._ensure()
         key = params.key()  # (the parameters checked themselves: a JSON-able text)
-        compiled = self._cache.get(key)
-        if compiled is None:
-            try:
-                compiled = compiler.compile_grammar(grammar(xgr, params))
-            except StructuredOutputError:
-                raise
-            except Exception as e:  # noqa: BLE001 -- xgrammar raises RuntimeError/ValueError with its reason
-                raise StructuredOutputError(f"the {params.kind} constraint does not compile: {_reason(e)}") from None
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                return compiled
+        try:
+            compiled = compiler.compile_grammar(grammar(xgr, params))
+        except StructuredOutputError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- xgrammar raises RuntimeError/ValueError with its reason
+            raise StructuredOutputError(f"the {params.kind} constraint does not compile: {_reason(e)}") from None
+        with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > CACHE_ENTRIES:
                 self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(key)
-        return xgr.GrammarMatcher(compiled)
+        return compiled
 
     def mask(self, logits: torch.Tensor, rows: list[tuple], keep: bool = False) -> dict[int, torch.Tensor] | None:
         """Mask a step's constrained rows of logits (n, V) in place, in one fill and one apply:

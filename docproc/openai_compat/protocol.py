@@ -78,9 +78,14 @@ def parse(url: object, body: object, limits: Limits, render, streaming: bool = F
     include_usage = False
     opts = body.get("stream_options")
     if opts is not None:
+        if not stream:
+            raise RequestError("stream_options is only for stream: true")
         if not isinstance(opts, dict):
             raise RequestError("stream_options must be an object")
-        include_usage = bool(opts.get("include_usage"))
+        usage = opts.get("include_usage")
+        if usage is not None and not isinstance(usage, bool):
+            raise RequestError("stream_options.include_usage must be true or false")
+        include_usage = bool(usage)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError("model must be a string")
@@ -156,7 +161,7 @@ def chat_messages(messages: object, limits: Limits) -> tuple[list[dict], int]:
         raise RequestError("messages must be a non-empty list")
     out, count, pixels = [], 0, 0
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in ROLES:
             raise RequestError(f"messages[{i}] must be an object with a role of {', '.join(ROLES)}")
         content = m.get("content")
         if isinstance(content, list):
@@ -236,12 +241,18 @@ def _read(url: object, limits: Limits, where: str) -> bytes:
     root = limits.image_root
     if root is None:
         raise RequestError(f"{where}: local files are read only under --image-root, which is not set")
+    if "\0" in str(path):
+        raise RequestError(f"{where}: a file name may not hold a NUL character")
+    # outside the root is refused before anything is said about whether the file exists
     try:
-        full = (path if path.is_absolute() else root / path).resolve(strict=True)
-    except (OSError, RuntimeError):
-        raise RequestError(f"{where}: {path} does not exist") from None
-    if not full.is_relative_to(root.resolve()):
+        full = (path if path.is_absolute() else root / path).resolve()
+        inside = full.is_relative_to(root.resolve())
+    except (OSError, RuntimeError, ValueError):
+        inside = False
+    if not inside:
         raise RequestError(f"{where}: {path} is outside --image-root")
+    if not full.exists():
+        raise RequestError(f"{where}: {path} does not exist")
     if not full.is_file():
         raise RequestError(f"{where}: {path} is not a regular file")
     if full.stat().st_size > limits.max_bytes:

@@ -4,7 +4,8 @@
 One thread owns the engine (EngineLoop): requests join its RequestStream between steps and leave
 as they finish, so concurrent clients share the engine's continuous batching, its prefix cache and
 its vision cache. The HTTP side (Starlette on uvicorn, in the main thread) reads and checks a body
-(protocol.parse, in a worker thread: images are read and PDFs rendered there), hands the request
+(protocol.parse, in a worker thread: images are read and PDFs rendered there), decodes its images
+and checks its length there too, and compiles its constraint in threads of its own), hands the request
 to the loop and waits for its events: the tokens so far after each step (streamed as server-sent
 events) and the finished output. A client that goes away cancels its request. Bad input is a 4xx
 with OpenAI's error body; SIGTERM or Ctrl-C stops taking connections, lets the requests in flight
@@ -16,6 +17,7 @@ import asyncio
 import copy
 import hmac
 import json
+import os
 import queue
 import sys
 import threading
@@ -23,6 +25,7 @@ import time
 import traceback
 import uuid
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +35,11 @@ IN_FLIGHT = 256  # requests in the engine at once; more wait in the loop's queue
 PIXELS_IN_FLIGHT = 400_000_000  # and their images' pixels
 MAX_QUEUED = 1024  # requests waiting for the engine before new ones get 429
 MAX_QUEUED_BYTES = 2 << 30  # and their bodies' bytes
+MAX_QUEUED_PIXELS = 1_000_000_000  # and their decoded images' pixels (3 GB of RGB)
+PREPARING = min(8, os.cpu_count() or 1)  # bodies parsed and their images decoded at once
+GRAMMAR_THREADS = 2  # constraints compiled at once (a slow one holds up constrained requests only)
+BODY_IDLE_SECONDS = 30  # a body that sends nothing for this long is cut off (408)
+MAX_CONNECTIONS = 4096  # past it, new connections get 503
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -42,7 +50,11 @@ class HTTPError(Exception):
         self.status, self.message, self.kind, self.param = status, message, kind, param
 
 
-@dataclass
+class ClientGone(Exception):
+    """The client closed its connection before its request was read."""
+
+
+@dataclass(eq=False)  # a job is itself: compared by identity (a deque's remove, `in`)
 class Job:
     """One HTTP request inside the engine loop. Events reach the handler through `events`:
     ("tokens", [ids per choice]) after a step that grew it (streaming requests only),
@@ -111,9 +123,11 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("submit", job), ("cancel", job), ("stop", None)
         self._thread = threading.Thread(target=self._run, name="docproc-engine", daemon=True)
         self.failure: str | None = None  # the device failed: the loop stopped
+        self.draining = False  # the server is stopping: bodies still arriving are refused
         self.on_failure = None  # called (from the loop's thread) when it stops for a failure
         self.queued = 0  # jobs submitted and not yet in the engine
         self.queued_bytes = 0
+        self.queued_pixels = 0
         self.running = 0  # jobs in the engine
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -126,7 +140,15 @@ class EngineLoop:
         self._thread.start()
 
     def stop(self, timeout: float | None = None) -> None:
+        """Stop once the requests in flight are done (after abort: at once)."""
         self._inbox.put(("stop", None))
+        self._thread.join(timeout)
+
+    def abort(self) -> None:
+        """Fail every request in flight or waiting (503) and stop, without waiting for it."""
+        self._inbox.put(("abort", None))
+
+    def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
 
     @property
@@ -137,11 +159,13 @@ class EngineLoop:
         if not self.alive:
             raise HTTPError(503, self.failure or "the engine is not running", "server_error")
         with self._lock:
-            if self.queued >= MAX_QUEUED or self.queued_bytes + job.nbytes > MAX_QUEUED_BYTES:
+            if self.queued and (self.queued >= MAX_QUEUED or self.queued_bytes + job.nbytes > MAX_QUEUED_BYTES
+                                or self.queued_pixels + job.parsed.pixels > MAX_QUEUED_PIXELS):
                 raise HTTPError(429, f"{self.queued} requests are waiting for the engine: retry later",
                                 "rate_limit_error")
             self.queued += 1
             self.queued_bytes += job.nbytes
+            self.queued_pixels += job.parsed.pixels
         self._inbox.put(("submit", job))
 
     def cancel(self, job: Job) -> None:
@@ -169,6 +193,12 @@ class EngineLoop:
                 except queue.Empty:
                     break
             for kind, job in items:
+                if kind == "abort":  # the server stops now (a second signal)
+                    for one in [*live.values(), *waiting]:
+                        one.post(("error", HTTPError(503, "the server is stopping", "server_error")))
+                    stream.abort()
+                    self.running = 0
+                    return
                 if kind == "stop":
                     stopping = True
                 elif kind == "submit":
@@ -227,16 +257,19 @@ class EngineLoop:
             self.running = len(live)
             streaming = [job for job in live.values() if job.parsed.stream and job.handle is not None]
             for job, ids in zip(streaming, stream.progress([job.handle for job in streaming])):
-                counts = [len(x) for x in ids]
+                if len(ids) < job.parsed.params.n:  # greedy: one sequence, its output every choice's
+                    ids = ids * job.parsed.params.n
+                counts = [-1 if x is None else len(x) for x in ids]
                 if counts != job.sent:
                     job.sent = counts
-                    events.append((job, ("tokens", [list(x) for x in ids])))
+                    events.append((job, ("tokens", [None if x is None else list(x) for x in ids])))
             post(events)
 
     def _dequeued(self, job: Job) -> None:
         with self._lock:
             self.queued -= 1
             self.queued_bytes -= job.nbytes
+            self.queued_pixels -= job.parsed.pixels
 
     def _account(self, job: Job, out, now: float) -> None:
         if out.error is not None:
@@ -303,8 +336,16 @@ def build_app(engine: EngineLoop, cfg: ServerConfig):
     from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
     from starlette.routing import Route
 
+    from docproc.engine.requests import preload
+    from docproc.models.processor import PromptError
+
     llm = engine.llm
     tokenizer = copy.deepcopy(llm.tokenizer)  # the handlers' own: the engine's is in use in its thread
+    # at most PREPARING bodies parsed and their images decoded at once (which bounds the pixels
+    # being decoded), each with a processor of its own (a tokenizer is not shared between threads)
+    preparing = asyncio.Semaphore(PREPARING)
+    processors: list = []  # made as they are first needed
+    grammar_lane = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="docproc-grammar")
     counts: dict[tuple[str, int], int] = {}
     served = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
 
@@ -314,7 +355,8 @@ def build_app(engine: EngineLoop, cfg: ServerConfig):
 
     def answer_error(e: HTTPError, path: str) -> JSONResponse:
         count(path, e.status)
-        return JSONResponse(error_body(e), status_code=e.status)
+        headers = {"Retry-After": "1"} if e.status in (429, 503) else None
+        return JSONResponse(error_body(e), status_code=e.status, headers=headers)
 
     def check_key(request: Request) -> None:
         if cfg.api_key is None:
@@ -325,15 +367,32 @@ def build_app(engine: EngineLoop, cfg: ServerConfig):
             raise HTTPError(401, "a valid API key is needed: Authorization: Bearer KEY", "authentication_error")
 
     async def read_json(request: Request) -> tuple[Any, int]:
+        """The body, read as it arrives: 413 past the size limit, 408 after BODY_IDLE_SECONDS
+        without a byte, 503 when the server starts stopping; ClientGone when the client leaves."""
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > cfg.max_request_bytes:
             raise HTTPError(413, f"the request is larger than {cfg.max_request_bytes} bytes")
         chunks, n = [], 0
-        async for chunk in request.stream():
-            n += len(chunk)
+        while True:
+            got = asyncio.ensure_future(request.receive())
+            idle = 0.0
+            while not got.done():
+                await asyncio.wait({got}, timeout=0.25)
+                idle += 0.25
+                if not got.done() and (engine.draining or idle >= BODY_IDLE_SECONDS):
+                    got.cancel()
+                    if engine.draining:
+                        raise HTTPError(503, "the server is stopping", "server_error")
+                    raise HTTPError(408, f"no part of the body came for {BODY_IDLE_SECONDS} s")
+            message = got.result()
+            if message["type"] == "http.disconnect":
+                raise ClientGone
+            n += len(message.get("body", b""))
             if n > cfg.max_request_bytes:
                 raise HTTPError(413, f"the request is larger than {cfg.max_request_bytes} bytes")
-            chunks.append(chunk)
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
         raw = b"".join(chunks)
         try:
             body = json.loads(raw)
@@ -347,15 +406,29 @@ def build_app(engine: EngineLoop, cfg: ServerConfig):
         kind = CHAT if path.endswith("/chat/completions") else COMPLETIONS
         try:
             check_key(request)
+            if engine.draining:
+                raise HTTPError(503, "the server is stopping", "server_error")
             body, nbytes = await read_json(request)
-            try:
-                parsed = await run_in_threadpool(parse, kind, body, cfg.limits, llm.chat_prompt, True)
-            except RequestError as e:
-                raise HTTPError(400, str(e)) from None
+            async with preparing:
+                proc = processors.pop() if processors else None
+                try:
+                    parsed, proc = await run_in_threadpool(prepare, proc, kind, body)
+                finally:
+                    if proc is not None:
+                        processors.append(proc)
+            constraint = parsed.params.structured_outputs
+            if constraint is not None:  # compiled here: the engine's thread finds it in the cache
+                try:
+                    await asyncio.get_running_loop().run_in_executor(grammar_lane, llm.compile_constraint, constraint)
+                except ValueError as e:
+                    raise HTTPError(400, str(e)) from None
             job = Job(parsed, asyncio.get_running_loop(), asyncio.Queue(), nbytes)
             engine.submit(job)
         except HTTPError as e:
             return answer_error(e, path)
+        except ClientGone:
+            count(path, 499)
+            return Response(status_code=499)  # nobody reads it
         rid = uuid.uuid4().hex[:24]
         if parsed.stream:
             count(path, 200)
@@ -363,17 +436,37 @@ def build_app(engine: EngineLoop, cfg: ServerConfig):
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await whole_answer(request, job, rid)
 
+    def prepare(proc, kind: str, body: Any) -> tuple[Parsed, Any]:
+        """parse, then the prompt's images decoded and its length checked (preload), in a worker
+        thread: the engine's thread only tokenizes it. 400 for anything the engine would refuse.
+        Also the processor it used (proc, or a new one)."""
+        if proc is None:
+            proc = copy.copy(llm.processor)
+            proc.tokenizer = copy.deepcopy(tokenizer)
+        try:
+            parsed = parse(kind, body, cfg.limits, llm.chat_prompt, True)
+            parsed.prompt, pixels = preload(proc, parsed.prompt, llm.max_model_len)
+        except (RequestError, PromptError) as e:
+            raise HTTPError(400, str(e)) from None
+        parsed.pixels = max(parsed.pixels, pixels)
+        return parsed, proc
+
     async def whole_answer(request: Request, job: Job, rid: str) -> Response:
         gone = asyncio.ensure_future(wait_disconnect(request))
+        answered = False
         try:
             while True:
                 got = asyncio.ensure_future(job.events.get())
-                await asyncio.wait({got, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if not got.done():
-                    got.cancel()
-                    engine.cancel(job)
+                try:
+                    await asyncio.wait({got, gone}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    if not got.done():
+                        got.cancel()
+                if not got.done() or got.cancelled():
+                    count(request.url.path, 499)
                     return Response(status_code=499)  # nobody reads it
                 kind, value = got.result()
+                answered = kind in ("error", "done")
                 if kind == "error":
                     return answer_error(value, request.url.path)
                 if kind == "done":
@@ -383,6 +476,8 @@ def build_app(engine: EngineLoop, cfg: ServerConfig):
                     return JSONResponse(response_body(job.parsed, value, cfg.model_name, rid))
         finally:
             gone.cancel()
+            if not answered:  # the client went away, or the server stops at once
+                engine.cancel(job)
 
     async def wait_disconnect(request: Request) -> None:
         while True:
@@ -423,9 +518,9 @@ def build_app(engine: EngineLoop, cfg: ServerConfig):
                     # client's time to this chunk is its time to first token
                     started = True
                     yield chunk(job, rid, created, [choice(job, j, "", None, first=True) for j in range(params.n)])
-                if kind == "tokens":
+                if kind == "tokens":  # (a finished choice's text comes with the output: None here)
                     parts = [choice(job, j, t, None) for j, ids in enumerate(value)
-                             if (t := deltas[j].update(ids))]
+                             if ids is not None and (t := deltas[j].update(ids))]
                     if parts:
                         yield chunk(job, rid, created, parts)
                     continue
@@ -481,7 +576,9 @@ def build_app(engine: EngineLoop, cfg: ServerConfig):
               Route("/v1/models", models, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"])]
-    return Starlette(routes=routes, exception_handlers={StarletteHTTPException: not_found, Exception: internal})
+    app = Starlette(routes=routes, exception_handlers={StarletteHTTPException: not_found, Exception: internal})
+    app.router.redirect_slashes = False  # /v1/models/ is not served (a redirect would lose a POST's body)
+    return app
 
 
 START = time.time()
@@ -500,7 +597,7 @@ def metrics_text(engine: EngineLoop, counts: dict) -> str:
               "# TYPE docproc_generation_tokens_total counter",
               f"docproc_generation_tokens_total {engine.generation_tokens}",
               "# TYPE docproc_request_finished_total counter"]
-    for reason, n in sorted(engine.finished.items()):
+    for reason, n in sorted(dict(engine.finished).items()):
         lines.append(f'docproc_request_finished_total{{finish_reason="{reason}"}} {n}')
     lines += engine.ttft.lines("docproc_time_to_first_token_seconds")
     lines += engine.latency.lines("docproc_request_latency_seconds")
@@ -552,16 +649,28 @@ def serve(llm, cfg: ServerConfig, sock, log_level: str = "warning") -> int:
             return contextlib.nullcontext()
 
     server = _Server(uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="off",
-                                    timeout_keep_alive=5))
+                                    timeout_keep_alive=5, limit_concurrency=MAX_CONNECTIONS))
     failed: list[str] = []
 
     def on_failure(message: str) -> None:
         failed.append(message)
         server.should_exit = True
 
+    aborted = threading.Event()
+
+    def force_soon() -> None:  # the failed requests' answers go out, then the server stops
+        engine.join(10)
+        time.sleep(0.5)
+        server.force_exit = True
+
     def on_signal(signum, frame) -> None:
-        if server.should_exit:
+        engine.draining = True
+        if aborted.is_set():  # a third: now
             server.force_exit = True
+        elif server.should_exit:  # a second signal: what is in flight is dropped
+            aborted.set()
+            engine.abort()
+            threading.Thread(target=force_soon, daemon=True).start()
         server.should_exit = True
 
     engine.on_failure = on_failure
@@ -572,7 +681,8 @@ def serve(llm, cfg: ServerConfig, sock, log_level: str = "warning") -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        engine.stop(timeout=None if not failed else 5)
+        # drained, the engine has nothing left; after a second signal or a failure it has stopped
+        engine.stop(timeout=None if not (failed or aborted.is_set()) else 10)
     if failed:
         print(f"error: {failed[0]}", file=sys.stderr)
         return 4
