@@ -159,6 +159,27 @@ def test_n_choices_stream_each_to_its_stop_string(client):
     assert greedy[0] == greedy[1] != ""
 
 
+def test_a_pdf_part_is_rendered_into_its_pages(client, reference):
+    """A PDF part (rendered in the server's worker processes): its pages are the images, and
+    the answer is the engine's for those pages."""
+    fitz = pytest.importorskip("pymupdf")
+    doc = fitz.open()
+    for i in range(2):
+        doc.new_page(width=100, height=80).insert_text((10, 40), f"Invoice {i}")
+    pdf = doc.tobytes()
+    part = {"type": "file", "file": {"file_data": "data:application/pdf;base64," + base64.b64encode(pdf).decode()}}
+    r = client.chat.completions.create(model="target", max_tokens=8, temperature=0, messages=[
+        {"role": "user", "content": [part, {"type": "text", "text": "Which invoices?"}]}])
+    pages = []
+    for page in fitz.open(stream=pdf, filetype="pdf"):
+        pix = page.get_pixmap(dpi=120, alpha=False)
+        pages.append(Image.frombytes("RGB", (pix.width, pix.height), pix.samples))
+    expected = reference.chat([[{"role": "user", "content": [{"type": "image", "image": p} for p in pages] + [
+        {"type": "text", "text": "Which invoices?"}]}]], SamplingParams(temperature=0, max_tokens=8))[0]
+    assert r.choices[0].message.content == expected.outputs[0].text
+    assert r.usage.prompt_tokens == len(expected.prompt_token_ids)
+
+
 def test_a_slow_constraint_compiles_beside_the_engine(server, client):
     """A constraint that takes xgrammar a second or more to compile (a pattern with a long
     repetition) holds up only its own request: one sent after it, of 16 tokens, is answered
@@ -227,6 +248,15 @@ def test_malformed_requests_get_4xx_and_the_server_goes_on(server, client):
         ("/v1/chat/completions", json.dumps({**good, "stream": True,
                                              "messages": [{"role": "user", "content": "x" * 100_000}]}), 400),
         ("/v1/chat/completions", json.dumps({**good, "temperature": 1e300}), 400),
+        # a truncated QOI image: Pillow's plugin raises ValueError (was a 500)
+        ("/v1/chat/completions", json.dumps({**good, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,cW9pZgAAAEAAAABAAwGpiP39/f0="}}]}]}),
+         400),
+        ("/v1/chat/completions", json.dumps({**good, "stop": [f"s{i}" for i in range(17)]}), 400),
+        # far longer than the model takes: refused before it is tokenized whole
+        ("/v1/chat/completions", json.dumps({**good, "messages": [{"role": "user", "content": "word7 " * 200_000}]}),
+         400),
+        ("/v1/chat/completions", "[" * 10 + "{}," * 100_001 + "{}" + "]" * 10, 400),
     ]
     for path, body, status in cases:
         code, err = post(base, path, body)
@@ -251,7 +281,7 @@ def test_malformed_requests_get_4xx_and_the_server_goes_on(server, client):
     assert urllib.request.urlopen(base + "/health", timeout=10).read() == b"ok\n"
     r = client.chat.completions.create(model="target", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     assert r.choices[0].message.content is not None
-    assert metric(base, 'docproc_http_requests_total{path="/v1/chat/completions",status="400"}') >= 18
+    assert metric(base, 'docproc_http_requests_total{path="/v1/chat/completions",status="400"}') >= 22
     assert not re.search(r'status="5\d\d"', urllib.request.urlopen(base + "/metrics", timeout=10).read().decode())
     # a temperature float32 holds as 0 decodes greedily (it was inf and nan: garbage tokens)
     kw = dict(model="target", messages=[{"role": "user", "content": "Total?"}], max_tokens=8)

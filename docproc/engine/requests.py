@@ -75,6 +75,16 @@ def preload(processor, prompt: PromptType, max_model_len: int) -> tuple[PromptTy
     worker threads): adding it then costs the engine no decoding, and a prompt the engine would
     refuse (PromptError: an image it cannot read, too many tokens) is refused here. processor:
     one of the caller's own (a tokenizer is not shared between threads)."""
+    text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
+    if isinstance(text, str) and len(text) > 8 * max_model_len:
+        # a text that is too long for sure is refused before it is tokenized whole (30 MB of text
+        # took a minute and 6 GB): by the longest token's bytes, or by a prefix's tokens
+        longest = processor.max_token_bytes
+        if len(text) >= longest * max_model_len or \
+                len(processor.tokenizer(text[:8 * max_model_len], add_special_tokens=False)["input_ids"]) > \
+                max_model_len + 1:
+            raise PromptError(f"the prompt's text ({len(text)} characters) is more than max_model_len "
+                              f"({max_model_len}) tokens: shorten it, or raise max_model_len")
     _, _, loaded = _processed(processor, prompt, max_model_len)
     if not loaded:
         return prompt, 0
@@ -96,7 +106,19 @@ def stop_reason(seq: Sequence, token: int, eos_ids: set[int], tokenizer, max_mod
         seq.stop_reason = token
         return "stop"
     if sp.stop:
-        text = tokenizer.decode(seq.generated_token_ids, skip_special_tokens=True)
+        # the text's tail only: a stop string that is there now ends in the token just added
+        # (earlier tokens were checked when they came). A character is at most 4 bytes and a
+        # token at least one, so 4 tokens a character (and 4 for a character cut at the window's
+        # start) reach back far enough; a window that decodes shorter (special tokens decode to
+        # nothing) is widened until it holds a stop string's length or the whole output.
+        longest = max(len(s) for s in sp.stop)
+        ids = seq.generated_token_ids
+        window = 4 * longest + 4
+        while True:
+            text = tokenizer.decode(ids[-window:], skip_special_tokens=True)
+            if window >= len(ids) or len(text) >= longest + 1:
+                break
+            window *= 4
         for s in sp.stop:
             if s in text:
                 seq.stop_reason = s

@@ -498,11 +498,12 @@ class GrammarCompiler:
         return self._xgr, self._compiler
 
     def compile(self, params: StructuredOutputsParams) -> None:
-        """Compile a constraint into the cache ahead of its request (from any thread): the
-        request's matcher then costs no compile on the engine's thread. StructuredOutputError
-        if it does not compile."""
+        """Compile a constraint ahead of its request (from any thread): the compiled grammar goes
+        with these parameters (and into the cache), so the request's matcher costs no compile
+        on the engine's thread, whatever the cache has dropped since. StructuredOutputError if
+        it does not compile."""
         self._widths_of(params)
-        self._compiled(params)
+        params._compiled = (self, self._compiled(params))
 
     def matcher(self, params: StructuredOutputsParams, max_tokens: int) -> BudgetMatcher:
         """A fresh matcher for the constraint and a request of max_tokens (StructuredOutputError if
@@ -592,6 +593,9 @@ class GrammarCompiler:
         """The constraint's compiled grammar, from the cache or compiled now (outside the lock:
         a slow compile holds up nobody else)."""
         xgr, compiler = self._ensure()
+        ahead = getattr(params, "_compiled", None)
+        if ahead is not None and ahead[0] is self:
+            return ahead[1]
         key = params.key()  # (the parameters checked themselves: a JSON-able text)
         with self._lock:
             compiled = self._cache.get(key)

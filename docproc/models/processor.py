@@ -9,7 +9,9 @@ tower's aspect-ratio limit, so no page shape is refused.
 """
 from __future__ import annotations
 
+import functools
 import io
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,10 +52,14 @@ def load_image(obj, content_hash: str | None = None) -> LoadedImage:
         raise PromptError(f"cannot read image{what}: not an image format Pillow recognises") from None
     except (OSError, Image.DecompressionBombError) as e:
         raise PromptError(f"cannot read image: {e}") from None
+    except (ValueError, TypeError, SyntaxError, KeyError, IndexError, struct.error, EOFError) as e:
+        # a damaged file Pillow's plugins fail on in their own ways (a truncated QOI or DDS, an IM
+        # header naming no mode, a TIFF tag of the wrong type)
+        raise PromptError(f"cannot read image: {type(e).__name__}: {e}") from None
     try:
         img = to_rgb(img)
-    except (OSError, ValueError) as e:  # pixel data that fails to decode only now
-        raise PromptError(f"cannot read image: {e}") from None
+    except (OSError, ValueError, TypeError, SyntaxError, KeyError, IndexError, struct.error, EOFError) as e:
+        raise PromptError(f"cannot read image: {e}") from None  # pixel data that fails to decode only now
     digest = str(content_hash) if content_hash is not None else pixel_hash(img)
     return LoadedImage(fit_aspect(img), digest)
 
@@ -98,6 +104,12 @@ class Processor:
                 f"{folder}: preprocessor patch/merge size ({ip.patch_size}/{ip.merge_size}) differ from the "
                 f"vision config ({hf_config.vision_config.patch_size}/{self.merge_size})"
             )
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most bytes one token's text can hold (at least 1): a text of n characters is at
+        least n / this many tokens."""
+        return max([1, *(len(t.encode()) for t in self.tokenizer.get_vocab())])
 
     def grid_thw(self, image: Image.Image) -> tuple[int, int, int]:
         ip = self.image_processor

@@ -15,9 +15,11 @@ import base64
 import binascii
 import io
 import re
+import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 from urllib.parse import unquote, unquote_to_bytes, urlparse
 
 from docproc.outputs import RequestOutput
@@ -32,6 +34,7 @@ UNSUPPORTED = {"tools": None, "tool_choice": "none", "functions": None, "functio
                "logit_bias": None, "audio": None, "modalities": None, "prediction": None, "suffix": None,
                "echo": False, "best_of": 1}
 MAX_N = 128  # choices a request (OpenAI's bound)
+MAX_STOP, MAX_STOP_CHARS = 16, 512  # stop strings a request, and characters each (OpenAI takes 4)
 
 
 class RequestError(ValueError):
@@ -46,6 +49,9 @@ class Limits:
     pdf_dpi: int = 120  # a PDF page's resolution, lowered for a page that would pass max_pixels
     max_pixels: int = 40_000_000  # per image (from its header, before it is decoded) and per rendered page
     max_request_pixels: int = 160_000_000  # all of a request's images
+    # renders a PDF part (data, limits, where) -> pages, in place of pdf_pages in this thread
+    # (the server's: in worker processes, MuPDF holding the GIL while it renders)
+    render_pdf: Callable | None = None
 
 
 @dataclass
@@ -118,7 +124,13 @@ def sampling(body: dict) -> SamplingParams:
                 "seed": body.get("seed"), "n": 1 if body.get("n") is None else body["n"]}
     stop = body.get("stop")
     if stop is not None:
+        many = [stop] if isinstance(stop, str) else stop
+        if isinstance(many, list) and (len(many) > MAX_STOP or any(isinstance(s, str) and len(s) > MAX_STOP_CHARS
+                                                                   for s in many)):
+            raise RequestError(f"stop takes at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters")
         kw["stop"] = stop
+    if body.get("top_k") is not None:  # vLLM's extension
+        kw["top_k"] = body["top_k"]
     if body.get("ignore_eos") is not None:  # vLLM's extension: generate max_tokens whatever comes
         if not isinstance(body["ignore_eos"], bool):
             raise RequestError("ignore_eos must be true or false")
@@ -179,8 +191,8 @@ def chat_messages(messages: object, limits: Limits) -> tuple[list[dict], int]:
                     count += 1
                 elif kind == "file":
                     f = part.get("file")
-                    pages = _pdf_pages(_read(f.get("file_data") if isinstance(f, dict) else None, limits, where),
-                                       limits, where)
+                    data = _read(f.get("file_data") if isinstance(f, dict) else None, limits, where)
+                    pages = (pdf_pages if limits.render_pdf is None else limits.render_pdf)(data, limits, where)
                     parts.extend({"type": "image", "image": page} for page in pages)
                     count += len(pages)
                     pixels += sum(p.width * p.height for p in pages)
@@ -209,7 +221,8 @@ def _image_pixels(raw: bytes, limits: Limits, where: str) -> int:
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             with Image.open(io.BytesIO(raw)) as img:
                 w, h = img.size
-    except (Image.UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError):
+    except (Image.UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError, TypeError,
+            SyntaxError, KeyError, IndexError, EOFError, struct.error):
         raise RequestError(f"{where}: not an image Pillow recognises") from None
     if w * h > limits.max_pixels:
         raise RequestError(f"{where}: {w}x{h} pixels, more than {limits.max_pixels}")
@@ -250,20 +263,26 @@ def _read(url: object, limits: Limits, where: str) -> bytes:
     except (OSError, RuntimeError, ValueError):
         inside = False
     if not inside:
-        raise RequestError(f"{where}: {path} is outside --image-root")
-    if not full.exists():
-        raise RequestError(f"{where}: {path} does not exist")
-    if not full.is_file():
-        raise RequestError(f"{where}: {path} is not a regular file")
-    if full.stat().st_size > limits.max_bytes:
-        raise RequestError(f"{where}: {path} is larger than {limits.max_bytes} bytes")
+        raise RequestError(f"{where}: {shown_path(path)} is outside --image-root")
     try:
+        if not full.exists():
+            raise RequestError(f"{where}: {shown_path(path)} does not exist")
+        if not full.is_file():
+            raise RequestError(f"{where}: {shown_path(path)} is not a regular file")
+        if full.stat().st_size > limits.max_bytes:
+            raise RequestError(f"{where}: {shown_path(path)} is larger than {limits.max_bytes} bytes")
         return full.read_bytes()
-    except OSError as e:
-        raise RequestError(f"{where}: cannot read {path}: {e.strerror}") from None
+    except OSError as e:  # a name too long, a folder it may not read
+        raise RequestError(f"{where}: cannot read {shown_path(path)}: {e.strerror}") from None
 
 
-def _pdf_pages(data: bytes, limits: Limits, where: str) -> list:
+def shown_path(path: Path) -> str:
+    """A path as an error message names it: at most 200 characters."""
+    text = str(path)
+    return text if len(text) <= 200 else text[:100] + "..." + text[-97:]
+
+
+def pdf_pages(data: bytes, limits: Limits, where: str) -> list:
     """A PDF's pages as RGB images at limits.pdf_dpi (PyMuPDF), at most limits.max_images."""
     import pymupdf
     from PIL import Image

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import hmac
 import json
 import os
@@ -25,7 +26,6 @@ import time
 import traceback
 import uuid
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,12 @@ MAX_QUEUED_PIXELS = 1_000_000_000  # and their decoded images' pixels (3 GB of R
 PREPARING = min(8, os.cpu_count() or 1)  # bodies parsed and their images decoded at once
 GRAMMAR_THREADS = 2  # constraints compiled at once (a slow one holds up constrained requests only)
 BODY_IDLE_SECONDS = 30  # a body that sends nothing for this long is cut off (408)
+BODY_SECONDS = 300  # and one that takes longer in all
+MAX_HELD_BYTES = 1 << 30  # bodies being read or parsed, in all (429 past it)
+MAX_JSON_CONTAINERS = 100_000  # objects and arrays in a body (parsed, each costs ~100x its bytes)
+MAX_LANE_WAITING = 256  # calls waiting for a worker thread (429 past it)
+PDF_WORKERS, PDF_SECONDS = 2, 60  # worker processes rendering PDF parts, and the most a PDF may take
+DRAIN_SECONDS = 300  # after SIGTERM, the most the requests in flight get to finish
 MAX_CONNECTIONS = 4096  # past it, new connections get 503
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -54,11 +60,94 @@ class ClientGone(Exception):
     """The client closed its connection before its request was read."""
 
 
+class Lane:
+    """Worker threads that run blocking calls for the event loop. Daemon threads: a server that
+    stops does not wait for a call in progress (a grammar that takes a minute to compile), as it
+    would for a ThreadPoolExecutor's. 429 past MAX_LANE_WAITING calls waiting."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.waiting = 0  # (the event loop's thread only)
+        for i in range(threads):
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True).start()
+
+    async def run(self, fn, *args):
+        if self.waiting >= MAX_LANE_WAITING:
+            raise HTTPError(429, f"{self.waiting} requests are waiting to be read: retry later", "rate_limit_error")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self.waiting += 1
+        try:
+            self._calls.put((fn, args, loop, fut))
+            return await fut
+        finally:
+            self.waiting -= 1
+
+    def _work(self) -> None:
+        while True:
+            fn, args, loop, fut = self._calls.get()
+            if fut.cancelled():  # its client went away while it waited
+                continue
+            try:
+                result, error = fn(*args), None
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                result, error = None, e
+            try:
+                loop.call_soon_threadsafe(_settle, fut, result, error)
+            except RuntimeError:  # the event loop has closed
+                return
+
+
+def _settle(fut: asyncio.Future, result, error) -> None:
+    if not fut.done():
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+
+class PdfRenderer:
+    """PDF parts rendered in worker processes: MuPDF holds the GIL while it renders, so in a
+    thread one page of 20,000 paths stopped the engine and every other request for 21 s. A PDF
+    that takes longer than PDF_SECONDS is refused (400) and the workers are replaced."""
+
+    def __init__(self) -> None:
+        self._pool = None
+        self._lock = threading.Lock()
+
+    def __call__(self, data: bytes, limits, where: str) -> list:
+        import dataclasses
+        import multiprocessing
+
+        from docproc.openai_compat.protocol import pdf_pages
+
+        with self._lock:
+            if self._pool is None:
+                self._pool = multiprocessing.get_context("spawn").Pool(PDF_WORKERS)
+            pool = self._pool
+        pending = pool.apply_async(pdf_pages, (data, dataclasses.replace(limits, render_pdf=None), where))
+        try:
+            return pending.get(PDF_SECONDS)
+        except multiprocessing.TimeoutError:
+            with self._lock:
+                if self._pool is pool:
+                    self._pool = None
+            pool.terminate()
+            raise RequestError(f"{where}: the PDF takes more than {PDF_SECONDS} s to render") from None
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.terminate()
+
+
 @dataclass(eq=False)  # a job is itself: compared by identity (a deque's remove, `in`)
 class Job:
     """One HTTP request inside the engine loop. Events reach the handler through `events`:
-    ("tokens", [ids per choice]) after a step that grew it (streaming requests only),
-    ("done", RequestOutput), or ("error", HTTPError)."""
+    ("tokens", None) after a step that grew it (streaming requests only; the token ids per
+    choice, None for a finished one, are in `latest`: one value however many steps the handler
+    is behind), ("done", RequestOutput), or ("error", HTTPError)."""
 
     parsed: Parsed
     loop: asyncio.AbstractEventLoop
@@ -67,6 +156,7 @@ class Job:
     handle: Any = None  # RequestStream's, once it is in the engine
     sent: list = field(default_factory=list)  # token counts last posted, per choice
     arrival: float = field(default_factory=time.perf_counter)
+    latest: Any = None  # the newest ("tokens") value not yet taken: one held, however slow the reader
 
     def post(self, event: tuple) -> None:
         post([(self, event)])
@@ -86,7 +176,12 @@ def post(events: list[tuple[Job, tuple]]) -> None:
 
 def _deliver(items: list) -> None:
     for job, event in items:
-        job.events.put_nowait(event)
+        if event[0] == "tokens":  # a stream's tokens so far: the newest replaces one not yet taken
+            if job.latest is None:
+                job.events.put_nowait(("tokens", None))
+            job.latest = event[1]
+        else:
+            job.events.put_nowait(event)
 
 
 class Histogram:
@@ -327,10 +422,10 @@ def error_body(e: HTTPError) -> dict:
     return {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.status}}
 
 
-def build_app(engine: EngineLoop, cfg: ServerConfig):
-    """The Starlette application (routes, error bodies, key check, metrics)."""
+def build_app(engine: EngineLoop, cfg: ServerConfig, render_pdf=None):
+    """The Starlette application (routes, error bodies, key check, metrics). render_pdf: how PDF
+    parts are rendered (a PdfRenderer; None: in the worker thread)."""
     from starlette.applications import Starlette
-    from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException as StarletteHTTPException
     from starlette.requests import Request
     from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -341,11 +436,13 @@ def build_app(engine: EngineLoop, cfg: ServerConfig):
 
     llm = engine.llm
     tokenizer = copy.deepcopy(llm.tokenizer)  # the handlers' own: the engine's is in use in its thread
-    # at most PREPARING bodies parsed and their images decoded at once (which bounds the pixels
-    # being decoded), each with a processor of its own (a tokenizer is not shared between threads)
-    preparing = asyncio.Semaphore(PREPARING)
-    processors: list = []  # made as they are first needed
-    grammar_lane = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="docproc-grammar")
+    limits = dataclasses.replace(cfg.limits, render_pdf=render_pdf)
+    # bodies parsed and their images decoded by PREPARING threads (which bounds the pixels being
+    # decoded), each with a processor of its own (a tokenizer is not shared between threads)
+    preparing = Lane(PREPARING, "docproc-prepare")
+    own = threading.local()
+    grammar_lane = Lane(GRAMMAR_THREADS, "docproc-grammar")
+    held = {"bytes": 0}  # bodies being read or parsed
     counts: dict[tuple[str, int], int] = {}
     served = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
 
@@ -366,40 +463,44 @@ def build_app(engine: EngineLoop, cfg: ServerConfig):
         if not hmac.compare_digest(token.encode(), cfg.api_key.encode()):
             raise HTTPError(401, "a valid API key is needed: Authorization: Bearer KEY", "authentication_error")
 
-    async def read_json(request: Request) -> tuple[Any, int]:
-        """The body, read as it arrives: 413 past the size limit, 408 after BODY_IDLE_SECONDS
-        without a byte, 503 when the server starts stopping; ClientGone when the client leaves."""
+    async def read_body(request: Request, hold: list) -> bytes:
+        """The body, read as it arrives, its bytes counted in `held` (and in hold[0], for the
+        caller to give back): 413 past the size limit, 429 past MAX_HELD_BYTES of bodies in all,
+        408 after BODY_IDLE_SECONDS without a byte or BODY_SECONDS in all, 503 when the server
+        starts stopping; ClientGone when the client leaves."""
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > cfg.max_request_bytes:
             raise HTTPError(413, f"the request is larger than {cfg.max_request_bytes} bytes")
         chunks, n = [], 0
+        start = time.monotonic()
         while True:
             got = asyncio.ensure_future(request.receive())
             idle = 0.0
             while not got.done():
                 await asyncio.wait({got}, timeout=0.25)
                 idle += 0.25
-                if not got.done() and (engine.draining or idle >= BODY_IDLE_SECONDS):
+                late = idle >= BODY_IDLE_SECONDS or time.monotonic() - start >= BODY_SECONDS
+                if not got.done() and (engine.draining or late):
                     got.cancel()
                     if engine.draining:
                         raise HTTPError(503, "the server is stopping", "server_error")
-                    raise HTTPError(408, f"no part of the body came for {BODY_IDLE_SECONDS} s")
+                    raise HTTPError(408, f"the body did not come in time (nothing for {BODY_IDLE_SECONDS} s, or "
+                                         f"more than {BODY_SECONDS} s in all)")
             message = got.result()
             if message["type"] == "http.disconnect":
                 raise ClientGone
-            n += len(message.get("body", b""))
+            part = message.get("body", b"")
+            n += len(part)
             if n > cfg.max_request_bytes:
                 raise HTTPError(413, f"the request is larger than {cfg.max_request_bytes} bytes")
-            chunks.append(message.get("body", b""))
+            if held["bytes"] + len(part) > MAX_HELD_BYTES:
+                raise HTTPError(429, "too many request bodies are being read: retry later", "rate_limit_error")
+            held["bytes"] += len(part)
+            hold[0] += len(part)
+            chunks.append(part)
             if not message.get("more_body", False):
                 break
-        raw = b"".join(chunks)
-        try:
-            body = json.loads(raw)
-            json.dumps(body, ensure_ascii=False).encode()  # lone surrogates (\ud800) are not text
-        except (ValueError, UnicodeError, RecursionError) as e:
-            raise HTTPError(400, f"the body is not JSON text ({type(e).__name__})") from None
-        return body, n
+        return b"".join(chunks)
 
     async def completions(request: Request) -> Response:
         path = request.url.path
@@ -408,21 +509,19 @@ def build_app(engine: EngineLoop, cfg: ServerConfig):
             check_key(request)
             if engine.draining:
                 raise HTTPError(503, "the server is stopping", "server_error")
-            body, nbytes = await read_json(request)
-            async with preparing:
-                proc = processors.pop() if processors else None
-                try:
-                    parsed, proc = await run_in_threadpool(prepare, proc, kind, body)
-                finally:
-                    if proc is not None:
-                        processors.append(proc)
+            hold = [0]
+            try:
+                raw = await read_body(request, hold)
+                parsed = await preparing.run(prepare, kind, raw)
+            finally:
+                held["bytes"] -= hold[0]
             constraint = parsed.params.structured_outputs
-            if constraint is not None:  # compiled here: the engine's thread finds it in the cache
+            if constraint is not None:  # compiled here: it goes with the request to the engine's thread
                 try:
-                    await asyncio.get_running_loop().run_in_executor(grammar_lane, llm.compile_constraint, constraint)
+                    await grammar_lane.run(llm.compile_constraint, constraint)
                 except ValueError as e:
                     raise HTTPError(400, str(e)) from None
-            job = Job(parsed, asyncio.get_running_loop(), asyncio.Queue(), nbytes)
+            job = Job(parsed, asyncio.get_running_loop(), asyncio.Queue(), len(raw))
             engine.submit(job)
         except HTTPError as e:
             return answer_error(e, path)
@@ -436,20 +535,29 @@ def build_app(engine: EngineLoop, cfg: ServerConfig):
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await whole_answer(request, job, rid)
 
-    def prepare(proc, kind: str, body: Any) -> tuple[Parsed, Any]:
-        """parse, then the prompt's images decoded and its length checked (preload), in a worker
-        thread: the engine's thread only tokenizes it. 400 for anything the engine would refuse.
-        Also the processor it used (proc, or a new one)."""
+    def prepare(kind: str, raw: bytes) -> Parsed:
+        """The body as JSON, parsed (protocol.parse), then its images decoded and its length
+        checked (preload), in a worker thread: the engine's thread only tokenizes it. 400 for
+        anything the engine would refuse."""
+        if raw.count(b"{") + raw.count(b"[") > MAX_JSON_CONTAINERS:
+            raise HTTPError(400, f"the body holds more than {MAX_JSON_CONTAINERS} JSON objects and arrays")
+        try:
+            body = json.loads(raw)
+            json.dumps(body, ensure_ascii=False).encode()  # lone surrogates (\ud800) are not text
+        except (ValueError, UnicodeError, RecursionError) as e:
+            raise HTTPError(400, f"the body is not JSON text ({type(e).__name__})") from None
+        del raw
+        proc = getattr(own, "processor", None)
         if proc is None:
-            proc = copy.copy(llm.processor)
+            proc = own.processor = copy.copy(llm.processor)
             proc.tokenizer = copy.deepcopy(tokenizer)
         try:
-            parsed = parse(kind, body, cfg.limits, llm.chat_prompt, True)
+            parsed = parse(kind, body, limits, llm.chat_prompt, True)
             parsed.prompt, pixels = preload(proc, parsed.prompt, llm.max_model_len)
         except (RequestError, PromptError) as e:
             raise HTTPError(400, str(e)) from None
         parsed.pixels = max(parsed.pixels, pixels)
-        return parsed, proc
+        return parsed
 
     async def whole_answer(request: Request, job: Job, rid: str) -> Response:
         gone = asyncio.ensure_future(wait_disconnect(request))
@@ -511,8 +619,8 @@ def build_app(engine: EngineLoop, cfg: ServerConfig):
         try:
             while True:
                 kind, value = await job.events.get()
-                while kind == "tokens" and not job.events.empty():  # only the latest counts
-                    kind, value = job.events.get_nowait()
+                if kind == "tokens":  # the newest tokens (_deliver keeps one)
+                    value, job.latest = job.latest, None
                 if not started and kind != "error" and job.parsed.kind == CHAT:
                     # the role chunk comes with the first token, as the peers' servers send it: a
                     # client's time to this chunk is its time to first token
@@ -640,7 +748,8 @@ def serve(llm, cfg: ServerConfig, sock, log_level: str = "warning") -> int:
     import uvicorn
 
     engine = EngineLoop(llm)
-    app = build_app(engine, cfg)
+    renderer = PdfRenderer()
+    app = build_app(engine, cfg, renderer)
 
     class _Server(uvicorn.Server):
         def capture_signals(self):  # ours below: drain on the first signal, no re-raise after
@@ -649,7 +758,8 @@ def serve(llm, cfg: ServerConfig, sock, log_level: str = "warning") -> int:
             return contextlib.nullcontext()
 
     server = _Server(uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="off",
-                                    timeout_keep_alive=5, limit_concurrency=MAX_CONNECTIONS))
+                                    timeout_keep_alive=5, limit_concurrency=MAX_CONNECTIONS,
+                                    timeout_graceful_shutdown=DRAIN_SECONDS))
     failed: list[str] = []
 
     def on_failure(message: str) -> None:
@@ -681,6 +791,7 @@ def serve(llm, cfg: ServerConfig, sock, log_level: str = "warning") -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        renderer.close()
         # drained, the engine has nothing left; after a second signal or a failure it has stopped
         engine.stop(timeout=None if not (failed or aborted.is_set()) else 10)
     if failed:
