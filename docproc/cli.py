@@ -752,8 +752,8 @@ def serve_cmd(
     if image_root is not None and not image_root.is_dir():
         error(f"--image-root {image_root} is not a folder", "usage")
         raise typer.Exit(EXIT_USAGE)
-    if not 0.01 <= max_request_mb <= 4096:  # (nan is neither)
-        error(f"--max-request-mb must be a number from 0.01 to 4096, got {max_request_mb}", "usage")
+    if not 0.01 <= max_request_mb <= 1024:  # (nan is neither; the server holds at most 1 GiB of bodies)
+        error(f"--max-request-mb must be a number from 0.01 to 1024, got {max_request_mb}", "usage")
         raise typer.Exit(EXIT_USAGE)
     if not 1 <= max_images <= 1024:
         error(f"--max-images must be 1-1024, got {max_images}", "usage")

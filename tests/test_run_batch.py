@@ -210,7 +210,12 @@ def test_images_and_pdfs_from_the_image_root_only(tmp_path):
         with pytest.raises(RequestError, match=r"messages\[0\] must be an object with a role"):
             parse(url, {"messages": [{"role": role, "content": "x"}]}, limits, render)
     with pytest.raises(RequestError, match="stream_options is only for stream: true"):
-        parse(url, {**body({"type": "text", "text": "x"}), "stream_options": {"include_usage": True}}, limits, render)
+        parse(url, {**body({"type": "text", "text": "x"}), "stream_options": {"include_usage": True}}, limits, render,
+              streaming=True)
+    # a batch line's stream_options are ignored (it never streams); top_k 0 is off, as in vLLM
+    p = parse(url, {**body({"type": "text", "text": "x"}), "stream_options": {"include_usage": True}, "top_k": 0},
+              limits, render)
+    assert not p.include_usage and p.params.top_k == -1
 
 
 def test_hostile_lines_and_output_files(tmp_path):

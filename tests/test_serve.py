@@ -375,8 +375,8 @@ def test_a_second_signal_stops_at_once():
 
 @pytest.mark.parametrize("args, env, words", [
     (["--host", ""], {}, "--host is empty"),
-    (["--max-request-mb", "nan"], {}, "--max-request-mb must be a number from 0.01 to 4096"),
-    (["--max-request-mb", "0.0000001"], {}, "--max-request-mb must be a number from 0.01 to 4096"),
+    (["--max-request-mb", "nan"], {}, "--max-request-mb must be a number from 0.01 to 1024"),
+    (["--max-request-mb", "0.0000001"], {}, "--max-request-mb must be a number from 0.01 to 1024"),
     ([], {"DOCPROC_API_KEY": ""}, "the API key (--api-key or DOCPROC_API_KEY) is empty"),
     (["--api-key", "  "], {}, "the API key (--api-key or DOCPROC_API_KEY) is empty"),
 ])

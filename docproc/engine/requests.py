@@ -110,13 +110,19 @@ def stop_reason(seq: Sequence, token: int, eos_ids: set[int], tokenizer, max_mod
         # (earlier tokens were checked when they came). A character is at most 4 bytes and a
         # token at least one, so 4 tokens a character (and 4 for a character cut at the window's
         # start) reach back far enough; a window that decodes shorter (special tokens decode to
-        # nothing) is widened until it holds a stop string's length or the whole output.
+        # nothing) is widened until it holds a stop string's length before the newest token's
+        # text, or the whole output.
         longest = max(len(s) for s in sp.stop)
         ids = seq.generated_token_ids
+        # the stop string's length before the newest token's text, as well as that text
+        need = longest + len(tokenizer.decode(ids[-1:], skip_special_tokens=True))
         window = 4 * longest + 4
         while True:
             text = tokenizer.decode(ids[-window:], skip_special_tokens=True)
-            if window >= len(ids) or len(text) >= longest + 1:
+            if window >= len(ids):
+                break
+            text = text.lstrip("\ufffd")  # (a character the window's start cut)
+            if len(text) >= need:
                 break
             window *= 4
         for s in sp.stop:

@@ -83,7 +83,7 @@ def parse(url: object, body: object, limits: Limits, render, streaming: bool = F
     stream = bool(body.get("stream")) if streaming else False
     include_usage = False
     opts = body.get("stream_options")
-    if opts is not None:
+    if opts is not None and streaming:  # (a batch line's are ignored: it never streams)
         if not stream:
             raise RequestError("stream_options is only for stream: true")
         if not isinstance(opts, dict):
@@ -129,8 +129,8 @@ def sampling(body: dict) -> SamplingParams:
                                                                    for s in many)):
             raise RequestError(f"stop takes at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters")
         kw["stop"] = stop
-    if body.get("top_k") is not None:  # vLLM's extension
-        kw["top_k"] = body["top_k"]
+    if body.get("top_k") is not None:  # vLLM's extension (0 or -1: off)
+        kw["top_k"] = -1 if body["top_k"] == 0 else body["top_k"]
     if body.get("ignore_eos") is not None:  # vLLM's extension: generate max_tokens whatever comes
         if not isinstance(body["ignore_eos"], bool):
             raise RequestError("ignore_eos must be true or false")

@@ -98,6 +98,14 @@ class Lane:
                 return
 
 
+def _ignore_sigint() -> None:
+    """A PDF worker's start: Ctrl-C at the terminal (its process group) is the server's to
+    handle; a drain still needs the renders in progress."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _settle(fut: asyncio.Future, result, error) -> None:
     if not fut.done():
         if error is not None:
@@ -109,7 +117,8 @@ def _settle(fut: asyncio.Future, result, error) -> None:
 class PdfRenderer:
     """PDF parts rendered in worker processes: MuPDF holds the GIL while it renders, so in a
     thread one page of 20,000 paths stopped the engine and every other request for 21 s. A PDF
-    that takes longer than PDF_SECONDS is refused (400) and the workers are replaced."""
+    that takes longer than PDF_SECONDS (waiting for a worker included) is refused (400) and the
+    workers are replaced; the renders that were on them get 503 (retry) at once."""
 
     def __init__(self) -> None:
         self._pool = None
@@ -123,17 +132,23 @@ class PdfRenderer:
 
         with self._lock:
             if self._pool is None:
-                self._pool = multiprocessing.get_context("spawn").Pool(PDF_WORKERS)
+                self._pool = multiprocessing.get_context("spawn").Pool(PDF_WORKERS, initializer=_ignore_sigint)
             pool = self._pool
-        pending = pool.apply_async(pdf_pages, (data, dataclasses.replace(limits, render_pdf=None), where))
-        try:
-            return pending.get(PDF_SECONDS)
-        except multiprocessing.TimeoutError:
-            with self._lock:
-                if self._pool is pool:
-                    self._pool = None
-            pool.terminate()
-            raise RequestError(f"{where}: the PDF takes more than {PDF_SECONDS} s to render") from None
+            pending = pool.apply_async(pdf_pages, (data, dataclasses.replace(limits, render_pdf=None), where))
+        deadline = time.monotonic() + PDF_SECONDS
+        while True:
+            try:
+                return pending.get(0.25)
+            except multiprocessing.TimeoutError:
+                pass
+            if self._pool is not pool:  # another render's timeout replaced the workers under this one
+                raise HTTPError(503, "the PDF renderer restarted: retry", "server_error")
+            if time.monotonic() >= deadline:
+                with self._lock:
+                    if self._pool is pool:
+                        self._pool = None
+                pool.terminate()
+                raise RequestError(f"{where}: the PDF takes more than {PDF_SECONDS} s to render")
 
     def close(self) -> None:
         with self._lock:
@@ -250,17 +265,31 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.failure is None
 
-    def submit(self, job: Job) -> None:
+    def admit(self, nbytes: int, pixels: int) -> None:
+        """Count a request as waiting (its body's bytes, its decoded pixels), from when it is
+        parsed: 429 past the bounds. Then submit() it, or withdraw() it."""
         if not self.alive:
             raise HTTPError(503, self.failure or "the engine is not running", "server_error")
         with self._lock:
-            if self.queued and (self.queued >= MAX_QUEUED or self.queued_bytes + job.nbytes > MAX_QUEUED_BYTES
-                                or self.queued_pixels + job.parsed.pixels > MAX_QUEUED_PIXELS):
+            if self.queued and (self.queued >= MAX_QUEUED or self.queued_bytes + nbytes > MAX_QUEUED_BYTES
+                                or self.queued_pixels + pixels > MAX_QUEUED_PIXELS):
                 raise HTTPError(429, f"{self.queued} requests are waiting for the engine: retry later",
                                 "rate_limit_error")
             self.queued += 1
-            self.queued_bytes += job.nbytes
-            self.queued_pixels += job.parsed.pixels
+            self.queued_bytes += nbytes
+            self.queued_pixels += pixels
+
+    def withdraw(self, nbytes: int, pixels: int) -> None:
+        with self._lock:
+            self.queued -= 1
+            self.queued_bytes -= nbytes
+            self.queued_pixels -= pixels
+
+    def submit(self, job: Job) -> None:
+        """Hand an admitted job to the engine's thread."""
+        if not self.alive:
+            self.withdraw(job.nbytes, job.parsed.pixels)
+            raise HTTPError(503, self.failure or "the engine is not running", "server_error")
         self._inbox.put(("submit", job))
 
     def cancel(self, job: Job) -> None:
@@ -361,10 +390,7 @@ class EngineLoop:
             post(events)
 
     def _dequeued(self, job: Job) -> None:
-        with self._lock:
-            self.queued -= 1
-            self.queued_bytes -= job.nbytes
-            self.queued_pixels -= job.parsed.pixels
+        self.withdraw(job.nbytes, job.parsed.pixels)
 
     def _account(self, job: Job, out, now: float) -> None:
         if out.error is not None:
@@ -515,13 +541,20 @@ def build_app(engine: EngineLoop, cfg: ServerConfig, render_pdf=None):
                 parsed = await preparing.run(prepare, kind, raw)
             finally:
                 held["bytes"] -= hold[0]
-            constraint = parsed.params.structured_outputs
-            if constraint is not None:  # compiled here: it goes with the request to the engine's thread
-                try:
-                    await grammar_lane.run(llm.compile_constraint, constraint)
-                except ValueError as e:
-                    raise HTTPError(400, str(e)) from None
-            job = Job(parsed, asyncio.get_running_loop(), asyncio.Queue(), len(raw))
+            nbytes = len(raw)
+            del raw
+            engine.admit(nbytes, parsed.pixels)  # (its images held from here on are counted)
+            try:
+                constraint = parsed.params.structured_outputs
+                if constraint is not None:  # compiled here: it goes with the request to the engine's thread
+                    try:
+                        await grammar_lane.run(llm.compile_constraint, constraint)
+                    except ValueError as e:
+                        raise HTTPError(400, str(e)) from None
+            except BaseException:
+                engine.withdraw(nbytes, parsed.pixels)
+                raise
+            job = Job(parsed, asyncio.get_running_loop(), asyncio.Queue(), nbytes)
             engine.submit(job)
         except HTTPError as e:
             return answer_error(e, path)
