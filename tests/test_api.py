@@ -60,7 +60,7 @@ def test_sampling_params_name_the_bad_argument(kwargs, message):
 
 
 def test_a_temperature_too_small_for_float32_decodes_greedily():
-    # 1e-300 is 0 in float32: logits divided by it were inf and nan (garbage tokens)
+    # 1e-300 is 0 in float32: logits divided by it would be inf and nan (garbage tokens)
     for t in (1e-300, 1e-6):
         sp = SamplingParams(temperature=t)
         assert sp.temperature == 0.0 and sp.is_greedy

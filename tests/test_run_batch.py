@@ -206,7 +206,7 @@ def test_images_and_pdfs_from_the_image_root_only(tmp_path):
               limits, render)
     with pytest.raises(RequestError, match="stream is not supported"):
         parse(url, {**body({"type": "text", "text": "x"}), "stream": True}, limits, render)
-    for role in (["user"], {"a": 1}, None, 3):  # (a list or dict role was a TypeError: unhashable)
+    for role in (["user"], {"a": 1}, None, 3):  # (a list or dict is not hashable: no TypeError)
         with pytest.raises(RequestError, match=r"messages\[0\] must be an object with a role"):
             parse(url, {"messages": [{"role": role, "content": "x"}]}, limits, render)
     with pytest.raises(RequestError, match="stream_options is only for stream: true"):

@@ -188,8 +188,8 @@ def test_a_pdf_part_is_rendered_into_its_pages(client, reference):
 def test_a_slow_constraint_compiles_beside_the_engine(server, client):
     """A constraint that takes xgrammar a second or more to compile (a pattern with a long
     repetition) holds up only its own request: one sent after it, of 16 tokens, is answered
-    before the constrained one's single token (compiled in the engine's thread, it held the
-    engine: both then ran together and the one token came first)."""
+    before the constrained one's single token (a compile in the engine's thread would hold the
+    engine: both would then run together and the one token come first)."""
     pytest.importorskip("xgrammar")
     done = []
 
@@ -253,7 +253,7 @@ def test_malformed_requests_get_4xx_and_the_server_goes_on(server, client):
         ("/v1/chat/completions", json.dumps({**good, "stream": True,
                                              "messages": [{"role": "user", "content": "x" * 100_000}]}), 400),
         ("/v1/chat/completions", json.dumps({**good, "temperature": 1e300}), 400),
-        # a truncated QOI image: Pillow's plugin raises ValueError (was a 500)
+        # a truncated QOI image: Pillow's plugin raises ValueError, not OSError
         ("/v1/chat/completions", json.dumps({**good, "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,cW9pZgAAAEAAAABAAwGpiP39/f0="}}]}]}),
          400),
@@ -288,7 +288,7 @@ def test_malformed_requests_get_4xx_and_the_server_goes_on(server, client):
     assert r.choices[0].message.content is not None
     assert metric(base, 'docproc_http_requests_total{path="/v1/chat/completions",status="400"}') >= 22
     assert not re.search(r'status="5\d\d"', urllib.request.urlopen(base + "/metrics", timeout=10).read().decode())
-    # a temperature float32 holds as 0 decodes greedily (it was inf and nan: garbage tokens)
+    # a temperature float32 holds as 0 decodes greedily (not inf and nan: garbage tokens)
     kw = dict(model="target", messages=[{"role": "user", "content": "Total?"}], max_tokens=8)
     assert (client.chat.completions.create(**kw, temperature=1e-300).choices[0].message.content
             == client.chat.completions.create(**kw, temperature=0).choices[0].message.content)
@@ -315,7 +315,7 @@ def test_a_client_that_goes_away_cancels_its_request(server, client):
 
 def test_sigterm_lets_the_request_in_flight_finish(tmp_path):
     """SIGTERM: the request being answered finishes (200, all its tokens), a client still
-    sending its body gets 503 (it held the server open), the server exits 0."""
+    sending its body gets 503 (rather than holding the server open), the server exits 0."""
     proc, base = start()
     try:
         blocked = socket.socket()
@@ -348,7 +348,7 @@ def test_sigterm_lets_the_request_in_flight_finish(tmp_path):
 
 def test_a_second_signal_stops_at_once():
     """Ctrl-C twice with a long whole-answer request in flight: it gets a 503 and the server
-    exits without generating it to the end (it waited for the engine to finish it)."""
+    exits without generating it to the end."""
     proc, base = start()
     try:
         got = {}
