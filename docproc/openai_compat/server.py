@@ -318,7 +318,13 @@ class EngineLoop:
                     break
             for kind, job in items:
                 if kind == "abort":  # the server stops now (a second signal)
-                    for one in [*live.values(), *waiting]:
+                    while True:  # (submitted after it, too)
+                        try:
+                            items.append(self._inbox.get_nowait())
+                        except queue.Empty:
+                            break
+                    submitted = [one for k, one in items if k == "submit" and one not in waiting]
+                    for one in [*live.values(), *waiting, *submitted]:
                         one.post(("error", HTTPError(503, "the server is stopping", "server_error")))
                     stream.abort()
                     self.running = 0
