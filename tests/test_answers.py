@@ -84,6 +84,8 @@ BEYOND_THE_GRAMMAR = [  # valid JSON Schema that xgrammar cannot compile: (schem
     ({"type": "integer", "minimum": 0.5}, "whole number"),
     ({"type": "integer", "exclusiveMinimum": 3, "exclusiveMaximum": 4}, "minimum greater than maximum"),
     ({"type": "string", "pattern": "(a)\\1"}, "Backreference"),
+    ({"type": "string", "pattern": '^".$'}, "names a quote, a backslash or a control character"),
+    ({"type": "object", "patternProperties": {"^a\\n": {"type": "integer"}}}, "would write unescaped"),
 ]
 
 
@@ -113,6 +115,40 @@ def test_a_schema_the_grammar_cannot_compile_stops_the_run_with_exit_2_before_th
     end = [e for e in events if e["event"] == "end"][0]
     assert end["fault"]["kind"] == "queries" and "query 'n'" in end["fault"]["message"]
     assert reason in end["fault"]["message"] and end["exit_code"] == 2
+
+
+def test_a_pattern_xgrammar_would_write_unescaped_is_refused_and_the_rest_give_json_only():
+    """xgrammar matches a string's pattern against its characters, written as JSON escapes where
+    JSON needs them, unless the pattern names a quote, a backslash or a control character: then
+    against the raw text between the quotes, and `.` or a class writes a bare quote or newline.
+    Exactly the patterns whose grammars accept text that is not JSON are refused."""
+    import itertools
+
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from docproc.engine.structured import compile_problem
+    from docproc.sampling_params import StructuredOutputsParams
+
+    texts = ['"%s"' % "".join(t) for n in (1, 2, 3) for t in itertools.product('a"\\\nn', repeat=n)]
+
+    def is_json(text):
+        try:
+            json.loads(text)
+            return True
+        except ValueError:
+            return False
+
+    refused = []
+    for pattern in ['^".$', '^\\\\[^a]$', '^a.\\n$', '^"+$', '^[\\\\"]$', '^\\n{2}$',
+                    '^.*$', '^[^\\n]*$', '^\\S+$', '^[ -~]+$', '^(a|")+$', '^[a"]+$', '^[^"]*$']:
+        schema = {"type": "string", "pattern": pattern}
+        grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+        not_json = [t for t in texts if _is_grammar_accept_string(grammar, t) and not is_json(t)]
+        problem = compile_problem(StructuredOutputsParams(json=json.dumps({"type": "array", "items": schema})))
+        assert (problem is not None) == bool(not_json), (pattern, problem, not_json[:3])
+        refused += [pattern] if problem else []
+    assert len(refused) == 6, refused
 
 
 def test_answers_are_validated_against_the_whole_schema():

@@ -754,6 +754,45 @@ def _strict_strings(schema):
     return out
 
 
+# Keywords whose values are data, not schemas: a "pattern" inside them is not a constraint.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _patterns(schema):
+    """Every string `pattern` and `patternProperties` key in a schema (its subschemas included)."""
+    if isinstance(schema, list):
+        for s in schema:
+            yield from _patterns(s)
+    elif isinstance(schema, dict):
+        if isinstance(schema.get("pattern"), str):
+            yield schema["pattern"]
+        if isinstance(schema.get("patternProperties"), dict):
+            yield from schema["patternProperties"]
+        for key, value in schema.items():
+            if key not in _DATA_KEYWORDS:
+                yield from _patterns(value)
+
+
+def _check_patterns(xgr, schema) -> None:
+    """Refuse a pattern that xgrammar 0.2.9 would constrain as raw text. It matches a pattern
+    against the string's characters, written as JSON escapes where JSON needs them, unless the
+    pattern itself names a quote, a backslash or a control character (`^".$`, `^C:\\\\`,
+    `^a\\n$`): then the whole pattern is matched against the JSON text between the quotes, and
+    its quote, backslash, newline and every `.` or class are written unescaped, which is not JSON.
+    Which way it goes shows in the grammar (a `Regex(` rule is the escaped way)."""
+    for pattern in _patterns(schema):
+        try:
+            text = str(xgr.Grammar.from_json_schema(json.dumps({"type": "string", "pattern": pattern}),
+                                                    any_whitespace=False))
+        except Exception:  # noqa: BLE001 -- the whole schema's compile gives xgrammar's reason
+            continue
+        if "Regex(" not in text:
+            raise StructuredOutputError(
+                f"the pattern {pattern!r} names a quote, a backslash or a control character, which xgrammar "
+                "would write unescaped inside the JSON string (an answer that is not JSON); write the pattern "
+                "without them (a negated class such as [^\\n] is fine)")
+
+
 def grammar(xgr, params: StructuredOutputsParams):
     """The xgrammar Grammar of a constraint (no tokenizer needed): what the engine compiles, and
     what `compile_problem` checks before a model loads."""
@@ -762,6 +801,7 @@ def grammar(xgr, params: StructuredOutputsParams):
             schema = json.loads(params.json) if isinstance(params.json, str) else params.json
         except json.JSONDecodeError as e:
             raise StructuredOutputError(f"the json constraint is not valid JSON: {e}") from None
+        _check_patterns(xgr, schema)
         return xgr.Grammar.from_json_schema(json.dumps(bounded_numbers(_strict_strings(schema))),
                                             any_whitespace=False)
     if params.kind == "regex":
