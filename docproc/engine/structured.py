@@ -780,7 +780,7 @@ def _check_patterns(xgr, schema) -> None:
     `^a\\n$`): then the whole pattern is matched against the JSON text between the quotes, and
     its quote, backslash, newline and every `.` or class are written unescaped, which is not JSON.
     Which way it goes shows in the grammar (a `Regex(` rule is the escaped way)."""
-    for pattern in _patterns(schema):
+    for pattern in dict.fromkeys(_patterns(schema)):  # each distinct pattern once
         try:
             text = str(xgr.Grammar.from_json_schema(json.dumps({"type": "string", "pattern": pattern}),
                                                     any_whitespace=False))
