@@ -188,7 +188,7 @@ def offline(llm, reqs: list[dict], new_tokens: int, max_seqs: int | None = None)
     return {"requests": len(outs), "seconds": round(wall, 3), "tokens": tokens, "tokens_per_s": round(tokens / wall, 2)}
 
 
-def served(llm, reqs: list[dict], clients: int, name: str) -> dict:
+def served(llm, reqs: list[dict], clients: int, name: str, stream_interval: float = 0.0) -> dict:
     """One load run: the server on a free port in this (main) thread, the client a child process;
     when the child exits, SIGTERM to ourselves stops the server (it drains first)."""
     from docproc.openai_compat.protocol import Limits
@@ -209,7 +209,8 @@ def served(llm, reqs: list[dict], clients: int, name: str) -> dict:
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=stop_when_done, daemon=True).start()
-    cfg = ServerConfig("m", Limits(max_images=16), max_request_bytes=64 << 20, max_model_len=llm.max_model_len)
+    cfg = ServerConfig("m", Limits(max_images=16), max_request_bytes=64 << 20, max_model_len=llm.max_model_len,
+                       stream_interval=stream_interval)
     code = serve(llm, cfg, sock)
     res = json.loads(result_path.read_text())
     res["server_exit"] = code
@@ -232,6 +233,12 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--modes", default="stream,whole", help="served passes: stream, whole, or both")
+    ap.add_argument("--spec-k", default="auto", help="draft tokens per step with a draft (docproc serve's default)")
+    ap.add_argument("--stream-interval-ms", default=None,
+                    help="docproc serve's --stream-interval-ms (its default if not given); a comma list runs a "
+                    "stream pass for each (stream_<ms>ms)")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval for the server's process (an experiment; Python's default 0.005)")
     ap.add_argument("--repeats", type=int, default=2, help="offline and served passes of each mode, alternated")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--gpu-util", type=float, default=0.9)
@@ -245,9 +252,15 @@ def main() -> None:
     import torch
 
     from docproc import LLM
+    from docproc.cli import STREAM_INTERVAL_MS
 
+    if a.switch_interval is not None:
+        sys.setswitchinterval(a.switch_interval)
+    intervals = [float(x) for x in (a.stream_interval_ms or str(STREAM_INTERVAL_MS)).split(",")]
     target, draft = model_dirs(a)
     kw = {"load_format": a.load_format} if a.geometry else {}
+    if draft is not None:
+        kw["num_speculative_tokens"] = a.spec_k if a.spec_k == "auto" else int(a.spec_k)
     llm = LLM(target, speculative_model=draft, device=a.device, gpu_memory_utilization=a.gpu_util, **kw)
     result = {"date": time.strftime("%Y-%m-%d"), "args": vars(a), "torch": torch.__version__,
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "passes": []}
@@ -260,12 +273,17 @@ def main() -> None:
     warm = offline(llm, fresh(False), a.new_tokens)
     result["warmup"] = warm
     print(json.dumps({"warmup": warm}), flush=True)
-    modes = a.modes.split(",")
+    modes = []  # (name, streamed, interval in seconds)
+    for mode in a.modes.split(","):
+        if mode != "stream":
+            modes.append((mode, False, 0.0))
+        else:
+            modes += [("stream" if len(intervals) == 1 else f"stream_{ms:g}ms", True, ms / 1000) for ms in intervals]
     for r in range(a.repeats):
         row = {"repeat": r, "offline": offline(llm, fresh(False), a.new_tokens),
                "offline_at_clients": offline(llm, fresh(False), a.new_tokens, a.clients)}
-        for mode in modes:
-            row[mode] = served(llm, fresh(mode == "stream"), a.clients, f"{mode}{r}")
+        for mode, streamed, interval in modes:
+            row[mode] = served(llm, fresh(streamed), a.clients, f"{mode}{r}", interval)
             row[mode]["ratio_to_offline"] = round(row[mode]["tokens_per_s"] / row["offline"]["tokens_per_s"], 3)
             row[mode]["ratio_to_offline_at_clients"] = round(
                 row[mode]["tokens_per_s"] / row["offline_at_clients"]["tokens_per_s"], 3)
@@ -275,10 +293,11 @@ def main() -> None:
     spec = llm.spec_info()
     if spec:
         result["acceptance_rate"] = spec["acceptance_rate"]
+        result["spec"] = spec
     best_off = max(p["offline"]["tokens_per_s"] for p in result["passes"])
     best_at = max(p["offline_at_clients"]["tokens_per_s"] for p in result["passes"])
     result["summary"] = {"offline_tokens_per_s_best": best_off, "offline_at_clients_tokens_per_s_best": best_at}
-    for mode in modes:
+    for mode, _, _ in modes:
         best = max(p[mode]["tokens_per_s"] for p in result["passes"])
         result["summary"][f"{mode}_tokens_per_s_best"] = best
         result["summary"][f"{mode}_ratio_best_to_best"] = round(best / best_off, 3)

@@ -580,6 +580,7 @@ DEVICE_OPT = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N.")
 GPU_UTIL_OPT = typer.Option(0.9, "--gpu-memory-utilization", help="Share of the GPU.")
 BATCHED_TOKENS_OPT = typer.Option(8192, "--max-num-batched-tokens", help="Tokens per engine step.")
 SEED_OPT = typer.Option(0, "--seed", help="The engine's seed (a body's seed is per request).")
+STREAM_INTERVAL_MS = 0.0  # serve: least time between a stream's chunks
 
 
 def _spec_k(spec_k: str) -> int | str:
@@ -731,6 +732,10 @@ def serve_cmd(
                                               "(file:// URLs, paths) under this folder; without it only data: URLs."),
     max_request_mb: float = typer.Option(32.0, "--max-request-mb", help="Largest request body, in MiB."),
     max_images: int = typer.Option(16, "--max-images", help="Most images in one request (a PDF's pages count)."),
+    stream_interval_ms: float = typer.Option(
+        STREAM_INTERVAL_MS, "--stream-interval-ms",
+        help="Least time between a stream's chunks, in ms (0: a chunk after every engine step). A stream's first "
+        "token is sent at once; a chunk then carries every token since the last."),
     log_level: str = typer.Option("warning", "--log-level", help="The HTTP server's log: warning, info or debug."),
 ) -> None:
     """Serve the model over OpenAI's HTTP API: /v1/chat/completions (streaming or not),
@@ -757,6 +762,9 @@ def serve_cmd(
         raise typer.Exit(EXIT_USAGE)
     if not 1 <= max_images <= 1024:
         error(f"--max-images must be 1-1024, got {max_images}", "usage")
+        raise typer.Exit(EXIT_USAGE)
+    if not 0 <= stream_interval_ms <= 10_000:  # (nan is neither)
+        error(f"--stream-interval-ms must be a number from 0 to 10000, got {stream_interval_ms}", "usage")
         raise typer.Exit(EXIT_USAGE)
     if not host.strip():
         error("--host is empty: name an address (127.0.0.1, or 0.0.0.0 for every interface)", "usage")
@@ -790,7 +798,7 @@ def serve_cmd(
     cfg = ServerConfig(name, Limits(image_root=image_root, max_images=max_images,
                                     max_bytes=int(max_request_mb * (1 << 20))),
                        api_key=api_key, max_request_bytes=int(max_request_mb * (1 << 20)),
-                       max_model_len=llm.max_model_len)
+                       max_model_len=llm.max_model_len, stream_interval=stream_interval_ms / 1000)
     where = sock.getsockname()
     shown_host = f"[{where[0]}]" if family == socket.AF_INET6 else where[0]
     out_console.print(escape(f"docproc serve: {name} at http://{shown_host}:{where[1]}/v1 "

@@ -313,6 +313,22 @@ def test_a_client_that_goes_away_cancels_its_request(server, client):
     assert metric(base, "docproc_generation_tokens_total") < 6000  # neither ran to its 4,000 tokens
 
 
+def test_a_stream_interval_sends_the_first_token_at_once_then_fewer_chunks():
+    """--stream-interval-ms: a stream's first token comes in its own chunk at once, the rest
+    together with the output when the interval is longer than the answer; the text is the same."""
+    proc, base = start("--stream-interval-ms", "10000")
+    try:
+        c = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+        kw = dict(model="target", prompt="Invoice", max_tokens=60, temperature=0, extra_body={"ignore_eos": True})
+        whole = c.completions.create(**kw).choices[0].text
+        texts = [ch.choices[0].text for ch in c.completions.create(**kw, stream=True) if ch.choices]
+        assert "".join(texts) == whole
+        assert len([t for t in texts if t]) == 2, texts
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+
+
 def test_sigterm_lets_the_request_in_flight_finish(tmp_path):
     """SIGTERM: the request being answered finishes (200, all its tokens), a client still
     sending its body gets 503 (rather than holding the server open), the server exits 0."""
@@ -379,6 +395,8 @@ def test_a_second_signal_stops_at_once():
     (["--max-request-mb", "0.0000001"], {}, "--max-request-mb must be a number from 0.01 to 1024"),
     ([], {"DOCPROC_API_KEY": ""}, "the API key (--api-key or DOCPROC_API_KEY) is empty"),
     (["--api-key", "  "], {}, "the API key (--api-key or DOCPROC_API_KEY) is empty"),
+    (["--stream-interval-ms", "nan"], {}, "--stream-interval-ms must be a number from 0 to 10000"),
+    (["--stream-interval-ms", "-1"], {}, "--stream-interval-ms must be a number from 0 to 10000"),
 ])
 def test_options_that_would_serve_wrongly_are_refused(args, env, words):
     r = subprocess.run([sys.executable, "-m", "docproc", "serve", "--model", "/nonexistent", *args],

@@ -171,6 +171,7 @@ class Job:
     handle: Any = None  # RequestStream's, once it is in the engine
     sent: list = field(default_factory=list)  # token counts last posted, per choice
     arrival: float = field(default_factory=time.perf_counter)
+    posted: float = 0.0  # when its tokens were last posted (streams: at most one post per interval)
     latest: Any = None  # the newest ("tokens") value not yet taken: one held, however slow the reader
 
     def post(self, event: tuple) -> None:
@@ -226,10 +227,13 @@ class Histogram:
 class EngineLoop:
     """The thread that runs the engine: takes submitted jobs in between steps (at most IN_FLIGHT
     and PIXELS_IN_FLIGHT in the engine; the rest wait here, first come first served), runs a step
-    whenever anything is in the engine, and posts each job's events."""
+    whenever anything is in the engine, and posts each job's events. A stream's tokens are posted
+    when its first ones come, then at most once every `stream_interval` seconds (0: after every
+    step that grew it); its last ones come with its output."""
 
-    def __init__(self, llm) -> None:
+    def __init__(self, llm, stream_interval: float = 0.0) -> None:
         self.llm = llm
+        self.stream_interval = stream_interval
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("submit", job), ("cancel", job), ("stop", None)
         self._thread = threading.Thread(target=self._run, name="docproc-engine", daemon=True)
         self.failure: str | None = None  # the device failed: the loop stopped
@@ -385,13 +389,15 @@ class EngineLoop:
                 self._account(job, out, now)
                 events.append((job, ("done", out)))
             self.running = len(live)
-            streaming = [job for job in live.values() if job.parsed.stream and job.handle is not None]
+            due = now - self.stream_interval
+            streaming = [job for job in live.values()
+                         if job.parsed.stream and job.handle is not None and (job.posted <= due or not any(job.sent))]
             for job, ids in zip(streaming, stream.progress([job.handle for job in streaming])):
                 if len(ids) < job.parsed.params.n:  # greedy: one sequence, its output every choice's
                     ids = ids * job.parsed.params.n
                 counts = [-1 if x is None else len(x) for x in ids]
                 if counts != job.sent:
-                    job.sent = counts
+                    job.sent, job.posted = counts, now
                     events.append((job, ("tokens", [None if x is None else list(x) for x in ids])))
             post(events)
 
@@ -448,6 +454,7 @@ class ServerConfig:
     api_key: str | None = None
     max_request_bytes: int = 32 << 20
     max_model_len: int = 0
+    stream_interval: float = 0.0  # seconds between a stream's chunks (at most one per interval)
 
 
 def error_body(e: HTTPError) -> dict:
@@ -786,7 +793,7 @@ def serve(llm, cfg: ServerConfig, sock, log_level: str = "warning") -> int:
 
     import uvicorn
 
-    engine = EngineLoop(llm)
+    engine = EngineLoop(llm, cfg.stream_interval)
     renderer = PdfRenderer()
     app = build_app(engine, cfg, renderer)
 
