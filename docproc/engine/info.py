@@ -1,16 +1,13 @@
 """What LLM.cache_info() and LLM.spec_info() report: plain data for manifests and benchmarks."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import kernels.pdl as kernels_pdl
 from docproc.engine.jit_watch import WATCH
 
-if TYPE_CHECKING:
-    from docproc.engine.llm import LLM
+# (the functions take the engine, an LLM, as `llm`: this module sits below llm.py, which imports it)
 
 
-def cache_info(llm: LLM) -> dict:
+def cache_info(llm) -> dict:
     """The engine's caches, kernels and step figures (LLM.cache_info)."""
     kv = llm.runner.kv_cache
     bm = llm.block_manager
@@ -68,7 +65,7 @@ def cache_info(llm: LLM) -> dict:
         "dtype": str(llm.runner.dtype).removeprefix("torch."),
     }
 
-def spec_info(llm: LLM) -> dict | None:
+def spec_info(llm) -> dict | None:
     """Speculative decoding figures so far (None without a draft)."""
     if llm.speculator is None:
         return None

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 from docproc.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from docproc.engine.llm import LLM
     from docproc.engine.model_runner import PendingStep
     from docproc.engine.scheduler import SchedulerOutput
 
@@ -31,7 +30,7 @@ def _matchers(scheduled) -> list | None:
 
 
 class OverlapDecoder:
-    def __init__(self, engine: LLM, enabled: bool) -> None:
+    def __init__(self, engine, enabled: bool) -> None:  # engine: the LLM that owns it
         self.engine = weakref.proxy(engine)  # no reference cycle: a dropped engine frees its memory at once
         self.enabled = enabled
         self.pending: PendingStep | None = None  # the launched decode step whose tokens the host has not read
