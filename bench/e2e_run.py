@@ -111,6 +111,9 @@ def run_once(tree: Path, docs: Path, model: Path, out: Path, run_args: list[str]
               "host_max_rss_bytes_tree": sampler.rss_max,
               "manifest_host_max_rss_bytes": m["peak_memory"]["host_max_rss_bytes"],
               "kernel_compiles_after_warmup": (m.get("engine") or {}).get("kernel_compiles_after_warmup"),
+              "engine_steps": {k: (m.get("engine") or {}).get(k) for k in (
+                  "num_steps", "num_step_tokens", "step_seconds", "num_decode_steps", "decode_step_seconds",
+                  "num_overlapped_steps", "num_graph_steps")},
               "stderr": stderr[-1500:] if proc.returncode not in (0, 1) else ""}
     load = m["stage_seconds"].get("load_model", 0.0)
     result["wall_over_load_plus_busy"] = round(wall / (load + busy), 3) if load + busy else None
@@ -119,6 +122,9 @@ def run_once(tree: Path, docs: Path, model: Path, out: Path, run_args: list[str]
         e_busy, e_span = sampler.busy(started + engine[0], started + engine[1])
         result["engine_span_s"] = round(e_span, 2)
         result["gpu_idle_share_in_engine_span"] = round(1 - e_busy / e_span, 4) if e_span else None
+        steps = (m.get("engine") or {}).get("step_seconds")
+        if steps is not None:  # the engine span's time outside LLM.step (the feed, rows, writing parts)
+            result["engine_span_outside_steps_s"] = round(engine[1] - engine[0] - steps, 2)
     return result
 
 

@@ -55,6 +55,13 @@ def cache_info(llm) -> dict:
         # decode steps launched before the tokens of the step in flight were read (overlap_decode)
         "overlap_decode": llm.overlap.enabled,
         "num_overlapped_steps": llm.overlap.num_steps,
+        # engine steps (a step: its forward, sampling and the host's work on its tokens) and the
+        # seconds spent in them; decode: the steps with no prefill chunk in them
+        "num_steps": llm.num_steps,
+        "num_step_tokens": llm.num_step_tokens,
+        "step_seconds": round(llm.step_seconds, 3),
+        "num_decode_steps": llm.num_decode_steps,
+        "decode_step_seconds": round(llm.decode_step_seconds, 3),
         "one_row_kernels": llm.runner.kernel_options.one_row and llm.runner.device.type == "cuda",  # kernels/gemv.py
         # programmatic dependent launch, kernels/pdl.py
         "pdl": kernels_pdl.enabled_on(llm.runner.device, llm.runner.kernel_options.pdl),
