@@ -112,8 +112,9 @@ def run_once(tree: Path, docs: Path, model: Path, out: Path, run_args: list[str]
               "manifest_host_max_rss_bytes": m["peak_memory"]["host_max_rss_bytes"],
               "kernel_compiles_after_warmup": (m.get("engine") or {}).get("kernel_compiles_after_warmup"),
               "engine_steps": {k: (m.get("engine") or {}).get(k) for k in (
-                  "num_steps", "num_step_tokens", "step_seconds", "num_decode_steps", "decode_step_seconds",
-                  "num_overlapped_steps", "num_graph_steps")},
+                  "num_steps", "num_step_tokens", "mean_running_per_step", "step_seconds", "num_decode_steps",
+                  "decode_step_seconds", "num_overlapped_steps", "num_graph_steps", "images_prefetched",
+                  "images_preprocessed_inline", "pixel_wait_seconds")},
               "stderr": stderr[-1500:] if proc.returncode not in (0, 1) else ""}
     load = m["stage_seconds"].get("load_model", 0.0)
     result["wall_over_load_plus_busy"] = round(wall / (load + busy), 3) if load + busy else None

@@ -59,9 +59,15 @@ def cache_info(llm) -> dict:
         # seconds spent in them; decode: the steps with no prefill chunk in them
         "num_steps": llm.num_steps,
         "num_step_tokens": llm.num_step_tokens,
+        "mean_running_per_step": round(llm.num_step_running / llm.num_steps, 1) if llm.num_steps else 0.0,
         "step_seconds": round(llm.step_seconds, 3),
         "num_decode_steps": llm.num_decode_steps,
         "decode_step_seconds": round(llm.decode_step_seconds, 3),
+        # pages' pixel values: prepared ahead on the prefetch threads, or inline in a step, and the
+        # seconds steps waited for them (the accelerator idles meanwhile)
+        "images_prefetched": llm.runner.prefetcher.num_prefetched,
+        "images_preprocessed_inline": llm.runner.prefetcher.num_inline,
+        "pixel_wait_seconds": round(llm.runner.prefetcher.take_seconds, 3),
         "one_row_kernels": llm.runner.kernel_options.one_row and llm.runner.device.type == "cuda",  # kernels/gemv.py
         # programmatic dependent launch, kernels/pdl.py
         "pdl": kernels_pdl.enabled_on(llm.runner.device, llm.runner.kernel_options.pdl),

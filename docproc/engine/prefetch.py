@@ -10,6 +10,7 @@ concatenated, one grid row per image), so encodes are bit-identical with and wit
 from __future__ import annotations
 
 import os
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -40,6 +41,7 @@ class ImagePrefetcher:
         self._pending: OrderedDict[str, Future] = OrderedDict()
         self.num_prefetched = 0  # images whose pixels were started ahead and then taken
         self.num_inline = 0  # images computed inline in `take`
+        self.take_seconds = 0.0  # time `take` spent waiting for started images or computing missing ones
 
     def _compute(self, image):
         pixels, grid = self.processor.pixel_values([image])
@@ -64,6 +66,7 @@ class ImagePrefetcher:
         """items: (content hash, PIL image) pairs. Their pixel values (one tensor per image) and grids
         (num_images, 3), in order."""
         pixels, grids = [], []
+        t0 = time.perf_counter()
         for h, image in items:
             fut = self._pending.pop(h, None)
             if fut is not None:
@@ -74,6 +77,7 @@ class ImagePrefetcher:
                 self.num_inline += 1
             pixels.append(p)
             grids.append(g)
+        self.take_seconds += time.perf_counter() - t0
         return pixels, torch.cat(grids)
 
     def drop(self) -> None:
