@@ -222,8 +222,9 @@ def overlap_run(folder, monkeypatch, overlap, params, eos=None, **kw):
 def test_overlapped_decode_gives_the_plain_tokens_and_stops(qwen2_vl_dir, monkeypatch):
     """Decode steps launched before the previous step's tokens are read (input ids from the
     device): the same tokens, stop reasons and texts as reading every step first, with greedy
-    rows stopping at EOS part-way (their row of the step in flight is dropped) and seeded sampled
-    rows; the prefix cache never keys a placeholder."""
+    rows stopping at EOS part-way (their row of the step in flight is dropped), a row ending at
+    its max_tokens before the others and seeded sampled rows; the prefix cache never keys a
+    placeholder."""
     base = SamplingParams(max_tokens=16, ignore_eos=True)
     _, plain = overlap_run(qwen2_vl_dir, monkeypatch, False, base)
     toks = [o.outputs[0].token_ids for o in plain]
@@ -240,13 +241,44 @@ def test_overlapped_decode_gives_the_plain_tokens_and_stops(qwen2_vl_dir, monkey
     assert got == want
     assert want[0][1] == "stop" and len(want[0][0]) <= 6  # stopped at EOS while others decoded on
     assert want[1][1] == "length" and len(want[1][0]) == 14
-    assert llm.num_overlapped_steps >= 10 and plain_llm.num_overlapped_steps == 0
+    # every step after the first (the prompts' prefill) is launched ahead, also past a row that
+    # stops (at EOS, or for sure at its max_tokens: it is left out of the step after)
+    assert llm.num_overlapped_steps == llm.num_steps - 1 and plain_llm.num_overlapped_steps == 0
     assert llm.cache_info()["num_overlapped_steps"] == llm.num_overlapped_steps
     assert llm.cache_info()["overlap_decode"] and not plain_llm.cache_info()["overlap_decode"]
     assert got_hashes <= want_hashes  # every committed block keyed by real tokens only
     # the same steps and tokens counted (a stopped sequence's row in the step in flight is not)
     assert (llm.num_steps, llm.num_step_tokens) == (plain_llm.num_steps, plain_llm.num_step_tokens)
     assert llm.overlap.pending is None and llm.block_manager.num_free_blocks == plain_llm.block_manager.num_free_blocks
+
+
+@cpu_only
+@pytest.mark.slow
+def test_overlapped_steps_admit_and_prefill_in_chunks_while_rows_decode(qwen2_vl_dir, monkeypatch):
+    """Two places and a 48-token budget: requests wait, are admitted as rows finish and prefill in
+    chunks (an image's pad tokens split across steps) beside decoding rows. Every step after the
+    first is launched before the tokens of the one in flight are read, and the tokens, stops and
+    prefix-cache keys are those of reading every step first."""
+    prompts = reqs() + reqs()[:2]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (9, 4, 12, 6, 1)]
+    runs = {}
+    for overlap in (False, True):
+        with monkeypatch.context() as m:
+            m.setattr(model_runner, "resolve_step_graphs", lambda config, device: "static")
+            llm = LLM(str(qwen2_vl_dir), device="cpu", max_num_seqs=2, max_num_batched_tokens=48,
+                      overlap_decode=overlap)
+            outs = llm.generate(prompts, params)
+        runs[overlap] = ([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs],
+                         set(llm.block_manager.hash_to_block), llm)
+    (want, want_hashes, plain), (got, got_hashes, llm) = runs[False], runs[True]
+    assert got == want
+    assert [len(t) for t, _ in got] == [9, 4, 12, 6, 1]
+    assert plain.num_overlapped_steps == 0 and llm.num_overlapped_steps == llm.num_steps - 1
+    assert llm.num_steps - llm.num_decode_steps >= 4  # steps with prefill chunks (admissions) took part
+    assert got_hashes <= want_hashes  # every committed block keyed by real tokens only
+    assert (llm.num_steps, llm.num_step_tokens) == (plain.num_steps, plain.num_step_tokens)
+    assert llm.overlap.pending is None and llm.block_manager.num_free_blocks == plain.block_manager.num_free_blocks
+    assert llm.scheduler.num_random == 0 and not llm.scheduler.running
 
 
 @cpu_only

@@ -246,10 +246,11 @@ def test_overlapped_decode_with_constrained_rows_gives_the_plain_tokens(qwen2_vl
     for overlap in (False, True):
         with monkeypatch.context() as m:
             m.setattr(model_runner, "resolve_step_graphs", lambda config, device: "static")
-            eng = LLM(str(qwen2_vl_dir), device="cpu", max_num_seqs=8, overlap_decode=overlap)
+            eng = LLM(str(qwen2_vl_dir), device="cpu", max_num_seqs=2, overlap_decode=overlap)
             outs = eng.generate(prompts, params)
         got[overlap] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text) for o in outs]
-        assert (eng.num_overlapped_steps >= 8) == overlap
+        # (two places: the last two requests are admitted by overlapped steps as the first ones stop)
+        assert eng.num_overlapped_steps == (eng.num_steps - 1 if overlap else 0)
     assert got[True] == got[False]
     (_, why0, text0), _, (_, why2, text2), _ = got[True]
     assert why0 == "stop" and valid(schema, json.loads(text0)), text0

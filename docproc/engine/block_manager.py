@@ -147,9 +147,10 @@ class BlockManager:
 
         Called when a step is scheduled: a sequence admitted later in the same step may then hit
         these blocks, which is safe because each layer stores the whole batch's K/V before any
-        attention reads it.
+        attention reads it. A block holding a placeholder (a token not read yet) waits for a
+        later commit.
         """
-        num_full = min(num_tokens, len(seq)) // self.block_size
+        num_full = min(num_tokens, len(seq) - seq.num_placeholders) // self.block_size
         prev = seq.block_hashes[-1] if seq.block_hashes else None
         for i in range(len(seq.block_hashes), num_full):
             h = hash_block(prev, seq.block_key(i, self.block_size))

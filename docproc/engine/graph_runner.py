@@ -238,12 +238,15 @@ class GraphRunner:
         self.graphs[key] = (graph, out)
         self.capture_seconds += time.perf_counter() - t0
 
-    def run(self, chunks, ids_from: torch.Tensor | None = None) -> tuple[torch.Tensor, AttentionMetadata] | None:
+    def run(self, chunks, ids_from: torch.Tensor | None = None,
+            ids_at: tuple[list[int], torch.Tensor] | None = None) -> tuple[torch.Tensor, AttentionMetadata] | None:
         """Hidden states of the chunks' tokens (num_tokens, hidden) and the step's metadata, or
         None if this step does not fit a graph. ids_from: a device tensor holding each chunk's one
         input token (the draft's chained proposals: the previous round's argmax, never read on the
         host); the host's token ids for those rows are then placeholders, overwritten on the device
-        after the input copy, in stream order. Such a step must be one token per chunk."""
+        after the input copy, in stream order. Such a step must be one token per chunk. ids_at:
+        (chunk indices, a device tensor of one token each): those chunks' first input token, so
+        overwritten (an overlapped step's decode rows)."""
         key = self.key_for(chunks)
         if key is None:
             return None
@@ -259,6 +262,13 @@ class GraphRunner:
             self.copied.record()
         if ids_from is not None:  # one row per sequence (q = 1): rows 0..len(chunks)-1
             self._layout(key)[0]["ids"][: len(chunks)].copy_(ids_from)
+        elif ids_at is not None:  # chunk i's first row is i * q
+            at, values = ids_at
+            ids = self._layout(key)[0]["ids"]
+            if key[1] == 1 and at == list(range(len(at))):
+                ids[: len(at)].copy_(values)
+            else:
+                ids.index_copy_(0, self.runner.device_index([i * key[1] for i in at]), values)
         if not self.capture:
             out = self._forward_static(key)
         else:

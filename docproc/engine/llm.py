@@ -2,8 +2,8 @@
 
 The facade: it builds the runner (and a draft's, engine/spec), owns the scheduler and the block
 manager, and runs steps until every request finished. A step is one of: a plain step (prefill
-chunks and decode rows, ModelRunner.execute), an overlapped decode step (engine/overlap.py) or a
-speculative step (engine/spec/verifier.py).
+chunks and decode rows, ModelRunner.execute), an overlapped step (the same, launched before the
+previous step's tokens are read: engine/overlap.py) or a speculative step (engine/spec/verifier.py).
 """
 from __future__ import annotations
 
@@ -227,6 +227,7 @@ class LLM:
         self.num_steps = 0
         self.num_step_tokens = 0
         self.step_seconds = 0.0
+        self.num_step_running = 0  # the running sequences summed over steps (after each step)
         self.num_decode_steps = 0  # plain steps that only decoded (the memory-bound part of a run)
         self.num_decode_step_tokens = 0
         self.decode_step_seconds = 0.0
@@ -377,11 +378,7 @@ class LLM:
             return self.overlap.step()
         out = self.scheduler.schedule()
         finished: list[Sequence] = []
-        if self.runner.prefetcher.workers and (self.scheduler.waiting or len(out.decoding) < len(out.scheduled)):
-            # preprocess the pages this step encodes in parallel, and the next queued ones meanwhile
-            self.runner.prefetch_images(itertools.chain(
-                (s.seq for s in out.scheduled if s.seq.images and not s.seq.images_prefetched),
-                itertools.islice(self.scheduler.waiting, PREFETCH_LOOKAHEAD)))
+        self.prefetch(out)
         for seq, why in out.failed:
             seq.stop_reason = why
             self.scheduler.finish(seq, "error")
@@ -409,11 +406,17 @@ class LLM:
             spec.stats.bypassed_steps += len(out.decoding)
             for seq in out.decoding:
                 seq.spec_stats.bypassed_steps += 1
-        if self.overlap.can_overlap(out):  # a plain decode step (or one the policy bypassed the draft for)
-            done = self.overlap.start(out)
-            if done is not None:
-                return finished + done
+        if self.overlap.can_overlap(out):  # a plain step (or a decode step the policy bypassed the draft for)
+            return finished + self.overlap.start(out)
         return finished + self._plain_step(out)
+
+    def prefetch(self, out) -> None:
+        """Start preprocessing the pages a scheduled step encodes (in parallel), and the next
+        queued ones meanwhile."""
+        if self.runner.prefetcher.workers and (self.scheduler.waiting or len(out.decoding) < len(out.scheduled)):
+            self.runner.prefetch_images(itertools.chain(
+                (s.seq for s in out.scheduled if s.seq.images and not s.seq.images_prefetched),
+                itertools.islice(self.scheduler.waiting, PREFETCH_LOOKAHEAD)))
 
     def _plain_step(self, out) -> list[Sequence]:
         captures = self.runner.num_graph_captures
@@ -478,6 +481,7 @@ class LLM:
 
     def count_step(self, tokens: int, seconds: float, decode: bool) -> None:
         self.num_steps += 1
+        self.num_step_running += len(self.scheduler.running)
         self.num_step_tokens += tokens
         self.step_seconds += seconds
         if decode:

@@ -96,19 +96,25 @@ class StepResult:
 
 @dataclass
 class PendingStep:
-    """A decode step queued on the device whose sampled tokens the host has not read yet
+    """A step queued on the device whose sampled tokens the host has not read yet
     (ModelRunner.launch; read with ModelRunner.collect). `tokens` stays on the device, so the
-    next step can take its input ids from it before the host has seen them."""
+    next step can take its decode rows' input ids from it before the host has seen them."""
 
-    scheduled: list  # Chunk, one row each, in row order
-    ends: list  # (Sequence, end) as scheduled
-    tokens: torch.Tensor | None  # (rows,) int64 on the device; None until the step samples
+    scheduled: list  # Chunk, in row order
+    sampled: list[int]  # the chunks that sample a token (their last row's logits), in order
+    tokens: torch.Tensor | None  # (len(sampled),) int64 on the device; None until the step samples
     host: torch.Tensor | None  # where the tokens are copied (pinned on CUDA)
     event: "torch.cuda.Event | None"  # recorded after that copy
     t0: float
     captured: bool  # a CUDA graph was captured for it (a one-off cost: not a step time to learn from)
+    num_tokens: int  # tokens computed (prefill chunks and decode rows)
     overlapped: bool = False  # launched while the step before it was still in flight
-    logits: torch.Tensor | None = None  # (rows, V) until the step samples (sample_pending)
+    logits: torch.Tensor | None = None  # (len(sampled), V) until the step samples (sample_pending)
+
+    @property
+    def decode_only(self) -> bool:
+        """One token per chunk, every chunk sampling: a decode step."""
+        return self.num_tokens == len(self.scheduled) == len(self.sampled)
 
 
 class ModelRunner:
@@ -376,9 +382,12 @@ class ModelRunner:
             block_size=bs,
         )
         self.backend.prepare(meta)
-        rows = torch.cat(image_rows).to(dev) if image_rows else None
+        # (non-blocking: from pageable memory the copy is staged at once, and the host does not
+        # wait for a step in flight, as a blocking copy would)
+        rows = torch.cat(image_rows).to(dev, non_blocking=True) if image_rows else None
         embeds = torch.cat(image_embeds) if image_embeds else None
-        return torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev), meta, rows, embeds
+        return (torch.from_numpy(ids).to(dev, non_blocking=True), torch.from_numpy(pos).to(dev, non_blocking=True),
+                meta, rows, embeds)
 
     def sampling_row(self, seq: Sequence) -> SamplingRow:
         """The sequence's sampling row, made once (its parameters and seeded generator never
@@ -395,22 +404,34 @@ class ModelRunner:
         return row
 
     @inference
-    def forward(self, scheduled, ids_from: torch.Tensor | None = None) -> tuple[torch.Tensor, AttentionMetadata] | None:
+    def forward(self, scheduled, ids_from: torch.Tensor | None = None,
+                ids_at: tuple[list[int], torch.Tensor] | None = None) -> tuple[torch.Tensor, AttentionMetadata] | None:
         """Run the model over scheduled chunks (objects with .seq, .start, .end): stores their K/V
-        and returns the final hidden states (num_tokens, hidden) and the step's metadata. With
-        ids_from (a device tensor of one input token per chunk; the host's ids are placeholders)
-        only the static graph path can run the step: None when it cannot."""
+        and returns the final hidden states (num_tokens, hidden) and the step's metadata.
+        ids_from: a device tensor of one input token per chunk (the host's ids are placeholders);
+        only the static graph path runs such a step: None when it cannot. ids_at: (chunk indices,
+        a device tensor of one token each): the first input token of those chunks, copied on the
+        device over the host's placeholder (an overlapped step's decode rows); any path runs it."""
         if ids_from is not None:
             return None if self.graphs is None else self.graphs.run(scheduled, ids_from)
         self._image_embeddings([s.seq for s in scheduled if any(
             max(s.start, sp.offset) < min(s.end, sp.end) for sp in s.seq.images)])
         if self.graphs is not None:
-            done = self.graphs.run(scheduled)
+            done = self.graphs.run(scheduled, ids_at=ids_at)
             if done is not None:
                 return done
         ids, pos, meta, rows, embeds = self._prepare(scheduled)
+        if ids_at is not None:
+            chunks, values = ids_at
+            ids.index_copy_(0, self.device_index([meta.query_start[i] for i in chunks]), values)
         hidden = self.model.text(ids, pos, self.kv_cache.layers, meta, self.backend, rows, embeds)
         return hidden, meta
+
+    def device_index(self, rows: list[int]) -> torch.Tensor:
+        """rows as an int64 index on the device, copied from pinned memory without waiting for the
+        work queued before it (a copy from pageable memory would make the host wait for it)."""
+        index = torch.tensor(rows, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        return index.to(self.device, non_blocking=True)
 
     @inference
     def logits(self, hidden: torch.Tensor, rows: list[int] | range) -> torch.Tensor:
@@ -422,39 +443,50 @@ class ModelRunner:
             # index tensor to copy from pageable host memory, which would make the host wait for
             # the forward before it can queue the LM head and the sampler
             return self.model.text.compute_logits(hidden[rows[0]: rows[0] + n])
-        return self.model.text.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        return self.model.text.compute_logits(hidden.index_select(0, self.device_index(list(rows))))
 
     @inference
-    def launch(self, scheduled, ids_from: torch.Tensor | None = None, matchers: list | None = None,
-               sample: bool = True) -> PendingStep | None:
-        """Queue a decode step (one token per sequence, every row samples) and its sampling, and
-        start copying the sampled tokens to the host, without waiting for any of it. ids_from: the
-        previous launched step's device tokens as this step's input ids (only through the static
-        graph path). matchers: each row's grammar matcher (or None), its mask applied before the
-        row samples. sample=False queues the forward and the logits only: sample_pending() queues
-        the sampling later, once the rows' matchers have accepted the tokens before it. None when
-        the step cannot be launched so (the caller runs it otherwise)."""
+    def launch(self, scheduled, ids_at: tuple[list[int], torch.Tensor] | None = None, matchers: list | None = None,
+               sample: bool = True) -> PendingStep:
+        """Queue a step (prefill chunks and decode rows; each chunk that reaches its sequence's end
+        samples) and its sampling, and start copying the sampled tokens to the host, without
+        waiting for any of it. ids_at: decode rows whose input id is on the device (forward).
+        matchers: each sampled row's grammar matcher (or None), its mask applied before the row
+        samples. sample=False queues the forward and the logits only: sample_pending() queues the
+        sampling later, once the rows' matchers have accepted the tokens before it."""
         t0 = time.perf_counter()
         captures = self.num_graph_captures
-        done = self.forward(scheduled, ids_from)
-        if done is None:
-            return None
-        hidden, _ = done
-        step = PendingStep(list(scheduled), [(s.seq, s.end) for s in scheduled], None, None, None, t0,
-                           self.num_graph_captures != captures, logits=self.logits(hidden, range(len(scheduled))))
+        hidden, meta = self.forward(scheduled, ids_at=ids_at)
+        sampled = [i for i, c in enumerate(scheduled) if c.needs_sample]
+        n = meta.num_tokens
+        if n == len(scheduled) == len(sampled):
+            rows = range(n)
+        else:
+            rows = [meta.query_start[i + 1] - 1 for i in sampled]
+        step = PendingStep(list(scheduled), sampled, None, None, None, t0, self.num_graph_captures != captures, n,
+                           logits=self.logits(hidden, rows) if sampled else None)
         if sample:
             self.sample_pending(step, matchers)
         return step
+
+    @inference
+    def gather_rows(self, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """tokens[rows] on the device, its index copied from pinned memory: the host does not wait
+        for the work queued before it (the step that samples `tokens`)."""
+        return tokens.index_select(0, self.device_index(rows))
 
     @inference
     def sample_pending(self, step: PendingStep, matchers: list | None = None) -> None:
         """Queue a launched step's sampling (its rows' masks first, from matchers: one per row, or
         None) and the copy of its tokens to the host."""
         logits, step.logits = step.logits, None
-        if matchers is not None and self.grammar is not None:
-            self.grammar.mask_rows(logits, matchers)
-        tokens = self.sampler(logits, [self.sampling_row(s.seq) for s in step.scheduled])
-        n = len(step.scheduled)
+        if logits is None:  # no chunk samples (prefill chunks part-way)
+            tokens = torch.empty(0, dtype=torch.long, device=self.device)
+        else:
+            if matchers is not None and self.grammar is not None:
+                self.grammar.mask_rows(logits, matchers)
+            tokens = self.sampler(logits, [self.sampling_row(step.scheduled[i].seq) for i in step.sampled])
+        n = len(step.sampled)
         event = None
         if self.device.type == "cuda":
             if not self._token_bufs:

@@ -1,13 +1,20 @@
-"""Overlapped decode: the next decode step is queued on the device before the host reads the
-tokens of the one in flight, so the host's per-token work (reading the tokens, stop checks,
-scheduling, filling the next step's inputs) runs while the device computes instead of between
-steps. Rows under a grammar take part: the next step's forward is queued at once and its sampling
-after the host has read the tokens and its matchers have accepted them, so the grammar masks are
-filled while that forward runs.
+"""Overlapped steps: the next step is scheduled and queued on the device before the host reads the
+tokens of the one in flight, so the host's per-step work (reading the tokens, stop checks,
+grammar matchers, scheduling, filling the next step's inputs) runs while the device computes
+instead of between steps. Every plain step takes part: decode rows, prefill chunks and the
+admission of waiting sequences alike (a document's pages enter the engine without stopping the
+device). Rows under a grammar take part too: the next step's forward is queued at once and its
+sampling after the host has read the tokens and the matchers have accepted them, so the grammar
+masks are filled while that forward runs.
 
-While a step is in flight each of its sequences holds a placeholder for the token it will emit
-(pushed and taken out here only): the next step's input id is read from the device, never from
-the placeholder.
+Placeholders are counted, not guessed: before the next step is scheduled, each sequence that
+samples a token in the step in flight gets a placeholder token (Sequence.num_placeholders) and
+counts that step's tokens as computed, so the one Scheduler.schedule() sees it as a decode row.
+That row's input id is copied on the device from the step in flight's sampled tokens, never read
+from the placeholder, and the prefix cache never commits a block that holds one. A sequence that
+stops at the token in flight for sure (max_tokens, max_model_len, cancelled) gets no placeholder
+and no row, and leaves the running set at once (its place and blocks go to the next step); one that stops at it by chance (EOS, a stop string, a grammar's end) computed its row
+of the next step for nothing: the one row of waste per such stop that overlapping costs.
 """
 from __future__ import annotations
 
@@ -24,88 +31,123 @@ if TYPE_CHECKING:
 PLACEHOLDER = 0  # a launched step's token in token_ids until the host reads it
 
 
-def _matchers(scheduled) -> list | None:
-    matchers = [sc.seq.grammar for sc in scheduled]
-    return matchers if any(m is not None for m in matchers) else None
+def deterministic(seq: Sequence) -> bool:
+    """Greedy or seeded: its samples do not depend on which other rows share a step (an unseeded
+    row draws from the engine's generator, whose draws a finished row's wasted row would shift)."""
+    return seq.sampling.temperature == 0 or seq.sampling.seed is not None
 
 
 class OverlapDecoder:
     def __init__(self, engine, enabled: bool) -> None:  # engine: the LLM that owns it
         self.engine = weakref.proxy(engine)  # no reference cycle: a dropped engine frees its memory at once
         self.enabled = enabled
-        self.pending: PendingStep | None = None  # the launched decode step whose tokens the host has not read
+        self.pending: PendingStep | None = None  # the launched step whose tokens the host has not read
         self.pending_since = 0.0  # when the host last had nothing in flight to wait for
-        self.num_steps = 0  # decode steps launched before the previous step's tokens were read
+        self.num_steps = 0  # steps launched before the previous step's tokens were read
         self.next_k: int | None = None  # the speculation policy's choice for the next step, made by _continue
+        self._early: list[Sequence] = []  # finished while scheduling a step (requests that can never run)
 
     def can_overlap(self, out: SchedulerOutput) -> bool:
-        """Whether a step may be launched without waiting for its tokens: a pure decode step of the
-        whole running set (no prefill under way, no admission waiting for a free place), with
-        static step graphs (the next step's input ids come from the device) and no logits hook, and
-        every row greedy or seeded (an unseeded row would draw from the engine's generator in a
-        batch that can hold a finished row, so its samples would differ from the plain loop's)."""
-        runner, sched = self.engine.runner, self.engine.scheduler
-        if not self.enabled or runner.graphs is None or runner.logits_hook is not None:
+        """Whether a scheduled step may be launched without waiting for its tokens: static step
+        graphs (the engine's CUDA path), no logits hook, and every unfinished sequence greedy or
+        seeded (see deterministic). With a draft, only a decode step of the whole running set
+        that the policy bypassed the draft for, with no admission waiting for a free place."""
+        eng = self.engine
+        runner, sched = eng.runner, eng.scheduler
+        if not self.enabled or runner.graphs is None or runner.logits_hook is not None or sched.num_random:
             return False
-        if len(out.decoding) != len(out.scheduled) or len(out.scheduled) != len(sched.running) or out.failed \
-                or out.preempted:
+        if out.failed or out.preempted:
             return False
-        if sched.waiting and len(sched.running) < sched.max_num_seqs:
-            return False
-        # (a constrained row's step is launched ahead all the same: its forward does not need the
-        # mask, only its sampling does, which waits for the token before it; see step())
-        return all(s.seq.sampling.temperature == 0 or s.seq.sampling.seed is not None for s in out.scheduled)
+        if eng.speculator is not None:
+            return len(out.decoding) == len(out.scheduled) == len(sched.running) and not (
+                sched.waiting and len(sched.running) < sched.max_num_seqs)
+        return True
 
-    def start(self, out: SchedulerOutput) -> list[Sequence] | None:
-        """Launch out's step and read it through step() (None: it could not be launched so)."""
-        self.pending = self.engine.runner.launch(out.scheduled, matchers=_matchers(out.scheduled))
-        if self.pending is None:
-            return None
+    def start(self, out: SchedulerOutput) -> list[Sequence]:
+        """Launch out's step and read it through step()."""
+        sched = out.scheduled
+        self.pending = self.engine.runner.launch(sched, matchers=self._matchers(sched))
         self.pending_since = self.pending.t0
         return self.step()
 
     def abort(self) -> None:
         self.pending = None
         self.next_k = None
+        self._early = []
+
+    @staticmethod
+    def _matchers(scheduled) -> list | None:
+        """The grammar matcher of each sampled row (None for a free row), or None without any."""
+        matchers = [c.seq.grammar for c in scheduled if c.needs_sample]
+        return matchers if any(m is not None for m in matchers) else None
 
     def _continue(self, prev: PendingStep) -> PendingStep | None:
-        """Launch the decode step after `prev` (in flight, tokens unread) for the same sequences,
-        its input ids taken from prev's tokens on the device. Each sequence gets a placeholder for
-        prev's token, replaced when it is read. None (nothing changed) when the next step could be
-        different: a sequence that finishes for sure (max_tokens, max_model_len), a sequence that
-        would be admitted or resumed, a pool without the blocks, or a batch without a graph."""
+        """Schedule and launch the step after `prev` (in flight, tokens unread): prev's chunks count
+        as computed, each sequence that samples in prev and goes on holds a placeholder for its
+        token, and the decode rows' input ids are prev's tokens on the device. None when no step
+        can follow yet (nothing to schedule; with a draft, a step the policy drafts for), with
+        the placeholders taken back."""
         eng = self.engine
         sched = eng.scheduler
-        seqs = [sc.seq for sc in prev.scheduled]
-        if len(seqs) != len(sched.running) or (sched.waiting and len(sched.running) < sched.max_num_seqs):
-            return None
-        for seq in seqs:
-            if seq.is_finished or seq.num_generated_tokens + 1 >= seq.max_tokens or len(seq) + 1 >= eng.max_model_len:
-                return None
         spec = eng.speculator
-        if spec is not None:  # only a step the policy bypasses the draft for overlaps
-            spec.policy.batch = len(seqs)
-            k = spec.policy.choose_step([seq.seq_id for seq in seqs])
+        for c in prev.scheduled:  # (prev's chunks compute before anything queued after them)
+            if not c.seq.is_finished:
+                c.seq.num_computed_tokens = c.end
+        source: dict[int, int] = {}  # id(seq) -> its token's index in prev.tokens
+        ending = []  # the sequences that stop at prev's token for sure
+        for k, i in enumerate(prev.sampled):
+            seq = prev.scheduled[i].seq
+            if seq.is_finished:
+                continue
+            if seq.cancelled or seq.num_generated_tokens + 1 >= seq.max_tokens or len(seq) + 1 >= eng.max_model_len:
+                ending.append(seq)
+            else:
+                source[id(seq)] = k
+        if spec is not None:
+            # only a bypassed decode step of every running sequence, with no admission waiting
+            if not source or len(source) != len(sched.running) or (sched.waiting and len(source) < sched.max_num_seqs):
+                return None
+            going = [prev.scheduled[i].seq for i in prev.sampled if id(prev.scheduled[i].seq) in source]
+            spec.policy.batch = len(going)
+            k = spec.policy.choose_step([seq.seq_id for seq in going])
             if k > 0:
                 self.next_k = k  # the choice stands (a probe's countdown restarted with it)
                 return None
-        out = sched.schedule_continuation(seqs)
-        if out is None:
-            return None
-        for seq in seqs:
+        for seq in ending:  # their places and blocks go to the step after prev
+            if seq in sched.running:
+                sched.retire(seq)
+        placed = [prev.scheduled[i].seq for i in prev.sampled if id(prev.scheduled[i].seq) in source]
+        for seq in placed:
             seq.token_ids.append(PLACEHOLDER)
-        # rows under a grammar: the forward now, the sampling once their matchers have taken prev's tokens
-        constrained = any(seq.grammar is not None for seq in seqs)
-        nxt = eng.runner.launch(out.scheduled, ids_from=prev.tokens, sample=not constrained)
-        if nxt is None:
-            for seq in seqs:
+            seq.num_placeholders += 1
+        out = sched.schedule()
+        for seq, why in out.failed:
+            seq.stop_reason = why
+            sched.finish(seq, "error")
+            self._early.append(seq)
+        if spec is not None:
+            for seq in out.preempted:
+                spec.release(seq)
+        if out.is_empty:
+            for seq in placed:
                 seq.token_ids.pop()
-            sched.undo_continuation(seqs)
+                seq.num_placeholders -= 1
             return None
+        eng.prefetch(out)
+        rows = [(ci, source[id(c.seq)]) for ci, c in enumerate(out.scheduled)
+                if c.seq.num_placeholders and c.start == len(c.seq) - 1]
+        ids_at = None
+        if rows:
+            chunks, srcs = zip(*rows)
+            same = list(srcs) == list(range(len(prev.sampled)))
+            ids_at = (list(chunks), prev.tokens if same else eng.runner.gather_rows(prev.tokens, list(srcs)))
+        # rows under a grammar: the forward now, the sampling once their matchers have taken prev's tokens
+        constrained = any(c.seq.grammar is not None for c in out.scheduled if c.needs_sample)
+        nxt = eng.runner.launch(out.scheduled, ids_at=ids_at, sample=not constrained)
         nxt.overlapped = True
         if spec is not None:
-            spec.stats.bypassed_steps += len(seqs)
-            for seq in seqs:
+            spec.stats.bypassed_steps += len(out.decoding)
+            for seq in out.decoding:
                 seq.spec_stats.bypassed_steps += 1
         self.num_steps += 1
         return nxt
@@ -113,8 +155,7 @@ class OverlapDecoder:
     def step(self) -> list[Sequence]:
         """Read the tokens of the launched step, having first launched the one after it where it can
         (so the device never waits for the host between them), and append them. A row whose
-        sequence stopped at the previous step's token is dropped (its token was computed for
-        nothing: the one step of waste per stop that overlapping costs)."""
+        sequence stopped before it is dropped."""
         eng = self.engine
         prev = self.pending
         self.pending = None
@@ -123,29 +164,31 @@ class OverlapDecoder:
         now = time.perf_counter()
         seconds = now - max(prev.t0, self.pending_since)
         self.pending_since = now
-        finished: list[Sequence] = []
-        rows = 0
-        for (seq, end), token in zip(prev.ends, tokens):
+        finished, self._early = self._early, []
+        wasted = 0
+        for i, token in zip(prev.sampled, tokens):
+            seq = prev.scheduled[i].seq
             if seq.is_finished:
+                wasted += 1
                 continue
-            rows += 1
-            if nxt is not None:  # the sequence holds a placeholder for this token
+            if seq.num_placeholders:  # this token's placeholder
                 seq.token_ids.pop()
-            else:
-                seq.num_computed_tokens = end
+                seq.num_placeholders -= 1
             if eng.append_token(seq, token, now):
                 finished.append(seq)
         if nxt is not None and nxt.tokens is None:
             # the masks of the step in flight, filled while its forward runs, then its sampling
-            eng.runner.sample_pending(nxt, [None if sc.seq.is_finished else sc.seq.grammar for sc in nxt.scheduled])
-        eng.count_step(rows, seconds, True)
+            eng.runner.sample_pending(nxt, [None if nxt.scheduled[i].seq.is_finished else nxt.scheduled[i].seq.grammar
+                                            for i in nxt.sampled])
+        eng.count_step(prev.num_tokens - wasted, seconds, prev.decode_only)
         spec = eng.speculator
-        if spec is not None and not prev.captured:  # a bypassed step
+        if spec is not None and not prev.captured and prev.decode_only:  # a bypassed step
             if prev.overlapped:  # its host work hidden: how much cheaper plain decoding is
                 spec.policy.observe_overlapped_step(len(tokens), seconds)
             else:  # a point of the target's cost line
                 spec.policy.observe_any_step(len(tokens), seconds)
                 spec.policy.observe_step(len(tokens), seconds)
-        if nxt is not None and not all(sc.seq.is_finished for sc in nxt.scheduled):
+        if nxt is not None and not all(c.seq.is_finished for c in nxt.scheduled):
             self.pending = nxt  # read by the next step() (nothing else can run before it)
         return finished
+

@@ -16,6 +16,12 @@ from docproc.engine.block_manager import BlockManager
 from docproc.engine.sequence import Chunk, Sequence, SequenceStatus
 
 
+def _random(seq: Sequence) -> bool:
+    """Sampled from the engine's own generator (no seed of its own)."""
+    sp = seq.sampling
+    return sp is not None and sp.temperature > 0 and sp.seed is None
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[Chunk] = field(default_factory=list)
@@ -47,6 +53,12 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
         self.max_running = 0  # the most sequences running at once so far
+        self._random: set[int] = set()  # ids of unfinished sequences that sample from the engine's generator
+
+    @property
+    def num_random(self) -> int:
+        """Unfinished sequences that sample from the engine's generator (no seed of their own)."""
+        return len(self._random)
 
     @property
     def has_unfinished(self) -> bool:
@@ -55,6 +67,8 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        if _random(seq):
+            self._random.add(seq.seq_id)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Preempt by recompute: drop the blocks (committed ones stay in the prefix cache, so the
@@ -139,41 +153,16 @@ class Scheduler:
         self.max_running = max(self.max_running, len(self.running))
         return out
 
-    def schedule_continuation(self, seqs: list[Sequence]) -> SchedulerOutput | None:
-        """The decode step after a launched one whose tokens are not read yet, for the same
-        sequences (the engine's overlapped decode, engine/overlap.py): each sequence counts the
-        launched step's token as computed and gets a slot for the token after it; the caller puts
-        a placeholder for the unread token in the sequence. None, changing nothing, if the pool
-        lacks the blocks (that step takes the plain path, which may preempt) or the token budget
-        is too small. A block that the unread token completes is not committed (its hash would
-        key the placeholder): the next commit covers it."""
-        bm = self.block_manager
-        bs = bm.block_size
-        if len(seqs) > self.max_num_batched_tokens:
-            return None
-        need = sum(max(0, bm.num_blocks_for(len(seq) + 1 + self.lookahead) - len(seq.block_table)) for seq in seqs)
-        if need > bm.num_free_blocks:
-            return None
-        out = SchedulerOutput()
-        for seq in seqs:
-            seq.num_computed_tokens = len(seq)
-            n = len(seq) + 1  # with the unread token
-            if n + self.lookahead > len(seq.block_table) * bs:
-                bm.append_slots(seq, n + self.lookahead)
-            if (n - 1) // bs > len(seq.block_hashes):
-                bm.commit(seq, n - 1)
-            out.scheduled.append(Chunk.next(seq, 1))
-            out.decoding.append(seq)
-        return out
-
-    def undo_continuation(self, seqs: list[Sequence]) -> None:
-        """Take back schedule_continuation (the step could not be launched; the caller has taken
-        its placeholders out again); blocks it added stay in the tables, where the next step
-        would put them anyway."""
-        for seq in seqs:
-            seq.num_computed_tokens = len(seq) - 1
+    def retire(self, seq: Sequence) -> None:
+        """A running sequence that stops for sure at the token a step in flight is sampling for it
+        (engine/overlap.py): it leaves the running set and its blocks go back now, so that the next
+        step can admit in its place (that step runs after the one in flight, which writes them
+        first); finish() completes it once the token is read."""
+        self.running.remove(seq)
+        self.block_manager.deallocate(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
+        self._random.discard(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         if seq in self.running:

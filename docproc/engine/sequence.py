@@ -43,6 +43,9 @@ class Sequence:
         self.max_tokens = max_tokens
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
+        # tokens at the end of token_ids that a step in flight is sampling (engine/overlap.py):
+        # placeholders until the host reads them, never keyed into the prefix cache
+        self.num_placeholders = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache (first admission)
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []
