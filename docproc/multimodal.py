@@ -47,6 +47,8 @@ PAD_COLOUR = (255, 255, 255)  # paper
 # tower resizes every page to at most ~12.8 Mpx anyway), so a page that would pad past this is
 # scaled down first
 MAX_PADDED_PIXELS = 4096 * 4096
+EXIF_ORIENTATION = 0x0112
+TURNED = range(2, 9)  # orientations other than "as stored" (1)
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
@@ -54,7 +56,9 @@ def to_rgb(img: Image.Image) -> Image.Image:
     palette or greyscale with a transparent colour) composited on white; 16- and 32-bit greyscale
     scaled to 8 bits by its bit depth (not clipped); CMYK, YCbCr, LAB, HSV and 1-bit converted."""
     try:
-        img = ImageOps.exif_transpose(img) or img
+        # (exif_transpose copies an image it does not turn: a rendered page has nothing to turn)
+        if img.getexif().get(EXIF_ORIENTATION, 1) in TURNED:
+            img = ImageOps.exif_transpose(img) or img
     except (ValueError, TypeError, SyntaxError, OSError, KeyError):  # a malformed EXIF block: keep as stored
         pass
     mode = img.mode
