@@ -155,3 +155,30 @@ def test_decode_keeps_tables_and_block_hashes_exact_with_and_without_lookahead()
                 assert s.block_hashes == want, (lookahead, step)
         twin = Sequence(list(seqs[1].token_ids))
         assert len(bm._prefix_hits(twin)[0]) == (len(twin) - 1) // BS
+
+
+def test_a_page_whose_pixels_are_not_prepared_waits_while_others_run():
+    """With a readiness hook (the engine's image prefetcher), a waiting sequence with images is
+    admitted once its pixels are prepared while others run (decoding on meanwhile), and at once
+    when nothing runs; one without images never waits."""
+    from docproc.engine.sequence import ImageSpan
+
+    bm, sch = make(budget=64)
+    ready = set()
+    sch.ready = lambda seq: seq.seq_id in ready
+    a = Sequence(list(range(6)), [ImageSpan(1, 4, "a", (1, 4, 4), 2)])
+    b = Sequence(list(range(8)), [ImageSpan(1, 4, "b", (1, 4, 4), 2)])
+    text = Sequence(list(range(5)))
+    sch.add(a)
+    out = sch.schedule()  # nothing runs: admitted though not ready (the step prepares it inline)
+    assert [c.seq for c in out.scheduled] == [a]
+    apply(out)
+    sch.add(b)
+    sch.add(text)
+    for _ in range(3):
+        out = sch.schedule()  # b's pixels are not ready: a decodes alone; text waits behind b (first come first served)
+        assert [c.seq for c in out.scheduled] == [a]
+        apply(out)
+    ready.add(b.seq_id)
+    out = sch.schedule()
+    assert [c.seq for c in out.scheduled] == [a, b, text]

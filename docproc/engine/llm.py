@@ -36,7 +36,7 @@ from docproc.multimodal import IMAGE_PAD
 from docproc.outputs import RequestOutput
 from docproc.sampling_params import SamplingParams, flag, real_number, shown, text, whole_number
 
-PREFETCH_LOOKAHEAD = 16  # queued sequences whose pages are preprocessed ahead (engine/prefetch.py)
+PREFETCH_LOOKAHEAD = 64  # queued sequences whose pages are preprocessed ahead (engine/prefetch.py)
 
 
 # LLM's scalar arguments and their checks (the configs check the ranges these leave open)
@@ -221,6 +221,8 @@ class LLM:
         self.block_manager = BlockManager(self.runner.num_usable_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
                                    lookahead=self.speculator.k_max if self.speculator else 0)
+        if self.runner.prefetcher.workers:  # pages are prepared on threads: admit them once they are
+            self.scheduler.ready = self.runner.pixels_ready
         self.eos_token_ids = eos_token_ids(model, self.runner.hf_config, self.tokenizer)
         self.overlap = OverlapDecoder(self, overlap_decode)
         self.compile_mark = WATCH.mark()  # every runner has warmed up by now

@@ -353,6 +353,13 @@ class ModelRunner:
                 done = done and prefetcher.pending(h)
             seq.images_prefetched = done
 
+    def pixels_ready(self, seq) -> bool:
+        """Whether a step could encode every image of the sequence now without waiting for its
+        preprocessing: each is in the vision cache, or its pixels are prepared on the prefetcher."""
+        fp = self.model.vision_fingerprint
+        return all((fp, span.content_hash) in self.encoder_cache or self.prefetcher.ready(span.content_hash)
+                   for span in seq.images)
+
     def _prepare(self, scheduled):
         bs = self.block_size
         n = sum(s.end - s.start for s in scheduled)

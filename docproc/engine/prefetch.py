@@ -62,6 +62,11 @@ class ImagePrefetcher:
     def pending(self, h: str) -> bool:
         return h in self._pending
 
+    def ready(self, h: str) -> bool:
+        """Started and done: `take` would not wait for it."""
+        fut = self._pending.get(h)
+        return fut is not None and fut.done()
+
     def take(self, items) -> tuple[list[torch.Tensor], torch.Tensor]:
         """items: (content hash, PIL image) pairs. Their pixel values (one tensor per image) and grids
         (num_images, 3), in order."""

@@ -3,7 +3,8 @@
 Each step: running sequences that are decoding get one token each first (preempting the most
 recently admitted sequence, by recompute, when blocks run out), then sequences part-way through
 their prefill continue, then waiting sequences are admitted first come first served while the
-token budget, `max_num_seqs` and the block pool allow. A prefill chunk may end inside an image's
+token budget, `max_num_seqs` and the block pool allow (and, while others run, once their pages'
+pixels are prepared: a step never waits for them). A prefill chunk may end inside an image's
 pad tokens: the runner takes the slice of the cached vision output it needs, so an image never
 forces a chunk to grow past the budget.
 """
@@ -53,6 +54,9 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
         self.max_running = 0  # the most sequences running at once so far
+        # ready(seq): whether a waiting sequence's images could be encoded without waiting for their
+        # preprocessing (the engine's image prefetcher); while others run, one that is not waits
+        self.ready = None
         self._random: set[int] = set()  # ids of unfinished sequences that sample from the engine's generator
 
     @property
@@ -139,6 +143,8 @@ class Scheduler:
                 continue
             if not bm.can_allocate(seq):
                 break
+            if self.ready is not None and self.running and seq.images and not self.ready(seq):
+                break  # its pages are being prepared: the running ones step on meanwhile
             self.waiting.popleft()
             bm.allocate(seq)
             seq.status = SequenceStatus.RUNNING
