@@ -282,6 +282,39 @@ def test_overlapped_steps_admit_and_prefill_in_chunks_while_rows_decode(qwen2_vl
 
 
 @cpu_only
+def test_cancelling_a_request_whose_prefill_chunk_is_in_flight_stops_it_at_once(qwen2_vl_dir, monkeypatch):
+    """An overlapped step in flight may hold a request's prefill chunk, which samples nothing: a
+    cancel stops it at once (no more chunks computed), as with reading every step first. An
+    unseeded sampled request that arrives while steps overlap ends the overlapping (a stopped
+    row's wasted draw would shift its draws from the plain loop's)."""
+    from docproc.engine.stream import RequestStream
+
+    words = " ".join(["alpha beta gamma delta epsilon zeta eta theta"] * 8)
+    with monkeypatch.context() as m:
+        llm = static_engine(m, qwen2_vl_dir, max_num_batched_tokens=32)
+        stream = RequestStream(llm)
+        stream.add(["<|im_start|>user\nhi"], [SamplingParams(max_tokens=12, ignore_eos=True)], ["a"])
+        stream.step()
+        b, = stream.add(["<|im_start|>user\n" + words], [SamplingParams(max_tokens=5, ignore_eos=True)], ["b"])
+        stream.step()  # b's first chunk is in the step in flight
+        seq = b.seqs[0]
+        pending = llm.overlap.pending
+        assert any(c.seq is seq for c in pending.scheduled) and 0 < len(seq) - 32
+        stream.cancel(b)
+        assert seq.is_finished and seq.finish_reason == "abort"
+        stream.step()  # reads the step that held b's chunk
+        tokens = llm.num_step_tokens
+        stream.step()
+        assert llm.num_step_tokens - tokens == 1  # a's row only: no chunk of b after the cancel
+        r, = stream.add(["<|im_start|>user\nrandom"], [SamplingParams(max_tokens=6, temperature=1.0)], ["r"])
+        steps = llm.num_overlapped_steps
+        while stream.unfinished:
+            stream.step()
+        assert llm.num_overlapped_steps <= steps + 1  # (the step launched before it came)
+        assert llm.scheduler.num_random == 0 and r.seqs[0].is_finished
+
+
+@cpu_only
 @pytest.mark.slow
 def test_overlapped_decode_when_the_policy_bypasses_the_draft(qwen2_vl_dir, monkeypatch):
     """The adaptive policy with a draft priced as costly as the target bypasses it on most steps

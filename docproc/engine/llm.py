@@ -467,14 +467,14 @@ class LLM:
     def cancel(self, seq: Sequence) -> bool:
         """Stop a sequence its caller no longer wants, between steps. One that holds no place in a
         step in flight leaves now (its blocks go back to the pool; the K/V it computed stays in
-        the prefix cache) and True is returned; one inside an overlapped step still in flight is
-        marked and stops at that step's token (LLM.step returns it, finish_reason "abort")."""
+        the prefix cache) and True is returned; one sampling a token in an overlapped step still in
+        flight is marked and stops at that token (LLM.step returns it, finish_reason "abort")."""
         if seq.is_finished:
             return True
         seq.cancelled = True
         pending = self.overlap.pending
-        if pending is not None and any(sc.seq is seq for sc in pending.scheduled):
-            return False
+        if pending is not None and any(pending.scheduled[i].seq is seq for i in pending.sampled):
+            return False  # (a prefill chunk in flight samples nothing: it stops now, its blocks written first)
         self.scheduler.finish(seq, "abort")
         if self.speculator is not None:
             self.speculator.release(seq)

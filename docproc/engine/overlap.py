@@ -31,12 +31,6 @@ if TYPE_CHECKING:
 PLACEHOLDER = 0  # a launched step's token in token_ids until the host reads it
 
 
-def deterministic(seq: Sequence) -> bool:
-    """Greedy or seeded: its samples do not depend on which other rows share a step (an unseeded
-    row draws from the engine's generator, whose draws a finished row's wasted row would shift)."""
-    return seq.sampling.temperature == 0 or seq.sampling.seed is not None
-
-
 class OverlapDecoder:
     def __init__(self, engine, enabled: bool) -> None:  # engine: the LLM that owns it
         self.engine = weakref.proxy(engine)  # no reference cycle: a dropped engine frees its memory at once
@@ -46,11 +40,13 @@ class OverlapDecoder:
         self.num_steps = 0  # steps launched before the previous step's tokens were read
         self.next_k: int | None = None  # the speculation policy's choice for the next step, made by _continue
         self._early: list[Sequence] = []  # finished while scheduling a step (requests that can never run)
+        self._retired: list[Sequence] = []  # out of the running set, stopping at the token being read
 
     def can_overlap(self, out: SchedulerOutput) -> bool:
         """Whether a scheduled step may be launched without waiting for its tokens: static step
         graphs (the engine's CUDA path), no logits hook, and every unfinished sequence greedy or
-        seeded (see deterministic). With a draft, only a decode step of the whole running set
+        seeded (an unseeded row draws from the engine's generator, whose draws a stopped row's
+        wasted row would shift). With a draft, only a decode step of the whole running set
         that the policy bypassed the draft for, with no admission waiting for a free place."""
         eng = self.engine
         runner, sched = eng.runner, eng.scheduler
@@ -71,9 +67,15 @@ class OverlapDecoder:
         return self.step()
 
     def abort(self) -> None:
+        """Forget the step in flight (a step raised); the sequences retired for it finish as aborted
+        (the running and waiting ones are the engine's to abort)."""
+        for seq in self._retired:
+            if not seq.is_finished:
+                self.engine.scheduler.finish(seq, "abort")
         self.pending = None
         self.next_k = None
         self._early = []
+        self._retired = []
 
     @staticmethod
     def _matchers(scheduled) -> list | None:
@@ -93,6 +95,8 @@ class OverlapDecoder:
         for c in prev.scheduled:  # (prev's chunks compute before anything queued after them)
             if not c.seq.is_finished:
                 c.seq.num_computed_tokens = c.end
+        if sched.num_random:  # an unseeded request arrived: the plain loop from here (see can_overlap)
+            return None
         source: dict[int, int] = {}  # id(seq) -> its token's index in prev.tokens
         ending = []  # the sequences that stop at prev's token for sure
         for k, i in enumerate(prev.sampled):
@@ -116,6 +120,7 @@ class OverlapDecoder:
         for seq in ending:  # their places and blocks go to the step after prev
             if seq in sched.running:
                 sched.retire(seq)
+                self._retired.append(seq)
         placed = [prev.scheduled[i].seq for i in prev.sampled if id(prev.scheduled[i].seq) in source]
         for seq in placed:
             seq.token_ids.append(PLACEHOLDER)
@@ -176,6 +181,7 @@ class OverlapDecoder:
                 seq.num_placeholders -= 1
             if eng.append_token(seq, token, now):
                 finished.append(seq)
+        self._retired = []  # (each finished at its token)
         if nxt is not None and nxt.tokens is None:
             # the masks of the step in flight, filled while its forward runs, then its sampling
             eng.runner.sample_pending(nxt, [None if nxt.scheduled[i].seq.is_finished else nxt.scheduled[i].seq.grammar

@@ -99,7 +99,7 @@ class RequestStream:
         for a sequence that has finished, whose last tokens may hold a stop string its output
         text leaves out (its text comes with the request's output)."""
         pending = self.llm.overlap.pending
-        inflight = {id(sc.seq) for sc in pending.scheduled} if pending is not None else ()
+        inflight = {id(pending.scheduled[i].seq) for i in pending.sampled} if pending is not None else ()
         out = []
         for handle in handles:
             per = []
