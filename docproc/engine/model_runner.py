@@ -199,6 +199,8 @@ class ModelRunner:
         # with graphs, the pool's last block is the scratch block that padded rows write to
         self.num_reserved_blocks = 1 if self.step_graphs else 0
         self.graphs: GraphRunner | None = None
+        self._stage: torch.Tensor | None = None  # pinned int64 inputs of eager steps (_staging)
+        self._staged: "torch.cuda.Event | None" = None  # recorded after their last copy to the device
         self._token_bufs: list[torch.Tensor] = []  # pinned copies of launched steps' tokens (two in turn)
         self._token_buf_turn = 0
         if allocate:
@@ -363,38 +365,58 @@ class ModelRunner:
     def _prepare(self, scheduled):
         bs = self.block_size
         n = sum(s.end - s.start for s in scheduled)
-        ids, pos, slots = np.empty(n, dtype=np.int64), np.empty((3, n), dtype=np.int64), np.empty(n, dtype=np.int64)
+        query_start = [0]
+        pieces = []  # (first row, first image token, last, span) of each image slice the chunks hold
+        for s in scheduled:
+            for span in s.seq.images:
+                lo, hi = max(s.start, span.offset), min(s.end, span.end)
+                if lo < hi:
+                    pieces.append((query_start[-1] + lo - s.start, lo - span.offset, hi - span.offset, span))
+            query_start.append(query_start[-1] + s.end - s.start)
+        num_image_rows = sum(hi - lo for _, lo, hi, _ in pieces)
+        flat = self._staging(5 * n + num_image_rows)
+        ids, pos, slots, image_rows = flat[:n], flat[n: 4 * n].reshape(3, n), flat[4 * n: 5 * n], flat[5 * n:]
         clamp = self.max_input_id  # a draft whose embedding has fewer rows than the target's
         ends = write_one_token_rows(scheduled, ids, pos, slots, bs, clamp) if n == len(scheduled) else None
-        query_start = list(range(n + 1)) if ends is not None else [0]
-        image_rows: list[torch.Tensor] = []
-        image_embeds: list[torch.Tensor] = []
-        fp = self.model.vision_fingerprint
-        for s in scheduled if ends is None else ():  # else write_one_token_rows wrote every row
-            seq, start, end = s.seq, s.start, s.end
-            row0 = query_start[-1]
+        for s, row0 in zip(scheduled if ends is None else (), query_start):  # else every row is written
             write_chunk(s, row0, ids, pos, slots, bs, clamp)
-            for span in seq.images:
-                lo, hi = max(start, span.offset), min(end, span.end)
-                if lo >= hi:
-                    continue
-                emb = self.encoder_cache.get((fp, span.content_hash))
-                image_embeds.append(emb[lo - span.offset: hi - span.offset])
-                image_rows.append(torch.arange(row0 + lo - start, row0 + hi - start))
-            query_start.append(row0 + end - start)
+        fp = self.model.vision_fingerprint
+        image_embeds = []
+        r = 0
+        for row, lo, hi, span in pieces:
+            image_embeds.append(self.encoder_cache.get((fp, span.content_hash))[lo:hi])
+            image_rows[r: r + hi - lo] = np.arange(row, row + hi - lo)
+            r += hi - lo
         dev = self.device
+        if dev.type == "cuda":  # one copy from pinned memory: the host never waits for a step in flight
+            d = self._stage[: flat.size].to(dev, non_blocking=True)
+            self._staged = torch.cuda.Event()
+            self._staged.record()
+        else:
+            d = torch.from_numpy(flat)
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True), query_start=query_start,
+            slot_mapping=d[4 * n: 5 * n], query_start=query_start,
             context_lens=[s.end for s in scheduled], block_tables=[s.seq.block_table for s in scheduled],
             block_size=bs,
         )
         self.backend.prepare(meta)
-        # (non-blocking: from pageable memory the copy is staged at once, and the host does not
-        # wait for a step in flight, as a blocking copy would)
-        rows = torch.cat(image_rows).to(dev, non_blocking=True) if image_rows else None
+        rows = d[5 * n:] if pieces else None
         embeds = torch.cat(image_embeds) if image_embeds else None
-        return (torch.from_numpy(ids).to(dev, non_blocking=True), torch.from_numpy(pos).to(dev, non_blocking=True),
-                meta, rows, embeds)
+        return d[:n], d[n: 4 * n].view(3, n), meta, rows, embeds
+
+    def _staging(self, size: int) -> np.ndarray:
+        """int64 host memory for a step's inputs (ids, positions, slots, image rows). On CUDA a
+        pinned buffer, written again once the previous step's copy has left it (that copy is queued
+        before the previous step's forward, so this waits for no forward); on CPU a new array."""
+        if self.device.type != "cuda":
+            return np.empty(size, dtype=np.int64)
+        if self._stage is None or self._stage.numel() < size:
+            with torch.inference_mode(False):  # (an ordinary tensor, whichever step makes it)
+                self._stage = torch.empty(max(size, 1 << 16), dtype=torch.long, pin_memory=True)
+            self._staged = None
+        elif self._staged is not None:
+            self._staged.synchronize()
+        return self._stage.numpy()[:size]
 
     def sampling_row(self, seq: Sequence) -> SamplingRow:
         """The sequence's sampling row, made once (its parameters and seeded generator never
