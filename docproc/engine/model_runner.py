@@ -19,7 +19,7 @@ from docproc.engine.prefetch import ImagePrefetcher, default_workers
 from docproc.engine.sampler import Sampler, SamplingRow
 from docproc.engine.scheduler import SchedulerOutput
 from docproc.engine.sequence import Chunk, Sequence
-from docproc.engine.step_inputs import write_chunk, write_one_token_rows
+from docproc.engine.step_inputs import InputStage, write_chunk, write_one_token_rows
 from docproc.engine.warmup import warm_fused
 from docproc.errors import DeviceUnavailable
 from docproc.layers.attention import AttentionMetadata, DenseAttention, FP4Attention
@@ -199,8 +199,7 @@ class ModelRunner:
         # with graphs, the pool's last block is the scratch block that padded rows write to
         self.num_reserved_blocks = 1 if self.step_graphs else 0
         self.graphs: GraphRunner | None = None
-        self._stage: torch.Tensor | None = None  # pinned int64 inputs of eager steps (_staging)
-        self._staged: "torch.cuda.Event | None" = None  # recorded after their last copy to the device
+        self.stage = InputStage(self.device)  # an eager step's inputs on their way to the device
         self._token_bufs: list[torch.Tensor] = []  # pinned copies of launched steps' tokens (two in turn)
         self._token_buf_turn = 0
         if allocate:
@@ -374,7 +373,7 @@ class ModelRunner:
                     pieces.append((query_start[-1] + lo - s.start, lo - span.offset, hi - span.offset, span))
             query_start.append(query_start[-1] + s.end - s.start)
         num_image_rows = sum(hi - lo for _, lo, hi, _ in pieces)
-        flat = self._staging(5 * n + num_image_rows)
+        flat = self.stage.array(5 * n + num_image_rows)
         ids, pos, slots, image_rows = flat[:n], flat[n: 4 * n].reshape(3, n), flat[4 * n: 5 * n], flat[5 * n:]
         clamp = self.max_input_id  # a draft whose embedding has fewer rows than the target's
         ends = write_one_token_rows(scheduled, ids, pos, slots, bs, clamp) if n == len(scheduled) else None
@@ -387,13 +386,7 @@ class ModelRunner:
             image_embeds.append(self.encoder_cache.get((fp, span.content_hash))[lo:hi])
             image_rows[r: r + hi - lo] = np.arange(row, row + hi - lo)
             r += hi - lo
-        dev = self.device
-        if dev.type == "cuda":  # one copy from pinned memory: the host never waits for a step in flight
-            d = self._stage[: flat.size].to(dev, non_blocking=True)
-            self._staged = torch.cuda.Event()
-            self._staged.record()
-        else:
-            d = torch.from_numpy(flat)
+        d = self.stage.to_device(flat)
         meta = AttentionMetadata(
             slot_mapping=d[4 * n: 5 * n], query_start=query_start,
             context_lens=[s.end for s in scheduled], block_tables=[s.seq.block_table for s in scheduled],
@@ -403,20 +396,6 @@ class ModelRunner:
         rows = d[5 * n:] if pieces else None
         embeds = torch.cat(image_embeds) if image_embeds else None
         return d[:n], d[n: 4 * n].view(3, n), meta, rows, embeds
-
-    def _staging(self, size: int) -> np.ndarray:
-        """int64 host memory for a step's inputs (ids, positions, slots, image rows). On CUDA a
-        pinned buffer, written again once the previous step's copy has left it (that copy is queued
-        before the previous step's forward, so this waits for no forward); on CPU a new array."""
-        if self.device.type != "cuda":
-            return np.empty(size, dtype=np.int64)
-        if self._stage is None or self._stage.numel() < size:
-            with torch.inference_mode(False):  # (an ordinary tensor, whichever step makes it)
-                self._stage = torch.empty(max(size, 1 << 16), dtype=torch.long, pin_memory=True)
-            self._staged = None
-        elif self._staged is not None:
-            self._staged.synchronize()
-        return self._stage.numpy()[:size]
 
     def sampling_row(self, seq: Sequence) -> SamplingRow:
         """The sequence's sampling row, made once (its parameters and seeded generator never

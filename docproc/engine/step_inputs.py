@@ -7,13 +7,46 @@ call `write_chunk` per chunk, or `write_one_token_rows` for a step of one token 
 decode step and the draft's rounds), which does the same work in one vectorized pass: at batch 1
 that host loop is most of what a 7B decode step spends outside the GPU.
 
-Arrays are numpy int64: ids (N,), pos (3, N), slots (N,).
+Arrays are numpy int64: ids (N,), pos (3, N), slots (N,); an eager step's come from InputStage.
 """
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from docproc.models.rope import mrope_positions
+
+
+class InputStage:
+    """An eager step's int64 inputs (ids, positions, slots, image rows) in one array, sent to the
+    device in one copy. On CUDA the array is a pinned buffer (a copy from pageable memory may wait
+    for the step in flight), written again once the previous step's copy has left it (that copy
+    is queued before the previous step's forward, so no forward is waited for); on CPU a new array."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.buffer: torch.Tensor | None = None
+        self.copied: "torch.cuda.Event | None" = None  # recorded after the last copy from the buffer
+
+    def array(self, size: int) -> np.ndarray:
+        if self.device.type != "cuda":
+            return np.empty(size, dtype=np.int64)
+        if self.buffer is None or self.buffer.numel() < size:
+            with torch.inference_mode(False):  # (an ordinary tensor, whichever step makes it)
+                self.buffer = torch.empty(max(size, 1 << 16), dtype=torch.long, pin_memory=True)
+            self.copied = None
+        elif self.copied is not None:
+            self.copied.synchronize()
+        return self.buffer.numpy()[:size]
+
+    def to_device(self, flat: np.ndarray) -> torch.Tensor:
+        """The array (from array()) on the device."""
+        if self.device.type != "cuda":
+            return torch.from_numpy(flat)
+        out = self.buffer[: flat.size].to(self.device, non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+        return out
 
 
 def text_position_delta(images, start: int, end: int) -> int | None:
