@@ -294,6 +294,30 @@ def test_prefetched_image_preprocessing_gives_the_inline_answers(qwen2_vl_dir):
     assert all(toks for i, (toks, _) in enumerate(outs[0]) if i != 4)
 
 
+def test_a_queued_page_waits_only_for_preprocessing_under_way(qwen2_vl_dir):
+    """Scheduler.ready as the engine sets it: a page whose preprocessing is under way on the
+    prefetcher is not ready, one prepared or not started (a full prefetcher: prepared inline) is."""
+    import threading
+
+    from docproc.engine.stream import RequestStream
+
+    llm = LLM(str(qwen2_vl_dir), device="cpu", image_prefetch_workers=1)
+    pf, gate = llm.runner.prefetcher, threading.Event()
+    compute = pf._compute
+    pf._compute = lambda image: gate.wait(30) and compute(image)
+    handle, = RequestStream(llm).add([{"prompt": IMG + "Total?", "multi_modal_data": {"image": [page(77)]}}],
+                                     [SamplingParams(max_tokens=2)], ["q"])
+    seq = handle.seqs[0]
+    assert llm.scheduler.ready is not None and llm.scheduler.ready(seq)  # not started
+    llm.prefetch_waiting()
+    h = seq.images[0].content_hash
+    assert pf.pending(h) and not llm.scheduler.ready(seq)  # under way
+    gate.set()
+    pf._pending[h].result()
+    assert llm.scheduler.ready(seq)  # prepared
+    pf.close()
+
+
 def test_image_prefetch_workers_is_checked():
     from docproc.config import EngineConfig
 

@@ -378,6 +378,7 @@ class LLM:
         """Run one scheduled step; return the sequences that finished in it."""
         if self.overlap.pending is not None:
             return self.overlap.step()
+        self.prefetch_waiting()
         out = self.scheduler.schedule()
         finished: list[Sequence] = []
         self.prefetch(out)
@@ -411,6 +412,12 @@ class LLM:
         if self.overlap.can_overlap(out):  # a plain step (or a decode step the policy bypassed the draft for)
             return finished + self.overlap.start(out)
         return finished + self._plain_step(out)
+
+    def prefetch_waiting(self) -> None:
+        """Start preprocessing the pages of the next queued requests (before a step is scheduled:
+        the scheduler admits one, while others run, once its pixels are ready)."""
+        if self.runner.prefetcher.workers and self.scheduler.waiting:
+            self.runner.prefetch_images(itertools.islice(self.scheduler.waiting, PREFETCH_LOOKAHEAD))
 
     def prefetch(self, out) -> None:
         """Start preprocessing the pages a scheduled step encodes (in parallel), and the next

@@ -356,10 +356,12 @@ class ModelRunner:
 
     def pixels_ready(self, seq) -> bool:
         """Whether a step could encode every image of the sequence now without waiting for its
-        preprocessing: each is in the vision cache, or its pixels are prepared on the prefetcher."""
+        preprocessing under way: each is in the vision cache, prepared on the prefetcher, or not
+        started there (the prefetcher is full: the step prepares it inline, as it would later)."""
         fp = self.model.vision_fingerprint
-        return all((fp, span.content_hash) in self.encoder_cache or self.prefetcher.ready(span.content_hash)
-                   for span in seq.images)
+        pf = self.prefetcher
+        return all((fp, span.content_hash) in self.encoder_cache or not pf.pending(span.content_hash)
+                   or pf.ready(span.content_hash) for span in seq.images)
 
     def _prepare(self, scheduled):
         bs = self.block_size

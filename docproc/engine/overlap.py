@@ -125,6 +125,7 @@ class OverlapDecoder:
         for seq in placed:
             seq.token_ids.append(PLACEHOLDER)
             seq.num_placeholders += 1
+        eng.prefetch_waiting()
         out = sched.schedule()
         for seq, why in out.failed:
             seq.stop_reason = why
