@@ -420,12 +420,10 @@ class LLM:
             self.runner.prefetch_images(itertools.islice(self.scheduler.waiting, PREFETCH_LOOKAHEAD))
 
     def prefetch(self, out) -> None:
-        """Start preprocessing the pages a scheduled step encodes (in parallel), and the next
-        queued ones meanwhile."""
-        if self.runner.prefetcher.workers and (self.scheduler.waiting or len(out.decoding) < len(out.scheduled)):
-            self.runner.prefetch_images(itertools.chain(
-                (s.seq for s in out.scheduled if s.seq.images and not s.seq.images_prefetched),
-                itertools.islice(self.scheduler.waiting, PREFETCH_LOOKAHEAD)))
+        """Start preprocessing the pages a scheduled step encodes that are not started yet (in
+        parallel; the queue was looked at by prefetch_waiting before the step was scheduled)."""
+        if self.runner.prefetcher.workers and len(out.decoding) < len(out.scheduled):
+            self.runner.prefetch_images(s.seq for s in out.scheduled if s.seq.images and not s.seq.images_prefetched)
 
     def _plain_step(self, out) -> list[Sequence]:
         captures = self.runner.num_graph_captures
