@@ -115,6 +115,8 @@ def run_once(tree: Path, docs: Path, model: Path, out: Path, run_args: list[str]
                   "num_steps", "num_step_tokens", "mean_running_per_step", "step_seconds", "num_decode_steps",
                   "decode_step_seconds", "num_overlapped_steps", "num_graph_steps", "images_prefetched",
                   "images_preprocessed_inline", "pixel_wait_seconds")},
+              "engine_start": {k: (m.get("engine") or {}).get(k) for k in (
+                  "load_seconds", "kernel_warmup_seconds", "num_cuda_graphs", "cuda_graph_capture_seconds")},
               "stderr": stderr[-1500:] if proc.returncode not in (0, 1) else ""}
     load = m["stage_seconds"].get("load_model", 0.0)
     result["wall_over_load_plus_busy"] = round(wall / (load + busy), 3) if load + busy else None

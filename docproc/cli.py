@@ -193,8 +193,10 @@ def run(
                                                help="Engine token budget per step."),
     gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization", metavar="FRACTION",
                                                  help="Share of GPU memory to use."),
-    batch_pages: int = typer.Option(32, "--batch-pages", metavar="N", help="Pages rendered ahead of the engine and "
-                                    "not yet answered (bounds memory; each render process may hold one window more)."),
+    batch_pages: Optional[int] = typer.Option(None, "--batch-pages", metavar="N", help="Pages rendered ahead of the "
+                                              "engine and not yet answered (bounds memory and what a kill can lose; "
+                                              "each render process may hold one window more). Default: 128 with a "
+                                              "GPU, 32 on a CPU."),
     load_format: str = typer.Option("auto", "--load-format", hidden=True, help="dummy: random weights from "
                                     "config.json alone (benchmarks at sizes no disk holds; answers are noise)."),
     fp4_value_slots: Optional[int] = typer.Option(None, "--fp4-value-slots", hidden=True, help="Removed: FP4 values "

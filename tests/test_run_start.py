@@ -267,3 +267,19 @@ def test_the_config_cache_key_holds_what_it_held():
         "fp4_value_slots": None}
     assert keyed_settings(RunSettings(inputs=["x"], out="o", model="m", batch_pages=4, render_workers=2)) == \
         keyed_settings(RunSettings(inputs=["y"], out="p", model="m"))
+
+
+def test_pages_in_flight_default_follows_the_engine_device(monkeypatch, tmp_path):
+    """--batch-pages: what the run holds in flight is 128 pages with a GPU, 32 on a CPU, and what
+    the user gives wherever the engine runs."""
+    from docproc.engine import device
+    from docproc.pipeline.run import Pipeline
+    from docproc.pipeline.settings import RunSettings
+
+    def bound(gpu: bool, **kw) -> int:
+        monkeypatch.setattr(device, "gpu_nodes_visible", lambda: gpu)
+        return Pipeline(RunSettings(inputs=[str(tmp_path)], out=str(tmp_path / "out"), model="m", **kw)).pages_in_flight()
+
+    assert bound(True) == 128 and bound(False) == 32
+    assert bound(True, device="cpu") == 32 and bound(False, device="cuda") == 128
+    assert bound(True, batch_pages=7) == bound(False, batch_pages=7) == 7

@@ -194,7 +194,7 @@ class _WorkerPipeline(DocumentWork):
         try:
             # hashed again (the verdict): a file changed since the driver hashed it keeps its new
             # hash on its rows (the driver's only grouped it); nothing is done or moved here
-            feed = Feed([cand for cand, _ in docs], self._verdict, self.s.batch_pages, self.render_workers())
+            feed = Feed([cand for cand, _ in docs], self._verdict, self.pages_in_flight(), self.render_workers())
             streamer = _Streamer(self, feed)
             try:
                 streamer.run()
@@ -546,7 +546,7 @@ class RayPipeline(Pipeline):
             if not self.s.debug:  # a worker's error is the run's fault, told in one line
                 quiet.setLevel(logging.CRITICAL)
             n = self._size
-            per_batch = max(1, min(self.s.batch_pages, math.ceil(len(groups) / (n * BATCHES_PER_WORKER))))
+            per_batch = max(1, min(self.pages_in_flight(), math.ceil(len(groups) / (n * BATCHES_PER_WORKER))))
             threads = None if self._gpus else max(1, (os.cpu_count() or 1) // n)
             items = list(enumerate(groups))
             ds = ray.data.from_items([{"payload": pickle.dumps(item)} for item in items],

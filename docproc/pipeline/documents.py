@@ -52,6 +52,10 @@ class LiveFigures:
         self.draft_accepted += m.draft_accepted
 
 
+GPU_PAGES_IN_FLIGHT = 128  # --batch-pages by default with a GPU
+CPU_PAGES_IN_FLIGHT = 32  # and on a CPU
+
+
 class DocumentWork(EngineSetup, DocumentRows):
     """Documents to rows: what a run does between a file and its rows, wherever the rows go."""
     _history: ConfigHistory | None = None  # this run's configuration against the stored documents'
@@ -104,16 +108,30 @@ class DocumentWork(EngineSetup, DocumentRows):
         return h is not None and h.cfg == self.cfg and \
             h.same_answers(stored[1], pdf=cand.doc_type == "pdf", pages=stored[2])
 
+    def cpu_engine(self) -> bool:
+        """Whether the engine will run on the CPU (decided without importing torch)."""
+        from docproc.engine.device import gpu_nodes_visible
+
+        return self.s.device == "cpu" or (self.s.device == "auto" and not gpu_nodes_visible())
+
+    def pages_in_flight(self) -> int:
+        """--batch-pages, or by default 128 pages with a GPU (an engine step's rows come from
+        pages waiting on their slowest answer: 32 pages kept about 50 requests running on a 7B model,
+        128 about 180 and took a fifth off the GPU's work; BENCHMARKS.md), 32 on a CPU (what a kill
+        can lose is what is in flight, and a CPU answers a page in seconds, not milliseconds)."""
+        if self.s.batch_pages is not None:
+            return self.s.batch_pages
+        return CPU_PAGES_IN_FLIGHT if self.cpu_engine() else GPU_PAGES_IN_FLIGHT
+
     def render_workers(self) -> int:
         """--render-workers, or by default: on a GPU a quarter of the cores in processes (1 to 4),
         on a CPU engine one thread (the engine's matrix work takes every core and releases the
         GIL; a process would cost its start-up on every small run)."""
-        from docproc.engine.device import gpu_nodes_visible
         from docproc.pipeline.feed import default_workers
 
         if self.s.render_workers is not None:
             return self.s.render_workers
-        if self.s.device == "cpu" or (self.s.device == "auto" and not gpu_nodes_visible()):
+        if self.cpu_engine():
             return 0
         return default_workers()
 

@@ -227,14 +227,15 @@ class Feed:
         self._verdict = verdict  # candidate -> ("render", sha) or ("settled", sha, outcome)
         self._ahead = threading.Semaphore(JOBS_AHEAD)
         self._stop = threading.Event()
+        self.pages_in_flight = max(1, pages_in_flight)
         self.num_workers = default_workers() if workers is None else workers
         if self.num_workers:
             self._ctx = mp.get_context("spawn")
             self._job_queue, self._results = self._ctx.Queue(), self._ctx.Queue()
-            self._credits = self._ctx.Semaphore(max(1, pages_in_flight))
+            self._credits = self._ctx.Semaphore(self.pages_in_flight)
         else:  # 0: one render thread in this process (debugging; MuPDF then shares the GIL with the engine)
             self._job_queue, self._results = queue.Queue(), queue.Queue()
-            self._credits = threading.Semaphore(max(1, pages_in_flight))
+            self._credits = threading.Semaphore(self.pages_in_flight)
         self._procs: dict[int, object] = {}  # worker index -> its process
         self._thread: threading.Thread | None = None  # the render thread, with workers=0
         self._on: dict[int, int] = {}  # worker index -> the key of the document it is rendering

@@ -217,7 +217,7 @@ class Pipeline(DocumentWork):
 
     def _process(self) -> None:
         candidates = self._start()
-        feed = Feed(candidates, self._verdict, self.s.batch_pages, self.render_workers())
+        feed = Feed(candidates, self._verdict, self.pages_in_flight(), self.render_workers())
         try:
             _Streamer(self, feed).run()
         finally:
@@ -293,7 +293,8 @@ class Pipeline(DocumentWork):
             "run_id": self.run_id, "started_at": started, "finished_at": _now(), "seconds": round(seconds, 3),
             # completed | interrupted (a signal) | failed (a fault of the environment: see fault)
             "status": status, "fault": fault,
-            "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self.s).items()},
+            "settings": {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self.s).items()},
+                         "batch_pages": self.pages_in_flight()},  # (the bound the run held, its default resolved)
             "query_set": {"name": self.queries.name, "fingerprint": self.queries.fingerprint,
                           "queries": [q.name for q in self.queries.queries], "source": self.queries.source,
                           # decoded under their rules (xgrammar), or checked against them after

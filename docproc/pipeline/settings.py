@@ -25,7 +25,7 @@ class RunSettings:
     force: bool = False
     max_num_batched_tokens: int = 8192
     gpu_memory_utilization: float = 0.9
-    batch_pages: int = 32  # pages rendered ahead of the engine and not yet answered: bounds memory (pipeline/feed.py)
+    batch_pages: int | None = None  # pages rendered ahead of the engine and not yet answered (default: 128 with a GPU, 32 on a CPU)
     load_format: str = "auto"  # "dummy": random weights from config.json (benchmarks; a hidden option)
     render_workers: int | None = None  # render processes (default: on a GPU a quarter of the cores, 1 to 4; on a CPU 0: a thread)
     max_image_tokens: int = 16384  # per prompt; more pages are split into windows
@@ -70,7 +70,7 @@ class RunSettings:
             raise ValueError(f"--max-num-batched-tokens must be from 16 to {1 << 20}, got {self.max_num_batched_tokens}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.batch_pages < 1:
+        if self.batch_pages is not None and self.batch_pages < 1:
             raise ValueError(f"--batch-pages must be >= 1, got {self.batch_pages}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"--load-format must be auto or dummy, got {self.load_format}")

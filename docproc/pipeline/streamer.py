@@ -41,6 +41,7 @@ class _Streamer:
         self.ended = False
         self.last_flush = time.perf_counter()
         self.unflushed_pages = 0  # pages of the documents finished since the last part
+        self.flush_pages = feed.pages_in_flight  # a part is written once it holds this many pages
         self.first_request: float | None = None
         self.last_answer: float | None = None
 
@@ -240,7 +241,7 @@ class _Streamer:
             return  # no output folder (a Ray actor's batch): the rows go back to the caller whole
         if p.cfg is None and not now:
             return  # (the fingerprint comes with the engine: rows wait for it rather than load the model)
-        if p._pending and (now or self.unflushed_pages >= p.s.batch_pages or len(p._pending) >= FLUSH_DOCUMENTS
+        if p._pending and (now or self.unflushed_pages >= self.flush_pages or len(p._pending) >= FLUSH_DOCUMENTS
                            or t - self.last_flush >= FLUSH_SECONDS):
             t0 = t
             p._flush()
