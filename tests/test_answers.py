@@ -451,3 +451,82 @@ def test_a_model_that_keeps_opening_elements_is_still_closed_within_its_budget(l
             text += gc.token_text(pick)
         value = json.loads(text.removesuffix("<|im_end|>"))  # (an end token the budget may force)
         assert violation(value, schema) is None, (budget, text)
+
+
+
+def _walk(gc, so, budget: int, seed: int) -> tuple[list[int], list]:
+    """A model that takes a random token the mask allows (seeded), or the token the budget forces:
+    its tokens, and the budget's decision at each position (a token, or None)."""
+    import random
+
+    import xgrammar as xgr
+
+    rng = random.Random(seed)
+    m = gc.matcher(so, budget)
+    mask = xgr.allocate_token_bitmask(1, gc.num_tokens)
+    tokens, decisions = [], []
+    while len(tokens) < budget and not m.is_terminated():
+        forced = m.forced_token()
+        decisions.append(forced)
+        if forced is None:
+            m.matcher.fill_next_token_bitmask(mask, 0)
+            forced = rng.choice([t for t in range(gc.num_tokens) if (int(mask[0, t // 32]) >> (t % 32)) & 1])
+        assert m.accept_token(forced)
+        tokens.append(forced)
+    return tokens, decisions
+
+
+def test_a_closing_answer_walks_the_grammar_once_and_every_path_decides_alike(llm):
+    """Once the budget forces a completion's first token, the next positions take the rest of it
+    without walking the grammar again; a position reached with the ones before it undecided (tokens
+    accepted without a mask, as after a verification) gets the decision it gets asked in turn."""
+    from docproc.engine.structured import GrammarCompiler, tokenizer_size
+    from docproc.pipeline.queries import load_queries
+
+    gc = GrammarCompiler(llm.tokenizer, tokenizer_size(llm.tokenizer), llm.eos_token_ids)
+    so = next(q for q in load_queries(None).queries if q.name == "all_fields").structured_outputs()
+    walks = 0
+    real = gc.completion
+
+    def counted(*a, **k):
+        nonlocal walks
+        walks += 1
+        return real(*a, **k)
+
+    following = 0
+    for seed in range(6):
+        tokens, decisions = _walk(gc, so, 64, seed)
+        assert decisions[-1] is not None, decisions  # (a random walk is closed by the budget)
+        gc.completion = counted
+        try:
+            m = gc.matcher(so, 64)
+            for n, t in enumerate(tokens):
+                walks = 0
+                assert m.forced_token() == decisions[n]
+                if n and decisions[n] is not None and decisions[n - 1] == tokens[n - 1] and not m.is_completed():
+                    assert walks == 0, (seed, n)  # inside a forced completion: no walk
+                    following += 1
+                assert m.accept_token(t)
+        finally:
+            gc.completion = real
+        # two tokenizations of a completion in turn (the tokenizer's, then byte by byte): a position
+        # that walked afresh, rather than took the rest of the completion forced before it, shows
+        calls = 0
+
+        def alternating(text: str) -> list[int]:
+            nonlocal calls
+            calls += 1
+            return real_encode(text) if calls % 2 else [gc.byte_token(b) for b in text.encode()]
+
+        real_encode, gc.encode = gc.encode, alternating
+        try:
+            tokens, decisions = _walk(gc, so, 64, seed)
+            for ask in (lambda n: n % 3 == 2, lambda n: n == len(tokens) - 1, lambda n: n % 2 or n > 40):
+                calls, m = 0, gc.matcher(so, 64)
+                for n, t in enumerate(tokens):
+                    if ask(n):
+                        assert m.forced_token() == decisions[n], (seed, n)
+                    assert m.accept_token(t)
+        finally:
+            gc.encode = real_encode
+    assert following > 20

@@ -109,7 +109,10 @@ class BudgetMatcher:
     Looking for the completion costs a walk of the grammar (about 0.1 ms), so it is looked for at
     every token only near the end: at every CHECK_EVERY-th token (a checkpoint) the completion is
     measured, and the positions up to the next checkpoint are near when it takes at least all but
-    MARGIN + CHECK_EVERY of the tokens left there. Every decision is a function of the tokens
+    MARGIN + CHECK_EVERY of the tokens left there. Once a completion's first token is forced and
+    taken, the positions after it force the rest of that completion's tokens without walking
+    again (180 rows of the default query set on a 2-core CPU: 68-72 us of host time a row and
+    token before, 25-28 after, BENCHMARKS.md). Every decision is a function of the tokens
     generated (the checkpoint's state, the current one), never of the order in which a path
     visited them: plain decoding, a draft's proposals and the target's verification of them mask
     a position alike (speculation stays lossless). An output whose completion grows faster than
@@ -136,11 +139,15 @@ class BudgetMatcher:
         self._history = [0]  # a hash of the tokens accepted so far, after each count: keys checkpoints
         self._near: dict[tuple[int, int], bool] = {}  # (count, history hash) at a checkpoint -> near
         self._forced: dict[tuple[int, int], int] = {}  # (count, history hash) -> the token forced there
+        self._rest: dict[tuple[int, int], tuple[int, ...]] = {}  # ... -> the completion's tokens after it
+        self._free: set[tuple[int, int]] = set()  # (count, history hash) where no token is forced
+        self._tokens: list[int] = []  # the tokens accepted (positions decided late are replayed)
 
     def accept_token(self, token: int) -> bool:
         if not self.matcher.accept_token(token):
             return False
         self.num_accepted += 1
+        self._tokens.append(token)
         self._history.append(hash((self._history[-1], token)))
         if self._scan is not None:
             self._scan.append(scan_json(self._compiler.token_text(token), self._scan[-1]))
@@ -149,6 +156,7 @@ class BudgetMatcher:
     def rollback(self, num_tokens: int) -> None:
         self.matcher.rollback(num_tokens)
         self.num_accepted -= num_tokens
+        del self._tokens[len(self._tokens) - num_tokens:]
         del self._history[len(self._history) - num_tokens:]
         if self._scan is not None:
             del self._scan[len(self._scan) - num_tokens:]
@@ -172,13 +180,17 @@ class BudgetMatcher:
             return []
         return lead + self._compiler.encode(text)
 
-    def _growth(self, matcher, count: int, length: int, text: str) -> int:
+    def _growth(self, matcher, count: int, length: int, text: str, enough: int) -> int:
         """How many tokens longer the completion (`length` tokens, `text` its characters) can get
         by the model's next token: the most that opening a value does (GROWERS: a next element
         or property, an object, an array; an element of objects with required fields costs all
-        of them), also where the token first closes up to CLOSERS_PROBED of what is open."""
+        of them), also where the token first closes up to CLOSERS_PROBED of what is open. The
+        walk stops once the growth found reaches `enough` (all the caller asks is whether it
+        does): a row the budget is closing pays one or two probes a token, not a dozen."""
         scan = self._scan[count] if self._scan is not None else None
         most = 0
+        if enough <= 0:
+            return most
         for cut in range(min(self.CLOSERS_PROBED, len(text)) + 1):
             if scan is not None and scan_json(text[:cut], scan)[0]:
                 continue  # (inside a string these are characters of it)
@@ -190,6 +202,8 @@ class BudgetMatcher:
                 found = self._compiler.completion(probe, after)
                 if found is not None:
                     most = max(most, 1 + len(found[0]) + len(self._compiler.encode(found[1])) - length)
+                    if most >= enough:
+                        return most
         return most
 
     def _is_near(self) -> bool:
@@ -211,35 +225,84 @@ class BudgetMatcher:
         return near
 
     def forced_token(self) -> int | None:
-        """The only token the next position may take, or None (the grammar's mask applies)."""
+        """The only token the next position may take, or None (the grammar's mask applies).
+
+        Once the budget forces a completion's first token and the output takes it, the next
+        positions force the rest of that completion's tokens in turn (each checked against the
+        grammar), without walking the grammar again: a closing answer costs a dictionary lookup a
+        token, not a completion walk and growth probes. The decision at a position is therefore a
+        function of the one before it; every position's is kept (by count and history), and a
+        position reached without its predecessor decided (tokens accepted without a mask) has the
+        positions before it decided first, so that every path to a position decides it alike."""
         if self.max_tokens is None:
             return None
+        n = self.num_accepted
+        key = (n, self._history[-1])
+        if key in self._forced:
+            return self._forced[key]
+        if key in self._free:
+            return None
+        if n > 0 and not self._decided(n - 1):
+            self._decide_before(n)
+        token = self._decide()
+        if token is None:
+            self._free.add(key)
+        return token
+
+    def _decided(self, count: int) -> bool:
+        key = (count, self._history[count])
+        return key in self._forced or key in self._free
+
+    def _decide_before(self, n: int) -> None:
+        """Decide, in order, the positions before n that were passed undecided."""
+        back = 1
+        while back < n and not self._decided(n - 1 - back):
+            back += 1
+        tokens = self._tokens[n - back:]
+        self.rollback(back)
+        for t in tokens:
+            self.forced_token()
+            if not self.accept_token(t):
+                raise RuntimeError(f"the grammar refused token {t} it accepted before")
+
+    def _decide(self) -> int | None:
         left = self.max_tokens - self.num_accepted
         if left <= 0 or self.matcher.is_terminated():
             return None
+        key = (self.num_accepted, self._history[-1])
         if self.matcher.is_completed():  # the output may end here: end it rather than open more
             stops = self._compiler.stop_token_ids
             if not stops or left > self.MARGIN + 1:
                 return None
-            self._forced[(self.num_accepted, self._history[-1])] = stops[0]
+            self._forced[key] = stops[0]
             return stops[0]
+        if self.num_accepted > 0:  # inside a completion the budget forced: its next token
+            before = (self.num_accepted - 1, self._history[-2])
+            rest = self._rest.get(before)
+            if rest and hash((self._history[-2], self._forced[before])) == key[1]:
+                probe = self.matcher.fork()
+                if probe.accept_token(rest[0]):
+                    self._forced[key], self._rest[key] = rest[0], rest[1:]
+                    return rest[0]
         if not self._is_near():
             return None
-        key = (self.num_accepted, self._history[-1])
-        if key in self._forced:
-            return self._forced[key]
         found = self._compiler.completion(self.matcher, self._scan[-1] if self._scan is not None else None)
         ids = self._completion_tokens(self.matcher, self.num_accepted, left - self.MARGIN - self.growth_bound, found)
-        if not ids or len(ids) + self.MARGIN + (self._growth(self.matcher, self.num_accepted, len(ids), found[1])
-                                                 if self.growth_bound else 0) < left:
+        if not ids:
             return None
-        token = ids[0]
+        # the growth that makes the completion take the rest; one token adds at most growth_bound
+        need = left - self.MARGIN - len(ids)
+        if need > 0 and (need > self.growth_bound
+                         or self._growth(self.matcher, self.num_accepted, len(ids), found[1], need) < need):
+            return None
+        token, rest = ids[0], tuple(ids[1:])
         probe = self.matcher.fork()
         if not probe.accept_token(token):  # the tokenizer's view of the text is not the grammar's (a
             # normaliser, a special token's text): the completion's first byte as its own token
             lead, text = found
             token = self._compiler.byte_token((text.encode() or b"\0")[0]) if not lead else lead[0]
-        self._forced[key] = token
+            rest = ()  # (the next position walks again)
+        self._forced[key], self._rest[key] = token, rest
         return token
 
     def steered(self) -> bool:
@@ -413,6 +476,7 @@ _PRINTABLE = "".join(chr(c) for c in range(32, 127))
 CLOSE_OUTSIDE = '}],0n"' + _PRINTABLE
 CLOSE_INSIDE = '"0' + _PRINTABLE  # inside a string: its closing quote
 CLOSE_OTHER = '0 "' + _PRINTABLE  # other grammars: a digit, then anything printable
+ENCODED_KEPT = 4096  # texts whose ids encode() keeps
 COMPLETION_CHARS = 512  # a completion longer than this is not looked for (the output is cut)
 
 
@@ -473,6 +537,7 @@ class GrammarCompiler:
         self._compiler = None
         self._xgr = None
         self._cache: OrderedDict[str, object] = OrderedDict()
+        self._encoded: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # text -> its ids (encode)
         self._vocab: list[bytes] = []  # each token's bytes (xgrammar's decoded vocabulary)
         self._continuations: list[int] | None = None
         self._bytes: dict[int, int] | None = None  # a byte -> the token of that byte alone
@@ -535,10 +600,22 @@ class GrammarCompiler:
         return self._vocab[token].decode("latin-1") if token < len(self._vocab) else ""
 
     def encode(self, text: str) -> list[int]:
+        """text's token ids (no special tokens), from a cache: the budget encodes the same
+        completions (a closing quote and brace, a schema's remaining properties) for every row and
+        token near an answer's end, at about 50 us an encode."""
+        ids = self._encoded.get(text)
+        if ids is not None:
+            self._encoded.move_to_end(text)
+            return list(ids)
         fast = getattr(self.tokenizer, "_tokenizer", None)  # the tokenizers library's own: no wrapper's cost
         if fast is not None and hasattr(fast, "encode"):
-            return fast.encode(text, add_special_tokens=False).ids
-        return self.tokenizer.encode(text, add_special_tokens=False)
+            ids = fast.encode(text, add_special_tokens=False).ids
+        else:
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        self._encoded[text] = tuple(ids)
+        if len(self._encoded) > ENCODED_KEPT:
+            self._encoded.popitem(last=False)
+        return list(ids)
 
     def completion(self, matcher, scan: tuple[bool, bool] | None) -> tuple[list[int], str] | None:
         """The shortest completion of matcher's output (greedy: the text the grammar forces, else
