@@ -477,9 +477,10 @@ def _walk(gc, so, budget: int, seed: int) -> tuple[list[int], list]:
 
 
 def test_a_closing_answer_walks_the_grammar_once_and_every_path_decides_alike(llm):
-    """Once the budget forces a completion's first token, the next positions take the rest of it
-    without walking the grammar again; a position reached with the ones before it undecided (tokens
-    accepted without a mask, as after a verification) gets the decision it gets asked in turn."""
+    """Once the budget forces a completion that takes the rest of the budget, the next positions
+    take its tokens without walking the grammar again; a position reached with the ones before it
+    undecided (tokens accepted without a mask, as after a verification) gets the decision it gets
+    asked in turn."""
     from docproc.engine.structured import GrammarCompiler, tokenizer_size
     from docproc.pipeline.queries import load_queries
 
@@ -503,8 +504,11 @@ def test_a_closing_answer_walks_the_grammar_once_and_every_path_decides_alike(ll
             for n, t in enumerate(tokens):
                 walks = 0
                 assert m.forced_token() == decisions[n]
-                if n and decisions[n] is not None and decisions[n - 1] == tokens[n - 1] and not m.is_completed():
-                    assert walks == 0, (seed, n)  # inside a forced completion: no walk
+                _, plan, i = m._path[n - 1] if n else (None, (), 0)
+                if decisions[n - 1] == tokens[n - 1] is not None and i < len(plan) and not m.is_completed() \
+                        and len(plan) - i + m.MARGIN >= 64 - n:  # the forced completion takes the rest
+                    # its next token, with no walk (but a checkpoint's, every CHECK_EVERY tokens)
+                    assert walks == (n % m.CHECK_EVERY == 0) and decisions[n] == plan[i], (seed, n, walks)
                     following += 1
                 assert m.accept_token(t)
         finally:
@@ -530,3 +534,18 @@ def test_a_closing_answer_walks_the_grammar_once_and_every_path_decides_alike(ll
         finally:
             gc.encode = real_encode
     assert following > 20
+    # a decision that raises while the positions before are decided leaves the matcher where it was
+    m = gc.matcher(so, 64)
+    for t in tokens[:-1]:
+        assert m.accept_token(t)
+
+    def broken(*a, **k):
+        raise RuntimeError("walk failed")
+
+    gc.completion = broken
+    try:
+        with pytest.raises(RuntimeError, match="walk failed"):
+            m.forced_token()
+    finally:
+        gc.completion = real
+    assert m.num_accepted == len(tokens) - 1 and m._tokens == tokens[:-1] and m.accept_token(tokens[-1])

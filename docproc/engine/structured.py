@@ -109,10 +109,10 @@ class BudgetMatcher:
     Looking for the completion costs a walk of the grammar (about 0.1 ms), so it is looked for at
     every token only near the end: at every CHECK_EVERY-th token (a checkpoint) the completion is
     measured, and the positions up to the next checkpoint are near when it takes at least all but
-    MARGIN + CHECK_EVERY of the tokens left there. Once a completion's first token is forced and
-    taken, the positions after it force the rest of that completion's tokens without walking
-    again (180 rows of the default query set on a 2-core CPU: 68-72 us of host time a row and
-    token before, 25-28 after, BENCHMARKS.md). Every decision is a function of the tokens
+    MARGIN + CHECK_EVERY of the tokens left there. Inside a forced completion whose remaining
+    tokens alone take all but MARGIN of the budget left, each next token is taken from it without
+    walking again (180 rows of the default query set on a 2-core CPU: 74-78 us of host time a row
+    and token before, 30 after, BENCHMARKS.md). Every decision is a function of the tokens
     generated (the checkpoint's state, the current one), never of the order in which a path
     visited them: plain decoding, a draft's proposals and the target's verification of them mask
     a position alike (speculation stays lossless). An output whose completion grows faster than
@@ -123,6 +123,7 @@ class BudgetMatcher:
     CHECK_EVERY = 8
     CHECKPOINTS_KEPT = 64
     CLOSERS_PROBED = 3
+    BRANCHES_KEPT = 256
 
     def __init__(self, matcher, max_tokens: int | None, compiler: "GrammarCompiler", json_text: bool,
                  growth_bound: int = 0) -> None:
@@ -138,9 +139,12 @@ class BudgetMatcher:
         self._scan: list[tuple[bool, bool]] | None = [(False, False)] if json_text else None
         self._history = [0]  # a hash of the tokens accepted so far, after each count: keys checkpoints
         self._near: dict[tuple[int, int], bool] = {}  # (count, history hash) at a checkpoint -> near
-        self._forced: dict[tuple[int, int], int] = {}  # (count, history hash) -> the token forced there
-        self._rest: dict[tuple[int, int], tuple[int, ...]] = {}  # ... -> the completion's tokens after it
-        self._free: set[tuple[int, int]] = set()  # (count, history hash) where no token is forced
+        # the decision at each position of the output so far (FREE, or (token forced, the forced
+        # completion's tokens, the index of the next one)); None where not asked
+        self._path: list[tuple | None] = []
+        # decisions at positions a rollback took away (a draft's rejected proposals), by (count,
+        # history hash), for a path that comes back: the newest BRANCHES_KEPT
+        self._branches: OrderedDict[tuple[int, int], tuple] = OrderedDict()
         self._tokens: list[int] = []  # the tokens accepted (positions decided late are replayed)
 
     def accept_token(self, token: int) -> bool:
@@ -155,7 +159,14 @@ class BudgetMatcher:
 
     def rollback(self, num_tokens: int) -> None:
         self.matcher.rollback(num_tokens)
-        self.num_accepted -= num_tokens
+        n = self.num_accepted - num_tokens
+        for i in range(n + 1, len(self._path)):
+            if self._path[i] is not None:
+                self._branches[(i, self._history[i])] = self._path[i]
+        del self._path[n + 1:]
+        while len(self._branches) > self.BRANCHES_KEPT:
+            self._branches.popitem(last=False)
+        self.num_accepted = n
         del self._tokens[len(self._tokens) - num_tokens:]
         del self._history[len(self._history) - num_tokens:]
         if self._scan is not None:
@@ -227,88 +238,91 @@ class BudgetMatcher:
     def forced_token(self) -> int | None:
         """The only token the next position may take, or None (the grammar's mask applies).
 
-        Once the budget forces a completion's first token and the output takes it, the next
-        positions force the rest of that completion's tokens in turn (each checked against the
-        grammar), without walking the grammar again: a closing answer costs a dictionary lookup a
-        token, not a completion walk and growth probes. The decision at a position is therefore a
-        function of the one before it; every position's is kept (by count and history), and a
-        position reached without its predecessor decided (tokens accepted without a mask) has the
-        positions before it decided first, so that every path to a position decides it alike."""
+        Inside a completion the budget forced, where the completion's remaining tokens alone take
+        all but MARGIN of the tokens left (a walk would force its next token whatever the growth),
+        the next token is taken from it without walking the grammar again. The decision at a
+        position is therefore a function of the one before it; every position's is kept, and a
+        position reached with the one before it undecided (tokens accepted without a mask) has
+        the positions before it decided first, in order, so that every path to a position
+        decides it alike."""
         if self.max_tokens is None:
             return None
         n = self.num_accepted
-        key = (n, self._history[-1])
-        if key in self._forced:
-            return self._forced[key]
-        if key in self._free:
-            return None
-        if n > 0 and not self._decided(n - 1):
-            self._decide_before(n)
-        token = self._decide()
-        if token is None:
-            self._free.add(key)
-        return token
+        decision = self._decision(n)
+        if decision is None:
+            if n > 0 and self._decision(n - 1) is None:
+                self._decide_before(n)
+            decision = self._decide()
+            self._path.extend([None] * (n + 1 - len(self._path)))
+            self._path[n] = decision
+        return decision[0]
 
-    def _decided(self, count: int) -> bool:
-        key = (count, self._history[count])
-        return key in self._forced or key in self._free
+    def _decision(self, count: int) -> tuple | None:
+        """The decision kept for this position of the output so far (None: not asked)."""
+        if count < len(self._path) and self._path[count] is not None:
+            return self._path[count]
+        decision = self._branches.get((count, self._history[count]))
+        if decision is not None:
+            self._path.extend([None] * (count + 1 - len(self._path)))
+            self._path[count] = decision
+        return decision
 
     def _decide_before(self, n: int) -> None:
-        """Decide, in order, the positions before n that were passed undecided."""
+        """Decide, in order, the positions before n that were passed undecided (the matcher is
+        taken back to the first of them and brought forward again, also if a decision raises)."""
         back = 1
-        while back < n and not self._decided(n - 1 - back):
+        while back < n and self._decision(n - 1 - back) is None:
             back += 1
         tokens = self._tokens[n - back:]
         self.rollback(back)
-        for t in tokens:
-            self.forced_token()
-            if not self.accept_token(t):
-                raise RuntimeError(f"the grammar refused token {t} it accepted before")
+        done = 0
+        try:
+            for t in tokens:
+                self.forced_token()
+                if not self.accept_token(t):
+                    raise RuntimeError(f"the grammar refused token {t} it accepted before")
+                done += 1
+        finally:
+            for t in tokens[done:]:
+                self.accept_token(t)
 
-    def _decide(self) -> int | None:
+    def _decide(self) -> tuple:
         left = self.max_tokens - self.num_accepted
         if left <= 0 or self.matcher.is_terminated():
-            return None
-        key = (self.num_accepted, self._history[-1])
+            return FREE
         if self.matcher.is_completed():  # the output may end here: end it rather than open more
             stops = self._compiler.stop_token_ids
             if not stops or left > self.MARGIN + 1:
-                return None
-            self._forced[key] = stops[0]
-            return stops[0]
-        if self.num_accepted > 0:  # inside a completion the budget forced: its next token
-            before = (self.num_accepted - 1, self._history[-2])
-            rest = self._rest.get(before)
-            if rest and hash((self._history[-2], self._forced[before])) == key[1]:
-                probe = self.matcher.fork()
-                if probe.accept_token(rest[0]):
-                    self._forced[key], self._rest[key] = rest[0], rest[1:]
-                    return rest[0]
+                return FREE
+            return stops[0], (), 0
         if not self._is_near():
-            return None
+            return FREE
+        if self.num_accepted > 0:  # inside a forced completion that takes the rest: its next token
+            token, plan, i = self._path[self.num_accepted - 1]
+            if token is not None and token == self._tokens[-1] and i < len(plan) \
+                    and len(plan) - i + self.MARGIN >= left and self.matcher.fork().accept_token(plan[i]):
+                return plan[i], plan, i + 1
         found = self._compiler.completion(self.matcher, self._scan[-1] if self._scan is not None else None)
         ids = self._completion_tokens(self.matcher, self.num_accepted, left - self.MARGIN - self.growth_bound, found)
         if not ids:
-            return None
-        # the growth that makes the completion take the rest; one token adds at most growth_bound
-        need = left - self.MARGIN - len(ids)
-        if need > 0 and (need > self.growth_bound
+            return FREE
+        need = left - self.MARGIN - len(ids)  # the growth that makes the completion take the rest
+        if need > 0 and (not self.growth_bound
                          or self._growth(self.matcher, self.num_accepted, len(ids), found[1], need) < need):
-            return None
-        token, rest = ids[0], tuple(ids[1:])
+            return FREE
+        token, plan = ids[0], tuple(ids)
         probe = self.matcher.fork()
         if not probe.accept_token(token):  # the tokenizer's view of the text is not the grammar's (a
             # normaliser, a special token's text): the completion's first byte as its own token
             lead, text = found
             token = self._compiler.byte_token((text.encode() or b"\0")[0]) if not lead else lead[0]
-            rest = ()  # (the next position walks again)
-        self._forced[key], self._rest[key] = token, rest
-        return token
+            plan = ()  # (the next position walks again)
+        return token, plan, 1
 
     def steered(self) -> bool:
         """Whether a token of the output so far was forced by the budget (the output was closed by
         max_tokens, not ended by the model)."""
-        return any((n, self._history[n]) in self._forced for n in range(self.num_accepted))
+        return any((d := self._decision(n)) is not None and d[0] is not None for n in range(self.num_accepted))
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         token = self.forced_token()
@@ -318,6 +332,7 @@ class BudgetMatcher:
             only_token(bitmask, row, token)
 
 
+FREE = (None, (), 0)  # a position where the budget forces nothing
 GROWERS = (",", "{", "[")  # what opens more of a JSON value than its shortest completion holds
 GROWTH_UNKNOWN = 64  # bytes: a subschema whose shortest form is not worked out ($ref outside, too deep)
 
