@@ -200,8 +200,6 @@ class BudgetMatcher:
         does): a row the budget is closing pays one or two probes a token, not a dozen."""
         scan = self._scan[count] if self._scan is not None else None
         most = 0
-        if enough <= 0:
-            return most
         for cut in range(min(self.CLOSERS_PROBED, len(text)) + 1):
             if scan is not None and scan_json(text[:cut], scan)[0]:
                 continue  # (inside a string these are characters of it)
