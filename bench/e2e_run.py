@@ -81,6 +81,20 @@ class Sampler:
         return busy, pts[-1][0] - pts[0][0]
 
 
+def answers_digest(out: Path) -> str | None:
+    """SHA-256 over every row's (path, query, page, status, answer), sorted: equal between trees
+    that answer alike."""
+    import hashlib
+
+    import pyarrow.parquet as pq
+
+    rows = []
+    for part in sorted(out.rglob("*.parquet")):
+        t = pq.read_table(part, columns=["path", "query", "page", "status", "answer"]).to_pylist()
+        rows += [json.dumps([r["path"], r["query"], r["page"], r["status"], r["answer"]]) for r in t]
+    return hashlib.sha256("\n".join(sorted(rows)).encode()).hexdigest()[:16] if rows else None
+
+
 def run_once(tree: Path, docs: Path, model: Path, out: Path, run_args: list[str], cold: bool) -> dict:
     if cold:
         for cache in (Path.home() / ".triton" / "cache", Path.home() / ".cache" / "docproc"):
@@ -118,6 +132,8 @@ def run_once(tree: Path, docs: Path, model: Path, out: Path, run_args: list[str]
               "engine_start": {k: (m.get("engine") or {}).get(k) for k in (
                   "load_seconds", "kernel_warmup_seconds", "num_cuda_graphs", "cuda_graph_capture_seconds")},
               "stderr": stderr[-1500:] if proc.returncode not in (0, 1) else ""}
+    result["model"] = {k: v for k, v in (m.get("model") or {}).items() if k != "path"}
+    result["answers_digest"] = answers_digest(out)
     load = m["stage_seconds"].get("load_model", 0.0)
     result["wall_over_load_plus_busy"] = round(wall / (load + busy), 3) if load + busy else None
     engine = (m.get("stage_timeline") or {}).get("engine")
@@ -184,7 +200,7 @@ def main() -> None:
         run_args += ["--draft", str(folder(args.draft_geometry, 1))]
     report = {"docs": args.docs, "seed": args.seed, "geometry": args.geometry, "load_format": args.load_format,
               "run_args": run_args, "runs": []}
-    for kind in args.runs.split(","):
+    for kind in filter(None, args.runs.split(",")):  # (--runs "": corpus and model only)
         for tree in args.trees.split(","):
             r = run_once(Path(tree).resolve(), docs, model, work / "out", run_args, cold=kind == "cold")
             r.update(tree=tree, kind=kind)

@@ -222,6 +222,32 @@ def test_bf16_checkpoint_loads(tmp_path):
     assert len(llm16.generate(["x"], SamplingParams(max_tokens=4, ignore_eos=True))[0].outputs[0].token_ids) == 4
 
 
+def test_weights_read_straight_from_the_file_equal_safetensors_reads(qwen2_vl_dir, monkeypatch):
+    """A tensor stored in its parameter's dtype and shape is read from the file into the parameter
+    (on CUDA through pinned buffers), its digest from the file's bytes: parameters and fingerprints
+    equal those of the safetensors path, which tensors in another dtype still take."""
+    import docproc.models.loader as loader
+
+    reads = []
+    read = loader._Reader.read
+    monkeypatch.setattr(loader._Reader, "read", lambda self, fd, offset, nbytes, p: (
+        reads.append(nbytes), read(self, fd, offset, nbytes, p)))
+    direct = loader.load_model(qwen2_vl_dir, torch.device("cpu"), torch.float32)
+    assert len(reads) > 20  # (the fixture stores float32: every tensor but none goes straight in)
+    layout = loader.tensor_layout
+    monkeypatch.setattr(loader, "tensor_layout", lambda path, fd: {
+        k: (None, *rest) for k, (_, *rest) in layout(path, fd).items()})
+    reads.clear()
+    ref = loader.load_model(qwen2_vl_dir, torch.device("cpu"), torch.float32)
+    assert reads == []
+    for a, b in ((direct.text, ref.text), (direct.vision, ref.vision)):
+        sa, sb = a.state_dict(), b.state_dict()
+        assert sa.keys() == sb.keys()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert (direct.text_fingerprint, direct.vision_fingerprint, direct.vision_trunk_fingerprint) == \
+        (ref.text_fingerprint, ref.vision_fingerprint, ref.vision_trunk_fingerprint)
+
+
 def test_fused_projections_equal_the_separate_ones(qwen2_vl_dir):
     """q/k/v and gate/up run as one matmul each after loading; the parameters are views of the
     fused tensors (same names and values), and the outputs equal the unfused model's."""

@@ -11,7 +11,7 @@ import hashlib
 import json
 import os
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -250,11 +250,121 @@ class _Hasher:
             self.pool.shutdown(wait=True, cancel_futures=True)
 
 
+    def wait(self) -> None:
+        """Every digest submitted so far computed (or failed: finish() raises it)."""
+        wait([fut for _, _, fut in self.pending])
+
+    def add_range(self, into: dict, name: str, fd: int, offset: int, nbytes: int) -> None:
+        """A tensor's digest from its bytes in the file (read again by the pool's thread: the
+        tensor itself went from the file to the device without a host copy to hash)."""
+        while len(self.pending) >= self.window:
+            self._settle()
+        self.pending.append((into, name, self.pool.submit(_sha256_range, fd, offset, nbytes)))
+
+
 def _sha256(tensors: tuple[torch.Tensor, ...]) -> str:
     h = hashlib.sha256()
     for t in tensors:
         h.update(_tensor_bytes(t))
     return h.hexdigest()
+
+
+def _sha256_range(fd: int, offset: int, nbytes: int) -> str:
+    h = hashlib.sha256()
+    end = offset + nbytes
+    while offset < end:
+        chunk = os.pread(fd, min(HASH_CHUNK, end - offset), offset)
+        if not chunk:
+            raise CheckpointError(f"a weights file ended inside a tensor (at byte {offset})")
+        h.update(chunk)
+        offset += len(chunk)
+    return h.hexdigest()
+
+
+HASH_CHUNK = 16 << 20
+STAGE_BYTES = 64 << 20  # each of the two pinned buffers a CUDA load reads through
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+                      "F8_E4M3": torch.float8_e4m3fn, "I64": torch.int64, "I32": torch.int32, "I8": torch.int8,
+                      "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def tensor_layout(path: Path, fd: int) -> dict[str, tuple[torch.dtype | None, tuple[int, ...], int, int]]:
+    """A safetensors file's tensors: name -> (dtype or None if docproc has no name for it, shape,
+    byte offset in the file, byte length), from its header (8 bytes of length, then JSON)."""
+    head = os.pread(fd, 8, 0)
+    size = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if not 2 <= size <= 100 << 20:
+        raise CheckpointError(f"{path} is not a safetensors file (its header length reads {size})")
+    try:
+        header = json.loads(os.pread(fd, size, 8))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: the safetensors header is not valid JSON: {e}") from None
+    base = 8 + size
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__" or not isinstance(info, dict):
+            continue
+        try:
+            begin, end = info["data_offsets"]
+            out[name] = (SAFETENSORS_DTYPES.get(info["dtype"]), tuple(info["shape"]), base + begin, end - begin)
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry") from None
+    return out
+
+
+class _Reader:
+    """Tensors read from their file straight into their parameters, for tensors stored in the
+    parameter's dtype and shape: on the host into the parameter's own memory; on CUDA through two
+    pinned buffers in turn, each chunk's copy to the device queued without waiting while the
+    next chunk is read into the other buffer. (Read through safetensors instead, a tensor is
+    copied from the mapped file to a new host tensor holding the GIL, then from that pageable
+    memory to the device: 15 GB of 7B weights took about 5 s of a run's start.)"""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.buffers: list[torch.Tensor] = []
+        self.copied: list = [None, None]  # the event after each buffer's last copy
+        self.turn = 0
+
+    def read(self, fd: int, offset: int, nbytes: int, p: torch.Tensor) -> None:
+        dst = p.detach().view(-1).view(torch.uint8)
+        if not self.cuda:
+            _pread_into(fd, memoryview(dst.numpy()), offset)
+            return
+        if not self.buffers:
+            self.buffers = [torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        for pos in range(0, nbytes, STAGE_BYTES):
+            n = min(STAGE_BYTES, nbytes - pos)
+            i = self.turn
+            self.turn ^= 1
+            if self.copied[i] is not None:
+                self.copied[i].synchronize()  # its previous chunk has reached the device
+            buf = self.buffers[i][:n]
+            _pread_into(fd, memoryview(buf.numpy()), offset + pos)
+            dst[pos: pos + n].copy_(buf, non_blocking=True)
+            self.copied[i] = torch.cuda.Event()
+            self.copied[i].record()
+
+    def finish(self) -> None:
+        for e in self.copied:
+            if e is not None:
+                e.synchronize()
+        if self.buffers:
+            self.buffers, self.copied = [], [None, None]
+            # the buffers' pinned memory back to the system, not kept cached (the call's name
+            # differs between torch releases)
+            empty = getattr(torch._C, "_accelerator_emptyHostCache", None) or getattr(torch._C, "_host_emptyCache", None)
+            if empty is not None:
+                empty()
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise CheckpointError(f"a weights file ended inside a tensor (at byte {offset + done})")
+        done += n
 
 
 def _fill_from_files(folder, text, vision, fp8_modules, scheme, device, dtype, cfg, pending: list) -> dict:
@@ -270,9 +380,19 @@ def _fill_from_files(folder, text, vision, fp8_modules, scheme, device, dtype, c
 
 def _fill_files(folder, text, vision, fp8_modules, scheme, device, dtype, cfg, pending: list,
                 hasher: _Hasher) -> dict:
+    files = weight_files(folder)
+    reader = _Reader(device)
+    try:
+        return _fill_files_with(files, reader, folder, text, vision, fp8_modules, scheme, device, dtype, cfg,
+                                pending, hasher)
+    finally:
+        reader.finish()
+
+
+def _fill_files_with(files, reader: _Reader, folder, text, vision, fp8_modules, scheme, device, dtype, cfg,
+                     pending: list, hasher: _Hasher) -> dict:
     from safetensors import safe_open
 
-    files = weight_files(folder)
     text_params = dict(text.named_parameters())
     vision_params = dict(vision.visual.named_parameters())
     loaded: set[tuple[str, str]] = set()
@@ -280,51 +400,13 @@ def _fill_files(folder, text, vision, fp8_modules, scheme, device, dtype, cfg, p
     staged: dict[tuple[str, str], dict[str, torch.Tensor]] = {}  # FP8 weights waiting for their scale
     scale_key = scheme.scale_suffix if scheme is not None else None
     for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as sf:
-            for key in sf.keys():
-                mapped = canonical_name(key)
-                if mapped is None:
-                    if key.endswith("rotary_emb.inv_freq"):
-                        continue
-                    raise CheckpointError(f"{folder}: unexpected weight {key!r} (not a Qwen2-VL parameter)")
-                comp, name = mapped
-                if comp == "vision" and cfg.tp_rank > 0:
-                    continue  # the vision tower lives on rank 0
-                params = text_params if comp == "text" else vision_params
-                module, _, leaf = name.rpartition(".")
-                if scheme is not None and leaf == "weight_zero_point":
-                    if sf.get_tensor(key).any():
-                        raise CheckpointError(f"{folder}: {key!r}: asymmetric weights (non-zero zero points) are "
-                                              f"not supported (only symmetric FP8)")
-                    continue  # a symmetric checkpoint's all-zero zero points
-                if scheme is not None and leaf in (scale_key, "input_scale"):
-                    if leaf != scale_key:
-                        raise CheckpointError(f"{folder}: {key!r}: static activation scales are not supported "
-                                              f"(only dynamic per-token FP8 activations)")
-                    staged.setdefault((comp, module), {})["scale"] = sf.get_tensor(key)
-                elif comp == "text" and module in fp8_modules and leaf == "weight":
-                    sl = sf.get_slice(key)  # this rank's share; the whole shape for its scales
-                    staged.setdefault((comp, module), {}).update(weight=_text_share(folder, cfg, name, sl),
-                                                                 shape=tuple(sl.get_shape()))
-                elif scheme is not None and leaf == "weight" and sf.get_slice(key).get_dtype().startswith("F8"):
-                    staged.setdefault((comp, module), {})["weight"] = sf.get_tensor(key)  # dequantized below
-                else:
-                    if name not in params:
-                        if name.endswith("inv_freq"):
-                            continue
-                        raise CheckpointError(
-                            f"{folder}: unexpected weight {key!r} (no parameter {name} in the {comp} model)")
-                    t = _text_share(folder, cfg, name, sf.get_slice(key)) if comp == "text" else sf.get_tensor(key)
-                    _copy_param(folder, key, params[name], t)
-                    hasher.add(digests[_which(comp, name)], name, t)
-                    loaded.add((comp, name))
-                    continue
-                entry = staged[(comp, module)]
-                if "weight" in entry and ("scale" in entry or entry["weight"].dtype != torch.float8_e4m3fn):
-                    staged.pop((comp, module))
-                    _place(folder, comp, module, entry, text_params, vision_params, fp8_modules, scheme,
-                           device, dtype, cfg, pending, digests, hasher)
-                    loaded.add((comp, module + ".weight"))
+        with safe_open(str(f), framework="pt", device="cpu") as sf, open(f, "rb") as raw:
+            fd = raw.fileno()
+            try:
+                _fill_file(sf, fd, tensor_layout(f, fd), reader, folder, text_params, vision_params, fp8_modules,
+                           scheme, device, dtype, cfg, pending, hasher, loaded, digests, staged)
+            finally:
+                hasher.wait()  # (its reads of this file end before the file closes)
     for (comp, module), entry in staged.items():
         what = f"its scale ({scale_key})" if "weight" in entry else "its codes (weight)"
         raise CheckpointError(f"{folder}: FP8 weight {comp}:{module} lacks {what}")
@@ -338,6 +420,65 @@ def _fill_files(folder, text, vision, fp8_modules, scheme, device, dtype, cfg, p
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"{folder}: weights missing from the checkpoint: {', '.join(missing[:5])}{more}")
     return digests
+
+
+def _fill_file(sf, fd: int, layout: dict, reader: _Reader, folder, text_params, vision_params, fp8_modules,
+               scheme, device, dtype, cfg, pending: list, hasher: _Hasher, loaded: set, digests: dict,
+               staged: dict) -> None:
+    """One safetensors file's tensors into the parameters (an FP8 weight meets its scale in `staged`,
+    from this file or an earlier one)."""
+    scale_key = scheme.scale_suffix if scheme is not None else None
+    for key in sf.keys():
+        mapped = canonical_name(key)
+        if mapped is None:
+            if key.endswith("rotary_emb.inv_freq"):
+                continue
+            raise CheckpointError(f"{folder}: unexpected weight {key!r} (not a Qwen2-VL parameter)")
+        comp, name = mapped
+        if comp == "vision" and cfg.tp_rank > 0:
+            continue  # the vision tower lives on rank 0
+        params = text_params if comp == "text" else vision_params
+        module, _, leaf = name.rpartition(".")
+        if scheme is not None and leaf == "weight_zero_point":
+            if sf.get_tensor(key).any():
+                raise CheckpointError(f"{folder}: {key!r}: asymmetric weights (non-zero zero points) are "
+                                      f"not supported (only symmetric FP8)")
+            continue  # a symmetric checkpoint's all-zero zero points
+        if scheme is not None and leaf in (scale_key, "input_scale"):
+            if leaf != scale_key:
+                raise CheckpointError(f"{folder}: {key!r}: static activation scales are not supported "
+                                      f"(only dynamic per-token FP8 activations)")
+            staged.setdefault((comp, module), {})["scale"] = sf.get_tensor(key)
+        elif comp == "text" and module in fp8_modules and leaf == "weight":
+            sl = sf.get_slice(key)  # this rank's share; the whole shape for its scales
+            staged.setdefault((comp, module), {}).update(weight=_text_share(folder, cfg, name, sl),
+                                                         shape=tuple(sl.get_shape()))
+        elif scheme is not None and leaf == "weight" and sf.get_slice(key).get_dtype().startswith("F8"):
+            staged.setdefault((comp, module), {})["weight"] = sf.get_tensor(key)  # dequantized below
+        else:
+            if name not in params:
+                if name.endswith("inv_freq"):
+                    continue
+                raise CheckpointError(
+                    f"{folder}: unexpected weight {key!r} (no parameter {name} in the {comp} model)")
+            p = params[name]
+            kind, shape, offset, nbytes = layout[key]
+            if (kind == p.dtype and shape == tuple(p.shape) and p.is_contiguous()
+                    and (comp != "text" or cfg.tp_size == 1) and nbytes == p.numel() * p.element_size()):
+                reader.read(fd, offset, nbytes, p)  # (the whole tensor, as stored)
+                hasher.add_range(digests[_which(comp, name)], name, fd, offset, nbytes)
+            else:
+                t = _text_share(folder, cfg, name, sf.get_slice(key)) if comp == "text" else sf.get_tensor(key)
+                _copy_param(folder, key, p, t)
+                hasher.add(digests[_which(comp, name)], name, t)
+            loaded.add((comp, name))
+            continue
+        entry = staged[(comp, module)]
+        if "weight" in entry and ("scale" in entry or entry["weight"].dtype != torch.float8_e4m3fn):
+            staged.pop((comp, module))
+            _place(folder, comp, module, entry, text_params, vision_params, fp8_modules, scheme,
+                   device, dtype, cfg, pending, digests, hasher)
+            loaded.add((comp, module + ".weight"))
 
 
 def _share_bounds(cfg: TextConfig, name: str) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
