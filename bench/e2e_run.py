@@ -90,8 +90,8 @@ def answers_digest(out: Path) -> str | None:
 
     rows = []
     for part in sorted(out.rglob("*.parquet")):
-        t = pq.read_table(part, columns=["path", "query", "page", "status", "answer"]).to_pylist()
-        rows += [json.dumps([r["path"], r["query"], r["page"], r["status"], r["answer"]]) for r in t]
+        t = pq.read_table(part).to_pylist()  # (a tree's tables may lack later columns: page)
+        rows += [json.dumps([r["path"], r["query"], r.get("page"), r["status"], r["answer"]]) for r in t]
     return hashlib.sha256("\n".join(sorted(rows)).encode()).hexdigest()[:16] if rows else None
 
 

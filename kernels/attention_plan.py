@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from kernels._triton import triton
 
@@ -192,18 +191,13 @@ def plan_tiles(query_start: list[int], context_lens: list[int], block_tables: li
                                         wide=shape == WIDE_BLOCK_N or (fp4_gluon and max_q == 1))
         if shape:
             dense_block_n = shape
-    # the four tile arrays and the block table in one int32 array, sent in one copy (from pinned
-    # memory on CUDA: a copy from pageable memory can make the host wait for the step in flight)
-    n, width = len(seqs), max(len(t) for t in block_tables)
-    flat = np.zeros(4 * n + len(block_tables) * width, dtype=np.int32)
-    flat[:4 * n] = seqs + toks + nqs + poss
-    table = flat[4 * n:].reshape(len(block_tables), width)
+    width = max(len(t) for t in block_tables)
+    table = torch.zeros(len(block_tables), width, dtype=torch.int32)
     for b, t in enumerate(block_tables):
-        table[b, : len(t)] = t
-    host = torch.from_numpy(flat)
-    device = torch.device(device)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    out = host.to(device, non_blocking=True)
-    return TilePlan(out[:n], out[n: 2 * n], out[2 * n: 3 * n], out[3 * n: 4 * n],
-                    out[4 * n:].view(len(block_tables), width), tokens, block_m, num_splits, max_ctx, dense_block_n)
+        table[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
+
+    def i32(xs):
+        return torch.tensor(xs, dtype=torch.int32).to(device, non_blocking=True)
+
+    return TilePlan(i32(seqs), i32(toks), i32(nqs), i32(poss), table.to(device, non_blocking=True), tokens,
+                    block_m, num_splits, max_ctx, dense_block_n)
