@@ -248,6 +248,29 @@ def test_weights_read_straight_from_the_file_equal_safetensors_reads(qwen2_vl_di
         (ref.text_fingerprint, ref.vision_fingerprint, ref.vision_trunk_fingerprint)
 
 
+def test_a_meta_module_is_given_memory_once_in_its_final_dtype():
+    """materialize() gives what to_empty(device).to(dtype) gives (floating tensors in the dtype,
+    others as built, a tensor registered twice still one tensor), without allocating the
+    construction dtype first."""
+    from docproc.models.loader import materialize
+
+    with torch.device("meta"):
+        m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 4))
+        m[2].weight = torch.nn.Parameter(torch.zeros(4, 8))
+        m.register_buffer("index", torch.zeros(3, dtype=torch.int64))
+        m[1].register_buffer("scale", torch.zeros(8))
+        m.add_module("tied", torch.nn.Linear(8, 4, bias=False))
+        m.tied.weight = m[2].weight
+    out = materialize(m, torch.device("cpu"), torch.bfloat16)
+    assert out is m
+    for name, t in [*m.named_parameters(), *m.named_buffers()]:
+        assert t.device.type == "cpu", name
+        assert t.dtype == (torch.int64 if name == "index" else torch.bfloat16), name
+    assert isinstance(m[0].weight, torch.nn.Parameter) and m[0].weight.requires_grad
+    assert m.tied.weight is m[2].weight
+    assert [p.shape for p in m.parameters()] == [(8, 4), (8,), (8,), (8,), (4, 8), (4,)]
+
+
 def test_fused_projections_equal_the_separate_ones(qwen2_vl_dir):
     """q/k/v and gate/up run as one matmul each after loading; the parameters are views of the
     fused tensors (same names and values), and the outputs equal the unfused model's."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -134,6 +135,11 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         tp_size = config.tensor_parallel_size
         self.tp = None  # rank 0's TensorParallelGroup
+        # the tokenizer (transformers' import, seconds on some machines) loads on a thread meanwhile
+        # the weights load, the KV pool is allocated and the kernels warm up
+        pool = ThreadPoolExecutor(1, thread_name_prefix="docproc-tokenizer")
+        self._processor: Processor | Future = pool.submit(Processor, config.model, hf_config)
+        pool.shutdown(wait=False)
         t0 = time.perf_counter()
         if tp_size > 1 and tp_rank == 0:
             from docproc.engine.tensor_parallel import TensorParallelGroup, check_split
@@ -163,7 +169,6 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - t0
         self.weight_bytes = text_weight_bytes(self.model.text)
         self.hf_config = self.model.hf_config
-        self.processor = Processor(config.model, self.hf_config)
         tc = self.model.text.cfg
         self.text_config = tc
         self.max_input_id: int | None = None  # set by the speculator for a draft with a smaller vocabulary
@@ -179,9 +184,6 @@ class ModelRunner:
         if self.tp is not None:  # every rank holds its share of the same blocks
             self.kv_cache.allocate = self._allocate_everywhere
         self.encoder_cache = EncoderCache(config.cache.encoder_cache_entries, config.cache.encoder_cache_bytes)
-        workers = config.image_prefetch_workers
-        self.prefetcher = ImagePrefetcher(self.processor, default_workers(self.device) if workers is None else workers,
-                                          pin=self.device.type == "cuda")
         self.sampler = Sampler(config.seed, self.device)
         self.logits_hook = None  # tests: called with (list[Sequence], logits) at every sampled row
         self.grammar = None  # engine/structured.py's GrammarCompiler once a request is constrained
@@ -204,6 +206,18 @@ class ModelRunner:
         self._token_buf_turn = 0
         if allocate:
             self.allocate_kv()
+        workers = config.image_prefetch_workers
+        self.prefetcher = ImagePrefetcher(self.processor, default_workers(self.device) if workers is None else workers,
+                                          pin=self.device.type == "cuda")
+
+    @property
+    def processor(self) -> Processor:
+        """The checkpoint's tokenizer and image processor (loaded on a thread beside the weights:
+        the first use waits for it, and raises its CheckpointError if it could not load)."""
+        p = self._processor
+        if isinstance(p, Future):
+            p = self._processor = p.result()
+        return p
 
     def set_kernel_options(self, opts: KernelOptions) -> None:
         """Other kernel choices for this engine's model and attention backend (comparisons and

@@ -191,7 +191,7 @@ def load_model(folder: str | Path, device: torch.device, dtype: torch.dtype, qua
             if name.rsplit(".", 1)[-1] in LINEAR_NAMES:
                 mod.weight = None  # never allocated in the model dtype: the loader sets loaded_weight
                 fp8_modules[name] = mod
-    text = text.to_empty(device=device).to(dtype)
+    text = materialize(text, device, dtype)
     text.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved).to(device)
     vision = build_vision(hf_config, device if tp_rank == 0 else torch.device("meta"), dtype)
     pending: list = []  # quantization at load of row-parallel shares: their rows' maxima agree over the ranks
@@ -218,7 +218,35 @@ def build_vision(hf_config, device: torch.device, dtype: torch.dtype) -> VisionE
     device and given memory on `device`."""
     with torch.device("meta"):
         tower = VisionEncoder(hf_config)
-    return tower.to(dtype).to_empty(device=device)
+    return materialize(tower, device, dtype)
+
+
+def materialize(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """A module built on the meta device given uninitialised memory on `device`, its floating
+    tensors in `dtype` (what `module.to_empty(device=device).to(dtype)` gives, a tensor shared
+    between modules still shared), each tensor allocated once, in its final dtype: to_empty
+    allocates the dtype the module was built in first (float32: twice bf16's bytes, 30 GB for a
+    7B model) and goes through torch's Python reference of empty_like, whose first call imports
+    sympy (seconds of a run's start)."""
+    made: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            made[id(t)] = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+        return made[id(t)]
+
+    with torch.no_grad():
+        for m in module.modules():
+            for name, p in m._parameters.items():
+                if p is not None:
+                    new = empty(p)
+                    if not isinstance(new, torch.nn.Parameter):
+                        new = made[id(p)] = torch.nn.Parameter(new, requires_grad=p.requires_grad)
+                    m._parameters[name] = new
+            for name, b in m._buffers.items():
+                if b is not None:
+                    m._buffers[name] = empty(b)
+    return module
 
 
 class _Hasher:
