@@ -230,8 +230,8 @@ def test_weights_read_straight_from_the_file_equal_safetensors_reads(qwen2_vl_di
 
     reads = []
     read = loader._Reader.read
-    monkeypatch.setattr(loader._Reader, "read", lambda self, fd, offset, nbytes, p: (
-        reads.append(nbytes), read(self, fd, offset, nbytes, p)))
+    monkeypatch.setattr(loader._Reader, "read", lambda self, path, fd, offset, nbytes, p: (
+        reads.append(nbytes), read(self, path, fd, offset, nbytes, p)))
     direct = loader.load_model(qwen2_vl_dir, torch.device("cpu"), torch.float32)
     assert len(reads) > 20  # (the fixture stores float32: every tensor but none goes straight in)
     layout = loader.tensor_layout

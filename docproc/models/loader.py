@@ -279,15 +279,24 @@ class _Hasher:
 
 
     def wait(self) -> None:
-        """Every digest submitted so far computed (or failed: finish() raises it)."""
-        wait([fut for _, _, fut in self.pending])
+        """Every digest submitted so far computed (or failed: finish() raises it). Waits through
+        a signal's exception (raised after): the pool reads the file this guards until it closes."""
+        interrupted = None
+        while True:
+            try:
+                wait([fut for _, _, fut in self.pending])
+                break
+            except BaseException as e:  # noqa: BLE001 -- KeyboardInterrupt, RunInterrupted: once the reads end
+                interrupted = interrupted or e
+        if interrupted is not None:
+            raise interrupted
 
-    def add_range(self, into: dict, name: str, fd: int, offset: int, nbytes: int) -> None:
+    def add_range(self, into: dict, name: str, path: Path, fd: int, offset: int, nbytes: int) -> None:
         """A tensor's digest from its bytes in the file (read again by the pool's thread: the
         tensor itself went from the file to the device without a host copy to hash)."""
         while len(self.pending) >= self.window:
             self._settle()
-        self.pending.append((into, name, self.pool.submit(_sha256_range, fd, offset, nbytes)))
+        self.pending.append((into, name, self.pool.submit(_sha256_range, path, fd, offset, nbytes)))
 
 
 def _sha256(tensors: tuple[torch.Tensor, ...]) -> str:
@@ -297,18 +306,19 @@ def _sha256(tensors: tuple[torch.Tensor, ...]) -> str:
     return h.hexdigest()
 
 
-def _sha256_range(fd: int, offset: int, nbytes: int) -> str:
+def _sha256_range(path: Path, fd: int, offset: int, nbytes: int) -> str:
     h = hashlib.sha256()
     end = offset + nbytes
     while offset < end:
         chunk = os.pread(fd, min(HASH_CHUNK, end - offset), offset)
         if not chunk:
-            raise CheckpointError(f"a weights file ended inside a tensor (at byte {offset})")
+            raise CheckpointError(f"{path} ended inside a tensor (at byte {offset}): was it changed while loading?")
         h.update(chunk)
         offset += len(chunk)
     return h.hexdigest()
 
 
+DIRECT_READS = hasattr(os, "preadv") and hasattr(os, "pread")  # POSIX (elsewhere: through safetensors)
 HASH_CHUNK = 16 << 20
 STAGE_BYTES = 64 << 20  # each of the two pinned buffers a CUDA load reads through
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
@@ -354,10 +364,10 @@ class _Reader:
         self.copied: list = [None, None]  # the event after each buffer's last copy
         self.turn = 0
 
-    def read(self, fd: int, offset: int, nbytes: int, p: torch.Tensor) -> None:
+    def read(self, path: Path, fd: int, offset: int, nbytes: int, p: torch.Tensor) -> None:
         dst = p.detach().view(-1).view(torch.uint8)
         if not self.cuda:
-            _pread_into(fd, memoryview(dst.numpy()), offset)
+            _pread_into(path, fd, memoryview(dst.numpy()), offset)
             return
         if not self.buffers:
             self.buffers = [torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
@@ -368,7 +378,7 @@ class _Reader:
             if self.copied[i] is not None:
                 self.copied[i].synchronize()  # its previous chunk has reached the device
             buf = self.buffers[i][:n]
-            _pread_into(fd, memoryview(buf.numpy()), offset + pos)
+            _pread_into(path, fd, memoryview(buf.numpy()), offset + pos)
             dst[pos: pos + n].copy_(buf, non_blocking=True)
             self.copied[i] = torch.cuda.Event()
             self.copied[i].record()
@@ -381,17 +391,19 @@ class _Reader:
             self.buffers, self.copied = [], [None, None]
             # the buffers' pinned memory back to the system, not kept cached (the call's name
             # differs between torch releases)
-            empty = getattr(torch._C, "_accelerator_emptyHostCache", None) or getattr(torch._C, "_host_emptyCache", None)
+            empty = (getattr(torch._C, "_accelerator_emptyHostCache", None)
+                     or getattr(torch._C, "_host_emptyCache", None))
             if empty is not None:
                 empty()
 
 
-def _pread_into(fd: int, view: memoryview, offset: int) -> None:
+def _pread_into(path: Path, fd: int, view: memoryview, offset: int) -> None:
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
         if n <= 0:
-            raise CheckpointError(f"a weights file ended inside a tensor (at byte {offset + done})")
+            raise CheckpointError(f"{path} ended inside a tensor (at byte {offset + done}): was it changed while "
+                                  f"loading?")
         done += n
 
 
@@ -428,11 +440,15 @@ def _fill_files_with(files, reader: _Reader, folder, text, vision, fp8_modules, 
     staged: dict[tuple[str, str], dict[str, torch.Tensor]] = {}  # FP8 weights waiting for their scale
     scale_key = scheme.scale_suffix if scheme is not None else None
     for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as sf, open(f, "rb") as raw:
+        with open(f, "rb") as raw, safe_open(str(f), framework="pt", device="cpu") as sf:
             fd = raw.fileno()
+            opened, now = os.fstat(fd), os.stat(f)
+            if (opened.st_dev, opened.st_ino) != (now.st_dev, now.st_ino):  # (safetensors opened it by name)
+                raise CheckpointError(f"{f} was replaced while it was being opened: load again")
+            layout = tensor_layout(f, fd) if DIRECT_READS else {}
             try:
-                _fill_file(sf, fd, tensor_layout(f, fd), reader, folder, text_params, vision_params, fp8_modules,
-                           scheme, device, dtype, cfg, pending, hasher, loaded, digests, staged)
+                _fill_file(f, sf, fd, layout, reader, folder, text_params, vision_params, fp8_modules, scheme, device,
+                           dtype, cfg, pending, hasher, loaded, digests, staged)
             finally:
                 hasher.wait()  # (its reads of this file end before the file closes)
     for (comp, module), entry in staged.items():
@@ -450,8 +466,8 @@ def _fill_files_with(files, reader: _Reader, folder, text, vision, fp8_modules, 
     return digests
 
 
-def _fill_file(sf, fd: int, layout: dict, reader: _Reader, folder, text_params, vision_params, fp8_modules,
-               scheme, device, dtype, cfg, pending: list, hasher: _Hasher, loaded: set, digests: dict,
+def _fill_file(path: Path, sf, fd: int, layout: dict, reader: _Reader, folder, text_params, vision_params,
+               fp8_modules, scheme, device, dtype, cfg, pending: list, hasher: _Hasher, loaded: set, digests: dict,
                staged: dict) -> None:
     """One safetensors file's tensors into the parameters (an FP8 weight meets its scale in `staged`,
     from this file or an earlier one)."""
@@ -490,11 +506,11 @@ def _fill_file(sf, fd: int, layout: dict, reader: _Reader, folder, text_params, 
                 raise CheckpointError(
                     f"{folder}: unexpected weight {key!r} (no parameter {name} in the {comp} model)")
             p = params[name]
-            kind, shape, offset, nbytes = layout[key]
-            if (kind == p.dtype and shape == tuple(p.shape) and p.is_contiguous()
+            kind, shape, offset, nbytes = layout.get(key, (None, (), 0, 0))
+            if (kind == p.dtype and shape == tuple(p.shape) and p.is_contiguous() and p.device.type in ("cpu", "cuda")
                     and (comp != "text" or cfg.tp_size == 1) and nbytes == p.numel() * p.element_size()):
-                reader.read(fd, offset, nbytes, p)  # (the whole tensor, as stored)
-                hasher.add_range(digests[_which(comp, name)], name, fd, offset, nbytes)
+                reader.read(path, fd, offset, nbytes, p)  # (the whole tensor, as stored)
+                hasher.add_range(digests[_which(comp, name)], name, path, fd, offset, nbytes)
             else:
                 t = _text_share(folder, cfg, name, sf.get_slice(key)) if comp == "text" else sf.get_tensor(key)
                 _copy_param(folder, key, p, t)
