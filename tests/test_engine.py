@@ -248,6 +248,35 @@ def test_weights_read_straight_from_the_file_equal_safetensors_reads(qwen2_vl_di
         (ref.text_fingerprint, ref.vision_fingerprint, ref.vision_trunk_fingerprint)
 
 
+def test_a_read_through_the_staging_buffers_equals_the_file(tmp_path, monkeypatch):
+    """The GPU's path, chunk by chunk through two buffers in turn (here of 333 bytes, on the host):
+    every tensor's bytes as stored, whatever the chunk boundaries; its digest from the file equals
+    the digest of the tensor safetensors reads."""
+    from safetensors.torch import save_file
+
+    import docproc.models.loader as loader
+
+    torch.manual_seed(0)
+    tensors = {"a": torch.randn(37, 29), "b": torch.randn(5, 7).to(torch.bfloat16), "c": torch.randn(3)}
+    path = tmp_path / "w.safetensors"
+    save_file(tensors, str(path))
+    reader = loader._Reader(torch.device("cpu"), stage_bytes=333, staged=True)
+    chunks = []
+    pread = loader._pread_into
+    monkeypatch.setattr(loader, "_pread_into", lambda *a: (chunks.append(len(a[2])), pread(*a)))
+    with open(path, "rb") as f:
+        layout = loader.tensor_layout(path, f.fileno())
+        for name, ref in tensors.items():
+            kind, shape, offset, nbytes = layout[name]
+            assert (kind, shape, nbytes) == (ref.dtype, tuple(ref.shape), ref.numel() * ref.element_size())
+            out = torch.full_like(ref, -1.0)
+            reader.read(path, f.fileno(), offset, nbytes, out)
+            assert torch.equal(out, ref), name
+            assert loader._sha256_range(path, f.fileno(), offset, nbytes) == loader._sha256((ref,))
+    reader.finish()
+    assert len(chunks) == 15 and max(chunks) == 333  # (37 * 29 * 4 bytes in 13 chunks, the others in one each)
+
+
 def test_a_meta_module_is_given_memory_once_in_its_final_dtype():
     """materialize() gives what to_empty(device).to(dtype) gives (floating tensors in the dtype,
     others as built, a tensor registered twice still one tensor), without allocating the
