@@ -5,10 +5,13 @@ imported before it) with two probes:
 - a sampler thread that reads the main thread's Python stack every --period seconds, from the
   start to the end of the run (imports and the model load included), and
 - torch.profiler (CUDA activity only: kernels, copies and runtime calls, no Python tracing) from
-  the first engine step to the last, whose GPU timeline says when the device had nothing to run.
+  the first engine step to the last, in windows of --window steps (one profile kept a whole run's
+  events only in part), whose GPU timeline says when the device had nothing to run. Each window
+  ends with two synchronizes that mark its clock and an export (the probe's own pause, between
+  steps: idle is counted inside steps only).
 
 Reported: the load stage's and the engine steps' samples by category and by stack (the
-innermost frame and the docproc frames above it); the GPU's idle time over the steps, by step
+innermost frame and the docproc frames above it); the GPU's idle time inside the steps, by step
 kind (a decode step or another), by tenth of the run and by gap length, with the host's stacks
 during the gaps; the runtime calls that blocked the host (synchronizations and copies over
 0.2 ms) with the stack they came from.
@@ -75,6 +78,8 @@ def top(keys: list[str], n: int, period: float) -> list[dict]:
 
 
 CATEGORIES = (  # (substring of a frame key, category): the first that matches
+    ("check_constraints", "constraints checked (xgrammar's import, compiles)"),
+    ("allocate_kv", "KV pool, kernel warm-up, graphs"), ("load_model", "weights"),
     ("collect", "waits for the step's tokens"), ("step_inputs.py:array", "waits for the input buffer"),
     ("structured.py", "grammar masks and matchers"), ("matcher.py", "grammar masks and matchers"),
     ("plan_tiles", "attention tile plan"), ("vision.py", "vision tower (launches)"),
@@ -109,6 +114,7 @@ def main() -> None:
     ap.add_argument("--run-args", default="")
     ap.add_argument("--period", type=float, default=0.001)
     ap.add_argument("--no-trace", action="store_true", help="samples only (no GPU timeline)")
+    ap.add_argument("--window", type=int, default=40, help="engine steps per profiler window")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
     t_run = time.perf_counter()
@@ -117,9 +123,35 @@ def main() -> None:
     import docproc.pipeline.engine_setup as setup_mod
 
     marks: dict = {"steps": []}  # perf_counter marks: (start, end, decode step, rows running)
-    trace: dict = {}
     state = {"prof": None}
     engine0 = setup_mod.EngineSetup._engine
+    windows: list[dict] = []  # per traced window: its GPU intervals and blocking calls, on perf_counter's clock
+
+    def close_window() -> None:
+        """Stop the profiler (a synchronize at a known perf_counter time marks its clock), keep
+        the window's GPU intervals and long runtime calls, in seconds on perf_counter's clock."""
+        import torch
+
+        t_close = time.perf_counter()
+        torch.cuda.synchronize()
+        mark = time.perf_counter()
+        torch.cuda.synchronize()
+        state["prof"].__exit__(None, None, None)
+        path = Path(tempfile.mkdtemp()) / "trace.json"
+        state["prof"].export_chrome_trace(str(path))
+        events = json.loads(path.read_text()).get("traceEvents", [])
+        path.unlink()
+        state["prof"] = None
+        syncs = [e for e in events if e.get("ph") == "X" and e.get("name") == "cudaDeviceSynchronize"]
+        if syncs:
+            offset = syncs[-1]["ts"] - mark * 1e6  # trace us = perf_counter s * 1e6 + offset
+            windows.append({
+                "gpu": [((e["ts"] - offset) / 1e6, (e["ts"] + e.get("dur", 0) - offset) / 1e6) for e in events
+                        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")],
+                "runtime": [(e.get("name", ""), (e["ts"] - offset) / 1e6, e.get("dur", 0) / 1e6) for e in events
+                            if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and e.get("dur", 0) >= 200],
+                "closed": t_close})
+        marks["probe_seconds"] = marks.get("probe_seconds", 0.0) + time.perf_counter() - t_close
 
     def patch_steps() -> None:
         import torch
@@ -134,9 +166,6 @@ def main() -> None:
             if state["prof"] is None and torch.cuda.is_available() and not args.no_trace:
                 from torch.profiler import ProfilerActivity, profile
 
-                torch.cuda.synchronize()
-                marks["sync_mark0"] = time.perf_counter()
-                torch.cuda.synchronize()
                 p = profile(activities=[ProfilerActivity.CUDA])
                 p.__enter__()
                 state["prof"] = p
@@ -147,6 +176,8 @@ def main() -> None:
             finally:
                 marks["steps"].append((t0, time.perf_counter(), self.num_decode_steps > decodes,
                                        len(self.scheduler.running)))
+                if state["prof"] is not None and len(marks["steps"]) % args.window == 0:
+                    close_window()  # (the profiler's buffer keeps a whole run's events only in part)
         step._traced = True
         llm_mod.LLM.step = step
 
@@ -171,16 +202,7 @@ def main() -> None:
         pass
     t_end = time.perf_counter()
     if state["prof"] is not None:
-        import torch
-
-        torch.cuda.synchronize()
-        marks["sync_mark"] = time.perf_counter()
-        torch.cuda.synchronize()
-        state["prof"].__exit__(None, None, None)
-        path = Path(tempfile.mkdtemp()) / "trace.json"
-        state["prof"].export_chrome_trace(str(path))
-        trace["events"] = json.loads(path.read_text()).get("traceEvents", [])
-        path.unlink()
+        close_window()
     sampler.stop()
     period = args.period
 
@@ -202,8 +224,9 @@ def main() -> None:
         outside = [k for (_, a1, *_), (b0, *_) in zip(steps, steps[1:]) for k in sampler.between(a1, b0)]
         report["between_steps"] = {"seconds": round(sum(b[0] - a[1] for a, b in zip(steps, steps[1:])), 2),
                                    "by_category": by_category(outside, period), "top": top(outside, 20, period)}
-    if trace.get("events"):
-        report["gpu"] = analyse(trace["events"], marks, sampler, period)
+    if windows:
+        report["gpu"] = analyse(windows, marks, sampler, period)
+        report["gpu"]["probe_seconds"] = round(marks.get("probe_seconds", 0.0), 2)
     Path(args.json).write_text(json.dumps(report, indent=1))
     print(json.dumps({k: v for k, v in report.items() if k in ("wall_s", "num_steps", "before_load_s")}))
     for part in ("load", "steps", "between_steps"):
@@ -221,14 +244,11 @@ def main() -> None:
             print(f"  {row}")
 
 
-def analyse(events: list, marks: dict, sampler: StackSampler, period: float) -> dict:
-    gpu = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
-                 if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
-    runtime = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"]
-    syncs = [e for e in runtime if e.get("name") == "cudaDeviceSynchronize"]
-    if not gpu or not syncs:
-        return {"error": "no GPU activity or no clock mark in the trace"}
-    offset = syncs[-1]["ts"] - marks["sync_mark"] * 1e6  # trace us = perf_counter s * 1e6 + offset
+def analyse(windows: list[dict], marks: dict, sampler: StackSampler, period: float) -> dict:
+    """The GPU's idle time inside each engine step (from the step's call to its return: the probe's
+    own pauses between steps are left out), by step kind and by tenth of the run, the gaps'
+    lengths and the host's stacks during them, and the runtime calls that blocked the host."""
+    gpu = sorted(iv for w in windows for iv in w["gpu"])
     merged: list[list[float]] = []
     for a, b in gpu:
         if merged and a <= merged[-1][1]:
@@ -236,16 +256,9 @@ def analyse(events: list, marks: dict, sampler: StackSampler, period: float) -> 
         else:
             merged.append([a, b])
     steps = marks["steps"]
-    s0, s1 = steps[0][0] * 1e6 + offset, steps[-1][1] * 1e6 + offset
-    merged = [[max(a, s0), min(b, s1)] for a, b in merged if b > s0 and a < s1]
-    busy = sum(b - a for a, b in merged)
-    span = s1 - s0
-    # idle per step (the step's wall window), by kind and by tenth of the run
-    starts = [a * 1e6 + offset for a, *_ in steps] + [s1]
     idle_step = [0.0] * len(steps)
     j = 0
-    for i in range(len(steps)):
-        w0, w1 = starts[i], starts[i + 1]
+    for i, (w0, w1, *_) in enumerate(steps):
         covered = 0.0
         while j < len(merged) and merged[j][1] <= w0:
             j += 1
@@ -253,40 +266,51 @@ def analyse(events: list, marks: dict, sampler: StackSampler, period: float) -> 
         while k < len(merged) and merged[k][0] < w1:
             covered += min(w1, merged[k][1]) - max(w0, merged[k][0])
             k += 1
-        idle_step[i] = (w1 - w0 - covered) / 1e6
+        idle_step[i] = w1 - w0 - covered
     kinds = collections.defaultdict(lambda: [0, 0.0, 0.0])  # kind -> [steps, wall s, idle s]
-    tenths = [[0.0, 0.0] for _ in range(10)]
+    tenths = [[0, 0.0, 0.0] for _ in range(10)]
     for i, (a, b, decode, rows) in enumerate(steps):
-        wall = (starts[i + 1] - starts[i]) / 1e6
         kind = "decode" if decode else "other"
         kinds[kind][0] += 1
-        kinds[kind][1] += wall
+        kinds[kind][1] += b - a
         kinds[kind][2] += idle_step[i]
         t = min(9, int(10 * i / len(steps)))
-        tenths[t][0] += wall
-        tenths[t][1] += idle_step[i]
-    gaps = [(a1, b0) for (_, a1), (b0, _) in zip(merged, merged[1:]) if b0 - a1 > 20]
+        tenths[t][0] += 1
+        tenths[t][1] += b - a
+        tenths[t][2] += idle_step[i]
+    gaps = []
+    for (_, a1), (b0, _) in zip(merged, merged[1:]):
+        if b0 - a1 > 20e-6:
+            gaps.append((a1, b0))
+    in_steps = []  # the gaps' parts inside a step
+    j = 0
+    for a, b in gaps:
+        while j < len(steps) and steps[j][1] <= a:
+            j += 1
+        if j < len(steps) and steps[j][0] < b:
+            in_steps.append((max(a, steps[j][0]), min(b, steps[j][1])))
     hist = collections.Counter()
-    for a, b in gaps:
+    for a, b in in_steps:
         d = b - a
-        hist["<0.1ms" if d < 100 else "<1ms" if d < 1000 else "<5ms" if d < 5000 else ">=5ms"] += d / 1e6
-    keys = []
-    for a, b in gaps:
-        keys += sampler.between((a - offset) / 1e6, (b - offset) / 1e6)
+        hist["<0.1ms" if d < 1e-4 else "<1ms" if d < 1e-3 else "<5ms" if d < 5e-3 else ">=5ms"] += d
+    keys = [k for a, b in in_steps for k in sampler.between(a, b)]
     blocking = collections.Counter()
-    for e in runtime:
-        name, dur = e.get("name", ""), e.get("dur", 0)
-        if dur < 200 or not any(s in name for s in ("Synchronize", "Memcpy", "Malloc", "Free", "Query")):
-            continue
-        mid = (e["ts"] + dur / 2 - offset) / 1e6
-        near = [k for t, k in sampler.samples if abs(t - mid) <= max(dur / 2e6, period)]
-        blocking[(name, near[0] if near else "?")] += dur / 1e6
-    return {"span_s": round(span / 1e6, 3), "busy_s": round(busy / 1e6, 3),
-            "idle_share": round(1 - busy / span, 4) if span else None, "num_gaps": len(gaps),
+    for w in windows:
+        for name, t, dur in w["runtime"]:
+            if not any(x in name for x in ("Synchronize", "Memcpy", "Malloc", "Free", "Query")):
+                continue
+            mid = t + dur / 2
+            near = [k for ts, k in sampler.samples if abs(ts - mid) <= max(dur / 2, period)]
+            blocking[(name, near[0] if near else "?")] += dur
+    wall = sum(b - a for a, b, *_ in steps)
+    idle = sum(idle_step)
+    return {"windows": len(windows), "steps_wall_s": round(wall, 3), "idle_in_steps_s": round(idle, 3),
+            "idle_share_in_steps": round(idle / wall, 4) if wall else None, "num_gaps": len(in_steps),
             "idle_s_by_gap_length": {k: round(v, 3) for k, v in hist.items()},
             "by_step_kind": {k: {"steps": v[0], "wall_s": round(v[1], 3), "idle_s": round(v[2], 3)}
                              for k, v in kinds.items()},
-            "by_tenth_of_steps": [{"wall_s": round(w, 3), "idle_s": round(i, 3)} for w, i in tenths],
+            "by_tenth_of_steps": [{"steps": n, "wall_s": round(w_, 3), "idle_s": round(i_, 3)}
+                                  for n, w_, i_ in tenths],
             "gap_by_category": by_category(keys, period),
             "gap_stacks": top(keys, 40, period),
             "blocking": [{"seconds": round(v, 4), "call": n, "where": w} for (n, w), v in blocking.most_common(30)]}
