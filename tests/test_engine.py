@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -246,6 +247,17 @@ def test_weights_read_straight_from_the_file_equal_safetensors_reads(qwen2_vl_di
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert (direct.text_fingerprint, direct.vision_fingerprint, direct.vision_trunk_fingerprint) == \
         (ref.text_fingerprint, ref.vision_fingerprint, ref.vision_trunk_fingerprint)
+
+
+def test_a_weights_file_that_is_not_a_regular_file_is_named(tmp_path):
+    """A *.safetensors that is a FIFO (opening it would wait for a writer forever) or a folder
+    stops the load with one line naming it."""
+    from docproc.models.loader import weight_files
+
+    os.mkfifo(tmp_path / "a.safetensors")
+    (tmp_path / "b.safetensors").mkdir()
+    with pytest.raises(CheckpointError, match="a.safetensors, b.safetensors are not regular files"):
+        weight_files(tmp_path)
 
 
 def test_a_read_through_the_staging_buffers_equals_the_file(tmp_path, monkeypatch):

@@ -108,6 +108,10 @@ def weight_files(folder: str | Path) -> list[Path]:
     if (folder / "model.safetensors").is_file():
         return [folder / "model.safetensors"]
     files = sorted(folder.glob("*.safetensors"))
+    odd = [f.name for f in files if not f.is_file()]  # a folder, a FIFO (opening one waits for a writer)
+    if odd:
+        what = "is not a regular file" if len(odd) == 1 else "are not regular files"
+        raise CheckpointError(f"{folder}: {', '.join(odd)} {what}")
     if files:
         return files
     if list(folder.glob("*.bin")) or list(folder.glob("*.pt")):
