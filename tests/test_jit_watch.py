@@ -19,12 +19,14 @@ def test_hooks_count_compiles_and_chain_to_earlier_hooks(monkeypatch):
     mark = watch.mark()
     fn = SimpleNamespace(name="_paged_attn_kernel", jit_function=object())
     for key in ("k1", "k2"):
-        skip = knobs.runtime.jit_cache_hook(key=key, fn=fn, repr="_paged_attn_kernel[...]")
+        skip = knobs.runtime.jit_cache_hook(key=key, fn=fn, repr=f"_paged_attn_kernel[num_warps=4]({key}: i32)")
         assert not skip  # a true answer would make Triton skip the compile
         time.sleep(0.01)
-        knobs.runtime.jit_post_compile_hook(key=key, fn=fn, repr="_paged_attn_kernel[...]")
+        knobs.runtime.jit_post_compile_hook(key=key, fn=fn, repr=f"_paged_attn_kernel[num_warps=4]({key}: i32)")
     late = watch.since(mark)
     assert [r.kernel for r in late] == ["_paged_attn_kernel"] * 2
+    # which launch each was (what a warm-up missed: cache_info's kernel_variants_compiled_after_warmup)
+    assert [r.variant for r in late] == [f"_paged_attn_kernel[num_warps=4]({k}: i32)" for k in ("k1", "k2")]
     assert all(r.seconds >= 0.009 for r in late)
     assert calls == ["before", "after"] * 2  # the hooks that were there still run
     assert watch.since(watch.mark()) == []

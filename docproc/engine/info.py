@@ -38,6 +38,9 @@ def cache_info(llm) -> dict:
         "kernel_compiles_after_warmup": len(late := WATCH.since(llm.compile_mark)),
         "kernel_compile_seconds_after_warmup": round(sum(r.seconds for r in late), 3),
         "kernels_compiled_after_warmup": sorted({r.kernel for r in late}),
+        # which launches they were (Triton's repr: options and each argument's specialization),
+        # the first few: what a warm-up missed
+        "kernel_variants_compiled_after_warmup": [r.variant for r in late if r.variant][:4],
         "allocated_bytes": kv.allocated_bytes,
         "num_free_blocks": bm.num_free_blocks,
         "prefix_cache_query_tokens": bm.stats.num_query_tokens,

@@ -17,10 +17,14 @@ import time
 from dataclasses import dataclass, field
 
 
+VARIANT_CHARS = 2000
+
+
 @dataclass
 class CompileRecord:
     kernel: str
     seconds: float
+    variant: str = ""  # Triton's repr of the launch: options and each argument's specialization
 
 
 @dataclass
@@ -56,7 +60,7 @@ class CompileWatch:
                 fn = kwargs.get("fn")
                 # str(): a Gluon kernel's name reaches here as a Triton constexpr
                 name = str(getattr(fn, "name", None) or str(kwargs.get("repr", "?")).split("[", 1)[0])
-                self.records.append(CompileRecord(name, now - t0))
+                self.records.append(CompileRecord(name, now - t0, str(kwargs.get("repr") or "")[:VARIANT_CHARS]))
             return after(*args, **kwargs) if after else None
 
         rt.jit_cache_hook, rt.jit_post_compile_hook = on_cache_miss, on_compiled
