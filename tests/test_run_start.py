@@ -283,3 +283,18 @@ def test_pages_in_flight_default_follows_the_engine_device(monkeypatch, tmp_path
     assert bound(True) == 128 and bound(False) == 32
     assert bound(True, device="cpu") == 32 and bound(False, device="cuda") == 128
     assert bound(True, batch_pages=7) == bound(False, batch_pages=7) == 7
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="Linux: the kernel's VmHWM")
+def test_the_peak_host_memory_is_the_runs_own_not_its_parents():
+    """A run started by a process holding much memory reports its own peak: getrusage's ru_maxrss
+    keeps the peak from before the exec, so started from a parent of 18 GB a run read 18 GB."""
+    held = bytearray(400 << 20)
+    held[:: 4096] = b"\1" * len(held[:: 4096])  # resident, not only reserved
+    code = ("import resource; from docproc.engine.device import peak_host_memory; "
+            "print(peak_host_memory(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    own, inherited = map(int, out.stdout.split())
+    assert inherited > 400 << 20  # (what the manifest read before)
+    assert own < 200 << 20
+    del held

@@ -67,3 +67,21 @@ def peak_gpu_memory() -> int | None:
     if torch is None or not hasattr(torch, "cuda"):  # not imported, or its import was cut short
         return None
     return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+
+
+def peak_host_memory() -> int:
+    """The most resident host memory this process has held (bytes). On Linux the kernel's
+    high-water mark of this program (VmHWM): getrusage's ru_maxrss keeps the peak of the process
+    before it exec'd this program, so a run started from a parent holding 18 GB read 18 GB.
+    Elsewhere ru_maxrss (bytes on macOS, KiB on other systems)."""
+    status = _read("/proc/self/status")
+    for line in (status or "").splitlines():
+        if line.startswith("VmHWM:"):
+            try:
+                return int(line.split()[1]) * 1024
+            except (IndexError, ValueError):
+                break
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024

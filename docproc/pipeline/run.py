@@ -19,7 +19,6 @@ batch in flight. Either way the run ends with a manifest saying how it ended, an
 from __future__ import annotations
 
 import os
-import resource
 import time
 import traceback
 import uuid
@@ -283,7 +282,7 @@ class Pipeline(DocumentWork):
 
     def _manifest(self, started: str, seconds: float, status: str, fault: dict | None,
                   exit_code: int | None) -> dict:
-        from docproc.engine.device import peak_gpu_memory
+        from docproc.engine.device import peak_gpu_memory, peak_host_memory
 
         self.totals.unique_pages = len(self.page_hashes)
         t = self.totals
@@ -317,7 +316,7 @@ class Pipeline(DocumentWork):
             "stage_seconds": {k: round(v, 3) for k, v in self.stage_seconds.items()},
             # when each stage ran (seconds from the start: first start, last end); stages overlap
             "stage_timeline": self.timeline,
-            "peak_memory": {"host_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_memory": {"host_max_rss_bytes": peak_host_memory(),
                             "gpu_max_allocated_bytes": peak_gpu},
             # failures: files that could not be read and documents with no usable answer at all;
             # a partial document (some fields unparseable or failed) is reported, not failed
