@@ -135,7 +135,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         tp_size = config.tensor_parallel_size
         self.tp = None  # rank 0's TensorParallelGroup
-        # the tokenizer (transformers' import, seconds on some machines) loads on a thread meanwhile
+        # the tokenizer (transformers' import, seconds on some machines) loads on a thread while
         # the weights load, the KV pool is allocated and the kernels warm up
         pool = ThreadPoolExecutor(1, thread_name_prefix="docproc-tokenizer")
         self._processor: Processor | Future = pool.submit(Processor, config.model, hf_config)
