@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -258,6 +260,27 @@ def test_a_weights_file_that_is_not_a_regular_file_is_named(tmp_path):
     (tmp_path / "b.safetensors").mkdir()
     with pytest.raises(CheckpointError, match="a.safetensors, b.safetensors are not regular files"):
         weight_files(tmp_path)
+
+
+def test_a_checkpoint_file_that_is_a_fifo_is_named_before_anything_reads_it(tmp_path):
+    """A tokenizer or config file that is a FIFO (reading it waits for a writer: `docproc run`
+    hung in the tokenizer check) stops the API's load and the CLI's run with one line naming it."""
+    from docproc.models.loader import check_folder
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "tokenizer.json").write_text("{}")
+    os.mkfifo(model / "tokenizer_config.json")
+    with pytest.raises(CheckpointError, match="holds tokenizer_config.json, not regular files"):
+        check_folder(model)
+    (tmp_path / "docs").mkdir()
+    Image.new("RGB", (32, 32), "white").save(tmp_path / "docs" / "a.png")
+    proc = subprocess.run([sys.executable, "-m", "docproc", "run", str(tmp_path / "docs"), "--out", str(tmp_path / "out"),
+                           "--model", str(model)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "tokenizer_config.json, not regular files" in proc.stderr + proc.stdout
+    assert "Traceback" not in proc.stderr
 
 
 def test_a_read_through_the_staging_buffers_equals_the_file(tmp_path, monkeypatch):

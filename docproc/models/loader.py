@@ -24,6 +24,7 @@ from docproc.models.quant import (FP8, LINEAR_NAMES, LOAD_FORMATS, Fp8Scheme, Fp
                                   share_scales)
 from docproc.models.qwen2_vl import Qwen2VLTextModel, TextConfig
 from docproc.models.rope import MRotaryEmbedding
+from docproc.models.tokenizer_files import special_files
 from docproc.models.vision import VisionEncoder
 
 SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
@@ -40,6 +41,9 @@ def check_folder(folder: str | Path) -> Path:
         what = "is a file, not a folder" if folder.exists() else "does not exist"
         raise CheckpointError(f"model folder {folder} {what}: pass a local checkpoint folder "
                               f"(docproc never downloads models)")
+    odd = special_files(folder)
+    if odd is not None:
+        raise CheckpointError(f"{folder} {odd}")
     if not (folder / "config.json").is_file():
         raise CheckpointError(f"{folder} is not a Hugging Face checkpoint: config.json is missing")
     return folder

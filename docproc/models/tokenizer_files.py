@@ -9,10 +9,34 @@ tokenizer.json itself.
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 BPE_FILES = ("vocab.json", "merges.txt")
+
+
+def special_files(folder: str | Path) -> str | None:
+    """The folder's entries that are FIFOs, sockets or devices (through links), as a clause that
+    follows the folder's name, or None. Opening a FIFO waits for a writer, so a tokenizer or config
+    file that is one would hang the load instead of failing it."""
+    odd = []
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError:
+        return None  # (the caller's own checks name an unreadable folder)
+    for entry in entries:
+        try:
+            mode = entry.stat().st_mode  # follows a link: what an open would reach
+        except OSError:
+            continue  # a broken link: read errors name it where it matters
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            odd.append(entry.name)
+    if not odd:
+        return None
+    return f"holds {', '.join(odd[:5])}{' ...' if len(odd) > 5 else ''}, not regular files (a FIFO, socket or device " \
+           f"would hang or break the load): remove {'it' if len(odd) == 1 else 'them'} or use a copy of the checkpoint"
 
 
 def tokenizer_class(folder: str | Path) -> str | None:

@@ -261,7 +261,7 @@ class EngineSetup:
     def check_models(self) -> None:
         """The model and draft folders exist and hold a config.json and the tokenizer's files
         (before any import of torch)."""
-        from docproc.models.tokenizer_files import missing_tokenizer
+        from docproc.models.tokenizer_files import missing_tokenizer, special_files
 
         for what, folder in (("model", self.s.model), ("draft", self.s.draft)):
             if folder is None:
@@ -274,6 +274,9 @@ class EngineSetup:
             if not (p / "config.json").is_file():
                 raise ModelUnavailable(f"{what} folder {folder} has no config.json: it is not a Hugging Face "
                                        f"checkpoint folder")
+            odd = special_files(p)
+            if odd is not None:
+                raise ModelUnavailable(f"{what} folder {folder} {odd}")
             missing = missing_tokenizer(p)
             if missing is not None:
                 raise ModelUnavailable(f"{what} folder {folder} {missing}")
