@@ -134,6 +134,10 @@ def run_once(tree: Path, docs: Path, model: Path, out: Path, run_args: list[str]
               "stderr": stderr[-1500:] if proc.returncode not in (0, 1) else ""}
     result["model"] = {k: v for k, v in (m.get("model") or {}).items() if k != "path"}
     result["answers_digest"] = answers_digest(out)
+    # the process's time before the run's clock started (interpreter, imports, arguments) and after
+    # its manifest's last second (interpreter and CUDA teardown, worker exits)
+    result["before_run_s"] = round(started - t0, 2)
+    result["after_run_s"] = round(t0 + wall - (started + m["seconds"]), 2)
     load = m["stage_seconds"].get("load_model", 0.0)
     result["wall_over_load_plus_busy"] = round(wall / (load + busy), 3) if load + busy else None
     engine = (m.get("stage_timeline") or {}).get("engine")
