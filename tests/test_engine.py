@@ -262,6 +262,22 @@ def test_a_weights_file_that_is_not_a_regular_file_is_named(tmp_path):
         weight_files(tmp_path)
 
 
+def test_a_damaged_weights_file_is_named(tmp_path):
+    """safetensors' own errors name no file: the load's does (one shard of three cut short, and one
+    whose header is garbage)."""
+    from fixtures.checkpoints import make_model
+
+    folder = make_model(tmp_path / "m", shards=3)
+    shard = sorted(folder.glob("*.safetensors"))[1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=f"{shard.name} is not a readable safetensors file"):
+        LLM(str(folder), device="cpu")
+    shard.write_bytes(b"\xff" * 64)
+    with pytest.raises(CheckpointError, match=f"{shard.name} is not a readable safetensors file"):
+        LLM(str(folder), device="cpu")
+
+
 def test_a_checkpoint_file_that_is_a_fifo_is_named_before_anything_reads_it(tmp_path):
     """A tokenizer or config file that is a FIFO (reading it waits for a writer: `docproc run`
     hung in the tokenizer check) stops the API's load and the CLI's run with one line naming it."""

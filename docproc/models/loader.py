@@ -442,7 +442,7 @@ def _fill_files(folder, text, vision, fp8_modules, scheme, device, dtype, cfg, p
 
 def _fill_files_with(files, reader: _Reader, folder, text, vision, fp8_modules, scheme, device, dtype, cfg,
                      pending: list, hasher: _Hasher) -> dict:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     text_params = dict(text.named_parameters())
     vision_params = dict(vision.visual.named_parameters())
@@ -451,17 +451,20 @@ def _fill_files_with(files, reader: _Reader, folder, text, vision, fp8_modules, 
     staged: dict[tuple[str, str], dict[str, torch.Tensor]] = {}  # FP8 weights waiting for their scale
     scale_key = scheme.scale_suffix if scheme is not None else None
     for f in files:
-        with open(f, "rb") as raw, safe_open(str(f), framework="pt", device="cpu") as sf:
-            fd = raw.fileno()
-            opened, now = os.fstat(fd), os.stat(f)
-            if (opened.st_dev, opened.st_ino) != (now.st_dev, now.st_ino):  # (safetensors opened it by name)
-                raise CheckpointError(f"{f} was replaced while it was being opened: load again")
-            layout = tensor_layout(f, fd) if DIRECT_READS else {}
-            try:
-                _fill_file(f, sf, fd, layout, reader, folder, text_params, vision_params, fp8_modules, scheme, device,
-                           dtype, cfg, pending, hasher, loaded, digests, staged)
-            finally:
-                hasher.wait()  # (its reads of this file end before the file closes)
+        try:
+            with open(f, "rb") as raw, safe_open(str(f), framework="pt", device="cpu") as sf:
+                fd = raw.fileno()
+                opened, now = os.fstat(fd), os.stat(f)
+                if (opened.st_dev, opened.st_ino) != (now.st_dev, now.st_ino):  # (safetensors opened it by name)
+                    raise CheckpointError(f"{f} was replaced while it was being opened: load again")
+                layout = tensor_layout(f, fd) if DIRECT_READS else {}
+                try:
+                    _fill_file(f, sf, fd, layout, reader, folder, text_params, vision_params, fp8_modules, scheme,
+                               device, dtype, cfg, pending, hasher, loaded, digests, staged)
+                finally:
+                    hasher.wait()  # (its reads of this file end before the file closes)
+        except SafetensorError as e:  # (its own messages name no file)
+            raise CheckpointError(f"{f} is not a readable safetensors file: {e}") from None
     for (comp, module), entry in staged.items():
         what = f"its scale ({scale_key})" if "weight" in entry else "its codes (weight)"
         raise CheckpointError(f"{folder}: FP8 weight {comp}:{module} lacks {what}")
