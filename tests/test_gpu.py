@@ -154,3 +154,24 @@ def test_graph_captures_survive_threads_that_pin_memory(qwen2_vl_dir):
         stop.set()
         worker.join()
     assert llm.cache_info()["num_cuda_graphs"] >= 4
+
+
+def test_sampling_queues_without_waiting_for_the_forward():
+    """Sampled rows (temperature, top-k/top-p, seeded and unseeded, beside greedy ones) are queued
+    behind the work in flight: nothing of the sampler copies from pageable memory, which would make
+    the host wait for the forward before the step's tokens can be read back."""
+    from docproc.engine.sampler import Sampler, SamplingRow
+
+    dev = torch.device("cuda")
+    logits = torch.randn(4, 1000, device=dev)
+    seeded = torch.Generator(device=dev)
+    seeded.manual_seed(3)
+    rows = [SamplingRow(0.7, 50, 0.9, None), SamplingRow(0.0, 0, 1.0, None), SamplingRow(1.0, 0, 1.0, seeded),
+            SamplingRow(0.5, 0, 0.8, None)]
+    sampler = Sampler(0, dev)
+    sampler(logits, rows)  # (allocations and kernels' first use before the timed one)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of the stream busy
+    tokens = sampler(logits, rows)
+    assert not torch.cuda.current_stream().query()  # the host came back while the stream was busy
+    assert tokens.shape == (4,) and int(tokens[1]) == int(logits[1].argmax())

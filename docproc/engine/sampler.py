@@ -19,6 +19,15 @@ class SamplingRow:
     generator: torch.Generator | None  # per-request generator when the request has a seed
 
 
+def _on(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
+    """A small host list as a tensor on the device, copied from pinned memory without waiting for
+    the work queued before it (torch.tensor(..., device=cuda) and indexing with a list copy from
+    pageable memory, which makes the host wait for the forward in flight)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask to -inf everything outside top-k and the top-p nucleus. logits: (B, V); top_k: (B,)
     with V meaning off; top_p: (B,) with 1.0 meaning off."""
@@ -39,16 +48,16 @@ def probabilities(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
     """The distribution each sampled row draws from: (B, V) float32 (greedy rows are one-hot)."""
     vocab = logits.shape[-1]
     dev = logits.device
-    temps = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in rows], device=dev)
-    top_k = torch.tensor([r.top_k if r.top_k > 0 else vocab for r in rows], device=dev)
-    top_p = torch.tensor([r.top_p for r in rows], device=dev)
+    temps = _on(dev, [r.temperature if r.temperature > 0 else 1.0 for r in rows], torch.float32)
     x = logits.float() / temps.unsqueeze(1)
     if any(r.top_k > 0 or r.top_p < 1.0 for r in rows):
+        top_k = _on(dev, [r.top_k if r.top_k > 0 else vocab for r in rows], torch.int64)
+        top_p = _on(dev, [r.top_p for r in rows], torch.float32)
         x = filter_logits(x, top_k, top_p)
     probs = x.softmax(dim=-1)
     greedy = [i for i, r in enumerate(rows) if r.temperature == 0]
     if greedy:
-        g = torch.tensor(greedy, device=dev)
+        g = _on(dev, greedy, torch.int64)
         probs[g] = torch.nn.functional.one_hot(logits[g].argmax(-1), vocab).float()
     return probs
 
@@ -60,10 +69,13 @@ class Sampler:
 
     def exponential(self, rows: list[SamplingRow], vocab: int, device) -> torch.Tensor:
         """E ~ Exp(1), (B, V): seeded rows from their own generator, the rest from the engine's."""
-        e = torch.empty(len(rows), vocab, device=device)
         unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+        if len(unseeded) == len(rows):
+            return torch.empty(len(rows), vocab, device=device).exponential_(generator=self.generator)
+        e = torch.empty(len(rows), vocab, device=device)
         if unseeded:
-            e[unseeded] = torch.empty(len(unseeded), vocab, device=device).exponential_(generator=self.generator)
+            e[_on(device, unseeded, torch.int64)] = torch.empty(len(unseeded), vocab, device=device).exponential_(
+                generator=self.generator)
         for i, r in enumerate(rows):
             if r.generator is not None:
                 e[i].exponential_(generator=r.generator)
@@ -77,5 +89,8 @@ class Sampler:
         sampled = [i for i, r in enumerate(rows) if r.temperature > 0]
         e = self.exponential([rows[i] for i in sampled], logits.shape[-1], logits.device)
         tokens = logits.argmax(dim=-1)
-        tokens[sampled] = (probs[sampled] / e).argmax(dim=-1)
+        if len(sampled) == len(rows):
+            return (probs / e).argmax(dim=-1)
+        index = _on(logits.device, sampled, torch.int64)
+        tokens[index] = (probs[index] / e).argmax(dim=-1)
         return tokens
