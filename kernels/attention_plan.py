@@ -6,7 +6,9 @@ run these plans.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 from kernels._triton import triton
 
@@ -191,13 +193,16 @@ def plan_tiles(query_start: list[int], context_lens: list[int], block_tables: li
                                         wide=shape == WIDE_BLOCK_N or (fp4_gluon and max_q == 1))
         if shape:
             dense_block_n = shape
-    width = max(len(t) for t in block_tables)
-    table = torch.zeros(len(block_tables), width, dtype=torch.int32)
-    for b, t in enumerate(block_tables):
-        table[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    # the block tables side by side, zero-padded to the longest, filled in one pass (a row at a time
+    # took 1.9 of a 176-sequence step's 2.2 ms of planning)
+    lens = np.fromiter((len(t) for t in block_tables), dtype=np.int64, count=len(block_tables))
+    width = int(lens.max())
+    table = np.zeros((len(block_tables), width), dtype=np.int32)
+    table[np.arange(width) < lens[:, None]] = np.fromiter(chain.from_iterable(block_tables), dtype=np.int32,
+                                                           count=int(lens.sum()))
 
     def i32(xs):
-        return torch.tensor(xs, dtype=torch.int32).to(device, non_blocking=True)
+        return torch.from_numpy(np.array(xs, dtype=np.int32)).to(device, non_blocking=True)
 
-    return TilePlan(i32(seqs), i32(toks), i32(nqs), i32(poss), table.to(device, non_blocking=True), tokens,
-                    block_m, num_splits, max_ctx, dense_block_n)
+    return TilePlan(i32(seqs), i32(toks), i32(nqs), i32(poss), torch.from_numpy(table).to(device, non_blocking=True),
+                    tokens, block_m, num_splits, max_ctx, dense_block_n)

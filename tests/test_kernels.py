@@ -167,6 +167,14 @@ def test_dense_wide_decode_matches_reference():
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4), (out - ref).abs().max()
 
 
+def test_a_plans_block_table_is_each_sequences_table_zero_padded():
+    plan = plan_tiles([0, 1, 4, 5], [9, 30, 2], [[7, 3, 5], [1, 2, 4, 6, 8, 9, 10, 11], [12]], 2, "cpu")
+    assert plan.block_table.dtype == torch.int32
+    assert plan.block_table.tolist() == [[7, 3, 5, 0, 0, 0, 0, 0], [1, 2, 4, 6, 8, 9, 10, 11], [12, 0, 0, 0, 0, 0, 0, 0]]
+    assert plan.tile_seq.tolist() == [0, 1, 2] and plan.tile_tok.tolist() == [0, 1, 4]
+    assert plan.tile_nq.tolist() == [1, 3, 1] and plan.tile_pos.tolist() == [8, 27, 1]
+
+
 def test_wide_decode_rule():
     from kernels.attention_plan import dense_wide_decode
     # up to 32 (tile, KV head) pairs of one query token over at least 1k keys: 7B batch 1-8, 2B 1-16
