@@ -82,6 +82,9 @@ class EngineConfig:
     load_format: str = "auto"
     # the language model split over this many ranks (processes), one GPU each on CUDA
     tensor_parallel_size: int = 1
+    # where the weights' digests are kept for the next load of the same files (models/digests.py):
+    # "auto" ($XDG_CACHE_HOME/docproc/weight-digests, ~/.cache when unset), a folder, or None (none)
+    weight_digest_cache: str | None = "auto"
 
     def __post_init__(self) -> None:
         if not 1 <= self.tensor_parallel_size <= 64:

@@ -1,5 +1,8 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -9,6 +12,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+
+# the user's cache folder stays untouched (the weights' digests, models/digests.py): the tests'
+# processes, and those they start, get one of their own
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="docproc-tests-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -262,6 +262,46 @@ def test_a_weights_file_that_is_not_a_regular_file_is_named(tmp_path):
         weight_files(tmp_path)
 
 
+def test_weight_digests_are_kept_for_the_next_load_of_the_same_unchanged_files(tmp_path, monkeypatch):
+    """A load takes the digests an earlier load kept for the same file (device, inode, size,
+    modification and change times) instead of hashing it again, with the same fingerprints; a file
+    changed since, even with its size and modification time put back, is hashed again; a file
+    changed moments before its load is not remembered; an unwritable cache changes nothing."""
+    import docproc.models.digests as digests
+    import docproc.models.loader as loader
+    from fixtures.checkpoints import make_model
+
+    folder = make_model(tmp_path / "m", shards=2)
+    cache = tmp_path / "digests"
+    hashed = []
+    sha = loader._sha256_range
+    monkeypatch.setattr(loader, "_sha256_range", lambda *a: (hashed.append(a[0].name), sha(*a))[1])
+
+    def load(where=cache):
+        hashed.clear()
+        m = loader.load_model(folder, torch.device("cpu"), torch.float32, digest_cache=where)
+        return m.text_fingerprint, m.vision_fingerprint, m.vision_trunk_fingerprint
+
+    fresh = load()  # (the fixture's files were written just now: racy, not remembered)
+    assert hashed and not cache.exists()
+    monkeypatch.setattr(digests, "RACY_SECONDS", 0.0)
+    assert load() == fresh and len(set(hashed)) == 2 and len(list(cache.glob("*.json"))) == 2
+    assert load() == fresh and hashed == []  # every digest from the cache
+    shard = sorted(folder.glob("*.safetensors"))[1]
+    st = shard.stat()
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1  # one bit of the last tensor, size and modification time put back
+    shard.write_bytes(bytes(data))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    changed = load()
+    assert set(hashed) == {shard.name} and changed != fresh
+    assert load() == changed and hashed == []
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cache's folder would be")
+    assert load(blocked) == changed and hashed  # hashed, nothing kept, no error
+    assert load(None) == changed and hashed
+
+
 def test_a_damaged_weights_file_is_named(tmp_path):
     """safetensors' own errors name no file: the load's does (one shard of three cut short, and one
     whose header is garbage)."""
@@ -300,7 +340,7 @@ def test_a_checkpoint_file_that_is_a_fifo_is_named_before_anything_reads_it(tmp_
 
 
 def test_a_read_through_the_staging_buffers_equals_the_file(tmp_path, monkeypatch):
-    """The GPU's path, chunk by chunk through two buffers in turn (here of 333 bytes, on the host):
+    """The GPU's path, chunk by chunk on four threads through eight buffers (here of 333 bytes, on the host):
     every tensor's bytes as stored, whatever the chunk boundaries; its digest from the file equals
     the digest of the tensor safetensors reads."""
     from safetensors.torch import save_file
@@ -322,10 +362,20 @@ def test_a_read_through_the_staging_buffers_equals_the_file(tmp_path, monkeypatc
             assert (kind, shape, nbytes) == (ref.dtype, tuple(ref.shape), ref.numel() * ref.element_size())
             out = torch.full_like(ref, -1.0)
             reader.read(path, f.fileno(), offset, nbytes, out)
+            reader.wait()
             assert torch.equal(out, ref), name
             assert loader._sha256_range(path, f.fileno(), offset, nbytes) == loader._sha256((ref,))
     reader.finish()
     assert len(chunks) == 15 and max(chunks) == 333  # (37 * 29 * 4 bytes in 13 chunks, the others in one each)
+    # a file cut short under a staged read: its thread's error reaches the loading thread at wait()
+    kind, shape, offset, nbytes = layout["a"]
+    path.write_bytes(path.read_bytes()[: offset + nbytes // 2])
+    reader = loader._Reader(torch.device("cpu"), stage_bytes=333, staged=True)
+    with open(path, "rb") as f:
+        reader.read(path, f.fileno(), offset, nbytes, torch.empty_like(tensors["a"]))
+        with pytest.raises(CheckpointError, match="ended inside a tensor"):
+            reader.wait()
+    reader.finish()
 
 
 def test_a_meta_module_is_given_memory_once_in_its_final_dtype():

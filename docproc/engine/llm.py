@@ -62,6 +62,7 @@ def check_arguments(args: dict[str, Any]) -> None:
     for name in TEXT_ARGUMENTS:
         text("LLM", name, args[name])
     text("LLM", "quantization", args["quantization"], optional=True)
+    text("LLM", "weight_digest_cache", args["weight_digest_cache"], optional=True, path=True)
     if not isinstance(args["dtype"], torch.dtype):
         text("LLM", "dtype", args["dtype"])
     real_number("LLM", "gpu_memory_utilization", args["gpu_memory_utilization"], "a number in (0, 1]")
@@ -180,6 +181,7 @@ class LLM:
         load_format: str = "auto",
         tensor_parallel_size: int = 1,
         speculative_draft_tensor_parallel_size: int = 1,
+        weight_digest_cache: str | None = "auto",
         trust_remote_code: bool = False,
     ) -> None:
         check_arguments(locals())
@@ -202,7 +204,9 @@ class LLM:
                                    enforce_eager=enforce_eager, image_prefetch_workers=image_prefetch_workers,
                                    one_row_kernels=one_row_kernels, pdl=pdl, fp4_gluon=fp4_gluon,
                                    quantization=quantization, load_format=load_format,
-                                   tensor_parallel_size=tensor_parallel_size)
+                                   tensor_parallel_size=tensor_parallel_size,
+                                   weight_digest_cache=text("LLM", "weight_digest_cache", weight_digest_cache,
+                                                            optional=True, path=True))
         self.spec_config = None if speculative_model is None else SpecConfig(
             str(speculative_model), num_speculative_tokens, draft_vision)
         draft = None if self.spec_config is None else spec_setup.draft_runner(self.config, self.spec_config)

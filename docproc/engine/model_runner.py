@@ -24,6 +24,7 @@ from docproc.engine.step_inputs import InputStage, write_chunk, write_one_token_
 from docproc.engine.warmup import warm_fused
 from docproc.errors import DeviceUnavailable
 from docproc.layers.attention import AttentionMetadata, DenseAttention, FP4Attention
+from docproc.models.digests import resolve_folder
 from docproc.models.loader import load_model, text_weight_bytes
 from docproc.models.processor import Processor
 from kernels.options import KernelOptions
@@ -150,7 +151,8 @@ class ModelRunner:
             tp_group, tp_sync = self.tp.group, self.tp.wait_loaded
         try:
             self.model = load_model(config.model, self.device, self.dtype, config.quantization, config.load_format,
-                                    config.seed, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, tp_sync=tp_sync)
+                                    config.seed, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, tp_sync=tp_sync,
+                                    digest_cache=resolve_folder(config.weight_digest_cache))
         except BaseException:
             if self.tp is not None:
                 self.tp.abort()  # the ranks may be loading still, or waiting in the loader's collective
