@@ -300,7 +300,26 @@ def run(
         t = manifest["totals"]
         error(f"{manifest['fault']['message']}: {t['documents']} documents finished and kept; the batch in "
               f"flight was dropped; run the same command again to finish", "interrupted", "yellow")
+    global _run_ended
+    _run_ended = not ray  # (a Ray run leaves its cluster through Ray's own exit handlers)
     raise typer.Exit(manifest["exit_code"])
+
+
+# `docproc run` ended: its outputs are written and closed, its render processes and the engine's
+# ranks stopped (main() then leaves without Python's teardown)
+_run_ended = False
+
+
+def _leave(code: int | None) -> None:
+    """End the process at once, its output flushed. Python's teardown after a run (collecting the
+    model and the libraries' objects, their static destructors, CUDA's context) took about 1 s of
+    every `docproc run`, the runs of a cron job included; the kernel frees all of it."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # (closed, or a pipe whose reader left)
+            pass
+    os._exit(code if isinstance(code, int) else 0 if code is None else 1)
 
 
 def _internal_error(e: Exception, debug: bool) -> None:
@@ -946,6 +965,10 @@ def main() -> None:
     try:
         with guard:
             app()
+    except SystemExit as e:
+        if _run_ended:
+            _leave(e.code)
+        raise
     except (KeyboardInterrupt, RunInterrupted) as e:
         signum = getattr(e, "signum", signal.SIGINT)
         when = " after the run ended; its manifest is written" if guard.inner_entered else "; nothing was done"

@@ -58,12 +58,19 @@ def test_a_run_with_nothing_to_do_imports_no_torch(done_once, one_query, tmp_pat
     out = tmp_path / "out"
     shutil.copytree(done, out)
     args = ["run", str(docs), "--out", str(out), "--queries", str(one_query), "--quiet"]
-    script = ("import json, sys\nfrom docproc.cli import main\nsys.argv = ['docproc'] + json.loads(sys.argv[1])\n"
-              "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\n"
-              f"print(json.dumps({{'code': code, 'heavy': [m for m in {HEAVY!r} if m in sys.modules]}}))")
+    script = ("import json, os, sys\nfrom docproc import cli\nsys.argv = ['docproc'] + json.loads(sys.argv[1])\n"
+              "def leave(code):\n"
+              f"    print(json.dumps({{'code': code, 'heavy': [m for m in {HEAVY!r} if m in sys.modules]}}))\n"
+              "    cli.__dict__['_leave_now'](code)\n"
+              "cli.__dict__['_leave_now'], cli._leave = cli._leave, leave\n"
+              "import atexit\natexit.register(print, 'teardown')\ncli.main()")
     res = subprocess.run([sys.executable, "-c", script, json.dumps(args)], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    # the run's end leaves the process at once (no Python teardown: about 1 s of every run), its
+    # output flushed
     assert json.loads(res.stdout.splitlines()[-1]) == {"code": 0, "heavy": []}, res.stderr
+    assert "teardown" not in res.stdout
     m = _manifest(out)
     assert m["totals"]["already_done"] == 2 and not m["engine_loaded"] and m["config_changed"] is None
 
