@@ -1,3 +1,3 @@
-from docproc.cli import main
+from docproc.cli import entry
 
-main()
+entry()

@@ -306,14 +306,25 @@ def run(
 
 
 # `docproc run` ended: its outputs are written and closed, its render processes and the engine's
-# ranks stopped (main() then leaves without Python's teardown)
+# ranks stopped (entry() then leaves without Python's teardown)
 _run_ended = False
 
 
 def _leave(code: int | None) -> None:
     """End the process at once, its output flushed. Python's teardown after a run (collecting the
     model and the libraries' objects, their static destructors, CUDA's context) took about 1 s of
-    every `docproc run`, the runs of a cron job included; the kernel frees all of it."""
+    every `docproc run`, the runs of a cron job included; the kernel frees all of it. Not under a
+    tracer, a profiler or coverage (they save what they gathered at exit). multiprocessing's exit
+    work runs first: its queues' and locks' finalizers (else its resource tracker reports them
+    leaked on stderr)."""
+    if sys.gettrace() is not None or sys.getprofile() is not None or "coverage" in sys.modules:
+        return
+    mp = sys.modules.get("multiprocessing.util")
+    if mp is not None:
+        try:
+            mp._exit_function()
+        except Exception:  # noqa: BLE001 -- (another Python's internals): the ordinary exit then
+            return
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -954,8 +965,19 @@ def _stdout_gone() -> None:
     os.close(devnull)
 
 
-def main() -> None:
+def entry() -> None:
+    """The `docproc` command (and `python -m docproc`): main(), and a run's end leaves the process
+    at once (_leave)."""
+    main(leave=True)
+
+
+def main(leave: bool = False) -> None:
+    """The command line, for callers in-process too (leave=False: a run ends in SystemExit as any
+    command does)."""
     import signal
+
+    global _run_ended
+    _run_ended = False
 
     from docproc.pipeline.signals import EXIT_INTERRUPTED, RunInterrupted, signals_raise
 
@@ -966,7 +988,7 @@ def main() -> None:
         with guard:
             app()
     except SystemExit as e:
-        if _run_ended:
+        if leave and _run_ended:
             _leave(e.code)
         raise
     except (KeyboardInterrupt, RunInterrupted) as e:
@@ -977,4 +999,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry()

@@ -91,6 +91,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be from 1 to 64, got {self.tensor_parallel_size}")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization {self.quantization!r} is not supported: pick fp8 (or none)")
+        if self.weight_digest_cache == "":
+            raise ValueError("weight_digest_cache must be 'auto', a folder or None, not an empty string")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format {self.load_format!r} is not supported: pick auto or dummy")
         if self.cache is None:

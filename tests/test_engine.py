@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -300,6 +302,33 @@ def test_weight_digests_are_kept_for_the_next_load_of_the_same_unchanged_files(t
     blocked.write_text("a file where the cache's folder would be")
     assert load(blocked) == changed and hashed  # hashed, nothing kept, no error
     assert load(None) == changed and hashed
+    # entries not to be trusted are not read: a link, one others may write, one nested too deep
+    # to parse, digests that are not hex; each load then hashes (the same fingerprints)
+    entries = sorted(cache.glob("*.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(entries[0].read_bytes())
+    for spoil in (lambda e: (e.unlink(), e.symlink_to(bad)), lambda e: e.chmod(0o666),
+                  lambda e: e.write_bytes(b"[" * 100000),
+                  lambda e: e.write_text(re.sub(r'"[0-9a-f]{64}"', '"' + "Z" * 64 + '"', e.read_text(), count=1))):
+        shutil.rmtree(cache)
+        assert load() == changed and load() == changed and hashed == []  # (kept again)
+        for e in cache.glob("*.json"):
+            spoil(e)
+        assert load() == changed and hashed, spoil
+    # a file changed while it is read keeps nothing from that load
+    shutil.rmtree(cache)
+    real = loader._sha256_range
+
+    def change_it(path, fd, offset, nbytes):
+        digest = real(path, fd, offset, nbytes)
+        if path == shard:
+            os.utime(shard)  # (a write would do the same to its times)
+        return digest
+
+    monkeypatch.setattr(loader, "_sha256_range", lambda *a: (hashed.append(a[0].name), change_it(*a))[1])
+    load()
+    assert {json.loads(e.read_text())["path"] for e in cache.glob("*.json")} == \
+        {os.path.realpath(f) for f in folder.glob("*.safetensors")} - {os.path.realpath(shard)}
 
 
 def test_a_damaged_weights_file_is_named(tmp_path):
@@ -337,6 +366,12 @@ def test_a_checkpoint_file_that_is_a_fifo_is_named_before_anything_reads_it(tmp_
     assert proc.returncode != 0
     assert "tokenizer_config.json, not regular files" in proc.stderr + proc.stdout
     assert "Traceback" not in proc.stderr
+    (model / "tokenizer_config.json").unlink()
+    (model / "config.json").unlink()
+    os.mkfifo(model / "config.json")  # named as what it is, not as missing
+    proc = subprocess.run([sys.executable, "-m", "docproc", "run", str(tmp_path / "docs"), "--out", str(tmp_path / "out"),
+                           "--model", str(model)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "holds config.json, not regular files" in proc.stderr + proc.stdout
 
 
 def test_a_read_through_the_staging_buffers_equals_the_file(tmp_path, monkeypatch):

@@ -55,8 +55,12 @@ def test_a_render_process_that_dies_fails_its_document_and_the_next_is_rendered(
 
 
 def _run(docs: Path, out: Path, *extra) -> dict:
-    subprocess.run([sys.executable, "-m", "docproc", "run", str(docs), "--out", str(out), "--device", "cpu",
-                    "--quiet", "--dpi", "30", *extra], cwd=ROOT, check=False, capture_output=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "docproc", "run", str(docs), "--out", str(out), "--device", "cpu",
+                           "--quiet", "--dpi", "30", *extra], cwd=ROOT, check=False, capture_output=True, text=True,
+                          timeout=600)
+    # (the process ends without Python's teardown: multiprocessing's exit work still ran, or its
+    # resource tracker would report the render queues' locks leaked)
+    assert proc.returncode == 0 and "leaked" not in proc.stderr, proc.stderr
     run = sorted((out / "runs").iterdir())[-1]
     return json.loads((run / "manifest.json").read_text())
 

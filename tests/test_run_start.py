@@ -63,7 +63,7 @@ def test_a_run_with_nothing_to_do_imports_no_torch(done_once, one_query, tmp_pat
               f"    print(json.dumps({{'code': code, 'heavy': [m for m in {HEAVY!r} if m in sys.modules]}}))\n"
               "    cli.__dict__['_leave_now'](code)\n"
               "cli.__dict__['_leave_now'], cli._leave = cli._leave, leave\n"
-              "import atexit\natexit.register(print, 'teardown')\ncli.main()")
+              "import atexit\natexit.register(print, 'teardown')\ncli.entry()")
     res = subprocess.run([sys.executable, "-c", script, json.dumps(args)], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 0, res.stderr
@@ -73,6 +73,16 @@ def test_a_run_with_nothing_to_do_imports_no_torch(done_once, one_query, tmp_pat
     assert "teardown" not in res.stdout
     m = _manifest(out)
     assert m["totals"]["already_done"] == 2 and not m["engine_loaded"] and m["config_changed"] is None
+
+
+def test_main_in_process_ends_in_system_exit_after_a_run_too(monkeypatch):
+    """Only the command's entry leaves the process at a run's end: main() called in-process (a
+    wrapper, a test) raises SystemExit as before, also after a run in that process."""
+    monkeypatch.setattr(cli, "_run_ended", True)  # (as a run in this process left it)
+    monkeypatch.setattr(sys, "argv", ["docproc", "--help"])
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    assert e.value.code == 0 and cli._run_ended is False
 
 
 # ---- documents redone because the configuration changed ----------------------------------------------

@@ -88,9 +88,9 @@ class Sampler:
         probs = probabilities(logits, rows)
         sampled = [i for i, r in enumerate(rows) if r.temperature > 0]
         e = self.exponential([rows[i] for i in sampled], logits.shape[-1], logits.device)
-        tokens = logits.argmax(dim=-1)
         if len(sampled) == len(rows):
             return (probs / e).argmax(dim=-1)
+        tokens = logits.argmax(dim=-1)
         index = _on(logits.device, sampled, torch.int64)
         tokens[index] = (probs[index] / e).argmax(dim=-1)
         return tokens

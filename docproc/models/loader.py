@@ -7,10 +7,14 @@ compressed-tensors and block-wise layouts (models/quant.py). Never pickle, never
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import queue
+import signal
+import threading
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -19,7 +23,7 @@ from pathlib import Path
 import torch
 
 from docproc.errors import ModelUnavailable
-from docproc.models.digests import DigestCache
+from docproc.models.digests import DigestCache, identity
 from docproc.models.hf_config import QWEN3_MROPE_SECTION, qwen2_5_vl_config, qwen2_vl_config, qwen3_vl_config
 from docproc.models.quant import (FP8, LINEAR_NAMES, LOAD_FORMATS, Fp8Scheme, Fp8Weight, UnsupportedQuantization,
                                   block_scales, channel_scales, quantize, quantize_blocks, resolve_scheme,
@@ -278,6 +282,7 @@ class _Hasher:
         self.ranges: dict[str, str | Future] = {}  # the open file's ranges hashed or taken from `known`
 
     def open_file(self, path: Path, fd: int) -> None:
+        self.opened, self.opened_at = identity(fd), time.time_ns()
         self.known, self.ranges = self.cache.known(path, fd), {}
 
     def close_file(self, path: Path, fd: int) -> None:
@@ -285,12 +290,14 @@ class _Hasher:
         were computed now)."""
         ranges, self.ranges = self.ranges, {}
         if any(isinstance(v, Future) for v in ranges.values()):
-            self.cache.remember(path, fd, {k: v if isinstance(v, str) else v.result() for k, v in ranges.items()})
+            self.cache.remember(path, fd, self.opened, self.opened_at,
+                                {k: v if isinstance(v, str) else v.result() for k, v in ranges.items()})
 
     def add(self, into: dict, name: str, *tensors: torch.Tensor) -> None:
         while len(self.pending) >= self.window:
             self._settle()
-        self.pending.append((into, name, self.pool.submit(_sha256, tensors)))
+        with _signals_held():
+            self.pending.append((into, name, self.pool.submit(_sha256, tensors)))
 
     def _settle(self) -> None:
         into, name, fut = self.pending.popleft()
@@ -326,9 +333,25 @@ class _Hasher:
             return
         while len(self.pending) >= self.window:
             self._settle()
-        fut = self.pool.submit(_sha256_range, path, fd, offset, nbytes)
-        self.pending.append((into, name, fut))
+        with _signals_held():
+            fut = self.pool.submit(_sha256_range, path, fd, offset, nbytes)
+            self.pending.append((into, name, fut))
         self.ranges[key] = fut
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """SIGINT and SIGTERM held back (on the main thread, where Python runs their handlers) until
+    the block ends: a read or hash submitted to a pool is in its pending list before a signal's
+    exception can stop the load, so the waits before a file closes know of every thread reading it."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    was = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, was)
 
 
 def _sha256(tensors: tuple[torch.Tensor, ...]) -> str:
@@ -416,7 +439,8 @@ class _Reader:
             self.pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="docproc-read")
         for pos in range(0, nbytes, self.stage_bytes):
             n = min(self.stage_bytes, nbytes - pos)
-            self.pending.append(self.pool.submit(self._chunk, path, fd, offset + pos, dst[pos: pos + n]))
+            with _signals_held():
+                self.pending.append(self.pool.submit(self._chunk, path, fd, offset + pos, dst[pos: pos + n]))
 
     def _chunk(self, path: Path, fd: int, offset: int, dst: torch.Tensor) -> None:
         buf, copied = self.free.get()

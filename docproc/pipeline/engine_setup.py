@@ -271,12 +271,12 @@ class EngineSetup:
                 flag = "--model" if what == "model" else "--draft"
                 raise ModelUnavailable(f"{what} folder {folder} {'is not a folder' if p.exists() else 'does not exist'}: "
                                        f"pass a local checkpoint folder as {flag} (docproc never downloads models)")
-            if not (p / "config.json").is_file():
-                raise ModelUnavailable(f"{what} folder {folder} has no config.json: it is not a Hugging Face "
-                                       f"checkpoint folder")
             odd = special_files(p)
             if odd is not None:
                 raise ModelUnavailable(f"{what} folder {folder} {odd}")
+            if not (p / "config.json").is_file():
+                raise ModelUnavailable(f"{what} folder {folder} has no config.json: it is not a Hugging Face "
+                                       f"checkpoint folder")
             missing = missing_tokenizer(p)
             if missing is not None:
                 raise ModelUnavailable(f"{what} folder {folder} {missing}")
