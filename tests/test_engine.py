@@ -302,6 +302,8 @@ def test_weight_digests_are_kept_for_the_next_load_of_the_same_unchanged_files(t
     blocked.write_text("a file where the cache's folder would be")
     assert load(blocked) == changed and hashed  # hashed, nothing kept, no error
     assert load(None) == changed and hashed
+    with pytest.raises(ValueError, match="not an empty string"):  # ("" would be the working folder)
+        LLM(str(folder), device="cpu", weight_digest_cache="")
     # entries not to be trusted are not read: a link, one others may write, one nested too deep
     # to parse, digests that are not hex; each load then hashes (the same fingerprints)
     entries = sorted(cache.glob("*.json"))

@@ -205,8 +205,8 @@ class LLM:
                                    one_row_kernels=one_row_kernels, pdl=pdl, fp4_gluon=fp4_gluon,
                                    quantization=quantization, load_format=load_format,
                                    tensor_parallel_size=tensor_parallel_size,
-                                   weight_digest_cache=text("LLM", "weight_digest_cache", weight_digest_cache,
-                                                            optional=True, path=True))
+                                   weight_digest_cache=None if weight_digest_cache is None
+                                   else os.fspath(weight_digest_cache))  # (checked: check_arguments)
         self.spec_config = None if speculative_model is None else SpecConfig(
             str(speculative_model), num_speculative_tokens, draft_vision)
         draft = None if self.spec_config is None else spec_setup.draft_runner(self.config, self.spec_config)

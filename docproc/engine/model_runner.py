@@ -17,7 +17,7 @@ from docproc.engine.graph_runner import GraphRunner
 from docproc.engine.jit_watch import WATCH
 from docproc.engine.kv_cache import KV_DTYPES, KVCache, resolve_kv_dtype
 from docproc.engine.prefetch import ImagePrefetcher, default_workers
-from docproc.engine.sampler import Sampler, SamplingRow
+from docproc.engine.sampler import Sampler, SamplingRow, on_device
 from docproc.engine.scheduler import SchedulerOutput
 from docproc.engine.sequence import Chunk, Sequence
 from docproc.engine.step_inputs import InputStage, write_chunk, write_one_token_rows
@@ -456,8 +456,7 @@ class ModelRunner:
     def device_index(self, rows: list[int]) -> torch.Tensor:
         """rows as an int64 index on the device, copied from pinned memory without waiting for the
         work queued before it (a copy from pageable memory would make the host wait for it)."""
-        index = torch.tensor(rows, dtype=torch.long, pin_memory=self.device.type == "cuda")
-        return index.to(self.device, non_blocking=True)
+        return on_device(rows, torch.long, self.device)
 
     @inference
     def logits(self, hidden: torch.Tensor, rows: list[int] | range) -> torch.Tensor:

@@ -19,7 +19,7 @@ class SamplingRow:
     generator: torch.Generator | None  # per-request generator when the request has a seed
 
 
-def _on(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
+def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small host list as a tensor on the device, copied from pinned memory without waiting for
     the work queued before it (torch.tensor(..., device=cuda) and indexing with a list copy from
     pageable memory, which makes the host wait for the forward in flight)."""
@@ -48,16 +48,16 @@ def probabilities(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
     """The distribution each sampled row draws from: (B, V) float32 (greedy rows are one-hot)."""
     vocab = logits.shape[-1]
     dev = logits.device
-    temps = _on(dev, [r.temperature if r.temperature > 0 else 1.0 for r in rows], torch.float32)
+    temps = on_device([r.temperature if r.temperature > 0 else 1.0 for r in rows], torch.float32, dev)
     x = logits.float() / temps.unsqueeze(1)
     if any(r.top_k > 0 or r.top_p < 1.0 for r in rows):
-        top_k = _on(dev, [r.top_k if r.top_k > 0 else vocab for r in rows], torch.int64)
-        top_p = _on(dev, [r.top_p for r in rows], torch.float32)
+        top_k = on_device([r.top_k if r.top_k > 0 else vocab for r in rows], torch.int64, dev)
+        top_p = on_device([r.top_p for r in rows], torch.float32, dev)
         x = filter_logits(x, top_k, top_p)
     probs = x.softmax(dim=-1)
     greedy = [i for i, r in enumerate(rows) if r.temperature == 0]
     if greedy:
-        g = _on(dev, greedy, torch.int64)
+        g = on_device(greedy, torch.int64, dev)
         probs[g] = torch.nn.functional.one_hot(logits[g].argmax(-1), vocab).float()
     return probs
 
@@ -74,8 +74,8 @@ class Sampler:
             return torch.empty(len(rows), vocab, device=device).exponential_(generator=self.generator)
         e = torch.empty(len(rows), vocab, device=device)
         if unseeded:
-            e[_on(device, unseeded, torch.int64)] = torch.empty(len(unseeded), vocab, device=device).exponential_(
-                generator=self.generator)
+            drawn = torch.empty(len(unseeded), vocab, device=device).exponential_(generator=self.generator)
+            e[on_device(unseeded, torch.int64, device)] = drawn
         for i, r in enumerate(rows):
             if r.generator is not None:
                 e[i].exponential_(generator=r.generator)
@@ -91,6 +91,6 @@ class Sampler:
         if len(sampled) == len(rows):
             return (probs / e).argmax(dim=-1)
         tokens = logits.argmax(dim=-1)
-        index = _on(logits.device, sampled, torch.int64)
+        index = on_device(sampled, torch.int64, logits.device)
         tokens[index] = (probs[index] / e).argmax(dim=-1)
         return tokens

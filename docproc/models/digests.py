@@ -7,11 +7,11 @@ here per file, and a later load of the same file, unchanged, takes them instead 
 
 "The same file, unchanged" is the one the loader opened having the device, inode, size,
 modification time and change time the digests were taken under, and kept them until its last
-digest was taken. A write, a truncation, a file
-renamed over it, `touch` or `chmod` all move the change time, which no system call can set back
-(`cp -p` and `rsync -t` keep the modification time, not the change time). A file changed within
-`RACY_SECONDS` before it was opened, or while it was read, is not remembered, since coarse file-system clocks could give its
-next change the same times (git's "racily clean" case). Digests are kept under
+digest was taken. A write, a truncation, a file renamed over it, `touch` or `chmod` all move the
+change time, which no system call can set back (`cp -p` and `rsync -t` keep the modification
+time, not the change time). A file changed within `RACY_SECONDS` before it was opened, or while
+it was read, is not remembered, since coarse file-system clocks could give its next change the
+same times (git's "racily clean" case). Digests are kept under
 $XDG_CACHE_HOME/docproc/weight-digests (~/.cache when unset) or the folder
 `LLM(weight_digest_cache=...)` names; None keeps none. A cache that cannot be read or written
 is ignored: the digests are computed as without it.
@@ -34,11 +34,10 @@ def default_folder() -> Path:
 
 
 def resolve_folder(setting: str | None) -> Path | None:
-    """LLM(weight_digest_cache=): "auto" (the user's cache folder), a folder, or None (none)."""
+    """EngineConfig.weight_digest_cache (never empty: it checks): "auto" (the user's cache
+    folder), a folder, or None (none)."""
     if setting is None:
         return None
-    if not setting:
-        raise ValueError("weight_digest_cache must be 'auto', a folder or None, not an empty string")
     return default_folder() if setting == "auto" else Path(setting)
 
 

@@ -312,17 +312,9 @@ class _Hasher:
 
 
     def wait(self) -> None:
-        """Every digest submitted so far computed (or failed: finish() raises it). Waits through
-        a signal's exception (raised after): the pool reads the file this guards until it closes."""
-        interrupted = None
-        while True:
-            try:
-                wait([fut for _, _, fut in self.pending])
-                break
-            except BaseException as e:  # noqa: BLE001 -- KeyboardInterrupt, RunInterrupted: once the reads end
-                interrupted = interrupted or e
-        if interrupted is not None:
-            raise interrupted
+        """Every digest submitted so far computed (or failed: finish() raises it), through a
+        signal (_wait_through): the pool reads the file this guards until it closes."""
+        _wait_through([fut for _, _, fut in self.pending])
 
     def add_range(self, into: dict, name: str, path: Path, fd: int, offset: int, nbytes: int) -> None:
         """A tensor's digest from its bytes in the file (read again by the pool's thread: the
@@ -337,6 +329,21 @@ class _Hasher:
             fut = self.pool.submit(_sha256_range, path, fd, offset, nbytes)
             self.pending.append((into, name, fut))
         self.ranges[key] = fut
+
+
+def _wait_through(futures: list[Future]) -> None:
+    """Wait for the futures, also when a signal's exception (KeyboardInterrupt, RunInterrupted)
+    comes meanwhile: it is raised once they are done, so no thread still reads a file that the
+    exception would close."""
+    interrupted = None
+    while True:
+        try:
+            wait(futures)
+            break
+        except BaseException as e:  # noqa: BLE001 -- a signal's exception: raised once the threads are done
+            interrupted = interrupted or e
+    if interrupted is not None:
+        raise interrupted
 
 
 @contextlib.contextmanager
@@ -458,18 +465,10 @@ class _Reader:
             self.free.put((buf, copied))
 
     def wait(self) -> None:
-        """Every read queued so far done (the first failure raised). Waits through a signal's
-        exception (raised after): the threads read the file whose descriptor this guards."""
+        """Every read queued so far done (the first failure raised), through a signal
+        (_wait_through): the threads read the file whose descriptor this guards."""
         pending, self.pending = self.pending, []
-        interrupted = None
-        while True:
-            try:
-                wait(pending)
-                break
-            except BaseException as e:  # noqa: BLE001 -- KeyboardInterrupt, RunInterrupted: once the reads end
-                interrupted = interrupted or e
-        if interrupted is not None:
-            raise interrupted
+        _wait_through(pending)
         for fut in pending:
             fut.result()
 
