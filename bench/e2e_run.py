@@ -124,6 +124,7 @@ def run_once(tree: Path, docs: Path, model: Path, out: Path, run_args: list[str]
               "gpu_busy_s": round(busy, 2), "gpu_sampled_s": round(sampled, 2),
               "host_max_rss_bytes_tree": sampler.rss_max,
               "manifest_host_max_rss_bytes": m["peak_memory"]["host_max_rss_bytes"],
+              "gpu_alloc_retries": m["peak_memory"].get("gpu_alloc_retries"),
               "kernel_compiles_after_warmup": (m.get("engine") or {}).get("kernel_compiles_after_warmup"),
               "engine_steps": {k: (m.get("engine") or {}).get(k) for k in (
                   "num_steps", "num_step_tokens", "mean_running_per_step", "step_seconds", "num_decode_steps",

@@ -66,6 +66,7 @@ def test_full_run_then_incremental_then_force(docs, qwen2_vl_dir, tmp_path):
                                       "all_fields"}
     assert set(m["stage_seconds"]) >= {"discover", "open_render_hash", "engine", "write"}
     assert m["peak_memory"]["host_max_rss_bytes"] > 0
+    assert m["peak_memory"]["gpu_alloc_retries"] is None  # (no CUDA here)
     assert m["model"]["text"] and m["query_set"]["fingerprint"]
 
     again = run_cli("run", docs, "--out", out, "--model", qwen2_vl_dir, "--device", "cpu")

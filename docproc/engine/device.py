@@ -69,6 +69,15 @@ def peak_gpu_memory() -> int | None:
     return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
 
 
+def gpu_alloc_retries() -> int | None:
+    """How often the GPU's caching allocator found the card full, returned every cached block and
+    tried again (each waits for the device): nonzero is a run short of memory; None without CUDA."""
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(torch, "cuda") or not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
+
+
 def peak_host_memory() -> int:
     """The most resident host memory this process has held (bytes). On Linux the kernel's
     high-water mark of this program (VmHWM): getrusage's ru_maxrss keeps the peak of the process

@@ -282,7 +282,7 @@ class Pipeline(DocumentWork):
 
     def _manifest(self, started: str, seconds: float, status: str, fault: dict | None,
                   exit_code: int | None) -> dict:
-        from docproc.engine.device import peak_gpu_memory, peak_host_memory
+        from docproc.engine.device import gpu_alloc_retries, peak_gpu_memory, peak_host_memory
 
         self.totals.unique_pages = len(self.page_hashes)
         t = self.totals
@@ -317,7 +317,7 @@ class Pipeline(DocumentWork):
             # when each stage ran (seconds from the start: first start, last end); stages overlap
             "stage_timeline": self.timeline,
             "peak_memory": {"host_max_rss_bytes": peak_host_memory(),
-                            "gpu_max_allocated_bytes": peak_gpu},
+                            "gpu_max_allocated_bytes": peak_gpu, "gpu_alloc_retries": gpu_alloc_retries()},
             # failures: files that could not be read and documents with no usable answer at all;
             # a partial document (some fields unparseable or failed) is reported, not failed
             "exit_code": exit_code if exit_code is not None else (1 if t.errors else 0),
