@@ -71,9 +71,10 @@ def peak_gpu_memory() -> int | None:
 
 def gpu_alloc_retries() -> int | None:
     """How often the GPU's caching allocator found the card full, returned every cached block and
-    tried again (each waits for the device): nonzero is a run short of memory; None without CUDA."""
+    tried again (each waits for the device): nonzero is a run short of memory; None where this
+    process did not use CUDA."""
     torch = sys.modules.get("torch")
-    if torch is None or not hasattr(torch, "cuda") or not torch.cuda.is_available():
+    if torch is None or not hasattr(torch, "cuda") or not torch.cuda.is_initialized():  # (a CPU run on a CUDA host)
         return None
     return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
 

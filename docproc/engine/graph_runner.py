@@ -239,6 +239,16 @@ class GraphRunner:
         # returned only when the card is short of memory for the graph pool to grow into.
         if torch.cuda.mem_get_info(self.device)[0] < CAPTURE_HEADROOM_BYTES:
             torch.cuda.empty_cache()
+        try:
+            graph, out = self._record(key)
+        except torch.OutOfMemoryError:  # the pool could not grow: with the device cache returned, once more
+            torch.cuda.empty_cache()
+            graph, out = self._record(key)
+        self.graphs[key] = (graph, out)
+        self.capture_seconds += time.perf_counter() - t0
+
+    def _record(self, key) -> tuple:
+        """Capture the step's forward into a new graph: (graph, its output)."""
         graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
@@ -250,16 +260,16 @@ class GraphRunner:
             graph.capture_begin(self.pool, capture_error_mode="thread_local")
             try:
                 out = self._forward_static(key)
-            except BaseException:
-                try:
+            except BaseException as e:
+                try:  # (a forward that raised, e.g. out of memory, leaves a capture that ends cleanly)
                     graph.capture_end()
-                except Exception:  # noqa: BLE001 -- the forward's error is the one to raise
-                    pass
+                except Exception as end:  # noqa: BLE001 -- the forward's error is the one raised
+                    if hasattr(e, "add_note"):  # (Python 3.11+)
+                        e.add_note(f"ending the capture also failed: {end}")
                 raise
             graph.capture_end()
         current.wait_stream(self.stream)
-        self.graphs[key] = (graph, out)
-        self.capture_seconds += time.perf_counter() - t0
+        return graph, out
 
     def run(self, chunks, ids_from: torch.Tensor | None = None,
             ids_at: tuple[list[int], torch.Tensor] | None = None) -> tuple[torch.Tensor, AttentionMetadata] | None:
