@@ -6,6 +6,10 @@ weights, bf16, CUDA) encodes pages of the e2e corpus's size; per case:
   a sleep kernel so no launch waits for the GPU);
 - host_over_gpu: above 1, a step that encodes these pages starves the GPU however it overlaps.
 
+--first-shapes N: also, per SDPA backend (torch's default, flash), N encodes of page sizes the
+process has not seen before, each timed to its end (first_ms) and again at once (again_ms): what
+a shape's first use costs (cuDNN builds an execution plan per attention shape).
+
     python3 bench/vision_launch.py --geometry 7b --pages 1,2,4 --json /tmp/vision_launch.json
 """
 from __future__ import annotations
@@ -31,6 +35,7 @@ def main() -> None:
     ap.add_argument("--pages", default="1,2,4")
     ap.add_argument("--grid", default="92,56", help="patches per page (rows, columns): ~1,290 image tokens, the e2e corpus's pages")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--first-shapes", type=int, default=0)
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
     from fixtures.checkpoints import make_model
@@ -76,7 +81,39 @@ def main() -> None:
                 "host_over_gpu": round(hm / g, 3)}
         print(json.dumps(case), flush=True)
         report["cases"].append(case)
+    if args.first_shapes:
+        report["first_shapes"] = first_shapes(vision, per_patch, h, w, args)
     Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+def first_shapes(vision, per_patch: int, h: int, w: int, args) -> dict:
+    from torch.nn.attention import SDPBackend
+
+    dev = torch.device("cuda")
+    out = {}
+    fresh = iter(range(1, 10_000))
+    for name, backends in (("default", None), ("flash", [SDPBackend.FLASH_ATTENTION])):
+        vision.sdpa_backends = backends
+        rows = []
+        for pages in (int(x) for x in args.pages.split(",")):
+            for _ in range(args.first_shapes):
+                k = next(fresh)
+                grid = torch.tensor([[1, h - 2 * k, w] for _ in range(pages)])
+                px = torch.randn(int(grid.prod(-1).sum()), per_patch, device=dev, dtype=torch.bfloat16)
+                times = []
+                for _ in range(2):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    vision.encode(px, grid)
+                    torch.cuda.synchronize()
+                    times.append((time.perf_counter() - t0) * 1e3)
+                rows.append({"pages": pages, "grid": [h - 2 * k, w], "first_ms": round(times[0], 2),
+                             "again_ms": round(times[1], 2)})
+        vision.sdpa_backends = None
+        extra = [r["first_ms"] - r["again_ms"] for r in rows]
+        out[name] = {"median_first_extra_ms": round(statistics.median(extra), 2), "rows": rows}
+        print(name, json.dumps(out[name]["median_first_extra_ms"]), flush=True)
+    return out
 
 
 if __name__ == "__main__":
