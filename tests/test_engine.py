@@ -534,6 +534,38 @@ def test_a_queued_page_waits_only_for_preprocessing_under_way(qwen2_vl_dir):
     pf.close()
 
 
+def test_a_cancelled_requests_pages_leave_the_prefetcher_unless_another_needs_them(qwen2_vl_dir):
+    """A client that goes away: its pages being prepared ahead are forgotten (their places free
+    for others), except a page a request still queued needs; the rest answer as before."""
+    import threading
+
+    from docproc.engine.stream import RequestStream
+
+    llm = LLM(str(qwen2_vl_dir), device="cpu", image_prefetch_workers=1)
+    pf, gate = llm.runner.prefetcher, threading.Event()
+    compute = pf._compute
+    pf._compute = lambda image: gate.wait(30) and compute(image)
+    stream = RequestStream(llm)
+    a, b, c = stream.add([{"prompt": IMG + q, "multi_modal_data": {"image": [page(n)]}}
+                          for q, n in (("Total?", 77), ("Date?", 78), ("Vendor?", 77))],
+                         [SamplingParams(max_tokens=2)] * 3, ["a", "b", "c"])
+    llm.prefetch_waiting()
+    h77, h78 = a.seqs[0].images[0].content_hash, b.seqs[0].images[0].content_hash
+    assert pf.pending(h77) and pf.pending(h78)
+    stream.cancel(b)
+    assert not pf.pending(h78) and pf.pending(h77)
+    stream.cancel(a)
+    assert pf.pending(h77)  # c still needs it
+    gate.set()
+    done = {}
+    while stream.unfinished:
+        done.update(stream.step())
+    assert done["a"].outputs[0].finish_reason == done["b"].outputs[0].finish_reason == "abort"
+    assert len(done["c"].outputs[0].token_ids) == 2
+    assert not pf._pending
+    pf.close()
+
+
 def test_image_prefetch_workers_is_checked():
     from docproc.config import EngineConfig
 

@@ -488,7 +488,22 @@ class LLM:
         if self.speculator is not None:
             self.speculator.release(seq)
         seq.finish_time = time.perf_counter()
+        self._forget_pixels(seq)
         return True
+
+    def _forget_pixels(self, seq: Sequence) -> None:
+        """A cancelled sequence's pages being prepared ahead, unless another unfinished sequence
+        needs them: a server whose clients go away would otherwise fill the prefetcher's places
+        with pixels nobody takes (until the engine is idle), and prepare every later page inline."""
+        runners = [self.runner] + ([self.speculator.runner] if self.speculator is not None else [])
+        hashes = {span.content_hash for span in seq.images}
+        hashes = {h for h in hashes if any(r.prefetcher.pending(h) for r in runners)}
+        if not hashes:
+            return
+        for other in itertools.chain(self.scheduler.running, self.scheduler.waiting):
+            hashes.difference_update(span.content_hash for span in other.images)
+        for r in runners:
+            r.prefetcher.forget(hashes)
 
     def count_step(self, tokens: int, seconds: float, decode: bool) -> None:
         self.num_steps += 1

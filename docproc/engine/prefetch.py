@@ -85,6 +85,14 @@ class ImagePrefetcher:
         self.take_seconds += time.perf_counter() - t0
         return pixels, torch.cat(grids)
 
+    def forget(self, hashes) -> None:
+        """Forget the started work of these images (a cancelled request's pages that no other
+        request needs): their pinned results are let go, and their places are free for others."""
+        for h in hashes:
+            fut = self._pending.pop(h, None)
+            if fut is not None:
+                fut.cancel()
+
     def drop(self) -> None:
         """Forget started work (its results are not needed: e.g. the requests were aborted)."""
         for fut in self._pending.values():
