@@ -985,12 +985,19 @@ def main(leave: bool = False) -> None:
     # an import: one cut into a C extension's start-up crashed the interpreter
     guard = signals_raise()
     try:
-        with guard:
-            app()
-    except SystemExit as e:
-        if leave and _run_ended:
-            _leave(e.code)
-        raise
+        try:
+            with guard:
+                app()
+        except SystemExit as e:
+            if guard.raised is not None:  # a signal raised where the code it cut into swallowed it, the
+                # command done since (not a run: a run takes such a signal over): its exit code all the same
+                raise RunInterrupted(guard.raised) from None
+            if leave and _run_ended:
+                _leave(e.code)
+            raise
+        except BrokenPipeError:  # stdout's reader went away (`docproc stats OUT | head -1`): what it read is its own
+            _stdout_gone()
+            sys.exit(EXIT_OK)
     except (KeyboardInterrupt, RunInterrupted) as e:
         signum = getattr(e, "signum", signal.SIGINT)
         when = " after the run ended; its manifest is written" if guard.inner_entered else "; nothing was done"

@@ -367,3 +367,22 @@ def test_ray_options_are_checked_before_anything_runs(tmp_path, monkeypatch):
     res = CliRunner().invoke(app, ["run", str(docs), "--out", str(out), "--ray"])
     assert res.exit_code == 2 and "pip install 'docproc[ray]'" in res.output, res.output
     assert not out.exists()  # nothing was done
+
+
+def test_byte_identical_files_renamed_together_each_move_their_own_rows():
+    """Two removed documents with the same bytes and configuration: each later file with those
+    bytes takes one of them (the one whose file it is, where known), none is left 'removed'."""
+    from docproc.pipeline.reconcile import reconcile
+
+    def rows(key):
+        return [{"path": key, "root": "/in", "doc_sha256": "s1", "config_fingerprint": "c", "doc_status": "ok",
+                 "pages": 1, "answer": "42"}]
+    stored = rows("a.png") + rows("b.png") + rows("c.png")
+    # b.png's file is found under another key now (a second root label); a.png and c.png are gone
+    plan = reconcile(stored, found={"in/b.png": "/in", "x.png": "/in"}, searched_roots={"/in"}, unlisted=[],
+                     files={"/in/b.png": "in/b.png"})
+    assert set(plan.removed) == {"a.png", "b.png", "c.png"}
+    assert plan.take_rename("s1", "c", "x.png")[0]["path"] == "a.png"  # a gone one first
+    assert plan.take_rename("s1", "c", "in/b.png")[0]["path"] == "b.png"  # its own file's rows
+    assert plan.take_rename("s1", "c", "y.png")[0]["path"] == "c.png"
+    assert plan.take_rename("s1", "c", "z.png") is None and not plan.renamed_from

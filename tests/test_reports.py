@@ -4,6 +4,7 @@ are written by hand (RunStore, the result schema), without a model."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from typer.testing import CliRunner
@@ -181,6 +182,23 @@ def test_stats_reports_a_killed_first_run_from_its_rows(tmp_path):
                                            "acceptance_rate": None, "mean_accepted_length": None,
                                            "mean_latency_s": 2.0}
     assert data["runs_without_manifest"] == [KILLED] and data["damaged_manifests"] == []
+
+
+def test_stats_into_a_pipe_whose_reader_left_ends_quietly(tmp_path):
+    """`docproc stats OUT | head -1`: the reader goes away; the command ends with 0, no traceback."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    RunStore(out).write_part(1, doc_rows(KILLED, "a.pdf"))
+    r, w = os.pipe()
+    os.close(r)  # the reader is gone before the first line
+    try:
+        proc = subprocess.run([sys.executable, "-m", "docproc", "stats", str(out)], stdout=w,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(w)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr and proc.stderr == "", proc.stderr
 
 
 def test_stats_lists_a_killed_run_after_a_completed_one(tmp_path):

@@ -196,6 +196,46 @@ def test_a_signal_that_c_code_swallowed_is_raised_again():
     reraise_swallowed()  # outside a run: nothing entered
 
 
+def _swallowing_a_signal():
+    """What pydantic's Rust validators do to an exception raised in them while typer parses the
+    options: report it as unraisable and go on."""
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1)
+    except BaseException:
+        pass
+
+
+def test_a_signal_swallowed_before_a_run_is_raised_inside_the_run():
+    """The outer guard (docproc's main) raised a signal that the code it cut into swallowed, and
+    ignores signals since: the run's own guard, entered next, raises it (its manifest written)."""
+    with signals_raise() as outer:
+        _swallowing_a_signal()
+        assert outer.raised == signal.SIGTERM
+        with pytest.raises(RunInterrupted) as e:
+            with signals_raise():
+                t = time.time()
+                while time.time() - t < 5:  # raised here, within DEFER_POLL_S
+                    time.sleep(0.001)
+        assert e.value.signum == signal.SIGTERM and outer.raised is None and outer.inner_entered
+
+
+def test_a_signal_swallowed_while_a_command_parses_its_options_still_ends_it(tmp_path, monkeypatch, capsys):
+    """Not a run (which takes the signal over): the command ends, then with the signal's code."""
+    told, calls = cli.error, []
+
+    def error(*a):  # the command's own message: a signal swallowed inside the command
+        if not calls:
+            _swallowing_a_signal()
+        calls.append(a)
+        told(*a)
+    monkeypatch.setattr(cli, "error", error)
+    monkeypatch.setattr(sys, "argv", ["docproc", "stats", str(tmp_path / "none")])
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    assert e.value.code == 143 and "stopped by SIGTERM" in capsys.readouterr().err
+
+
 def test_a_signal_before_the_run_ends_the_command_with_its_code(tmp_path, monkeypatch, capsys):
     from docproc.pipeline import run as run_module
 

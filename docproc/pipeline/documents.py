@@ -205,7 +205,7 @@ class DocumentWork(EngineSetup, DocumentRows):
             sha = file_digest(cand)  # before opening: a document already done is not rendered
             if not self.s.force and self._is_done(cand, sha):
                 return ("settled", sha, "done", None)
-            moved = None if self.s.force else self._plan.take_rename(sha, self.cfg)
+            moved = None if self.s.force else self._plan.take_rename(sha, self.cfg, cand.rel)
             if moved is not None:
                 return ("settled", sha, "move", moved)
             return ("render", sha)

@@ -30,14 +30,26 @@ class Reconciliation:
     # key -> (file hash, configuration fingerprint, pages read) of a document done
     done: dict[str, tuple[str, str, int | None]] = field(default_factory=dict)
     removed: dict[str, str | None] = field(default_factory=dict)  # key -> its root, gone from the folder
-    renamed_from: dict[tuple[str, str], list[dict]] = field(default_factory=dict)  # (hash, config) -> rows
+    # (hash, config) -> the removed documents with those bytes: (rows, the key their file is found
+    # under now, or None); several where byte-identical files were removed or renamed
+    renamed_from: dict[tuple[str, str], list[tuple[list[dict], str | None]]] = field(default_factory=dict)
     missing_roots: set[str] = field(default_factory=set)  # keys found with no root recorded
     other_root: dict[str, str] = field(default_factory=dict)  # key found -> the other root OUT holds it from
     skipped: dict[str, str | None] = field(default_factory=dict)  # key -> reason of a stored skip
 
-    def take_rename(self, sha: str, cfg: str) -> list[dict] | None:
-        """The rows of a removed document with these bytes and configuration (taken once)."""
-        return self.renamed_from.pop((sha, cfg), None)
+    def take_rename(self, sha: str, cfg: str, key: str | None = None) -> list[dict] | None:
+        """The rows of a removed document with these bytes and configuration, each taken once: the
+        one whose file is found under `key` now, else one whose file is gone, else any."""
+        entries = self.renamed_from.get((sha, cfg))
+        if not entries:
+            return None
+        pick = next((i for i, (_, now) in enumerate(entries) if now is not None and now == key), None)
+        if pick is None:
+            pick = next((i for i, (_, now) in enumerate(entries) if now is None), 0)
+        rows = entries.pop(pick)[0]
+        if not entries:
+            del self.renamed_from[(sha, cfg)]
+        return rows
 
 
 def stored_file(root: str | None, key: str) -> str | None:
@@ -85,7 +97,7 @@ def reconcile(rows: list[dict], found: dict[str, str], searched_roots: set[str],
             continue
         r.removed[key] = root  # gone, or the same file found under another key
         if first["doc_sha256"] is not None and first["doc_status"] in ("ok", "partial"):
-            r.renamed_from.setdefault((first["doc_sha256"], first["config_fingerprint"]), doc_rows)
+            r.renamed_from.setdefault((first["doc_sha256"], first["config_fingerprint"]), []).append((doc_rows, same_file))
     return r
 
 

@@ -77,6 +77,7 @@ class signals_raise:
     def __enter__(self):
         if threading.current_thread() is not threading.main_thread():
             return self
+        swallowed = next((g for g in reversed(_ENTERED) if g.raised is not None), None)
         _ENTERED.append(self)
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.saved[sig] = signal.signal(sig, self._raise)
@@ -86,6 +87,15 @@ class signals_raise:
             if outer.pending is not None:
                 self.pending, outer.pending = outer.pending, None
                 self._watch()
+        if swallowed is not None:
+            # an outer guard raised a signal that the code it cut into swallowed (pydantic's Rust
+            # validators while typer parses the options keep it as an "unraisable" exception) and
+            # ignores signals since: this guard holds it, to be raised at once (inside no import)
+            swallowed.inner_entered = True
+            if self.pending is None:
+                self.pending = swallowed.raised
+            swallowed.raised = None
+            self._watch()
         return self
 
     def _raise(self, signum, frame):
