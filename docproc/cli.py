@@ -292,8 +292,9 @@ def run(
     except BrokenPipeError:  # stdout closed (`| head`): the run is done and recorded all the same
         _stdout_gone()
     if failed:
-        # an unwritable OUT may have lost the rows in flight: no count is claimed for it
-        kept = manifest["totals"]["documents"] if manifest["fault"]["kind"] != "output" else 0
+        # an unwritable OUT loses the rows in flight: the documents written before it are counted
+        fault = manifest["fault"]
+        kept = manifest["totals"]["documents"] if fault["kind"] != "output" else fault.get("documents_kept") or 0
         error(manifest["fault"]["message"] + (f"; the {kept} document(s) finished before it are kept: run the "
                                               f"same command again to finish" if kept else ""))
     elif manifest["status"] == "interrupted":

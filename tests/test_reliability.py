@@ -337,7 +337,10 @@ def test_a_full_disk_stops_the_run_and_the_next_run_finishes(run, tmp_path, monk
     res = run(root, "--out", out, extra=["--batch-pages", "1"])
     assert res.exit_code == 5 and "no space left" in res.output and "Traceback" not in res.output
     m = manifest(out)
-    assert m["status"] == "failed" and m["fault"]["kind"] == "output"
+    assert m["status"] == "failed" and m["fault"]["kind"] == "output" and m["fault"]["documents_kept"] == 1
+    assert "the 1 document(s) finished before it are kept" in " ".join(res.output.split())
+    # the document whose part failed leaves no JSON file without rows
+    assert len(list((out / "json").iterdir())) == 1
     monkeypatch.setattr(runstore.RunStore, "write_part", real)
     res = run(root, "--out", out)
     assert res.exit_code == 0, res.output

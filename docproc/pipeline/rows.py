@@ -173,7 +173,7 @@ class DocumentRows:
             for r in rows:
                 if r.get("config_fingerprint") is None:
                     r["config_fingerprint"] = cfg
-        rows_out = []
+        rows_out, jsons = [], []
         for rel, rows, write_json in self._pending:
             try:
                 to_table(rows)  # cheap, and it is what the part will take
@@ -186,10 +186,20 @@ class DocumentRows:
                     doc = None
             if doc is not None:
                 self.store.write_document_json(rel, doc)
+                jsons.append(rel)
             elif write_json:  # --format without json: an earlier run's file would now be stale
                 self.store.remove_document_json(rel)
             rows_out.extend(rows)
-        self.store.write_part(self._part, rows_out)
+        try:
+            self.store.write_part(self._part, rows_out)
+        except Exception:  # (a full disk): no JSON file stays without its rows; the next run redoes them
+            for rel in jsons:
+                try:
+                    self.store.remove_document_json(rel)
+                except OSError:
+                    pass
+            raise
+        self.documents_written += sum(1 for rel, _, _ in self._pending if rel)  # (not the removals' tombstones)
         self._part += 1
         self._pending = []
         self.stage_seconds["write"] += time.perf_counter() - t0

@@ -114,6 +114,7 @@ class Pipeline(DocumentWork):
         self.store.lock()  # LockedError, OutputUnwritable: nothing started, no manifest
         status, fault, exit_code = "completed", None, None
         self._pending: list[tuple[str, list[dict], bool]] = []  # (key, rows, write its JSON)
+        self.documents_written = 0
         try:
             with signals_raise() as signals:
                 try:
@@ -132,6 +133,8 @@ class Pipeline(DocumentWork):
                         traceback.print_exc()
                     if not isinstance(e, OutputUnwritable):  # documents finished so far are kept
                         self._wind_down()
+                    else:  # those whose rows were written before it (the rest are redone next time)
+                        fault["documents_kept"] = self.documents_written
                 signals.calm()
                 manifest = self._manifest(started, time.perf_counter() - t_start, status, fault, exit_code)
                 try:

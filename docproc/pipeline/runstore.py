@@ -78,7 +78,7 @@ def output_fault(e: OSError, what: Path | str) -> OutputUnwritable:
     """An OSError from writing OUT as the run-stopping fault, with the fix in the message."""
     code = e.errno
     if code in (errno.ENOSPC, errno.EDQUOT):
-        msg = f"no space left for {what} (disk or quota full): free space and run again; finished documents are kept"
+        msg = f"no space left for {what} (disk or quota full): free space and run the same command again"
     elif code == errno.EROFS:
         msg = f"{what} is on a read-only file system: pass a writable --out"
     elif code in (errno.EACCES, errno.EPERM):
