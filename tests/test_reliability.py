@@ -127,6 +127,20 @@ def test_padding_is_bounded_and_answers_never_raise():
     assert parse_answer("json", "{" * 100_000 + "}" * 100_000)[0] is None
 
 
+def test_a_pdf_removed_after_it_was_found_is_unreadable_not_damaged(tmp_path):
+    import pymupdf
+
+    pdf = pymupdf.open()
+    pdf.new_page()
+    pdf.save(tmp_path / "gone.pdf")
+    c, = ingest.discover([tmp_path])
+    digest = ingest.file_digest(c)
+    (tmp_path / "gone.pdf").unlink()  # between the triage's hash and the render
+    with pytest.raises(ingest.DocumentError) as e:
+        ingest.open_document(c, digest=digest)
+    assert e.value.kind == "unreadable" and "cannot read file: No such file" in str(e.value)
+
+
 def test_pixels_as_a_person_sees_them(tmp_path):
     rgba = Image.new("RGBA", (40, 30), (0, 0, 0, 0))  # transparent black: a white page with nothing on it
     rgba.paste((200, 0, 0, 255), (0, 0, 10, 10))

@@ -354,7 +354,9 @@ def _open_pdf(c: Candidate, digest: str, dpi: int, max_pages: int | None, max_pi
             pdf = pymupdf.open(stream=c.path.read_bytes(), filetype="pdf")
     except OSError as e:
         raise DocumentError(f"cannot read file: {e.strerror}", "unreadable") from None
-    except Exception:  # pymupdf raises its own FileDataError / RuntimeError variants
+    except Exception as e:  # pymupdf raises its own FileDataError / RuntimeError variants
+        if isinstance(e, getattr(pymupdf, "FileNotFoundError", ())):  # (a RuntimeError: gone since it was found)
+            raise DocumentError(f"cannot read file: {os.strerror(errno.ENOENT)}", "unreadable") from None
         raise DocumentError("not a readable PDF: the file is damaged or is not a PDF", "damaged") from None
     if pdf.needs_pass:
         pdf.close()
