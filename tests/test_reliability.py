@@ -332,6 +332,22 @@ def test_environment_faults_stop_with_one_line_and_their_exit_code(run, tmp_path
     monkeypatch.setattr(runstore.tempfile, "mkstemp", real_mkstemp)
 
 
+def test_a_damaged_part_is_said_set_aside_and_its_documents_redone(run, tmp_path):
+    root = tmp_path / "in"
+    page(root / "a.png")
+    out = tmp_path / "out"
+    assert run(root, "--out", out).exit_code == 0
+    part, = (out / ".docproc" / "parts").glob("*.rows")
+    part.write_bytes(part.read_bytes()[:40])  # damaged since it was written
+    res = run(root, "--out", out)
+    assert res.exit_code == 0, res.output
+    assert "cannot be read (damaged since it was written)" in " ".join(res.output.split())
+    m = manifest(out)
+    assert m["totals"]["already_done"] == 0 and m["totals"]["ok"] + m["totals"]["partial"] == 1  # redone
+    assert sorted(by_path(out)) == ["a.png"]
+    assert (part.parent / (part.name + ".damaged")).exists()  # set aside, not deleted
+
+
 @pytest.mark.slow
 def test_a_full_disk_stops_the_run_and_the_next_run_finishes(run, tmp_path, monkeypatch):
     root = tmp_path / "in"

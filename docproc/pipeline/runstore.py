@@ -187,6 +187,7 @@ class RunStore:
         self.json_dir = self.out / "json"
         self.config_cache_path = self.state_dir / "config_cache.json"
         self._lock_fd: int | None = None
+        self.damaged_parts: set[Path] = set()  # parts that could not be read (read_all)
 
     # ---- lock ------------------------------------------------------------------------------
     def lock(self) -> None:
@@ -259,7 +260,10 @@ class RunStore:
             try:
                 tables.append(read_table(f, schema=RESULT_SCHEMA))
             except (pa.ArrowInvalid, OSError):
-                continue  # a part is only ever renamed into place complete; ignore foreign files
+                # a part is only ever renamed into place complete: one that cannot be read was
+                # damaged since (or is a foreign file); its documents are redone, and compaction
+                # sets it aside rather than delete it
+                self.damaged_parts.add(f)
         return pa.concat_tables(tables) if tables else RESULT_SCHEMA.empty_table()
 
     @staticmethod
@@ -309,7 +313,10 @@ class RunStore:
                                              pa.array([part] * table.num_rows, type=pa.int64()))
                 atomic_write_table(self.parts_dir / f"part-{part:08d}{PART_SUFFIX}", compacted)
                 for f in old:
-                    f.unlink(missing_ok=True)
+                    if f in self.damaged_parts:
+                        f.rename(f.with_name(f.name + ".damaged"))
+                    else:
+                        f.unlink(missing_ok=True)
         except OSError as e:
             raise output_fault(e, self.out) from None
         return table
