@@ -8,6 +8,7 @@ Exit codes of `docproc run` (README, "Exit codes"): 0 every document ok, partial
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -871,6 +872,11 @@ def stats(
     for d in [] if failures else data["damaged_manifests"]:
         error(f"{d['file']} is {d['reason']}: run {d['run_id']} is skipped (its rows, if any, are reported "
               f"as a run without a manifest)", "warning", "yellow")
+    with _report_to_stdout():
+        _print_stats(data, as_json, failures)
+
+
+def _print_stats(data, as_json: bool, failures: bool) -> None:
     if as_json:
         print(json.dumps(data, indent=2))
         return
@@ -944,6 +950,11 @@ def eval_cmd(
     except (FileNotFoundError, json.JSONDecodeError, KeyError, ValueError) as e:
         error(e)
         raise typer.Exit(EXIT_USAGE)
+    with _report_to_stdout():
+        _print_eval(res, as_json)
+
+
+def _print_eval(res: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(res, indent=2))
         return
@@ -964,6 +975,30 @@ def _stdout_gone() -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader went away (poll: an error on its write end)."""
+    import select
+
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poll.poll(0))
+    except (OSError, ValueError, AttributeError):  # (no descriptor: a test's captured stdout)
+        return False
+
+
+@contextlib.contextmanager
+def _report_to_stdout():
+    """A report whose reader may leave early (`docproc stats OUT | head -1`): the command ends
+    there with its own exit code, no traceback. A closed stderr is not this."""
+    try:
+        yield
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise
+        _stdout_gone()
 
 
 def entry() -> None:
@@ -990,15 +1025,14 @@ def main(leave: bool = False) -> None:
             with guard:
                 app()
         except SystemExit as e:
-            if guard.raised is not None:  # a signal raised where the code it cut into swallowed it, the
-                # command done since (not a run: a run takes such a signal over): its exit code all the same
+            if guard.raised is not None and e.code not in EXIT_INTERRUPTED.values():
+                # a signal raised where the code it cut into swallowed it, the command done since
+                # (a run takes such a signal over; run-batch and serve report one they caught):
+                # its exit code all the same
                 raise RunInterrupted(guard.raised) from None
             if leave and _run_ended:
                 _leave(e.code)
             raise
-        except BrokenPipeError:  # stdout's reader went away (`docproc stats OUT | head -1`): what it read is its own
-            _stdout_gone()
-            sys.exit(EXIT_OK)
     except (KeyboardInterrupt, RunInterrupted) as e:
         signum = getattr(e, "signum", signal.SIGINT)
         when = " after the run ended; its manifest is written" if guard.inner_entered else "; nothing was done"

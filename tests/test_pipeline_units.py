@@ -383,6 +383,7 @@ def test_byte_identical_files_renamed_together_each_move_their_own_rows():
                      files={"/in/b.png": "in/b.png"})
     assert set(plan.removed) == {"a.png", "b.png", "c.png"}
     assert plan.take_rename("s1", "c", "x.png")[0]["path"] == "a.png"  # a gone one first
-    assert plan.take_rename("s1", "c", "in/b.png")[0]["path"] == "b.png"  # its own file's rows
     assert plan.take_rename("s1", "c", "y.png")[0]["path"] == "c.png"
-    assert plan.take_rename("s1", "c", "z.png") is None and not plan.renamed_from
+    assert plan.take_rename("s1", "c", "z.png")[0]["path"] == "b.png"  # a copy: b's own file comes next
+    assert plan.take_rename("s1", "c", "in/b.png")[0]["path"] == "b.png"  # its own file's rows
+    assert plan.take_rename("s1", "c", "w.png") is None and not plan.renamed_from

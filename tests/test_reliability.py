@@ -341,11 +341,24 @@ def test_a_damaged_part_is_said_set_aside_and_its_documents_redone(run, tmp_path
     part.write_bytes(part.read_bytes()[:40])  # damaged since it was written
     res = run(root, "--out", out)
     assert res.exit_code == 0, res.output
-    assert "cannot be read (damaged since it was written)" in " ".join(res.output.split())
+    assert "is not a table (damaged since it was written)" in " ".join(res.output.split())
     m = manifest(out)
     assert m["totals"]["already_done"] == 0 and m["totals"]["ok"] + m["totals"]["partial"] == 1  # redone
     assert sorted(by_path(out)) == ["a.png"]
     assert (part.parent / (part.name + ".damaged")).exists()  # set aside, not deleted
+
+
+def test_a_full_disk_during_a_redo_keeps_the_recorded_documents_json(run, tmp_path, monkeypatch):
+    root = tmp_path / "in"
+    page(root / "a.png")
+    out = tmp_path / "out"
+    assert run(root, "--out", out).exit_code == 0
+
+    def full(self, part, rows):
+        raise runstore.output_fault(OSError(errno.ENOSPC, "No space left on device"), self.out)
+    monkeypatch.setattr(runstore.RunStore, "write_part", full)
+    assert run(root, "--out", out, extra=["--force"]).exit_code == 5
+    assert (out / "json" / "a.png.json").exists()  # its rows are recorded: its file stays
 
 
 @pytest.mark.slow

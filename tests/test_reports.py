@@ -191,14 +191,20 @@ def test_stats_into_a_pipe_whose_reader_left_ends_quietly(tmp_path):
 
     out = tmp_path / "out"
     RunStore(out).write_part(1, doc_rows(KILLED, "a.pdf"))
-    r, w = os.pipe()
-    os.close(r)  # the reader is gone before the first line
-    try:
-        proc = subprocess.run([sys.executable, "-m", "docproc", "stats", str(out)], stdout=w,
-                              stderr=subprocess.PIPE, text=True, timeout=120)
-    finally:
-        os.close(w)
-    assert proc.returncode == 0 and "Traceback" not in proc.stderr and proc.stderr == "", proc.stderr
+
+    def closed(*args, stream="stdout"):
+        r, w = os.pipe()
+        os.close(r)  # the reader is gone before the first line
+        try:
+            return subprocess.run([sys.executable, "-m", "docproc", "stats", *args], text=True, timeout=120,
+                                  **{stream: w, ("stderr" if stream == "stdout" else "stdout"): subprocess.PIPE})
+        finally:
+            os.close(w)
+    for args in ((str(out),), (str(out), "--json")):
+        proc = closed(*args)
+        assert proc.returncode == 0 and proc.stderr == "", (args, proc.stderr)
+    # a closed stderr is not a reader that left: a usage error keeps its code
+    assert closed(str(tmp_path / "no-runs-here"), stream="stderr").returncode != 0
 
 
 def test_stats_lists_a_killed_run_after_a_completed_one(tmp_path):

@@ -38,14 +38,17 @@ class Reconciliation:
     skipped: dict[str, str | None] = field(default_factory=dict)  # key -> reason of a stored skip
 
     def take_rename(self, sha: str, cfg: str, key: str | None = None) -> list[dict] | None:
-        """The rows of a removed document with these bytes and configuration, each taken once: the
-        one whose file is found under `key` now, else one whose file is gone, else any."""
+        """The rows of a removed document with these bytes and configuration: the one whose file
+        is found under `key` now, else one whose file is gone (each taken once), else a copy of
+        one kept for another key found (the same bytes and configuration: the same answers)."""
         entries = self.renamed_from.get((sha, cfg))
         if not entries:
             return None
         pick = next((i for i, (_, now) in enumerate(entries) if now is not None and now == key), None)
         if pick is None:
-            pick = next((i for i, (_, now) in enumerate(entries) if now is None), 0)
+            pick = next((i for i, (_, now) in enumerate(entries) if now is None), None)
+        if pick is None:
+            return entries[0][0]
         rows = entries.pop(pick)[0]
         if not entries:
             del self.renamed_from[(sha, cfg)]

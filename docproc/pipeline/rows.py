@@ -173,27 +173,32 @@ class DocumentRows:
             for r in rows:
                 if r.get("config_fingerprint") is None:
                     r["config_fingerprint"] = cfg
-        rows_out, jsons = [], []
-        for rel, rows, write_json in self._pending:
-            try:
-                to_table(rows)  # cheap, and it is what the part will take
-                doc = document_json(rows) if write_json and "json" in self.s.formats else None
-            except Exception as e:  # noqa: BLE001
-                rows = [self._unwritable(rel, rows, e)]
-                try:
-                    doc = document_json(rows) if write_json and "json" in self.s.formats else None
-                except Exception:  # noqa: BLE001 -- the table row stands on its own
-                    doc = None
-            if doc is not None:
-                self.store.write_document_json(rel, doc)
-                jsons.append(rel)
-            elif write_json:  # --format without json: an earlier run's file would now be stale
-                self.store.remove_document_json(rel)
-            rows_out.extend(rows)
+        rows_out, created = [], []
         try:
+            for rel, rows, write_json in self._pending:
+                try:
+                    to_table(rows)  # cheap, and it is what the part will take
+                    doc = document_json(rows) if write_json and "json" in self.s.formats else None
+                except Exception as e:  # noqa: BLE001
+                    rows = [self._unwritable(rel, rows, e)]
+                    try:
+                        doc = document_json(rows) if write_json and "json" in self.s.formats else None
+                    except Exception:  # noqa: BLE001 -- the table row stands on its own
+                        doc = None
+                if doc is not None:
+                    new = not self.store.json_path(rel).exists()
+                    self.store.write_document_json(rel, doc)
+                    if new:
+                        created.append(rel)
+                elif write_json:  # --format without json: an earlier run's file would now be stale
+                    self.store.remove_document_json(rel)
+                rows_out.extend(rows)
             self.store.write_part(self._part, rows_out)
-        except Exception:  # (a full disk): no JSON file stays without its rows; the next run redoes them
-            for rel in jsons:
+        except Exception:
+            # (a full disk): the JSON files this flush made for documents without rows go again, so
+            # that none stays without its rows; the next run redoes them. A file that was there
+            # (a document redone) keeps the newer answers beside its older rows until then.
+            for rel in created:
                 try:
                     self.store.remove_document_json(rel)
                 except OSError:

@@ -234,8 +234,9 @@ class Pipeline(DocumentWork):
         if rows is None:
             rows = self.store.current().to_pylist()
         for f in sorted(self.store.damaged_parts):
-            self.report("warning", {"message": f"{f} cannot be read (damaged since it was written): the documents "
-                                               f"only it recorded are redone; it is set aside as {f.name}.damaged"})
+            self.report("warning", {"message": f"{f} is not a table (damaged since it was written): the documents "
+                                               f"only it recorded are redone, and a run sets it aside as "
+                                               f"{f.name}.damaged"})
         found = {c.rel: c.root for c in candidates}
         unlisted = ["" if c.rel == "./" else c.rel for c in candidates if c.kind == "unlistable_folder"]
         files = {display_name(os.path.realpath(c.path)): c.rel for c in candidates if not c.skip_reason}

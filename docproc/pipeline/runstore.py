@@ -259,11 +259,13 @@ class RunStore:
         for f in self.part_files():
             try:
                 tables.append(read_table(f, schema=RESULT_SCHEMA))
-            except (pa.ArrowInvalid, OSError):
-                # a part is only ever renamed into place complete: one that cannot be read was
-                # damaged since (or is a foreign file); its documents are redone, and compaction
-                # sets it aside rather than delete it
+            except pa.ArrowInvalid:
+                # a part is only ever renamed into place complete: one that is not a table was
+                # damaged since (or is a foreign file); its documents are redone, and the run's
+                # consolidation sets it aside rather than delete it
                 self.damaged_parts.add(f)
+            except OSError:
+                continue  # (unreadable now: a permission, an I/O error) left where it is
         return pa.concat_tables(tables) if tables else RESULT_SCHEMA.empty_table()
 
     @staticmethod
@@ -313,10 +315,11 @@ class RunStore:
                                              pa.array([part] * table.num_rows, type=pa.int64()))
                 atomic_write_table(self.parts_dir / f"part-{part:08d}{PART_SUFFIX}", compacted)
                 for f in old:
-                    if f in self.damaged_parts:
-                        f.rename(f.with_name(f.name + ".damaged"))
-                    else:
+                    if f not in self.damaged_parts:
                         f.unlink(missing_ok=True)
+            for f in sorted(self.damaged_parts):
+                if f.exists():
+                    f.rename(f.with_name(f.name + ".damaged"))
         except OSError as e:
             raise output_fault(e, self.out) from None
         return table
