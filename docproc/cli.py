@@ -878,7 +878,7 @@ def stats(
 
 def _print_stats(data, as_json: bool, failures: bool) -> None:
     if as_json:
-        print(json.dumps(data, indent=2))
+        print(json.dumps(data, indent=2), flush=True)  # (a reader gone shows here, not at exit)
         return
     if failures:
         t = Table(title=f"{len(data)} failed or partial document(s)")
@@ -956,7 +956,7 @@ def eval_cmd(
 
 def _print_eval(res: dict, as_json: bool) -> None:
     if as_json:
-        print(json.dumps(res, indent=2))
+        print(json.dumps(res, indent=2), flush=True)
         return
     t = Table(title=f"{res['documents']} documents: exact match {res['overall_exact_match']:.1%}, "
                     f"F1 {res['overall_f1']:.1%}")

@@ -196,7 +196,8 @@ def test_stats_into_a_pipe_whose_reader_left_ends_quietly(tmp_path):
         r, w = os.pipe()
         os.close(r)  # the reader is gone before the first line
         try:
-            return subprocess.run([sys.executable, "-m", "docproc", "stats", *args], text=True, timeout=120,
+            env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # (stdout buffered, as by default)
+            return subprocess.run([sys.executable, "-m", "docproc", "stats", *args], text=True, timeout=120, env=env,
                                   **{stream: w, ("stderr" if stream == "stdout" else "stdout"): subprocess.PIPE})
         finally:
             os.close(w)
