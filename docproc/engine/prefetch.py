@@ -95,9 +95,7 @@ class ImagePrefetcher:
 
     def drop(self) -> None:
         """Forget started work (its results are not needed: e.g. the requests were aborted)."""
-        for fut in self._pending.values():
-            fut.cancel()
-        self._pending.clear()
+        self.forget(list(self._pending))
 
     def close(self) -> None:
         self.drop()

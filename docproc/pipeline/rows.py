@@ -199,10 +199,7 @@ class DocumentRows:
             # that none stays without its rows; the next run redoes them. A file that was there
             # (a document redone) keeps the newer answers beside its older rows until then.
             for rel in created:
-                try:
-                    self.store.remove_document_json(rel)
-                except OSError:
-                    pass
+                self.store.remove_document_json(rel)  # (never raises OSError)
             raise
         self.documents_written += sum(1 for rel, _, _ in self._pending if rel)  # (not the removals' tombstones)
         self._part += 1
