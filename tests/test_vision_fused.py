@@ -117,6 +117,29 @@ def test_fast_vision_attention_equals_transformers_on_cpu(qwen2_vl_dir):
 @pytest.mark.gpu
 def test_fast_vision_attention_matches_transformers_on_gpu(qwen2_vl_dir):
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
-        fast, ref, _, _, hf = _encode_both(qwen2_vl_dir, "cuda", dtype)
+        # float32 in float32: cuDNN's convolutions (the reference's patch embedding, transformers')
+        # take TF32 by default, 6e-4 off here, where the fast path's product does not
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+            fast, ref, _, _, hf = _encode_both(qwen2_vl_dir, "cuda", dtype)
         for a, b in zip([torch.cat(fast), torch.cat(ref)], [torch.cat(ref), hf.pooler_output]):
             assert torch.allclose(a.float(), b.float(), rtol=tol, atol=tol), (dtype, (a - b).abs().max())
+
+
+def test_an_attention_shape_takes_flash_until_met_often_then_torchs_choice():
+    """Each run of equal spans is one SDPA shape: flash while the tower has met it fewer than
+    CUDNN_AFTER times (cuDNN would build a plan for it), torch's choice after; the caller's backends
+    when it names some; nothing counted without the tower's tally (CPU, float32)."""
+    from torch.nn.attention import SDPBackend
+
+    from docproc.models.vision import CUDNN_AFTER, EncodeCall
+
+    flash = [SDPBackend.FLASH_ATTENTION]
+    seen: dict = {}
+    for i in range(CUDNN_AFTER):
+        call = EncodeCall([64, 64, 100], True, None, seen)
+        assert call.runs == [(0, 64, 2), (128, 100, 1)] and call.backends == [flash, flash], i
+    assert seen == {(2, 64): CUDNN_AFTER, (1, 100): CUDNN_AFTER}
+    assert EncodeCall([64, 64, 100, 100], True, None, seen).backends == [None, flash]  # (2, 64) met often; (2, 100) new
+    mine = [SDPBackend.MATH]
+    assert EncodeCall([64, 64], True, mine, seen).backends == [mine] and seen[(2, 64)] == CUDNN_AFTER + 1
+    assert EncodeCall([64, 64], True, None, None).backends == [None]

@@ -293,6 +293,7 @@ def _rank_main(rank: int, size: int, port: int, config, runner_class) -> None:
             ids, pos, meta, rows, embeds = args
             dev = runner.device
             meta = _map_tensors(meta, lambda t: t.to(dev))
+            runner.backend.prepare(meta)  # this rank's kernel plan (rank 0's stays on rank 0)
             with torch.inference_mode():
                 hidden = text(ids.to(dev), pos.to(dev), runner.kv_cache.layers, meta, runner.backend,
                               None if rows is None else rows.to(dev), None if embeds is None else embeds.to(dev))
