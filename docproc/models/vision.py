@@ -92,8 +92,8 @@ class EncodeCall:
                 shapes_seen[(count, length)] = seen + 1
                 if seen < CUDNN_AFTER:
                     self.backends[i] = [SDPBackend.FLASH_ATTENTION]
-            if len(shapes_seen) > 4096:  # (shapes met once, long ago, leave)
-                for key in [k for k, v in shapes_seen.items() if v == 1][:2048]:
+            if len(shapes_seen) > 4096:  # a bounded tally: the shapes met once leave (or, if none, all)
+                for key in [k for k, v in shapes_seen.items() if v == 1] or list(shapes_seen):
                     del shapes_seen[key]
 
 
