@@ -87,14 +87,20 @@ class EncodeCall:
         if sdpa_backends is None and shapes_seen is not None:
             from torch.nn.attention import SDPBackend
 
-            for i, (_, length, count) in enumerate(self.runs):
-                seen = shapes_seen.get((count, length), 0)
-                shapes_seen[(count, length)] = seen + 1
+            # not cuDNN: flash first, the others where flash cannot take a call (never "no kernel")
+            no_plan = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+            keys = [(count, length) for _, length, count in self.runs]
+            fresh = set()
+            for key in dict.fromkeys(keys):  # each shape counted once an encode (Qwen2.5's windows repeat)
+                seen = shapes_seen.get(key, 0)
+                shapes_seen[key] = seen + 1
                 if seen < CUDNN_AFTER:
-                    self.backends[i] = [SDPBackend.FLASH_ATTENTION]
-            if len(shapes_seen) > 4096:  # a bounded tally: the shapes met once leave (or, if none, all)
-                for key in [k for k, v in shapes_seen.items() if v == 1] or list(shapes_seen):
-                    del shapes_seen[key]
+                    fresh.add(key)
+            self.backends = [no_plan if key in fresh else None for key in keys]
+            if len(shapes_seen) > 4096:  # a bounded tally: planned shapes take CUDNN_AFTER encodes again
+                shapes_seen.clear()
+        # one SDPA backend choice for the whole call: entered once per layer (about 20 us an entry)
+        self.one_choice = all(b == self.backends[0] for b in self.backends)
 
 
 class PatchEmbed(nn.Module):
@@ -137,14 +143,18 @@ class VisionAttention(nn.Module):
         # full attention within each span (an image's frame, or a window), one SDPA call for each
         # run of equal spans (the spans as its batch) on strided views
         h, d = self.num_heads, q.shape[-1]
-        for (s0, length, count), backends in zip(call.runs, call.backends):
-            sl = slice(s0, s0 + length * count)
 
-            def spans(t):  # (count * length, heads, D) -> (count, heads, length, D)
-                return t[sl].view(count, length, h, d).transpose(1, 2)
-            with contextlib.nullcontext() if backends is None else sdpa_kernel(backends):
-                o = F.scaled_dot_product_attention(spans(q), spans(k), spans(v), scale=self.scaling)
-            out[sl] = o.transpose(1, 2).reshape(count * length, h, d)
+        def backend(choice):
+            return contextlib.nullcontext() if choice is None else sdpa_kernel(choice)
+        with backend(call.backends[0] if call.one_choice else None):
+            for (s0, length, count), choice in zip(call.runs, call.backends):
+                sl = slice(s0, s0 + length * count)
+
+                def spans(t):  # (count * length, heads, D) -> (count, heads, length, D)
+                    return t[sl].view(count, length, h, d).transpose(1, 2)
+                with contextlib.nullcontext() if call.one_choice else backend(choice):
+                    o = F.scaled_dot_product_attention(spans(q), spans(k), spans(v), scale=self.scaling)
+                out[sl] = o.transpose(1, 2).reshape(count * length, h, d)
         return self.proj(out.view(n, -1))
 
 
@@ -482,8 +492,9 @@ class VisionEncoder(nn.Module):
         """(trunk output, merged) over all images."""
         dtype = next(self.visual.parameters()).dtype
         fused = self.fast_attention and (pixel_values.is_cuda or self.force_fused) and not torch.is_grad_enabled()
-        # (SDPA's flash backend: CUDA sm_80 and later, 2-byte floats)
-        seen = (self.shapes_seen if fused and pixel_values.is_cuda and dtype in (torch.bfloat16, torch.float16)
+        # (cuDNN's plans: CUDA, not ROCm; SDPA's flash backend: sm_80 and later, 2-byte floats)
+        seen = (self.shapes_seen if fused and pixel_values.is_cuda and torch.version.hip is None
+                and dtype in (torch.bfloat16, torch.float16)
                 and torch.cuda.get_device_capability(pixel_values.device)[0] >= 8 else None)
         return self.visual(pixel_values.to(dtype), grid_thw.tolist(), fused, self.sdpa_backends, seen)
 
