@@ -53,7 +53,7 @@ ACTIVATIONS = {"quick_gelu": QuickGELUInPlace, "gelu": nn.GELU, "gelu_pytorch_ta
 
 # An attention shape (spans, patches a span) met fewer times than this runs on SDPA's flash
 # backend, after that on torch's choice (cuDNN's on Hopper). cuDNN builds an execution plan the
-# first time it meets a shape: H100, 7B tower, a median 41 ms more for that encode (up to 495 ms),
+# first time it meets a shape: H100, 7B tower, a median 41 ms more for that encode (up to 430 ms),
 # the host inside the plan and the GPU idle, against 4 ms for flash (bench/vision_launch.py
 # --first-shapes); once planned, cuDNN's kernels are the faster: a 240-document run on flash alone
 # took 1.5 s more GPU time, about 5 ms a page (BENCHMARKS.md). So a shape met 8 times has paid
