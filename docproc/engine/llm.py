@@ -406,10 +406,13 @@ class LLM:
             self.overlap.next_k = None
             if k_step is None:
                 k_step = spec.policy.choose_step([seq.seq_id for seq in out.decoding])
-            if k_step > 0:
-                return finished + self.verifier.step(out, k_step)
-            # bypassed: the plain step itself, with as little speculation bookkeeping on the host as
-            # can be (a small model's decode step is ~0.3 ms of host time on a GPU)
+            windows, declined = self.verifier.windows(out.decoding, k_step) if k_step > 0 else ([], 0)
+            spec.num_catch_up_skips += declined
+            if windows:
+                return finished + self.verifier.step(out, windows)
+            # bypassed (by the policy, or no sequence's catch-up pays): the plain step itself, with
+            # as little speculation bookkeeping on the host as can be (a small model's decode step
+            # is ~0.3 ms of host time on a GPU), overlapped where it can be
             spec.stats.bypassed_steps += len(out.decoding)
             for seq in out.decoding:
                 seq.spec_stats.bypassed_steps += 1

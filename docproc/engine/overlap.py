@@ -114,9 +114,14 @@ class OverlapDecoder:
             going = [prev.scheduled[i].seq for i in prev.sampled if id(prev.scheduled[i].seq) in source]
             spec.policy.batch = len(going)
             k = spec.policy.choose_step([seq.seq_id for seq in going])
+            # a step the policy drafts for but where no sequence's catch-up pays is bypassed: it
+            # overlaps like any plain step (asked again of the step itself, it would run plainly)
             if k > 0:
-                self.next_k = k  # the choice stands (a probe's countdown restarted with it)
-                return None
+                windows, declined = eng.verifier.windows(going, k, ahead=1)
+                if windows:
+                    self.next_k = k  # the choice stands (a probe's countdown restarted with it)
+                    return None
+                spec.num_catch_up_skips += declined
         for seq in ending:  # their places and blocks go to the step after prev
             if seq in sched.running:
                 sched.retire(seq)

@@ -26,33 +26,38 @@ class Verifier:
     def __init__(self, engine: LLM) -> None:
         self.engine = weakref.proxy(engine)  # no reference cycle: a dropped engine frees its memory at once
 
-    def step(self, out: SchedulerOutput, k_step: int) -> list[Sequence]:
-        """One step with speculation (k_step > 0). A probe's cost (the policy's `probing`) sets
-        how often probes may come: it is not timed when it captured a CUDA graph or ran a draft
-        forward of a new kind (one-off costs)."""
+    def step(self, out: SchedulerOutput, windows: list[tuple[Sequence, int]]) -> list[Sequence]:
+        """One step with speculation: `windows` (from windows(), not empty) are the sequences that
+        draft and their K. A probe's cost (the policy's `probing`) sets how often probes may come:
+        it is not timed when it captured a CUDA graph or ran a draft forward of a new kind (one-off
+        costs)."""
         spec = self.engine.speculator
         if not spec.policy.probing:
-            return self._step(out, k_step)
+            return self._step(out, windows)
         before = (self.engine.runner.num_graph_captures, spec.runner.num_graph_captures, len(spec.timed_kinds))
         t0 = time.perf_counter()
-        done = self._step(out, k_step)
+        done = self._step(out, windows)
         if before == (self.engine.runner.num_graph_captures, spec.runner.num_graph_captures, len(spec.timed_kinds)):
             spec.policy.observe_probe(time.perf_counter() - t0)
         return done
 
-    def _windows(self, out: SchedulerOutput, k_step: int) -> list[tuple[Sequence, int]]:
-        """(sequence, k) for every decoding sequence that drafts this step, its target slots
-        reserved. A sequence drafts fewer than k_step where max_tokens, max_model_len or the
-        pool's room ends sooner, and none where the policy prices its draft's catch-up (every
-        token the draft has not computed: a new page, or what it skipped while bypassed) above
-        what drafting would save, or where a probe drafts for another sequence."""
+    def windows(self, decoding: list[Sequence], k_step: int, ahead: int = 0) -> tuple[list[tuple[Sequence, int]], int]:
+        """(sequence, k) for each of the decoding sequences that would draft this step with the
+        policy's K: fewer than k_step where max_tokens, max_model_len or the pool's room ends
+        sooner, and none where the policy prices its draft's catch-up (every token the draft has
+        not computed: a new page, or what it skipped while bypassed) above what drafting would
+        save, or where a probe drafts for another sequence. Nothing is reserved: step() does
+        that. ahead: tokens each sequence will hold by then that it does not yet (1 where the
+        question is asked while the step before, whose token is unread, is in flight). An empty
+        list: the step is a bypassed one (the engine runs it plainly, overlapped where it can).
+        Also how many sequences declined their catch-up (the caller counts them in
+        num_catch_up_skips once the step is decided)."""
         eng = self.engine
         spec, bm = eng.speculator, eng.block_manager
         catch_up: dict[int, tuple[int, tuple | None]] = {}
         pages: dict[tuple, int] = {}  # sequences this step whose draft would prefill the same page
         explore = None  # while the catch-up cost is unmeasured: the one page this step may prefill
         probe_only = None  # a probe drafts for one sequence: the one with least to catch up
-        decoding = [s.seq for s in out.scheduled if s.num_new_tokens == 1 and s.needs_sample]
         if not spec.policy.fixed:
             for seq in decoding:
                 catch_up[seq.seq_id] = spec.catch_up(seq)
@@ -61,12 +66,12 @@ class Verifier:
                     pages[page] = pages.get(page, 0) + 1
             if spec.policy.probing and catch_up:
                 probe_only = min(catch_up, key=lambda sid: catch_up[sid][0])
-        work = []
+        work, declined = [], 0
         for seq in decoding:
-            k = min(k_step, seq.max_tokens - seq.num_generated_tokens - 1,
-                    eng.max_model_len - len(seq) - 1, eng.scheduler.lookahead)
+            generated, length = seq.num_generated_tokens + ahead, len(seq) + ahead
+            k = min(k_step, seq.max_tokens - generated - 1, eng.max_model_len - length - 1, eng.scheduler.lookahead)
             # the window needs target slots; a prompt's last token (not a decode step) may lack them
-            if k > 0 and not bm.can_append(seq, len(seq) + k):
+            if k > 0 and not bm.can_append(seq, length + k):
                 k = 0
             if probe_only is not None and seq.seq_id != probe_only:
                 k = 0
@@ -75,27 +80,36 @@ class Verifier:
                 share = spec.page_share(page, pages[page]) if page is not None else 1
                 sp = seq.sampling
                 exact = sp.ignore_eos and not sp.stop and not getattr(sp, "stop_token_ids", None)
-                worth = spec.policy.worth_catching_up(seq.seq_id, k, tokens, share, seq.num_generated_tokens,
-                                                      left=seq.max_tokens - seq.num_generated_tokens, exact=exact)
+                worth = spec.policy.worth_catching_up(seq.seq_id, k, tokens + ahead, share, generated,
+                                                      left=seq.max_tokens - generated, exact=exact)
                 if worth is None:  # unmeasured: one page (its queries together) to measure it
                     explore = explore or page or (seq.seq_id,)
                     worth = explore in (page, (seq.seq_id,))
                 if not worth:
                     k = 0
-                    spec.num_catch_up_skips += 1
+                    declined += 1
             if k > 0:
-                bm.append_slots(seq, len(seq) + k)
                 work.append((seq, k))
-            else:
-                spec.stats.bypassed_steps += 1
-                seq.spec_stats.bypassed_steps += 1
-        return work
+        return work, declined
 
-    def _step(self, out: SchedulerOutput, k_step: int) -> list[Sequence]:
+    def _reserve(self, out: SchedulerOutput, windows: list[tuple[Sequence, int]]) -> None:
+        """Target slots for each window; every other decoding sequence counts a bypassed step."""
+        eng = self.engine
+        spec = eng.speculator
+        drafting = {id(seq) for seq, _ in windows}
+        for seq, k in windows:
+            eng.block_manager.append_slots(seq, len(seq) + k)
+        for s in out.scheduled:
+            if s.num_new_tokens == 1 and s.needs_sample and id(s.seq) not in drafting:
+                spec.stats.bypassed_steps += 1
+                s.seq.spec_stats.bypassed_steps += 1
+
+    def _step(self, out: SchedulerOutput, windows: list[tuple[Sequence, int]]) -> list[Sequence]:
         eng = self.engine
         spec, runner = eng.speculator, eng.runner
+        self._reserve(out, windows)
         t_draft = spec.draft_seconds
-        proposals = spec.propose(self._windows(out, k_step))
+        proposals = spec.propose(windows)
         t_draft = spec.draft_seconds - t_draft
         chunks, props = [], []
         for s in out.scheduled:
