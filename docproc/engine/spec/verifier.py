@@ -67,11 +67,13 @@ class Verifier:
             if spec.policy.probing and catch_up:
                 probe_only = min(catch_up, key=lambda sid: catch_up[sid][0])
         work, declined = [], 0
+        taken = 0  # free blocks the windows before this one will take
         for seq in decoding:
             generated, length = seq.num_generated_tokens + ahead, len(seq) + ahead
             k = min(k_step, seq.max_tokens - generated - 1, eng.max_model_len - length - 1, eng.scheduler.lookahead)
             # the window needs target slots; a prompt's last token (not a decode step) may lack them
-            if k > 0 and not bm.can_append(seq, length + k):
+            need = max(0, bm.num_blocks_for(length + k) - len(seq.block_table)) if k > 0 else 0
+            if k > 0 and need + taken > bm.num_free_blocks:
                 k = 0
             if probe_only is not None and seq.seq_id != probe_only:
                 k = 0
@@ -90,6 +92,7 @@ class Verifier:
                     declined += 1
             if k > 0:
                 work.append((seq, k))
+                taken += need
         return work, declined
 
     def _reserve(self, out: SchedulerOutput, windows: list[tuple[Sequence, int]]) -> None:
