@@ -223,9 +223,9 @@ def test_a_probe_drafts_for_one_sequence_only(qwen2_vl_dir, draft_dir, plain):
     pol.choose_step = always_probe
     sizes, propose = [], spec.propose
 
-    def counting(work):
+    def counting(work, rec):
         sizes.append(len([w for w in work if w[1] > 0]))
-        return propose(work)
+        return propose(work, rec)
 
     spec.propose = counting
     outs = llm.generate(reqs(), GREEDY)

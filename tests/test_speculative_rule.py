@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from docproc.engine.spec.policy import AdaptiveK, best_k, expected_tokens
+from docproc.engine.spec.policy import AdaptiveK, StepRecord, best_k, expected_tokens
 from docproc.engine.spec.rejection import accept_greedy, accept_sampled
 
 
@@ -288,6 +288,33 @@ def test_overlapped_plain_steps_raise_the_bar_for_drafting():
     for _ in range(10):
         pol.observe(1, 4, 4)  # this sequence accepts everything
     assert pol.choose_step([1]) > 0
+
+
+def test_a_step_record_feeds_each_line_only_what_its_step_measured():
+    """AdaptiveK.record, the engine's one entry: a decode step's time feeds the target's lines, a
+    prefill chunk only the any-step line, a step that captured a graph nothing, an overlapped
+    step only the overlap ratio; draft forwards, verifications and a probe go to theirs; a
+    sequence that ended is forgotten (its verification in the same step included) and its length
+    kept, unless it failed."""
+    pol = AdaptiveK(4, fixed=False)
+    pol.record(StepRecord(500, 0.5))  # a prefill chunk: the any-step line only
+    assert pol._any_step.points[-1] == (500, 0.5) and not pol._target.points
+    for n in (1, 2, 3, 4):
+        pol.record(StepRecord(n, 0.010, decode_only=True))
+    assert pol._target.fit is not None and pol._target.at(3) == pytest.approx(0.010)
+    v = pol._target.version
+    pol.record(StepRecord(4, 9.0, timed=False, decode_only=True))  # captured a graph
+    assert pol._target.version == v
+    pol.record(StepRecord(4, 0.005, decode_only=True, overlapped=True))
+    assert pol._target.version == v and pol.overlap_ratio == pytest.approx(0.5)
+    pol.record(StepRecord(8, 0.011, decode_only=True, draft_decodes=[(4, 0.002)] * 2,
+                          draft_catch_ups=[(1300, 0.05)], verified=[(7, 4, 4), (8, 4, 0)],
+                          ended=[(7, 40), (9, None)]))
+    assert [p[0] for p in pol._draft.points] == [4, 4] and pol._draft_prefill.points[-1] == (1300, 0.05)
+    assert 7 not in pol._acc and 8 in pol._acc and pol._observations == 2  # 7 ended: forgotten
+    assert pol._generated == pytest.approx(0.9 * 32.0 + 0.1 * 40)  # 9 failed: its length not counted
+    pol.record(StepRecord(8, 0.011, decode_only=True, probe_seconds=0.021))
+    assert pol._probe_extra[-1] == pytest.approx(0.021 - pol._target.at(pol.batch))
 
 
 def test_acceptance_is_estimated_per_position_as_E_a_K_assumes():

@@ -30,6 +30,7 @@ from docproc.engine.requests import PromptType, eos_token_ids, stop_reason
 from docproc.engine.scheduler import Scheduler
 from docproc.engine.sequence import Sequence
 from docproc.engine.spec import setup as spec_setup
+from docproc.engine.spec.policy import StepRecord, ended
 from docproc.engine.spec.verifier import Verifier
 from docproc.engine.stream import RequestStream
 from docproc.multimodal import IMAGE_PAD
@@ -437,13 +438,6 @@ class LLM:
         ends = [(s.seq, s.end) for s in out.scheduled]
         result = self.runner.execute(out)
         decode_only = len(out.decoding) == len(out.scheduled)  # no prefill chunk in the step
-        spec = self.speculator
-        if spec is not None and self.runner.num_graph_captures == captures:
-            # decode/verify steps only feed the target's line (prefill chunks would skew it), and
-            # none that captured a graph
-            spec.policy.observe_any_step(result.num_tokens, result.seconds)
-            if decode_only:
-                spec.policy.observe_step(result.num_tokens, result.seconds)
         self.count_step(result.num_tokens, result.seconds, decode_only)
         now = time.perf_counter()
         finished = []
@@ -452,6 +446,10 @@ class LLM:
             token = result.tokens.get(seq.seq_id)
             if token is not None and self.append_token(seq, token, now):
                 finished.append(seq)
+        if self.speculator is not None:
+            self.speculator.policy.record(StepRecord(result.num_tokens, result.seconds,
+                                                     timed=self.runner.num_graph_captures == captures,
+                                                     decode_only=decode_only, ended=ended(finished)))
         return finished
 
     def append_token(self, seq: Sequence, token: int, now: float) -> bool:
@@ -472,7 +470,6 @@ class LLM:
         self.scheduler.finish(seq, reason)
         if self.speculator is not None:
             self.speculator.release(seq)
-            self.speculator.policy.observe_finished(seq.num_generated_tokens)
         seq.finish_time = now
         return True
 

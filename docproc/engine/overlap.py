@@ -23,6 +23,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 from docproc.engine.sequence import Sequence
+from docproc.engine.spec.policy import StepRecord, ended
 
 if TYPE_CHECKING:
     from docproc.engine.model_runner import PendingStep
@@ -193,13 +194,10 @@ class OverlapDecoder:
             eng.runner.sample_pending(nxt, [None if nxt.scheduled[i].seq.is_finished else nxt.scheduled[i].seq.grammar
                                             for i in nxt.sampled])
         eng.count_step(prev.num_tokens - wasted, seconds, prev.decode_only)
-        spec = eng.speculator
-        if spec is not None and not prev.captured and prev.decode_only:  # a bypassed step
-            if prev.overlapped:  # its host work hidden: how much cheaper plain decoding is
-                spec.policy.observe_overlapped_step(len(tokens), seconds)
-            else:  # a point of the target's cost line
-                spec.policy.observe_any_step(len(tokens), seconds)
-                spec.policy.observe_step(len(tokens), seconds)
+        if eng.speculator is not None:  # a bypassed step (an overlapped one hid its host work)
+            eng.speculator.policy.record(StepRecord(prev.num_tokens, seconds, timed=not prev.captured,
+                                                    decode_only=prev.decode_only, overlapped=prev.overlapped,
+                                                    ended=ended(finished)))
         if nxt is not None and not all(c.seq.is_finished for c in nxt.scheduled):
             self.pending = nxt  # read by the next step() (nothing else can run before it)
         return finished

@@ -10,6 +10,7 @@ measured times (no torch).
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -92,6 +93,30 @@ class _Line:
         return self.at(x) if self.fit is not None else self.proportional(x)
 
 
+@dataclass
+class StepRecord:
+    """What one engine step tells the policy (AdaptiveK.record), built by the step that ran:
+    a plain step (LLM), an overlapped one (engine/overlap.py) or a speculative one (verifier.py)."""
+
+    tokens: int = 0  # the target forward's query tokens
+    seconds: float = 0.0  # its time (a speculative step's target forward alone, the draft's apart)
+    timed: bool = True  # no CUDA graph was captured inside it: its seconds are the step's own
+    decode_only: bool = False  # every row decoded or verified (no prefill chunk)
+    overlapped: bool = False  # queued before the tokens of the step before it were read
+    draft_decodes: list[tuple[int, float]] = field(default_factory=list)  # (sequences, seconds) a forward
+    draft_catch_ups: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds) a forward
+    verified: list[tuple[int, int, int]] = field(default_factory=list)  # (sequence id, k, accepted)
+    probe_seconds: float | None = None  # a probe step's whole time, draft and target
+    # (sequence id, tokens generated) of each sequence that ended in the step; None for one that
+    # failed (its length says nothing of what requests generate)
+    ended: list[tuple[int, int | None]] = field(default_factory=list)
+
+
+def ended(finished) -> list[tuple[int, int | None]]:
+    """StepRecord.ended for a step's finished sequences."""
+    return [(s.seq_id, None if s.finish_reason == "error" else s.num_generated_tokens) for s in finished]
+
+
 class AdaptiveK:
     """Chooses one K per engine step for all decoding sequences.
 
@@ -161,6 +186,33 @@ class AdaptiveK:
         self._overlap: deque[float] = deque(maxlen=16)
 
     # ---- measurements ----------------------------------------------------------------------------
+    def record(self, rec: StepRecord) -> None:
+        """One step's measurements, in the order they happened: the draft's forwards, the
+        verifications, the target's forward (a plain or verifying step feeds the target's lines,
+        prefill chunks only the any-step line; an overlapped step the overlap ratio; none that
+        captured a graph), a probe's cost, and the sequences that ended (forgotten, and their
+        lengths kept)."""
+        for seqs, seconds in rec.draft_decodes:
+            self.observe_draft_forward(seqs, seconds)
+        for tokens, seconds in rec.draft_catch_ups:
+            self.observe_draft_prefill(tokens, seconds)
+        for seq_id, k, accepted in rec.verified:
+            self.observe(seq_id, k, accepted)
+        if rec.timed and rec.tokens:
+            if rec.overlapped:
+                if rec.decode_only:
+                    self.observe_overlapped_step(rec.tokens, rec.seconds)
+            else:
+                self.observe_any_step(rec.tokens, rec.seconds)
+                if rec.decode_only:
+                    self.observe_step(rec.tokens, rec.seconds)
+        if rec.probe_seconds is not None:
+            self.observe_probe(rec.probe_seconds)
+        for seq_id, generated in rec.ended:
+            self.forget(seq_id)
+            if generated is not None:
+                self.observe_finished(generated)
+
     def observe_step(self, tokens: int, seconds: float) -> None:
         """A target forward's size and time. While the draft is bypassed only one step in 8 is
         kept: the steps are all alike then, and each kept point costs the host ~2 us of a step

@@ -13,7 +13,7 @@ from docproc.engine.model_runner import ModelRunner, inference
 from docproc.engine.sampler import probabilities
 from docproc.engine.sequence import Chunk, Sequence
 from docproc.engine.spec.draft import DraftView, draft_prompt
-from docproc.engine.spec.policy import AdaptiveK
+from docproc.engine.spec.policy import AdaptiveK, StepRecord
 from docproc.outputs import SpecStats
 
 
@@ -116,8 +116,9 @@ class Proposer:
         return True
 
     @inference
-    def propose(self, work: list[tuple[Sequence, int]]) -> dict[int, Proposal]:
+    def propose(self, work: list[tuple[Sequence, int]], rec: StepRecord) -> dict[int, Proposal]:
         """Up to k proposals for each (sequence, k); sequences whose draft cache has no room get none.
+        The forwards' times go into the step's record.
 
         Greedy rounds are chained on the device where the draft's steps run on its static graph
         path and every sequence drafts the same k: round r + 1 reads round r's argmax straight
@@ -201,11 +202,9 @@ class Proposer:
             if runner.num_graph_captures == captures and kind in self.timed_kinds:
                 if kind == "decode":
                     per = (time.perf_counter() - t_fwd) / (n_chained + 1)
-                    for _ in range(n_chained + 1):
-                        self.policy.observe_draft_forward(len(chunks), per)
+                    rec.draft_decodes += [(len(chunks), per)] * (n_chained + 1)
                 else:
-                    self.policy.observe_draft_prefill(sum(c.num_new_tokens for c in chunks),
-                                                      time.perf_counter() - t_fwd)
+                    rec.draft_catch_ups.append((sum(c.num_new_tokens for c in chunks), time.perf_counter() - t_fwd))
             self.timed_kinds.add(kind)
             for i, ((seq, v), tok) in enumerate(zip(live, tokens)):
                 v.num_computed_tokens = len(v)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from docproc.engine.sampler import probabilities
 from docproc.engine.sequence import Chunk, Sequence
 from docproc.engine.spec import rejection
+from docproc.engine.spec.policy import StepRecord, ended
 
 if TYPE_CHECKING:
     from docproc.engine.llm import LLM
@@ -32,13 +33,14 @@ class Verifier:
         it is not timed when it captured a CUDA graph or ran a draft forward of a new kind (one-off
         costs)."""
         spec = self.engine.speculator
-        if not spec.policy.probing:
-            return self._step(out, windows)
+        rec = StepRecord()
         before = (self.engine.runner.num_graph_captures, spec.runner.num_graph_captures, len(spec.timed_kinds))
         t0 = time.perf_counter()
-        done = self._step(out, windows)
-        if before == (self.engine.runner.num_graph_captures, spec.runner.num_graph_captures, len(spec.timed_kinds)):
-            spec.policy.observe_probe(time.perf_counter() - t0)
+        done = self._step(out, windows, rec)
+        if spec.policy.probing and before == (self.engine.runner.num_graph_captures, spec.runner.num_graph_captures,
+                                              len(spec.timed_kinds)):
+            rec.probe_seconds = time.perf_counter() - t0
+        spec.policy.record(rec)
         return done
 
     def windows(self, decoding: list[Sequence], k_step: int, ahead: int = 0) -> tuple[list[tuple[Sequence, int]], int]:
@@ -107,12 +109,12 @@ class Verifier:
                 spec.stats.bypassed_steps += 1
                 s.seq.spec_stats.bypassed_steps += 1
 
-    def _step(self, out: SchedulerOutput, windows: list[tuple[Sequence, int]]) -> list[Sequence]:
+    def _step(self, out: SchedulerOutput, windows: list[tuple[Sequence, int]], rec: StepRecord) -> list[Sequence]:
         eng = self.engine
         spec, runner = eng.speculator, eng.runner
         self._reserve(out, windows)
         t_draft = spec.draft_seconds
-        proposals = spec.propose(windows)
+        proposals = spec.propose(windows, rec)
         t_draft = spec.draft_seconds - t_draft
         chunks, props = [], []
         for s in out.scheduled:
@@ -152,7 +154,7 @@ class Verifier:
                 k = len(prop.tokens)
                 committed_before = seq.draft.num_committed if seq.draft else 0
                 spec.stats.record(k, accepted)
-                spec.policy.observe(seq.seq_id, k, accepted)
+                rec.verified.append((seq.seq_id, k, accepted))
                 seq.spec_stats.record(k, accepted)
                 spec.after_verify(seq, committed_before, k, accepted)
                 done = False
@@ -170,11 +172,9 @@ class Verifier:
                 if i in emitted and eng.append_token(seq, emitted[i][0][0], now):
                     finished.append(seq)
         t_target = time.perf_counter() - t0
-        # decode/verify steps only (prefill chunks would skew the line), and none that captured a graph
-        if runner.num_graph_captures == captures:
-            spec.policy.observe_any_step(meta.num_tokens, t_target)
-            if len(out.decoding) == len(out.scheduled):
-                spec.policy.observe_step(meta.num_tokens, t_target)
+        rec.tokens, rec.seconds, rec.timed = meta.num_tokens, t_target, runner.num_graph_captures == captures
+        rec.decode_only = len(out.decoding) == len(out.scheduled)
+        rec.ended = ended(finished)
         eng.count_step(meta.num_tokens, t_target + t_draft, False)  # a speculative step: not plain decode
         return finished
 
