@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from docproc.json_finite import endless
+
 # The checks below raise ValueError for a value of the wrong type as for one out of range, as vLLM
 # does: one `except ValueError` catches every bad argument. An unknown keyword is a TypeError, as
 # Python makes it for any function.
@@ -83,6 +85,14 @@ class StructuredOutputsParams:
                 json.dumps(self.json)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"json schema is not JSON: {e}") from None
+        if self.json is not None:
+            try:
+                schema = json.loads(self.json) if isinstance(self.json, str) else self.json
+            except ValueError:
+                schema = None  # (text that is not JSON: refused where the grammar is built, with its reason)
+            problem = endless(schema)
+            if problem is not None:
+                raise ValueError(f"json schema: {problem}")
         if self.choice is not None:
             if isinstance(self.choice, str) or not self.choice or not all(isinstance(c, str) and c
                                                                             for c in self.choice):

@@ -34,6 +34,12 @@ BAD_SCHEMAS = [  # (schema, what the message names)
     ({"$ref": "#"}, "circular"),
     ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "circular"),
     ({"$ref": "https://example.com/s.json"}, "inside the schema"),
+    # no finite value: decoding under them never ends (the grammar's forced text grew without bound)
+    ({"type": "object", "properties": {"n": {"$ref": "#"}}, "required": ["n"]}, "no finite JSON value"),
+    ({"$defs": {"a": {"type": "array", "minItems": 1, "items": {"$ref": "#/$defs/a"}}}, "type": "object",
+      "properties": {"x": {"$ref": "#/$defs/a"}}}, "at /properties/x"),
+    ({"anyOf": [{"type": "string"}, {"$ref": "#/$defs/b"}], "$defs": {"b": {"type": "object", "properties": {
+        "b": {"$ref": "#/$defs/b"}}, "required": ["b"]}}}, "at /anyOf/1"),
     ({"type": "string", "minLength": 5, "maxLength": 2}, "'minLength' 5 and 'maxLength' 2"),
     ({"type": "string", "pattern": "(["}, "'pattern'"),
     ({"enum": []}, "'enum'"),
@@ -61,6 +67,9 @@ def test_a_schema_that_cannot_be_used_is_named_before_any_model_loads(tmp_path, 
 
 def test_good_schemas_pass_and_recursion_through_a_value_is_allowed():
     check_schema({"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}})
+    check_schema({"type": "object", "properties": {"n": {"$ref": "#"}}})  # optional: {} ends it
+    check_schema({"$defs": {"b": {"type": "object", "properties": {"b": {"anyOf": [{"$ref": "#/$defs/b"},
+                  {"type": "null"}]}}, "required": ["b"]}}, "$ref": "#/$defs/b"})  # null ends it
     check_schema({"$defs": {"n": {"type": "number"}}, "type": "object", "properties": {"t": {"$ref": "#/$defs/n"}}})
     check_schema(_deep(48))
     load_queries(None)  # the default set's schema

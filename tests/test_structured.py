@@ -135,6 +135,10 @@ def test_parameters_take_exactly_one_constraint():
         StructuredOutputsParams(regex=re.compile("a+"))
     with pytest.raises(ValueError, match="json schema is not JSON"):
         StructuredOutputsParams(json={"enum": {1, 2}})
+    for endless in ({"type": "object", "properties": {"n": {"$ref": "#"}}, "required": ["n"]},
+                    '{"type": "array", "minItems": 1, "items": {"$ref": "#"}}'):
+        with pytest.raises(ValueError, match="no finite JSON value matches the subschema at the root"):
+            StructuredOutputsParams(json=endless)
     with pytest.raises(ValueError, match="stop strings and structured_outputs"):
         SamplingParams(stop=["}"], structured_outputs=StructuredOutputsParams(json={"type": "null"}))
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 
+from docproc.json_finite import endless
+
 MAX_DEPTH = 100  # nesting of objects and arrays in a query's schema (a property of a property: 2 levels)
 # keywords the grammar does not enforce while decoding (validated after, named in a warning): what
 # xgrammar's JSON Schema grammars leave out (tests/test_answers.py holds it to that)
@@ -124,6 +126,9 @@ def check_schema(schema) -> None:
                     raise SchemaProblem(f"$ref {sub['$ref']!r} at {where} is circular: it refers back to "
                                         f"itself without a value in between")
                 seen.add(id(node))
+    problem = endless(schema)
+    if problem is not None:
+        raise SchemaProblem(problem)
 
 
 def unenforced(schema) -> list[str]:
