@@ -64,6 +64,8 @@ def read_truth(path: str | Path) -> list[dict]:
     path = Path(path)
     if path.is_dir():
         raise TruthFileError(f"{path} is a folder: pass the truth file itself (one JSON record per line)")
+    if path.exists() and not path.is_file():  # a FIFO would block, a device (/dev/zero) never end
+        raise TruthFileError(f"{path} is not a regular file: pass the truth file itself (one JSON record per line)")
     try:
         data = path.read_bytes()
     except FileNotFoundError:

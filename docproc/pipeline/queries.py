@@ -107,6 +107,7 @@ QUERY_KEYS = ("name", "question", "type", "max_tokens", "schema", "schema_file",
 FILE_KEYS = ("name", "query")
 MAX_TOKENS_LIMIT = 32768
 SCHEMA_FILE_LIMIT = 1 << 20  # bytes: a JSON Schema is small; anything bigger is the wrong file
+QUERY_FILE_LIMIT = 16 << 20  # bytes: a query file, its schemas inline, likewise
 
 
 def load_queries(path: str | Path | None = None) -> QuerySet:
@@ -115,6 +116,10 @@ def load_queries(path: str | Path | None = None) -> QuerySet:
     path = Path(path) if path else default_query_file()
     if path.is_dir():
         raise QueryFileError(f"query file {path} is a folder: pass a .toml file of [[query]] tables")
+    if path.exists() and not path.is_file():  # a FIFO would block, a device (/dev/zero) never end
+        raise QueryFileError(f"query file {path} is not a regular file: pass a .toml file of [[query]] tables")
+    if path.is_file() and path.stat().st_size > QUERY_FILE_LIMIT:
+        raise QueryFileError(f"query file {path} is over {QUERY_FILE_LIMIT >> 20} MiB: not a query file")
     try:
         data = tomllib.loads(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
