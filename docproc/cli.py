@@ -328,6 +328,8 @@ def _leave(code: int | None) -> None:
         except Exception:  # noqa: BLE001 -- (another Python's internals): the ordinary exit then
             return
     for stream in (sys.stdout, sys.stderr):
+        if stream is None:  # (started with that descriptor closed: `docproc run ... >&-`)
+            continue
         try:
             stream.flush()
         except (OSError, ValueError):  # (closed, or a pipe whose reader left)

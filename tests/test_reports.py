@@ -212,6 +212,18 @@ def test_stats_into_a_pipe_whose_reader_left_ends_quietly(tmp_path):
     assert closed(str(tmp_path / "no-runs-here"), stream="stderr").returncode != 0
 
 
+def test_a_run_started_with_stdout_closed_leaves_with_its_own_code():
+    """`docproc run ... >&-` (cron, daemons): Python has no sys.stdout then, and the run's quick
+    exit (cli._leave) flushed it anyway, ending a completed run with exit 1 and a traceback."""
+    import subprocess
+    import sys
+
+    code = "import sys; from docproc import cli; assert sys.stdout is None; cli._leave(0)"
+    proc = subprocess.run([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          timeout=120, preexec_fn=lambda: os.close(1))
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+
+
 def test_stats_lists_a_killed_run_after_a_completed_one(tmp_path):
     out = tmp_path / "out"
     store = RunStore(out)
