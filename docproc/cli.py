@@ -156,11 +156,19 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def _path(value: str) -> Path:
+    """A path option or argument: an empty one is refused (`docproc run "$INBOX"` with the variable
+    unset meant the current folder)."""
+    if isinstance(value, str) and not value:
+        raise typer.BadParameter("an empty path (an unset shell variable?): name a file or folder")
+    return Path(value)
+
+
 @app.command(cls=_Command)
 def run(
-    inputs: list[Path] = typer.Argument(..., metavar="INPUTS", help="Files or folders (searched recursively)."),
-    out: Path = typer.Option(..., "--out", "-o", metavar="DIR", help="Output folder (results.parquet, json/, runs/)."),
-    queries: Optional[Path] = typer.Option(None, "--queries", metavar="FILE", help="Query set (TOML). Default: the bundled "
+    inputs: list[Path] = typer.Argument(..., metavar="INPUTS", parser=_path, help="Files or folders (searched recursively)."),
+    out: Path = typer.Option(..., "--out", "-o", metavar="DIR", parser=_path, help="Output folder (results.parquet, json/, runs/)."),
+    queries: Optional[Path] = typer.Option(None, "--queries", metavar="FILE", parser=_path, help="Query set (TOML). Default: the bundled "
                                                                      "invoice/receipt set."),
     model: Optional[str] = typer.Option(None, "--model", metavar="DIR", help="Model folder. Default: the bundled target model."),
     draft: Optional[str] = typer.Option(None, "--draft", metavar="DIR", help="Draft model folder for speculative decoding, "
@@ -659,9 +667,9 @@ def _load_llm(model_dir: str, draft_dir: Optional[str], on_fail=None, **engine):
 
 @app.command("run-batch", cls=_Command)
 def run_batch_cmd(
-    input_file: Path = typer.Option(..., "-i", "--input", help="OpenAI batch file: JSONL of {custom_id, method, "
+    input_file: Path = typer.Option(..., "-i", "--input", parser=_path, help="OpenAI batch file: JSONL of {custom_id, method, "
                                     "url, body}, url /v1/chat/completions or /v1/completions."),
-    output_file: Path = typer.Option(..., "-o", "--output", help="Results JSONL (appended to: a rerun answers only "
+    output_file: Path = typer.Option(..., "-o", "--output", parser=_path, help="Results JSONL (appended to: a rerun answers only "
                                      "the custom_ids it does not hold)."),
     model: Optional[str] = MODEL_OPT,
     draft: Optional[str] = DRAFT_OPT,
@@ -849,7 +857,7 @@ def serve_cmd(
 
 @app.command()
 def stats(
-    out: Path = typer.Argument(..., help="An output folder of docproc run."),
+    out: Path = typer.Argument(..., parser=_path, help="An output folder of docproc run."),
     run_id: Optional[str] = typer.Option(None, "--run", help="Show this run instead of the last one."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     limit: int = typer.Option(10, "--limit", metavar="N", help="How many recent runs to list."),
@@ -937,8 +945,8 @@ def _print_stats(data, as_json: bool, failures: bool) -> None:
 
 @app.command("eval")
 def eval_cmd(
-    out: Path = typer.Argument(..., help="An output folder of docproc run."),
-    truth: Path = typer.Option(..., "--truth", help="Ground truth, one JSON record per line (truth.jsonl)."),
+    out: Path = typer.Argument(..., parser=_path, help="An output folder of docproc run."),
+    truth: Path = typer.Option(..., "--truth", parser=_path, help="Ground truth, one JSON record per line (truth.jsonl)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Field exact match and F1 of OUT's answers against --truth (dates and amounts normalised).

@@ -279,6 +279,11 @@ def test_usage_errors_before_the_model_loads(run, tmp_path):
     assert res.exit_code == 2 and "does not exist" in res.output and not (tmp_path / "out").exists()
     assert time.perf_counter() - t0 < 30  # no model was loaded (it takes longer than discovery, not a timing test)
     page(tmp_path / "a.png")
+    # an empty path (`docproc run "$INBOX"` with the variable unset) is not the current folder
+    for args in (["", "--out", tmp_path / "out"], [tmp_path / "a.png", "--out", ""],
+                 [tmp_path / "a.png", "--out", tmp_path / "out", "--queries", ""], ["stats", ""]):
+        res = cli.invoke(app, ([] if args[0] == "stats" else ["run"]) + [str(a) for a in args])
+        assert res.exit_code == 2 and "an empty path" in res.output and not (tmp_path / "out").exists(), args
     cases = {
         'max_tokens = "many"': "whole number",
         "max_tokens = 2.7": "whole number",
