@@ -679,7 +679,7 @@ def run_batch_cmd(
     device: str = DEVICE_OPT,
     gpu_memory_utilization: float = GPU_UTIL_OPT,
     max_num_batched_tokens: int = BATCHED_TOKENS_OPT,
-    image_root: Optional[Path] = typer.Option(None, "--image-root", help="Local images and PDFs named in the file "
+    image_root: Optional[Path] = typer.Option(None, "--image-root", parser=_path, help="Local images and PDFs named in the file "
                                               "are read from under this folder only (data: URLs always work)."),
     seed: int = SEED_OPT,
     quiet: bool = typer.Option(False, "--quiet", help="Only errors and the summary line."),
@@ -772,7 +772,7 @@ def serve_cmd(
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
                                                     help="The model's name in /v1/models and answers. Default: "
                                                     "the model folder's name."),
-    image_root: Optional[Path] = typer.Option(None, "--image-root", help="Requests may name local images and PDFs "
+    image_root: Optional[Path] = typer.Option(None, "--image-root", parser=_path, help="Requests may name local images and PDFs "
                                               "(file:// URLs, paths) under this folder; without it only data: URLs."),
     max_request_mb: float = typer.Option(32.0, "--max-request-mb", help="Largest request body, in MiB."),
     max_images: int = typer.Option(16, "--max-images", help="Most images in one request (a PDF's pages count)."),

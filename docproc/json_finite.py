@@ -18,25 +18,33 @@ _SCALARS = ("null", "boolean", "number", "integer", "string")
 
 def endless(root) -> str | None:
     """A message naming the first subschema decoding can enter that no finite value matches (a
-    $ref cycle through required properties or non-empty arrays), or None when there is none (or
-    root is not a schema object). A least fixed point: every such subschema starts as admitting
-    no finite value, and one that admits a scalar, an empty array, an object whose required
-    properties admit finite values, a const, an enum, or a finite branch of its anyOf, is marked
-    finite, until nothing changes. $refs that do not resolve are left to the other checks."""
+    $ref cycle through required properties, minProperties or non-empty arrays), or None when there
+    is none (or root is not a schema object). A least fixed point over a worklist: every such
+    subschema starts as admitting no finite value and is marked finite once it admits a scalar,
+    an empty array, an object whose required properties admit finite values, a const, an enum, or
+    a finite branch of its anyOf; a subschema is looked at again only when one it depends on was
+    marked (linear in the schema). xgrammar decodes an anyOf, oneOf or allOf alone, ignoring the
+    keywords beside it, and so is this. A type it does not know, and $refs that do not resolve,
+    are left to the other checks."""
     if not isinstance(root, dict):
         return None
     nodes: dict[int, tuple[dict, str]] = {}
-    stack: list[tuple[object, tuple]] = [(root, ())]
+    parents: dict[int, list[int]] = {}  # id of a subschema -> ids of those whose answer depends on it
+    stack: list[tuple[object, tuple, int | None]] = [(root, (), None)]
     while stack:
-        node, path = stack.pop()
-        if not isinstance(node, dict) or id(node) in nodes:
+        node, path, parent = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        if parent is not None:
+            parents.setdefault(id(node), []).append(parent)
+        if id(node) in nodes:
             continue
         nodes[id(node)] = (node, "/" + "/".join(map(str, path)) if path else "the root")
         for key, child in _reached(node):
-            stack.append((child, path + key))
+            stack.append((child, path + key, id(node)))
         target = _target(root, node)
         if target is not None:
-            stack.append((target, tuple(p for p in node["$ref"][2:].split("/") if p)))
+            stack.append((target, tuple(p for p in node["$ref"][2:].split("/") if p), id(node)))
     finite: set[int] = set()
 
     def ok(child) -> bool:
@@ -45,16 +53,18 @@ def endless(root) -> str | None:
     def admits(node: dict) -> bool:
         if not ok(_target(root, node)):
             return False
-        if isinstance(node.get("allOf"), list) and not all(ok(s) for s in node["allOf"]):
-            return False
         for key in ("anyOf", "oneOf"):
-            if isinstance(node.get(key), list) and node[key] and not any(ok(s) for s in node[key]):
-                return False
+            if isinstance(node.get(key), list) and node[key]:
+                return any(ok(s) for s in node[key])
+        if isinstance(node.get("allOf"), list) and node["allOf"]:
+            return all(ok(s) for s in node["allOf"])
         if "const" in node or isinstance(node.get("enum"), list):
             return True
         types = node.get("type")
         types = types if isinstance(types, list) else [types]
-        if any(t in _SCALARS for t in types) or None in types and "properties" not in node and "items" not in node:
+        if any(t in _SCALARS for t in types) or not any(t in ("array", "object", None) for t in types):
+            return True  # (an unknown type: the meta-schema check or xgrammar names it)
+        if None in types and "properties" not in node and "items" not in node:
             return True
         if "array" in types or None in types and "items" in node:
             n = node.get("minItems", 0)
@@ -65,22 +75,29 @@ def endless(root) -> str | None:
         if "object" in types or None in types and "properties" in node:
             props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
             required = node.get("required") if isinstance(node.get("required"), list) else []
-            if all(ok(props.get(k, True)) for k in required if isinstance(k, str)):
+            if not all(ok(props.get(k, True)) for k in required if isinstance(k, str)):
+                return False
+            least = node.get("minProperties", 0)
+            if not isinstance(least, int) or least <= 0:
                 return True
+            extra = [node.get("additionalProperties"), *(node.get("patternProperties") or {}).values()]
+            if any(isinstance(x, dict) and ok(x) or x is True for x in extra):
+                return True  # as many more properties as it takes
+            return sum(ok(s) for s in props.values()) >= least
         return False
 
-    changed = True
-    while changed:
-        changed = False
-        for key, (node, _) in nodes.items():
-            if key not in finite and admits(node):
-                finite.add(key)
-                changed = True
+    todo = list(nodes)
+    while todo:
+        key = todo.pop()
+        if key in finite or not admits(nodes[key][0]):
+            continue
+        finite.add(key)
+        todo.extend(parent for parent in parents.get(key, ()) if parent not in finite)
     where = next((where for key, (_, where) in nodes.items() if key not in finite), None)
     if where is None:
         return None
     return (f"no finite JSON value matches the subschema at {where}: what it requires ($ref, required "
-            f"properties, minItems) refers back to it without end; make the recursion optional")
+            f"properties, minProperties, minItems) refers back to it without end; make the recursion optional")
 
 
 def _reached(node: dict):

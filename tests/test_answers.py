@@ -40,6 +40,7 @@ BAD_SCHEMAS = [  # (schema, what the message names)
       "properties": {"x": {"$ref": "#/$defs/a"}}}, "at /properties/x"),
     ({"anyOf": [{"type": "string"}, {"$ref": "#/$defs/b"}], "$defs": {"b": {"type": "object", "properties": {
         "b": {"$ref": "#/$defs/b"}}, "required": ["b"]}}}, "at /anyOf/1"),
+    ({"type": "object", "properties": {"a": {"$ref": "#"}}, "minProperties": 1}, "no finite JSON value"),
     ({"type": "string", "minLength": 5, "maxLength": 2}, "'minLength' 5 and 'maxLength' 2"),
     ({"type": "string", "pattern": "(["}, "'pattern'"),
     ({"enum": []}, "'enum'"),
@@ -70,6 +71,16 @@ def test_good_schemas_pass_and_recursion_through_a_value_is_allowed():
     check_schema({"type": "object", "properties": {"n": {"$ref": "#"}}})  # optional: {} ends it
     check_schema({"$defs": {"b": {"type": "object", "properties": {"b": {"anyOf": [{"$ref": "#/$defs/b"},
                   {"type": "null"}]}}, "required": ["b"]}}, "$ref": "#/$defs/b"})  # null ends it
+    # an anyOf is decoded alone (the keywords beside it are not): its null ends it
+    check_schema({"$defs": {"N": {"anyOf": [{"type": "null"}, {"type": "object"}], "properties": {
+        "next": {"$ref": "#/$defs/N"}}, "required": ["next"]}}, "$ref": "#/$defs/N"})
+    check_schema({"type": "object", "properties": {"a": {"$ref": "#"}, "b": {"type": "string"}}, "minProperties": 1})
+    # a long chain of $refs is checked in linear time (a quadratic check held a worker for minutes)
+    chain = {"$defs": {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}},
+                                 "required": ["x"]} for i in range(3000)}, "$ref": "#/$defs/d0"}
+    chain["$defs"]["d3000"] = {"type": "string"}
+    from docproc.json_finite import endless
+    assert endless(chain) is None
     check_schema({"$defs": {"n": {"type": "number"}}, "type": "object", "properties": {"t": {"$ref": "#/$defs/n"}}})
     check_schema(_deep(48))
     load_queries(None)  # the default set's schema

@@ -108,6 +108,7 @@ class OverlapDecoder:
                 ending.append(seq)
             else:
                 source[id(seq)] = k
+        declined = 0  # sequences whose catch-up would not pay, where the policy drafts
         if spec is not None:
             # only a bypassed decode step of every running sequence, with no admission waiting
             if not source or len(source) != len(sched.running) or (sched.waiting and len(source) < sched.max_num_seqs):
@@ -122,7 +123,6 @@ class OverlapDecoder:
                 if windows:
                     self.next_k = k  # the choice stands (a probe's countdown restarted with it)
                     return None
-                spec.num_catch_up_skips += declined
         for seq in ending:  # their places and blocks go to the step after prev
             if seq in sched.running:
                 sched.retire(seq)
@@ -159,6 +159,7 @@ class OverlapDecoder:
         nxt.overlapped = True
         if spec is not None:
             spec.stats.bypassed_steps += len(out.decoding)
+            spec.num_catch_up_skips += declined  # (counted once the step is launched)
             for seq in out.decoding:
                 seq.spec_stats.bypassed_steps += 1
         self.num_steps += 1

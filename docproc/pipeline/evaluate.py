@@ -55,6 +55,7 @@ class TruthFileError(ValueError):
 
 
 RECORD = 'a record must be a JSON object with "file" (a string) and "fields" (an object)'
+TRUTH_FILE_LIMIT = 256 << 20  # bytes: about a million records of a few fields
 
 
 def read_truth(path: str | Path) -> list[dict]:
@@ -64,10 +65,11 @@ def read_truth(path: str | Path) -> list[dict]:
     path = Path(path)
     if path.is_dir():
         raise TruthFileError(f"{path} is a folder: pass the truth file itself (one JSON record per line)")
-    if path.exists() and not path.is_file():  # a FIFO would block, a device (/dev/zero) never end
-        raise TruthFileError(f"{path} is not a regular file: pass the truth file itself (one JSON record per line)")
     try:
-        data = path.read_bytes()
+        with path.open("rb") as f:  # at most the limit (a pipe, `<(cmd)`, is fine; /dev/zero never ends)
+            data = f.read(TRUTH_FILE_LIMIT + 1)
+        if len(data) > TRUTH_FILE_LIMIT:
+            raise TruthFileError(f"{path} is over {TRUTH_FILE_LIMIT >> 20} MiB: not a truth file")
     except FileNotFoundError:
         raise TruthFileError(f"{path} does not exist: pass a truth file (one JSON record per line)") from None
     except OSError as e:

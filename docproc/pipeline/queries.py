@@ -116,12 +116,12 @@ def load_queries(path: str | Path | None = None) -> QuerySet:
     path = Path(path) if path else default_query_file()
     if path.is_dir():
         raise QueryFileError(f"query file {path} is a folder: pass a .toml file of [[query]] tables")
-    if path.exists() and not path.is_file():  # a FIFO would block, a device (/dev/zero) never end
-        raise QueryFileError(f"query file {path} is not a regular file: pass a .toml file of [[query]] tables")
-    if path.is_file() and path.stat().st_size > QUERY_FILE_LIMIT:
-        raise QueryFileError(f"query file {path} is over {QUERY_FILE_LIMIT >> 20} MiB: not a query file")
     try:
-        data = tomllib.loads(path.read_bytes().decode("utf-8"))
+        with path.open("rb") as f:  # at most the limit (a pipe, `<(cmd)`, is fine; /dev/zero never ends)
+            raw = f.read(QUERY_FILE_LIMIT + 1)
+        if len(raw) > QUERY_FILE_LIMIT:
+            raise QueryFileError(f"query file {path} is over {QUERY_FILE_LIMIT >> 20} MiB: not a query file")
+        data = tomllib.loads(raw.decode("utf-8"))
     except FileNotFoundError:
         raise QueryFileError(f"query file {path} does not exist") from None
     except OSError as e:
