@@ -118,13 +118,23 @@ def _target(root, node: dict):
     ref = node.get("$ref")
     if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
         return None
-    target = root
-    for part in (p for p in ref[2:].split("/") if p):
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(target, dict) and part in target:
-            target = target[part]
-        elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
-            target = target[int(part)]
-        else:
-            return None
+    target = resolve(root, ref)
     return target if isinstance(target, dict) else None
+
+
+MISSING = object()  # what resolve() gives for a pointer to nothing
+
+
+def resolve(root, ref: str):
+    """What a local JSON pointer ("#", "#/a/b", with ~0 and ~1 escapes) names in root, whatever
+    its type, or MISSING."""
+    node = root
+    for part in ref[2:].split("/") if ref != "#" else ():
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return MISSING
+    return node

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from docproc.json_finite import endless
+from docproc.json_finite import MISSING, endless, resolve
 
 MAX_DEPTH = 100  # nesting of objects and arrays in a query's schema (a property of a property: 2 levels)
 # keywords the grammar does not enforce while decoding (validated after, named in a warning): what
@@ -73,15 +73,9 @@ def _pointer(root, ref: str, where: str):
     if not ref.startswith("#/"):
         raise SchemaProblem(f"$ref {ref!r} at {where} is not a reference inside the schema (\"#/$defs/NAME\"): "
                             f"docproc reads no other documents")
-    node = root
-    for part in ref[2:].split("/"):
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            raise SchemaProblem(f"$ref {ref!r} at {where} points to nothing in the schema: define it under $defs")
+    node = resolve(root, ref)
+    if node is MISSING:
+        raise SchemaProblem(f"$ref {ref!r} at {where} points to nothing in the schema: define it under $defs")
     if not isinstance(node, (dict, bool)):
         raise SchemaProblem(f"$ref {ref!r} at {where} points to a {type(node).__name__}, not a schema")
     return node
