@@ -157,8 +157,8 @@ def _fmt(v) -> str:
 
 
 def _path(value: str) -> Path:
-    """A path option or argument: an empty one is refused (`docproc run "$INBOX"` with the variable
-    unset meant the current folder)."""
+    """A path option or argument: an empty one is refused (Path("") is the current folder, which
+    `docproc run "$INBOX"` with the variable unset does not mean)."""
     if isinstance(value, str) and not value:
         raise typer.BadParameter("an empty path (an unset shell variable?): name a file or folder")
     return Path(value)
