@@ -222,6 +222,30 @@ def test_json_schema_answers_parse_and_match(client):
         jsonschema.validate(json.loads(r.choices[0].message.content), schema)
 
 
+def test_a_request_whose_client_left_before_it_entered_the_engine_counts_as_aborted():
+    """A stream's client that leaves while its request still waits in the loop's queue (its
+    submit and cancel taken in one batch, the engine busy with a step): /metrics counts it under
+    finish_reason "abort", as one cancelled inside the engine is (it was counted nowhere)."""
+    import asyncio
+
+    from docproc.openai_compat.protocol import COMPLETIONS, Parsed
+    from docproc.openai_compat.server import EngineLoop, Job
+
+    eng = EngineLoop(LLM(str(bundled_model("target")), device="cpu"))
+    loop = asyncio.new_event_loop()
+    try:
+        job = Job(Parsed(COMPLETIONS, "Invoice number:", SamplingParams(max_tokens=4, n=2, temperature=1.0), None),
+                  loop, asyncio.Queue())
+        eng.queued += 1  # (admitted)
+        eng._inbox.put(("submit", job))
+        eng._inbox.put(("cancel", job))
+        eng.start()
+        eng.stop(timeout=60)
+    finally:
+        loop.close()
+    assert eng.finished == {"abort": 2} and eng.queued == 0 and eng.running == 0
+
+
 def test_malformed_requests_get_4xx_and_the_server_goes_on(server, client):
     base = server[1]
     good = {"model": "target", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -340,9 +340,10 @@ class EngineLoop:
                 elif kind == "cancel":
                     if job.handle is not None and id(job) in live:
                         stream.cancel(job.handle)
-                    elif job in waiting:
+                    elif job in waiting:  # (its client left before it entered the engine)
                         waiting.remove(job)
                         self._dequeued(job)
+                        self.finished["abort"] = self.finished.get("abort", 0) + job.parsed.params.n
             # into the engine while there is room
             while waiting and (not live or (len(live) < IN_FLIGHT
                                             and pixels + waiting[0].parsed.pixels <= PIXELS_IN_FLIGHT)):
