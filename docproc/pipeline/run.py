@@ -285,6 +285,8 @@ class Pipeline(DocumentWork):
                                        formats=self.s.formats)
         if self.store.writes_documents(self.s.formats):
             self.store.write_documents(documents_table(table, self.queries), self.s.formats)
+        if "json" in self.s.formats:
+            self.store.restore_document_json(table)
         self.stage_seconds["write"] += time.perf_counter() - t0
 
     def _manifest(self, started: str, seconds: float, status: str, fault: dict | None,

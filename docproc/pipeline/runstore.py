@@ -37,7 +37,7 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
 from docproc.errors import OutputUnwritable
-from docproc.pipeline.schema import RESULT_SCHEMA, int64_array, read_table, to_table
+from docproc.pipeline.schema import RESULT_SCHEMA, document_json, int64_array, read_table, to_table
 
 STATE_DIR = ".docproc"
 PART_SUFFIX = ".rows"
@@ -353,6 +353,22 @@ class RunStore:
             atomic_write_bytes(self.json_path(rel), json.dumps(doc, indent=2, ensure_ascii=False).encode())
         except OSError as e:
             raise output_fault(e, self.out) from None
+
+    def restore_document_json(self, table: pa.Table) -> int:
+        """Write again the JSON file of each document in table (the current rows) whose file is
+        gone (deleted by hand, or never written: an earlier run without json in --format); how
+        many. One stat per document; a file that is there is not read (a damaged one is
+        rewritten once deleted)."""
+        paths = table.column("path").to_pylist()
+        missing = {p for p in dict.fromkeys(paths) if not self.json_path(p).exists()}
+        if not missing:
+            return 0
+        rows: dict[str, list[dict]] = {}
+        for row in table.take(int64_array([i for i, p in enumerate(paths) if p in missing])).to_pylist():
+            rows.setdefault(row["path"], []).append(row)
+        for rel, doc_rows in rows.items():
+            self.write_document_json(rel, document_json(doc_rows))
+        return len(rows)
 
     def remove_document_json(self, rel: str) -> None:
         path = self.json_path(rel)
