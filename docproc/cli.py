@@ -855,9 +855,9 @@ def serve_cmd(
     raise typer.Exit(code)
 
 
-@app.command()
+@app.command(cls=_Command)
 def stats(
-    out: Path = typer.Argument(..., parser=_path, help="An output folder of docproc run."),
+    out: Path = typer.Argument(..., metavar="OUT", parser=_path, help="An output folder of docproc run."),
     run_id: Optional[str] = typer.Option(None, "--run", help="Show this run instead of the last one."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     limit: int = typer.Option(10, "--limit", metavar="N", help="How many recent runs to list."),
@@ -943,9 +943,9 @@ def _print_stats(data, as_json: bool, failures: bool) -> None:
     out_console.print(t)
 
 
-@app.command("eval")
+@app.command("eval", cls=_Command)
 def eval_cmd(
-    out: Path = typer.Argument(..., parser=_path, help="An output folder of docproc run."),
+    out: Path = typer.Argument(..., metavar="OUT", parser=_path, help="An output folder of docproc run."),
     truth: Path = typer.Option(..., "--truth", parser=_path, help="Ground truth, one JSON record per line (truth.jsonl)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:

@@ -66,8 +66,10 @@ def test_every_option_names_its_flag_and_metavar():
         if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "Option":
             flags = [a.value for a in node.args[1:] if isinstance(a, ast.Constant) and isinstance(a.value, str)]
             assert any(f.startswith("--") for f in flags), ast.unparse(node)[:80]
-    res = CliRunner().invoke(app, ["stats", "--help"])
-    assert "<int>" not in res.output and "--limit N" in res.output
+    for command in ("stats", "eval"):
+        res = CliRunner().invoke(app, [command, "--help"])
+        assert res.output.splitlines()[0].endswith(f"{command} [OPTIONS] OUT"), res.output
+    assert "<int>" not in res.output and "--limit N" in CliRunner().invoke(app, ["stats", "--help"]).output
 
 
 def test_version_prints_the_version_without_importing_torch():

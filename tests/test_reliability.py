@@ -284,6 +284,15 @@ def test_usage_errors_before_the_model_loads(run, tmp_path):
                  [tmp_path / "a.png", "--out", tmp_path / "out", "--queries", ""], ["stats", ""]):
         res = cli.invoke(app, ([] if args[0] == "stats" else ["run"]) + [str(a) for a in args])
         assert res.exit_code == 2 and "an empty path" in res.output and not (tmp_path / "out").exists(), args
+    (tmp_path / "l1").symlink_to(tmp_path / "l2")
+    (tmp_path / "l2").symlink_to(tmp_path / "l1")
+    (tmp_path / "gone").symlink_to(tmp_path / "nothing")
+    for args, want in (([tmp_path / "l1", "--out", tmp_path / "out"], "is a symbolic link loop"),
+                       ([tmp_path / "gone", "--out", tmp_path / "out"], "is a broken symbolic link"),
+                       (["stats", tmp_path / "typo"], f"{tmp_path / 'typo'} does not exist"),
+                       (["stats", tmp_path / "a.png"], "is not a folder")):
+        res = cli.invoke(app, ([] if args[0] == "stats" else ["run"]) + [str(a) for a in args])
+        assert res.exit_code == 2 and want in res.output and not (tmp_path / "out").exists(), (args, res.output)
     cases = {
         'max_tokens = "many"': "whole number",
         "max_tokens = 2.7": "whole number",

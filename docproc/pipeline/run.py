@@ -18,6 +18,7 @@ batch in flight. Either way the run ends with a manifest saying how it ended, an
 """
 from __future__ import annotations
 
+import errno
 import os
 import time
 import traceback
@@ -95,8 +96,12 @@ class Pipeline(DocumentWork):
         for inp in self.s.inputs:
             if not os.path.lexists(inp):
                 raise UsageError(f"input {inp} does not exist")
-            if not os.path.exists(inp):
-                raise UsageError(f"input {inp} is a broken symbolic link")
+            try:
+                os.stat(inp)
+            except OSError as e:
+                raise UsageError(f"input {inp} is a symbolic link loop" if e.errno == errno.ELOOP else
+                                 f"input {inp} is a broken symbolic link" if os.path.islink(inp) else
+                                 f"input {inp} cannot be read: {e.strerror}") from None
             real = os.path.realpath(inp)
             if real == out:
                 raise UsageError(f"the output folder {self.s.out} is also an input: pass another --out "

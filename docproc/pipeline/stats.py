@@ -119,6 +119,9 @@ def collect(out: str | Path, run_id: str | None = None, limit: int = 10) -> dict
     """The last run (or run_id) in detail, the recent runs, the runs known only from their rows
     ("runs_without_manifest") and the manifests that could not be read ("damaged_manifests")."""
     out = Path(out)
+    if not out.is_dir():
+        raise FileNotFoundError(f"{out} {'is not a folder' if out.exists() else 'does not exist'}: name the --out "
+                                f"folder of a docproc run")
     manifests, damaged = RunStore(out).read_manifests()
     rows = current_rows(out).to_pylist()
     by_run: dict[str, list[dict]] = defaultdict(list)
