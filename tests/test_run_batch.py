@@ -9,7 +9,9 @@ import json
 import os
 import signal
 import subprocess
+import struct
 import sys
+import zlib
 import time
 from pathlib import Path
 
@@ -201,6 +203,13 @@ def test_images_and_pdfs_from_the_image_root_only(tmp_path):
                        ("/nonexistent/x.png", "outside --image-root"), ("../missing.png", "outside --image-root")):
         with pytest.raises(RequestError, match=words):
             parse(url, body({"type": "image_url", "image_url": {"url": bad}}), limits, render)
+    # a header claiming 100000 x 100000 pixels (Pillow's bomb guard refuses to open it): its size, not "not an image"
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    bomb = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 100000, 100000, 8, 2, 0, 0, 0))
+            + chunk(b"IEND", b""))
+    with pytest.raises(RequestError, match=r"10000000000 pixels, more than 40000000"):
+        parse(url, body({"type": "image_url", "image_url": {"url": data_url(bomb, "image/png")}}), limits, render)
     with pytest.raises(RequestError, match="not a readable PDF"):
         parse(url, body({"type": "file", "file": {"file_data": data_url(b"%PDF-1.7 nonsense", "application/pdf")}}),
               limits, render)

@@ -221,7 +221,11 @@ def _image_pixels(raw: bytes, limits: Limits, where: str) -> int:
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             with Image.open(io.BytesIO(raw)) as img:
                 w, h = img.size
-    except (Image.UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError, TypeError,
+    except Image.DecompressionBombError as e:  # (its header is read: more pixels than Pillow opens)
+        m = re.search(r"\((\d+) pixels\)", str(e))
+        size = f"{int(m.group(1))} pixels" if m else "more pixels than Pillow opens"
+        raise RequestError(f"{where}: {size}, more than {limits.max_pixels}") from None
+    except (Image.UnidentifiedImageError, OSError, ValueError, TypeError,
             SyntaxError, KeyError, IndexError, EOFError, struct.error):
         raise RequestError(f"{where}: not an image Pillow recognises") from None
     if w * h > limits.max_pixels:
