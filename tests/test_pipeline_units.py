@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ from docproc.pipeline.evaluate import _f1, _norm
 from docproc.pipeline.normalize import normalize_amount, normalize_date
 from docproc.pipeline.queries import QueryFileError, build_prompt, load_queries, parse_answer
 from docproc.pipeline.runstore import json_relpath
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("text,iso", [("2024-03-01", "2024-03-01"), ("01.03.2024", "2024-03-01"),
@@ -117,6 +120,18 @@ def test_anchor_text_holds_every_printed_field_with_coordinates(tmp_path):
         doc.close()
         assert open_document(cand).page(0).text is None  # only on request
     assert seen == {"pdf", "png"}
+
+
+def test_a_pdf_named_as_an_image_is_read_as_a_pdf(tmp_path):
+    from docproc.pipeline.ingest import discover, open_document
+
+    shutil.copy(ROOT / "sample_docs" / "doc_2026_00001.pdf", tmp_path / "scan.png")
+    (tmp_path / "bad.png").write_bytes(b"not an image")
+    found = {c.path.name: c for c in discover([str(tmp_path)])}
+    assert found["scan.png"].doc_type == "pdf" and found["bad.png"].doc_type == "image"
+    doc = open_document(found["scan.png"])
+    assert doc.num_pages >= 1 and doc.page(0).image.width > 100
+    doc.close()
 
 
 def test_anchor_text_goes_between_the_images_and_the_question():

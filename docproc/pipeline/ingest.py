@@ -50,9 +50,17 @@ class Candidate:
     kind: str | None = None  # the skip's or error's kind
     is_error: bool = False  # an error outcome (an unlistable folder), not a skip
 
-    @property
+    @functools.cached_property
     def doc_type(self) -> str:
-        return "pdf" if self.path.suffix.lower() in PDF_SUFFIXES else "image"
+        """pdf or image: by the name's suffix, but a file named as an image that holds a PDF (its
+        first KiB has the %PDF- header, as readers accept it) is one."""
+        if self.path.suffix.lower() in PDF_SUFFIXES:
+            return "pdf"
+        try:
+            with open(self.path, "rb") as f:
+                return "pdf" if b"%PDF-" in f.read(1024) else "image"
+        except OSError:
+            return "image"  # (opening it says why)
 
 
 @dataclass
