@@ -65,7 +65,6 @@ def products(geo: dict, dev: torch.device, rows: list[int], fp8: bool) -> dict:
             y = prod(x[:m])[: min(8, m)]
             cells[m] = {"vs_alone": compare(y, alone[: len(y)]), "vs_two_rows": compare(y[:2], pair[: len(y[:2])])}
         out[name] = cells
-        del w, x, wq
     return out
 
 
