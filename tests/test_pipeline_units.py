@@ -126,7 +126,7 @@ def test_a_pdf_named_as_an_image_is_read_as_a_pdf(tmp_path):
     from docproc.pipeline.ingest import discover, open_document
 
     shutil.copy(ROOT / "sample_docs" / "doc_2026_00001.pdf", tmp_path / "scan.png")
-    (tmp_path / "bad.png").write_bytes(b"not an image")
+    (tmp_path / "bad.png").write_bytes(b"not an image %PDF-1.7")
     found = {c.path.name: c for c in discover([str(tmp_path)])}
     assert found["scan.png"].doc_type == "pdf" and found["bad.png"].doc_type == "image"
     doc = open_document(found["scan.png"])

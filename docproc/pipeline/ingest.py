@@ -52,13 +52,13 @@ class Candidate:
 
     @functools.cached_property
     def doc_type(self) -> str:
-        """pdf or image: by the name's suffix, but a file named as an image that holds a PDF (its
-        first KiB has the %PDF- header, as readers accept it) is one."""
+        """pdf or image: by the name's suffix, but a file named as an image that starts with a PDF's
+        %PDF- header is one (an image whose metadata holds the text further on stays an image)."""
         if self.path.suffix.lower() in PDF_SUFFIXES:
             return "pdf"
         try:
             with open(self.path, "rb") as f:
-                return "pdf" if b"%PDF-" in f.read(1024) else "image"
+                return "pdf" if f.read(5) == b"%PDF-" else "image"
         except OSError:
             return "image"  # (opening it says why)
 
