@@ -134,6 +134,31 @@ def test_a_pdf_named_as_an_image_is_read_as_a_pdf(tmp_path):
     doc.close()
 
 
+def test_a_file_or_folder_that_cannot_be_looked_at_is_its_own_error(tmp_path, monkeypatch):
+    """A folder that can be listed but not searched (mode r--) names entries that lstat refuses:
+    each is an error row, the rest of the input is found."""
+    import errno
+    import os
+
+    from docproc.pipeline.ingest import discover
+
+    (tmp_path / "sub" / "deep").mkdir(parents=True)
+    for name in ("a.png", "sub/b.png", "sub/deep/c.png"):
+        (tmp_path / name).write_bytes(b"x")
+    lstat = os.lstat
+
+    def refusing(path, *a, **kw):
+        if os.path.dirname(os.fspath(path)) == str(tmp_path / "sub"):
+            raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+        return lstat(path, *a, **kw)
+
+    monkeypatch.setattr(os, "lstat", refusing)
+    found = {c.rel: c for c in discover([str(tmp_path)])}
+    assert not found["a.png"].skip_reason
+    assert found["sub/b.png"].kind == "unreadable" and found["sub/b.png"].is_error
+    assert found["sub/deep/"].kind == "unlistable_folder" and "Permission denied" in found["sub/deep/"].skip_reason
+
+
 def test_anchor_text_goes_between_the_images_and_the_question():
     p = build_prompt(2, "What is the total?", "Page 1:\nPage size: 595x842\n[36,76]Total 12.00")
     assert p.index("<|vision_end|>Document text:\nPage 1:") > 0

@@ -163,7 +163,13 @@ def discover(inputs: list[str | Path], exclude: list[str | Path] = ()) -> list[C
             keep = []
             for d in dirnames:
                 p = Path(dirpath) / d
-                if p.is_symlink():
+                try:
+                    is_link = stat.S_ISLNK(os.lstat(p).st_mode)
+                except OSError as e:  # (a folder listed but not searchable: its entries cannot be looked at)
+                    out.append(Candidate(p, folder_key(str(p)), shown_root, f"cannot list folder: {e.strerror}",
+                                         "unlistable_folder", is_error=True))
+                    continue
+                if is_link:
                     links.append((p, key(str(p.relative_to(root)))))
                 elif not any(_is_within(os.path.realpath(p), x) for x in excluded):
                     keep.append(d)
@@ -171,7 +177,13 @@ def discover(inputs: list[str | Path], exclude: list[str | Path] = ()) -> list[C
             for name in sorted(filenames):
                 p = Path(dirpath) / name
                 k = key(str(p.relative_to(root)))
-                if p.is_symlink():
+                try:
+                    is_link = stat.S_ISLNK(os.lstat(p).st_mode)
+                except OSError as e:
+                    out.append(Candidate(p, k, shown_root, f"cannot read file: {e.strerror}", "unreadable",
+                                         is_error=True))
+                    continue
+                if is_link:
                     links.append((p, k))
                 else:
                     out.extend(_candidate(p, k, shown_root, excluded, seen))
