@@ -855,6 +855,14 @@ def serve_cmd(
     raise typer.Exit(code)
 
 
+def _reading_error(e: Exception, out: Path) -> str:
+    """stats' and eval's one line for what stopped them: our own message, or the system's
+    refusal with the path it names (a permission, an I/O error)."""
+    if isinstance(e, OSError) and e.errno is not None:
+        return f"cannot read {e.filename or out}: {e.strerror}"
+    return str(e.args[0] if e.args else e)
+
+
 @app.command(cls=_Command)
 def stats(
     out: Path = typer.Argument(..., metavar="OUT", parser=_path, help="An output folder of docproc run."),
@@ -876,8 +884,8 @@ def stats(
         raise typer.Exit(EXIT_USAGE)
     try:
         data = list_failures(out) if failures else collect(out, run_id, limit)
-    except (FileNotFoundError, KeyError) as e:
-        error(e.args[0] if e.args else e)
+    except (OSError, KeyError) as e:
+        error(_reading_error(e, out))
         raise typer.Exit(EXIT_USAGE)
     for d in [] if failures else data["damaged_manifests"]:
         error(f"{d['file']} is {d['reason']}: run {d['run_id']} is skipped (its rows, if any, are reported "
@@ -957,8 +965,8 @@ def eval_cmd(
 
     try:
         res = evaluate(out, truth)
-    except (FileNotFoundError, json.JSONDecodeError, KeyError, ValueError) as e:
-        error(e)
+    except (OSError, json.JSONDecodeError, KeyError, ValueError) as e:
+        error(_reading_error(e, out))
         raise typer.Exit(EXIT_USAGE)
     with _report_to_stdout():
         _print_eval(res, as_json)

@@ -290,8 +290,9 @@ def test_usage_errors_before_the_model_loads(run, tmp_path):
     for args, want in (([tmp_path / "l1", "--out", tmp_path / "out"], "is a symbolic link loop"),
                        ([tmp_path / "gone", "--out", tmp_path / "out"], "is a broken symbolic link"),
                        (["stats", tmp_path / "typo"], f"{tmp_path / 'typo'} does not exist"),
-                       (["stats", tmp_path / "a.png"], "is not a folder")):
-        res = cli.invoke(app, ([] if args[0] == "stats" else ["run"]) + [str(a) for a in args])
+                       (["stats", tmp_path / "a.png"], "is not a folder"),
+                       (["eval", tmp_path / "a.png", "--truth", tmp_path / "a.png"], "is not a folder")):
+        res = cli.invoke(app, ([] if args[0] in ("stats", "eval") else ["run"]) + [str(a) for a in args])
         assert res.exit_code == 2 and want in res.output and not (tmp_path / "out").exists(), (args, res.output)
     cases = {
         'max_tokens = "many"': "whole number",

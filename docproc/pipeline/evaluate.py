@@ -113,6 +113,9 @@ def read_truth(path: str | Path) -> list[dict]:
 def evaluate(out: str | Path, truth_file: str | Path) -> dict:
     out = Path(out)
     results = out / "results.parquet"
+    if not out.is_dir():
+        raise FileNotFoundError(f"{out} {'is not a folder' if out.exists() else 'does not exist'}: name the --out "
+                                f"folder of a docproc run")
     if not results.is_file():
         raise FileNotFoundError(f"{results} does not exist: run `docproc run ... --out {out}` first")
     truth = read_truth(truth_file)
