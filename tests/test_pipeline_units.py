@@ -159,6 +159,21 @@ def test_a_file_or_folder_that_cannot_be_looked_at_is_its_own_error(tmp_path, mo
     assert found["sub/deep/"].kind == "unlistable_folder" and "Permission denied" in found["sub/deep/"].skip_reason
 
 
+def test_a_pdf_page_too_large_even_at_one_dpi_is_rendered_within_the_pixel_cap(tmp_path):
+    import pymupdf
+
+    from docproc.pipeline.ingest import discover, open_document, page_zoom
+
+    assert page_zoom(612, 792, 120, 40_000_000) == 120 / 72  # a letter page: as asked
+    assert page_zoom(33 * 72 * 10, 47 * 72 * 10, 120, 40_000_000) == 16 / 72  # a wall of a poster: 16.06 dpi fits
+    pdf = pymupdf.open()
+    pdf.new_page(width=14400, height=14400).set_mediabox(pymupdf.Rect(0, 0, 1_200_000, 1_200_000))
+    pdf.save(tmp_path / "giant.pdf")
+    (cand,) = discover([str(tmp_path / "giant.pdf")])
+    w, h = open_document(cand, max_pixels=4_000_000).page(0).image.size
+    assert 3_900_000 < w * h <= 4_000_000  # (at 1 dpi it was 278 Mpx)
+
+
 def test_anchor_text_goes_between_the_images_and_the_question():
     p = build_prompt(2, "What is the total?", "Page 1:\nPage size: 595x842\n[36,76]Total 12.00")
     assert p.index("<|vision_end|>Document text:\nPage 1:") > 0

@@ -291,6 +291,8 @@ def pdf_pages(data: bytes, limits: Limits, where: str) -> list:
     import pymupdf
     from PIL import Image
 
+    from docproc.pipeline.ingest import page_zoom
+
     try:
         doc = pymupdf.open(stream=data, filetype="pdf")
     except Exception:  # noqa: BLE001 - MuPDF's errors vary: any is a damaged file
@@ -304,16 +306,13 @@ def pdf_pages(data: bytes, limits: Limits, where: str) -> list:
             raise RequestError(f"{where}: {doc.page_count} pages, more than {limits.max_images}")
         # each page at pdf_dpi, lowered to fit max_pixels (a poster-sized page); the whole PDF
         # within the request's pixels, checked before anything is rendered
-        dpis = []
-        for page in doc:
-            area = max(1.0, page.rect.width * page.rect.height) / 72 ** 2
-            dpis.append((max(1, int(min(float(limits.pdf_dpi), (limits.max_pixels / area) ** 0.5))), area))
-        if sum(d * d * a for d, a in dpis) > limits.max_request_pixels:
-            raise RequestError(f"{where}: its pages hold more than {limits.max_request_pixels} pixels at "
-                               f"{limits.pdf_dpi} dpi")
+        zooms = [page_zoom(page.rect.width, page.rect.height, limits.pdf_dpi, limits.max_pixels) for page in doc]
+        pixels = sum(z * z * page.rect.width * page.rect.height for z, page in zip(zooms, doc))
+        if pixels > limits.max_request_pixels:
+            raise RequestError(f"{where}: its pages hold {int(pixels)} pixels, more than {limits.max_request_pixels}")
         pages = []
-        for page, (dpi, _) in zip(doc, dpis):
-            pix = page.get_pixmap(dpi=dpi, alpha=False)
+        for page, z in zip(doc, zooms):
+            pix = page.get_pixmap(matrix=pymupdf.Matrix(z, z), alpha=False)
             pages.append(Image.frombytes("RGB", (pix.width, pix.height), pix.samples))
         return pages
     except RequestError:

@@ -392,10 +392,8 @@ def _open_pdf(c: Candidate, digest: str, dpi: int, max_pages: int | None, max_pi
             if not (w_in > 0 and h_in > 0):
                 raise DocumentError(f"page {i + 1} has no area ({page.rect.width:g} x {page.rect.height:g} pt)",
                                     "render")
-            page_dpi = dpi
-            if w_in * h_in * dpi * dpi > max_pixels:  # lower the DPI to fit the pixel cap
-                page_dpi = max(1, int((max_pixels / max(w_in * h_in, 1e-6)) ** 0.5))
-            pix = page.get_pixmap(dpi=page_dpi, alpha=False, colorspace=pymupdf.csRGB)
+            zoom = page_zoom(page.rect.width, page.rect.height, dpi, max_pixels)
+            pix = page.get_pixmap(matrix=pymupdf.Matrix(zoom, zoom), alpha=False, colorspace=pymupdf.csRGB)
             text = anchor_text(page) if with_text else None
         except DocumentError:
             raise
@@ -405,6 +403,17 @@ def _open_pdf(c: Candidate, digest: str, dpi: int, max_pages: int | None, max_pi
         return Page(i, img, pixel_hash(img), img.width, img.height, text or None)
 
     return Document(c, digest, pdf.page_count, max_pages, render, pdf.close)
+
+
+def page_zoom(width_pt: float, height_pt: float, dpi: int, max_pixels: int) -> float:
+    """Pixels per point for a PDF page of this size: dpi / 72, or the whole dpi below it that fits
+    max_pixels (a poster-sized page), or, for a page too large even at 1 dpi, the zoom that fits
+    it exactly (never more pixels than max_pixels, whatever the page claims)."""
+    area_in = max(width_pt * height_pt, 1e-6) / 72 ** 2
+    if area_in * dpi * dpi <= max_pixels:
+        return dpi / 72
+    fit = (max_pixels / area_in) ** 0.5
+    return int(fit) / 72 if fit >= 1 else fit * 0.999 / 72  # (0.999: a rounded-up edge stays inside)
 
 
 _BOMB_PIXELS = re.compile(r"\((\d+) pixels\)")
