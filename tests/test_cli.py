@@ -69,15 +69,20 @@ def test_full_run_then_incremental_then_force(docs, qwen2_vl_dir, tmp_path):
     assert m["peak_memory"]["gpu_alloc_retries"] is None  # (no CUDA here)
     assert m["model"]["text"] and m["query_set"]["fingerprint"]
 
-    # a JSON file deleted by hand is written again from the rows, byte for byte, by a run with nothing to do
-    gone = out / "json" / (next(iter(sorted(docs.iterdir()))).name + ".json")
+    # a JSON file deleted by hand is written again from the rows, byte for byte, by a run with nothing
+    # to do; one whose place a folder took is told, and the run still succeeds
+    gone, blocked = (out / "json" / (f.name + ".json") for f in sorted(docs.iterdir())[:2])
     before = gone.read_bytes()
     gone.unlink()
+    blocked.unlink()
+    blocked.mkdir()
     again = run_cli("run", docs, "--out", out, "--model", qwen2_vl_dir, "--device", "cpu")
-    assert again.exit_code == 0
+    assert again.exit_code == 0, again.output
     m2 = manifest(out)
     assert m2["totals"]["already_done"] == 5 and m2["totals"]["requests"] == 0
     assert gone.read_bytes() == before
+    assert "1 document JSON file(s) missing from" in again.output and "could not be written again" in again.output
+    blocked.rmdir()
     # nothing to do: the configuration fingerprint came from the cache, the model was not loaded
     assert m["engine_loaded"] and not m2["engine_loaded"] and m2["stage_seconds"]["load_model"] == 0.0
     assert m2["config_fingerprint"] == m["config_fingerprint"] and m2["model"]["text"] == m["model"]["text"]

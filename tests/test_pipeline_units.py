@@ -174,6 +174,19 @@ def test_a_pdf_page_too_large_even_at_one_dpi_is_rendered_within_the_pixel_cap(t
     assert 3_900_000 < w * h <= 4_000_000  # (at 1 dpi it was 278 Mpx)
 
 
+def test_a_json_folder_linked_into_an_input_is_not_searched(tmp_path):
+    from docproc.pipeline.ingest import discover
+    from docproc.pipeline.runstore import RunStore
+
+    (tmp_path / "in" / "answers").mkdir(parents=True)
+    (tmp_path / "in" / "a.png").write_bytes(b"x")
+    (tmp_path / "in" / "answers" / "a.png.json").write_text("{}")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "json").symlink_to(tmp_path / "in" / "answers")
+    found = [c.rel for c in discover([str(tmp_path / "in")], exclude=RunStore(tmp_path / "out").own_folders())]
+    assert found == ["a.png"]
+
+
 def test_anchor_text_goes_between_the_images_and_the_question():
     p = build_prompt(2, "What is the total?", "Page 1:\nPage size: 595x842\n[36,76]Total 12.00")
     assert p.index("<|vision_end|>Document text:\nPage 1:") > 0

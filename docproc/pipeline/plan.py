@@ -34,7 +34,7 @@ def dry_run(p) -> dict:
     p._pending = []  # the rows the triage makes (kept here, never written)
     try:
         p.check_models()
-        candidates = discover(p.s.inputs, exclude=[p.s.out])
+        candidates = discover(p.s.inputs, exclude=p.store.own_folders())
         rows = p.store.current().to_pylist()
         p._reconcile(candidates, rows)
         fingerprint = _fingerprint(p, candidates, told)

@@ -179,7 +179,7 @@ class Pipeline(DocumentWork):
         self.check_models()
         self.cfg = self.cached_config()  # read at each use below: loading the engine may correct it
         t0 = time.perf_counter()
-        candidates = discover(self.s.inputs, exclude=[self.s.out])
+        candidates = discover(self.s.inputs, exclude=self.store.own_folders())
         self.stage_seconds["discover"] += time.perf_counter() - t0
         self.mark("discover", t0, time.perf_counter())
         self.totals.files = len(candidates)
@@ -291,7 +291,14 @@ class Pipeline(DocumentWork):
         if self.store.writes_documents(self.s.formats):
             self.store.write_documents(documents_table(table, self.queries), self.s.formats)
         if "json" in self.s.formats:
-            self.store.restore_document_json(table)
+            written, failed = self.store.restore_document_json(table)
+            if written:
+                self.report("note", {"message": f"{written} document JSON file(s) missing from {self.store.json_dir} "
+                                                f"written again from the rows"})
+            if failed:
+                self.report("warning", {"message": (
+                    f"{len(failed)} document JSON file(s) missing from {self.store.json_dir} could not be written "
+                    f"again (first: {failed[0][0]}: {failed[0][1]}); the rows in results.parquet hold the answers")})
         self.stage_seconds["write"] += time.perf_counter() - t0
 
     def _manifest(self, started: str, seconds: float, status: str, fault: dict | None,

@@ -345,6 +345,11 @@ class RunStore:
             raise output_fault(e, self.out) from None
 
     # ---- documents and manifests --------------------------------------------------------------
+    def own_folders(self) -> list[Path]:
+        """The folders a discovery must never enter: OUT, and its json/ where that is a link to
+        elsewhere (else a run would read the JSON files it writes as documents)."""
+        return [self.out, self.json_dir]
+
     def json_path(self, rel: str) -> Path:
         return self.json_dir / json_relpath(rel)
 
@@ -354,21 +359,26 @@ class RunStore:
         except OSError as e:
             raise output_fault(e, self.out) from None
 
-    def restore_document_json(self, table: pa.Table) -> int:
-        """Write again the JSON file of each document in table (the current rows) whose file is
-        gone (deleted by hand, or never written: an earlier run without json in --format); how
-        many. One stat per document; a file that is there is not read (a damaged one is
-        rewritten once deleted)."""
+    def restore_document_json(self, table: pa.Table) -> tuple[int, list[tuple[str, str]]]:
+        """Write again the JSON file of each document in table (the current rows) that has none
+        (deleted by hand, or never written: an earlier run without json in --format): (how many
+        were written, [(document, why not)] for those that could not be). One stat per document;
+        a file that is there is not read (a damaged one is rewritten once deleted)."""
         paths = table.column("path").to_pylist()
-        missing = {p for p in dict.fromkeys(paths) if not self.json_path(p).exists()}
+        missing = {p for p in dict.fromkeys(paths) if not self.json_path(p).is_file()}
         if not missing:
-            return 0
+            return 0, []
         rows: dict[str, list[dict]] = {}
         for row in table.take(int64_array([i for i, p in enumerate(paths) if p in missing])).to_pylist():
             rows.setdefault(row["path"], []).append(row)
+        written, failed = 0, []
         for rel, doc_rows in rows.items():
-            self.write_document_json(rel, document_json(doc_rows))
-        return len(rows)
+            try:
+                self.write_document_json(rel, document_json(doc_rows))
+                written += 1
+            except OutputUnwritable as e:  # (a folder where the file goes, a read-only json/)
+                failed.append((rel, str(e)))
+        return written, failed
 
     def remove_document_json(self, rel: str) -> None:
         path = self.json_path(rel)
