@@ -287,7 +287,8 @@ def test_usage_errors_before_the_model_loads(run, tmp_path):
     (tmp_path / "l1").symlink_to(tmp_path / "l2")
     (tmp_path / "l2").symlink_to(tmp_path / "l1")
     (tmp_path / "gone").symlink_to(tmp_path / "nothing")
-    for args, want in (([tmp_path / "l1", "--out", tmp_path / "out"], "is a symbolic link loop"),
+    for args, want in (([tmp_path / "l1", "--out", tmp_path / "out"], "is (or passes through) a symbolic link loop"),
+                       ([tmp_path / "l1" / "x.png", "--out", tmp_path / "out"], "passes through) a symbolic link loop"),
                        ([tmp_path / "gone", "--out", tmp_path / "out"], "is a broken symbolic link"),
                        (["stats", tmp_path / "typo"], f"{tmp_path / 'typo'} does not exist"),
                        (["stats", tmp_path / "a.png"], "is not a folder"),

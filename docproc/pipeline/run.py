@@ -94,14 +94,15 @@ class Pipeline(DocumentWork):
     def _check_paths(self) -> None:
         out = os.path.realpath(self.s.out)
         for inp in self.s.inputs:
-            if not os.path.lexists(inp):
-                raise UsageError(f"input {inp} does not exist")
-            try:
-                os.stat(inp)
-            except OSError as e:
-                raise UsageError(f"input {inp} is a symbolic link loop" if e.errno == errno.ELOOP else
-                                 f"input {inp} is a broken symbolic link" if os.path.islink(inp) else
-                                 f"input {inp} cannot be read: {e.strerror}") from None
+            for look in (os.lstat, os.stat):  # the path itself, then what a link names
+                try:
+                    look(inp)
+                except OSError as e:
+                    raise UsageError(
+                        f"input {inp} is (or passes through) a symbolic link loop" if e.errno == errno.ELOOP else
+                        f"input {inp} does not exist" if look is os.lstat and e.errno in (errno.ENOENT, errno.ENOTDIR)
+                        else f"input {inp} is a broken symbolic link" if e.errno in (errno.ENOENT, errno.ENOTDIR)
+                        else f"input {inp} cannot be read: {e.strerror}") from None
             real = os.path.realpath(inp)
             if real == out:
                 raise UsageError(f"the output folder {self.s.out} is also an input: pass another --out "
