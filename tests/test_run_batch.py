@@ -210,6 +210,8 @@ def test_images_and_pdfs_from_the_image_root_only(tmp_path):
             + chunk(b"IEND", b""))
     with pytest.raises(RequestError, match=r"10000000000 pixels, more than 40000000"):
         parse(url, body({"type": "image_url", "image_url": {"url": data_url(bomb, "image/png")}}), limits, render)
+    with pytest.raises(RequestError, match=r"a PDF, not an image: send it as a file part"):
+        parse(url, body({"type": "image_url", "image_url": {"url": data_url(pdf, "image/png")}}), limits, render)
     with pytest.raises(RequestError, match="not a readable PDF"):
         parse(url, body({"type": "file", "file": {"file_data": data_url(b"%PDF-1.7 nonsense", "application/pdf")}}),
               limits, render)

@@ -227,6 +227,9 @@ def _image_pixels(raw: bytes, limits: Limits, where: str) -> int:
         raise RequestError(f"{where}: {size}, more than {limits.max_pixels}") from None
     except (Image.UnidentifiedImageError, OSError, ValueError, TypeError,
             SyntaxError, KeyError, IndexError, EOFError, struct.error):
+        if raw[:5] == b"%PDF-":
+            raise RequestError(f"{where}: a PDF, not an image: send it as a file part "
+                               f"({{\"type\": \"file\", \"file\": {{\"file_data\": ...}}}})") from None
         raise RequestError(f"{where}: not an image Pillow recognises") from None
     if w * h > limits.max_pixels:
         raise RequestError(f"{where}: {w}x{h} pixels, more than {limits.max_pixels}")
