@@ -860,7 +860,7 @@ def _reading_error(e: Exception, out: Path) -> str:
     refusal with the path it names (a permission, an I/O error)."""
     if isinstance(e, OSError) and e.errno is not None:
         return f"cannot read {e.filename or out}: {e.strerror}"
-    return str(e.args[0] if e.args else e)
+    return str(e.args[0] if isinstance(e, KeyError) and e.args else e)  # (a KeyError's str() quotes it)
 
 
 @app.command(cls=_Command)

@@ -81,7 +81,8 @@ def test_full_run_then_incremental_then_force(docs, qwen2_vl_dir, tmp_path):
     m2 = manifest(out)
     assert m2["totals"]["already_done"] == 5 and m2["totals"]["requests"] == 0
     assert gone.read_bytes() == before
-    assert "1 document JSON file(s) missing from" in again.output and "could not be written again" in again.output
+    assert "writing 2 document JSON file(s) missing from" in again.output
+    assert "1 of them could not be written (first: " in again.output
     blocked.rmdir()
     # nothing to do: the configuration fingerprint came from the cache, the model was not loaded
     assert m["engine_loaded"] and not m2["engine_loaded"] and m2["stage_seconds"]["load_model"] == 0.0

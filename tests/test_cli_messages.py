@@ -66,10 +66,10 @@ def test_every_option_names_its_flag_and_metavar():
         if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "Option":
             flags = [a.value for a in node.args[1:] if isinstance(a, ast.Constant) and isinstance(a.value, str)]
             assert any(f.startswith("--") for f in flags), ast.unparse(node)[:80]
-    for command in ("stats", "eval"):
+    for command in ("eval", "stats"):
         res = CliRunner().invoke(app, [command, "--help"])
         assert res.output.splitlines()[0].endswith(f"{command} [OPTIONS] OUT"), res.output
-    assert "<int>" not in res.output and "--limit N" in CliRunner().invoke(app, ["stats", "--help"]).output
+    assert "<int>" not in res.output and "--limit N" in res.output  # (stats')
 
 
 def test_version_prints_the_version_without_importing_torch():

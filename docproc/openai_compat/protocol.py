@@ -224,7 +224,7 @@ def _image_pixels(raw: bytes, limits: Limits, where: str) -> int:
     except Image.DecompressionBombError as e:  # (its header is read: more pixels than Pillow opens)
         m = re.search(r"\((\d+) pixels\)", str(e))
         size = f"{int(m.group(1))} pixels" if m else "more pixels than Pillow opens"
-        raise RequestError(f"{where}: {size}, more than {limits.max_pixels}") from None
+        raise RequestError(f"{where}: {size}, more than {min(limits.max_pixels, 2 * Image.MAX_IMAGE_PIXELS)}") from None
     except (Image.UnidentifiedImageError, OSError, ValueError, TypeError,
             SyntaxError, KeyError, IndexError, EOFError, struct.error):
         if raw[:5] == b"%PDF-":

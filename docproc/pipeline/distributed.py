@@ -527,7 +527,7 @@ class RayPipeline(Pipeline):
             self._distribute(list(groups.values()))
         self._flush()
         self._remove_gone()
-        self._consolidate()
+        self._write_missing_json(self._consolidate())
 
     def _distribute(self, groups: list[list]) -> None:
         import ray

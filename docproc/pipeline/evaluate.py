@@ -15,7 +15,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from docproc.pipeline.normalize import normalize_amount, normalize_date, normalize_text
-from docproc.pipeline.runstore import json_kind
+from docproc.pipeline.runstore import check_out_folder, json_kind
 from docproc.pipeline.schema import json_value, read_table
 
 FIELD_TYPES = {"date": "date", "due_date": "date", "total": "number"}
@@ -113,14 +113,14 @@ def read_truth(path: str | Path) -> list[dict]:
 def evaluate(out: str | Path, truth_file: str | Path) -> dict:
     out = Path(out)
     results = out / "results.parquet"
-    if not out.is_dir():
-        raise FileNotFoundError(f"{out} {'is not a folder' if out.exists() else 'does not exist'}: name the --out "
-                                f"folder of a docproc run")
+    check_out_folder(out)
     if not results.is_file():
         raise FileNotFoundError(f"{results} does not exist: run `docproc run ... --out {out}` first")
     truth = read_truth(truth_file)
     try:
         table = read_table(results).to_pylist()
+    except PermissionError:
+        raise  # (said as the system's refusal, not as a damaged table)
     except (pa.ArrowException, OSError) as e:
         raise ValueError(f"{results} cannot be read as Parquet ({e}): run `docproc run ... --out {out}` again "
                          f"to rewrite it") from None

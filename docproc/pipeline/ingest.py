@@ -160,28 +160,37 @@ def discover(inputs: list[str | Path], exclude: list[str | Path] = ()) -> list[C
                                      f"cannot list folder: {e.strerror}", "unlistable_folder", is_error=True))
             failed.clear()
             dirnames.sort()
+            filenames.sort()
+            probe = next(iter(dirnames + filenames), None)
+            if probe is not None and _unsearchable(Path(dirpath) / probe):
+                # listed but not searchable (mode r--): no entry can be looked at; the folder is
+                # one error row, as an unlistable one, and OUT keeps what it holds from it
+                out.append(Candidate(Path(dirpath), folder_key(dirpath), shown_root,
+                                     f"cannot list folder: {os.strerror(errno.EACCES)} (it can be listed but not "
+                                     f"searched)", "unlistable_folder", is_error=True))
+                dirnames[:] = []
+                continue
             keep = []
             for d in dirnames:
                 p = Path(dirpath) / d
                 try:
                     is_link = stat.S_ISLNK(os.lstat(p).st_mode)
-                except OSError as e:  # (a folder listed but not searchable: its entries cannot be looked at)
-                    out.append(Candidate(p, folder_key(str(p)), shown_root, f"cannot list folder: {e.strerror}",
-                                         "unlistable_folder", is_error=True))
+                except OSError:  # (gone since the folder was listed)
                     continue
                 if is_link:
                     links.append((p, key(str(p.relative_to(root)))))
                 elif not any(_is_within(os.path.realpath(p), x) for x in excluded):
                     keep.append(d)
             dirnames[:] = keep
-            for name in sorted(filenames):
+            for name in filenames:
                 p = Path(dirpath) / name
                 k = key(str(p.relative_to(root)))
                 try:
                     is_link = stat.S_ISLNK(os.lstat(p).st_mode)
                 except OSError as e:
-                    out.append(Candidate(p, k, shown_root, f"cannot read file: {e.strerror}", "unreadable",
-                                         is_error=True))
+                    if e.errno != errno.ENOENT:  # (gone since the folder was listed: nothing to say)
+                        out.append(Candidate(p, k, shown_root, f"cannot read file: {e.strerror}", "unreadable",
+                                             is_error=True))
                     continue
                 if is_link:
                     links.append((p, k))
@@ -201,6 +210,16 @@ def discover(inputs: list[str | Path], exclude: list[str | Path] = ()) -> list[C
             c.rel = f"{c.rel}~{n}"
         taken.add(c.rel)
     return out
+
+
+def _unsearchable(entry: Path) -> bool:
+    """Whether looking at an entry of a listed folder is refused (the folder lacks search
+    permission)."""
+    try:
+        os.lstat(entry)
+    except OSError as e:
+        return e.errno in (errno.EACCES, errno.EPERM)
+    return False
 
 
 def searched_roots(inputs: list[str | Path]) -> set[str]:
@@ -407,8 +426,9 @@ def _open_pdf(c: Candidate, digest: str, dpi: int, max_pages: int | None, max_pi
 
 def page_zoom(width_pt: float, height_pt: float, dpi: int, max_pixels: int) -> float:
     """Pixels per point for a PDF page of this size: dpi / 72, or the whole dpi below it that fits
-    max_pixels (a poster-sized page), or, for a page too large even at 1 dpi, the zoom that fits
-    it exactly (never more pixels than max_pixels, whatever the page claims)."""
+    max_pixels (a poster-sized page; MuPDF rounds each edge up, so a page may come out a row or
+    column over), or, for a page too large even at 1 dpi, the zoom that fits it (within
+    max_pixels, whatever size the page claims)."""
     area_in = max(width_pt * height_pt, 1e-6) / 72 ** 2
     if area_in * dpi * dpi <= max_pixels:
         return dpi / 72

@@ -205,7 +205,7 @@ class Pipeline(DocumentWork):
         by_cfg: dict[str, int] = {}
         for c in candidates:
             stored = self._plan.done.get(c.rel)
-            if c.skip_reason or stored is None:
+            if c.skip_reason or stored is None or stored[1] == self.cfg:  # (the same: nothing to read)
                 continue
             if not self._history.same_answers(stored[1], pdf=c.doc_type == "pdf", pages=stored[2]):
                 by_cfg[stored[1]] = by_cfg.get(stored[1], 0) + 1
@@ -232,7 +232,7 @@ class Pipeline(DocumentWork):
             feed.close()
         self._flush()
         self._remove_gone()
-        self._consolidate()
+        self._write_missing_json(self._consolidate())
 
     def _reconcile(self, candidates: list[Candidate], rows: list[dict] | None = None) -> None:
         """What the stored rows (rows: OUT's current rows, read here when not given) say against
@@ -285,21 +285,31 @@ class Pipeline(DocumentWork):
         self.totals.removed = len(removed) - self.totals.moved  # a rename is a move, not a removal
         self._plan.removed = {}
 
-    def _consolidate(self) -> None:
+    def _consolidate(self):
+        """The result tables and documents.parquet written from every part; returns the current rows."""
         t0 = time.perf_counter()
         table = self.store.consolidate(fill_roots={k: self._roots[k] for k in self._plan.missing_roots},
                                        formats=self.s.formats)
         if self.store.writes_documents(self.s.formats):
             self.store.write_documents(documents_table(table, self.queries), self.s.formats)
-        if "json" in self.s.formats:
-            written, failed = self.store.restore_document_json(table)
-            if written:
-                self.report("note", {"message": f"{written} document JSON file(s) missing from {self.store.json_dir} "
-                                                f"written again from the rows"})
+        self.stage_seconds["write"] += time.perf_counter() - t0
+        return table
+
+    def _write_missing_json(self, table) -> None:
+        """At a completed run's end: the JSON files of documents that have none (deleted by hand,
+        or from runs without json in --format) are written from their rows, and said."""
+        if "json" not in self.s.formats:
+            return
+        t0 = time.perf_counter()
+        missing = self.store.missing_document_json(table)
+        if missing:
+            self.report("note", {"message": f"writing {len(missing)} document JSON file(s) missing from "
+                                            f"{self.store.json_dir} from the rows"})
+            failed = self.store.write_missing_json(missing)
             if failed:
                 self.report("warning", {"message": (
-                    f"{len(failed)} document JSON file(s) missing from {self.store.json_dir} could not be written "
-                    f"again (first: {failed[0][0]}: {failed[0][1]}); the rows in results.parquet hold the answers")})
+                    f"{len(failed)} of them could not be written (first: {failed[0][0]}: {failed[0][1]}); "
+                    f"results.parquet holds their answers")})
         self.stage_seconds["write"] += time.perf_counter() - t0
 
     def _manifest(self, started: str, seconds: float, status: str, fault: dict | None,

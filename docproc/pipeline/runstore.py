@@ -159,6 +159,16 @@ def _truncate(text: str, max_bytes: int) -> str:
     return text.encode()[:max_bytes].decode("utf-8", "ignore")
 
 
+def check_out_folder(out: Path) -> None:
+    """FileNotFoundError saying why `out` cannot be a run's output folder to read (stats, eval):
+    missing, a link that leads nowhere or in a loop, not a folder."""
+    if out.is_dir():
+        return
+    why = ("is a symbolic link that leads nowhere (or in a loop)" if os.path.islink(out) else
+           "is not a folder" if os.path.lexists(out) else "does not exist")
+    raise FileNotFoundError(f"{out} {why}: name the --out folder of a docproc run")
+
+
 def json_relpath(key: str) -> Path:
     """The JSON file of a document, relative to json/: the key plus '.json' where every component
     can be a file name; else a name that cannot fail or clash: the key's printable part, cut to
@@ -359,26 +369,35 @@ class RunStore:
         except OSError as e:
             raise output_fault(e, self.out) from None
 
-    def restore_document_json(self, table: pa.Table) -> tuple[int, list[tuple[str, str]]]:
-        """Write again the JSON file of each document in table (the current rows) that has none
-        (deleted by hand, or never written: an earlier run without json in --format): (how many
-        were written, [(document, why not)] for those that could not be). One stat per document;
-        a file that is there is not read (a damaged one is rewritten once deleted)."""
+    def missing_document_json(self, table: pa.Table) -> dict[str, list[dict]]:
+        """The documents of table (the current rows) that have no JSON file (deleted by hand, or
+        never written: an earlier run without json in --format), with their rows. json/ is
+        listed once (a file that is there is not read: a damaged one is written again once
+        deleted); a name outside the listing is then checked on its own."""
+        present: set[str] = set()
+        for dirpath, _, files in os.walk(self.json_dir):
+            rel_dir = os.path.relpath(dirpath, self.json_dir)
+            present.update(f if rel_dir == "." else f"{rel_dir}/{f}" for f in files)
         paths = table.column("path").to_pylist()
-        missing = {p for p in dict.fromkeys(paths) if not self.json_path(p).is_file()}
-        if not missing:
-            return 0, []
+        missing = {p for p in dict.fromkeys(paths) if p + ".json" not in present
+                   and json_relpath(p).as_posix() not in present and not self.json_path(p).is_file()}
         rows: dict[str, list[dict]] = {}
-        for row in table.take(int64_array([i for i, p in enumerate(paths) if p in missing])).to_pylist():
-            rows.setdefault(row["path"], []).append(row)
-        written, failed = 0, []
-        for rel, doc_rows in rows.items():
+        if missing:
+            for row in table.take(int64_array([i for i, p in enumerate(paths) if p in missing])).to_pylist():
+                rows.setdefault(row["path"], []).append(row)
+        return rows
+
+    def write_missing_json(self, missing: dict[str, list[dict]]) -> list[tuple[str, str]]:
+        """Write the JSON file of each document of missing_document_json; [(document, why not)]
+        for those that could not be (a folder where the file goes, a read-only json/, rows that
+        do not make a document)."""
+        failed = []
+        for rel, doc_rows in missing.items():
             try:
                 self.write_document_json(rel, document_json(doc_rows))
-                written += 1
-            except OutputUnwritable as e:  # (a folder where the file goes, a read-only json/)
-                failed.append((rel, str(e)))
-        return written, failed
+            except Exception as e:  # noqa: BLE001 -- one document's file; the rows stand
+                failed.append((rel, str(e) if isinstance(e, OutputUnwritable) else f"{type(e).__name__}: {e}"))
+        return failed
 
     def remove_document_json(self, rel: str) -> None:
         path = self.json_path(rel)

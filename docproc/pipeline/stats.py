@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from docproc.pipeline.runstore import RunStore, run_order, run_started_at
+from docproc.pipeline.runstore import RunStore, check_out_folder, run_order, run_started_at
 from docproc.pipeline.schema import BAD_STATUSES, RESULT_SCHEMA, is_bad, read_table
 
 NO_MANIFEST = "no manifest"  # the status of a run known only from its rows
@@ -119,9 +119,7 @@ def collect(out: str | Path, run_id: str | None = None, limit: int = 10) -> dict
     """The last run (or run_id) in detail, the recent runs, the runs known only from their rows
     ("runs_without_manifest") and the manifests that could not be read ("damaged_manifests")."""
     out = Path(out)
-    if not out.is_dir():
-        raise FileNotFoundError(f"{out} {'is not a folder' if out.exists() else 'does not exist'}: name the --out "
-                                f"folder of a docproc run")
+    check_out_folder(out)
     manifests, damaged = RunStore(out).read_manifests()
     rows = current_rows(out).to_pylist()
     by_run: dict[str, list[dict]] = defaultdict(list)
@@ -168,6 +166,7 @@ def list_failures(out: str | Path) -> list[dict]:
     """Every document of OUT that failed (error) or was answered in part (partial), with its
     reason: the state's current rows, so it holds also when results.parquet was not written."""
     out = Path(out)
+    check_out_folder(out)
     store = RunStore(out)
     if not store.part_files() and not (out / "results.parquet").is_file():
         raise FileNotFoundError(f"no results in {out}: run `docproc run ... --out {out}` first")
