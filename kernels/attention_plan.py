@@ -166,6 +166,18 @@ def default_num_splits(num_tiles: int, max_context: int, num_sms: int, num_kv_he
     return 1 << (n.bit_length() - 1)
 
 
+def launch_shape(num_tiles: int, max_q: int, max_context: int, num_sms: int, num_kv_heads: int,
+                 dense: bool = False, fp4_gluon: bool = False) -> tuple[int, int | None]:
+    """(key splits, the dense kernel's keys per step or None) of a launch of num_tiles tiles of
+    at most max_q query tokens over at most max_context keys: the one rule of the eager plans
+    (plan_tiles) and the graph keys (graph_runner), which count a graph's padded tiles. dense:
+    the dense kernel, which may take its wide or narrow decode shape (dense_decode_block_n);
+    fp4_gluon: decode launches run the Gluon FP4 kernel, whose split count is the wide shape's."""
+    shape = dense_decode_block_n(num_tiles, max_q, max_context, num_kv_heads) if dense else None
+    wide = shape == WIDE_BLOCK_N or (fp4_gluon and max_q == 1)
+    return default_num_splits(num_tiles, max_context, num_sms, num_kv_heads, wide=wide), shape
+
+
 def plan_tiles(query_start: list[int], context_lens: list[int], block_tables: list[list[int]], group: int,
                device, num_splits: int | None = None, num_sms: int = 132, num_kv_heads: int = 4,
                dense: bool = False, dense_block_n: int | None = None, fp4_gluon: bool = False) -> TilePlan:
@@ -188,9 +200,7 @@ def plan_tiles(query_start: list[int], context_lens: list[int], block_tables: li
             poss.append(ctx - num_q + j)
     max_ctx = max(context_lens)
     if num_splits is None:
-        shape = dense_decode_block_n(len(seqs), max_q, max_ctx, num_kv_heads) if dense else None
-        num_splits = default_num_splits(len(seqs), max_ctx, num_sms, num_kv_heads,
-                                        wide=shape == WIDE_BLOCK_N or (fp4_gluon and max_q == 1))
+        num_splits, shape = launch_shape(len(seqs), max_q, max_ctx, num_sms, num_kv_heads, dense, fp4_gluon)
         if shape:
             dense_block_n = shape
     # the block tables side by side, zero-padded to the longest, filled in one pass (a row at a time

@@ -8,7 +8,7 @@ them with one launch. Graphs need fixed shapes and fixed addresses, so:
   attention key splits (flash-decoding; from the step's longest context, as the eager path picks
   them, so a run whose contexts stay in one range uses one or two split counts), W the dense
   kernel's keys per step where it decodes in its wide or narrow shape, else None
-  (kernels/paged_attention.py, dense_decode_block_n). Every
+  (kernels/attention_plan.py, launch_shape: the eager plan's rule, over the padded batch). Every
   sequence gets q query rows; a shorter window is padded, and so are missing sequences. Padded
   rows have token 0, position 0 and write their K/V to a scratch slot (the pool's last block,
   which the block manager never hands out); their attention tiles have zero query tokens, so
@@ -32,7 +32,7 @@ import torch
 
 from docproc.engine.step_inputs import write_chunk, write_one_token_rows
 from docproc.layers.attention import AttentionMetadata
-from kernels.attention_plan import WIDE_BLOCK_N, TilePlan, default_num_splits, dense_decode_block_n, tile_shape
+from kernels.attention_plan import TilePlan, launch_shape, tile_shape
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 Q_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -117,11 +117,8 @@ class GraphRunner:
                 return None
         tokens, _ = tile_shape(qb, self.group)
         tiles, ctx = b * -(-qb // tokens), max(c.end for c in chunks)
-        # the dense kernel's keys per step (its wide or narrow decode shape) or None
-        shape = dense_decode_block_n(tiles, qb, ctx, self.num_kv_heads) if self.wide_decode else None
-        gluon = self.fp4_gluon and qb == 1  # the Gluon FP4 decode's split count (plan_tiles' fp4_gluon)
-        wide = shape == WIDE_BLOCK_N
-        return b, qb, default_num_splits(tiles, ctx, self.num_sms, self.num_kv_heads, wide=wide or gluon), shape
+        splits, shape = launch_shape(tiles, qb, ctx, self.num_sms, self.num_kv_heads, self.wide_decode, self.fp4_gluon)
+        return b, qb, splits, shape
 
     # ---- per step ----------------------------------------------------------------------------
     def _layout(self, key):
