@@ -195,6 +195,11 @@ def test_images_and_pdfs_from_the_image_root_only(tmp_path):
                         {"type": "file", "file": {"file_data": f"file://{root / 'doc.pdf'}"}}), limits, render)
     images = [part["image"] for part in p.prompt[0]["content"]]
     assert len(images) == 7 and images[0] == png(3) and [im.size for im in images[1:]] == [(334, 434)] * 6
+    wrapped = data_url(pdf, "application/pdf")  # base64 in MIME's 76-column lines
+    head, b64 = wrapped.split(",", 1)
+    wrapped = head + "," + "\r\n".join(b64[i:i + 76] for i in range(0, len(b64), 76))
+    p = parse(url, body({"type": "file", "file": {"file_data": wrapped}}), limits, render)
+    assert [part["image"].size for part in p.prompt[0]["content"]] == [(334, 434)] * 3
     for bad, words in (("../secret.png", "outside --image-root"), ("link.png", "outside --image-root"),
                        (str(tmp_path / "secret.png"), "outside --image-root"),
                        ("https://example.com/a.png", "fetches nothing"), ("missing.png", "does not exist"),

@@ -246,6 +246,8 @@ def _read(url: object, limits: Limits, where: str) -> bytes:
     m = DATA_URL.match(url)
     if m:
         payload = url[m.end():]
+        if m.group(3) and re.search(r"\s", payload):
+            payload = "".join(payload.split())  # base64 wrapped in lines (MIME's 76 columns), as decoders take it
         if len(payload) > limits.max_bytes * 4 // 3 + 4:
             raise RequestError(f"{where}: more than {limits.max_bytes} bytes")
         try:
