@@ -693,6 +693,11 @@ def run_batch_cmd(
     if not input_file.is_file():
         error(f"--input {input_file} is not a file", "usage")
         raise typer.Exit(EXIT_USAGE)
+    try:
+        open(input_file, "rb").close()
+    except OSError as e:
+        error(f"--input {input_file} cannot be read: {e.strerror}", "usage")
+        raise typer.Exit(EXIT_USAGE)
     if image_root is not None and not image_root.is_dir():
         error(f"--image-root {image_root} is not a folder", "usage")
         raise typer.Exit(EXIT_USAGE)

@@ -448,10 +448,13 @@ def test_a_qwen3_vl_run_with_a_draft_fp4_kv_fp8_weights_and_a_schema(docs, qwen3
     ('type = "number"\nchoices = ["1"]', 'choices need type = "string"'),
     ('type = "json"\nschema_file = "/dev/zero"', "not a regular file"),
     ('type = "json"\nschema_file = "."', "not a regular file"),
+    ('type = "json"\nschema_file = "loop1.json"', "cannot be followed"),
 ])
 def test_bad_constraints_in_a_query_file_are_usage_errors(tmp_path, body, message):
     from docproc.pipeline.queries import QueryFileError, load_queries
 
+    (tmp_path / "loop1.json").symlink_to(tmp_path / "loop2.json")
+    (tmp_path / "loop2.json").symlink_to(tmp_path / "loop1.json")
     qfile = tmp_path / "q.toml"
     qfile.write_text(f'[[query]]\nname = "x"\nquestion = "?"\n{body}\n')
     with pytest.raises(QueryFileError, match=re.escape(message)):

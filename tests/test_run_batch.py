@@ -164,6 +164,29 @@ def test_a_second_run_on_the_same_output_exits_75(tmp_path):
     finally:
         os.close(fd)
     assert res.exit_code == 75 and "holds" in res.output
+    # the lock is the file's, whatever link names it
+    from docproc.openai_compat.batch import OutputFile
+    from docproc.pipeline.runstore import LockedError
+
+    (tmp_path / "link.jsonl").symlink_to(out)
+    held = OutputFile(out)
+    held.open()
+    try:
+        with pytest.raises(LockedError):
+            OutputFile(tmp_path / "link.jsonl").open()
+    finally:
+        held.close()
+
+
+def test_a_line_over_the_limit_is_an_error_line_never_held_whole(tmp_path, monkeypatch):
+    import docproc.openai_compat.batch as batch
+
+    monkeypatch.setattr(batch, "MAX_LINE_BYTES", 100)
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"custom_id": "a"}\n{"custom_id": "b", "x": "' + b"y" * 300 + b'"}\n\n{"custom_id": "c"}\n'
+                     + b"z" * 250)
+    assert [(n, cid, problem) for n, cid, _, _, problem in batch.read_lines(path)] == [
+        (1, "a", None), (2, None, "line 2 is over 0 MiB"), (4, "c", None), (5, None, "line 5 is over 0 MiB")]
 
 
 def test_images_and_pdfs_from_the_image_root_only(tmp_path):

@@ -63,13 +63,16 @@ class OutputFile:
         self._synced = time.monotonic()
 
     def open(self) -> None:
-        self._lock_fd = take_lock(Path(str(self.path) + ".lock"), self.path, "docproc run-batch")
+        # beside the file a link names (two runs writing one file through a link and its target
+        # would each have taken a lock of their own)
+        self._lock_fd = take_lock(Path(os.path.realpath(self.path) + ".lock"), self.path, "docproc run-batch",
+                                  "--output")
         try:
             self._read_back()
             self._f = open(self.path, "ab")
         except OSError as e:
             self.close()
-            raise output_fault(e, self.path) from None
+            raise output_fault(e, self.path, "--output") from None
 
     def _read_back(self) -> None:
         """The keys of the output's whole lines. A last line without its newline (a kill during
@@ -116,7 +119,7 @@ class OutputFile:
                 os.fsync(self._f.fileno())
                 self._synced = time.monotonic()
         except OSError as e:
-            raise output_fault(e, self.path) from None
+            raise output_fault(e, self.path, "--output") from None
         key = self.key_of(rec)
         if key is not None:
             self.done.add(key)
@@ -150,10 +153,21 @@ def error_line(custom_id: str | None, line: int, message: str, status: int = 400
             "response": {"status_code": status, "request_id": _line_id(custom_id, line), "body": body}, "error": None}
 
 
+MAX_LINE_BYTES = 32 << 20  # a request line, as serve's body (ServerConfig.max_request_bytes)
+
+
 def read_lines(path: Path):
-    """(line number, custom_id or None, url, body, problem or None) for each non-blank line."""
+    """(line number, custom_id or None, url, body, problem or None) for each non-blank line; a
+    line over MAX_LINE_BYTES is an error line, read past in pieces, never held whole."""
     with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
+        n = 0
+        while raw := f.readline(MAX_LINE_BYTES + 1):
+            n += 1
+            if len(raw) > MAX_LINE_BYTES:
+                while raw and not raw.endswith(b"\n"):
+                    raw = f.readline(1 << 20)
+                yield n, None, None, None, f"line {n} is over {MAX_LINE_BYTES >> 20} MiB"
+                continue
             if not raw.strip():
                 continue
             try:

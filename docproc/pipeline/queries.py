@@ -200,7 +200,10 @@ def _constraint(q: dict, qtype: str, where: str, path: Path) -> tuple[str | None
         else:
             if not isinstance(q["schema_file"], str) or not q["schema_file"]:
                 raise QueryFileError(f"{where}: schema_file must be a path, got {q['schema_file']!r}")
-            file = (path.parent / q["schema_file"]).resolve()
+            try:
+                file = (path.parent / q["schema_file"]).resolve()
+            except (OSError, RuntimeError) as e:  # (a symbolic link loop: RuntimeError before Python 3.13)
+                raise QueryFileError(f"{where}: schema_file {q['schema_file']} cannot be followed: {e}") from None
             if file.exists() and not file.is_file():  # a folder, a FIFO or a device would block or never end
                 raise QueryFileError(f"{where}: schema_file {file} is not a regular file")
             if file.is_file() and file.stat().st_size > SCHEMA_FILE_LIMIT:

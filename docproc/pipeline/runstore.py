@@ -59,13 +59,14 @@ def _umask() -> int:
     return mask
 
 
-def take_lock(path: Path, what: Path | str, holder: str) -> int:
+def take_lock(path: Path, what: Path | str, holder: str, option: str = "--out") -> int:
     """An exclusive flock on `path` (made if missing): its descriptor. LockedError naming `holder`
-    when another process holds it; OutputUnwritable (for `what`) when it cannot be made."""
+    when another process holds it; OutputUnwritable (for `what`, given as `option`) when it
+    cannot be made."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     except OSError as e:
-        raise output_fault(e, what) from None
+        raise output_fault(e, what, option) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -74,17 +75,18 @@ def take_lock(path: Path, what: Path | str, holder: str) -> int:
     return fd
 
 
-def output_fault(e: OSError, what: Path | str) -> OutputUnwritable:
-    """An OSError from writing OUT as the run-stopping fault, with the fix in the message."""
+def output_fault(e: OSError, what: Path | str, option: str = "--out") -> OutputUnwritable:
+    """An OSError from writing OUT (or the file of `option`) as the run-stopping fault, with the
+    fix in the message."""
     code = e.errno
     if code in (errno.ENOSPC, errno.EDQUOT):
         msg = f"no space left for {what} (disk or quota full): free space and run the same command again"
     elif code == errno.EROFS:
-        msg = f"{what} is on a read-only file system: pass a writable --out"
+        msg = f"{what} is on a read-only file system: pass a writable {option}"
     elif code in (errno.EACCES, errno.EPERM):
-        msg = f"cannot write {what}: permission denied; pass an --out you may write to"
+        msg = f"cannot write {what}: permission denied; pass an {option} you may write to"
     elif code in (errno.ENOTDIR, errno.EEXIST):
-        msg = f"cannot write {what}: a file stands where a folder is needed; pass a folder as --out"
+        msg = f"cannot write {what}: a file stands where a folder is needed; pass a {'folder' if option == '--out' else 'file'} as {option}"
     else:
         msg = f"cannot write {what}: {e.strerror or e}"
     return OutputUnwritable(msg)
