@@ -81,6 +81,8 @@ def scored_out(tmp_path):
     ('{"file": "a.pdf"}', 3, f'{RECORD}; "fields" is missing'),
     ('{"file": "a.pdf", "fields": {', 3, "not JSON (Expecting property name enclosed in double quotes at column 30); "
                                                  f"{RECORD}, one per line"),
+    ('{"file": "a.pdf", "fields": {"vendor": "Acme Ltd"}}', 3,  # (it was scored twice: two documents of one)
+     "a second record for 'a.pdf' (the first is on line 1): one record per file"),
 ])
 def test_eval_names_the_truth_line_and_what_it_must_hold(scored_out, tmp_path, line, line_number, message):
     """A bad record after a good one and a blank line: exit 2 and one line naming the file, the

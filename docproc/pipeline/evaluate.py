@@ -75,6 +75,7 @@ def read_truth(path: str | Path) -> list[dict]:
     except OSError as e:
         raise TruthFileError(f"{path} cannot be read ({e.strerror or e}): pass a readable truth file") from None
     records = []
+    first_line: dict[str, int] = {}  # file -> the line of its record
     for number, raw in enumerate(data.split(b"\n"), 1):
         where = f"{path} line {number}"
         if number == 1 and raw.startswith(codecs.BOM_UTF8):  # as some Windows editors save UTF-8
@@ -104,6 +105,10 @@ def read_truth(path: str | Path) -> list[dict]:
         if not isinstance(rec["fields"], dict):
             raise TruthFileError(f'{where}: "fields" must be an object (field name -> expected value); '
                                  f'got {json_kind(rec["fields"])}')
+        if rec["file"] in first_line:  # scored twice (or against two truths) it would count twice
+            raise TruthFileError(f'{where}: a second record for {rec["file"]!r} (the first is on line '
+                                 f'{first_line[rec["file"]]}): one record per file')
+        first_line[rec["file"]] = number
         records.append(rec)
     if not records:
         raise TruthFileError(f"{path} holds no records: {RECORD}, one per line")
