@@ -210,7 +210,15 @@ def test_an_answer_row_says_ok_schema_violation_truncated_or_parse_error():
     assert answer_row(q, '{"n": 1', cut=True, constrained=False)["status"] == "parse_error"  # free text, cut
     num = _query(type="number")
     assert answer_row(num, "12.50", cut=False, constrained=True)["status"] == "ok"
-    assert answer_row(num, "12.", cut=True, constrained=True)["status"] == "truncated"
+    # a number or date closed at max_tokens is not kept: it would be one the model did not write
+    assert answer_row(num, "12.", cut=True, constrained=True)["error"].endswith("cut short of valid (not a number "
+                                                                              "answer: '12.'); raise the query's max_tokens")
+    assert answer_row(num, "12.5", cut=True, constrained=True) == {
+        "value": None, "status": "truncated", "error": "the answer reached max_tokens (48) and was closed there: a "
+        "number cut short is no value (the answer column holds the text); raise the query's max_tokens"}
+    assert answer_row(_query(type="date"), "01 APR 1001", cut=True, constrained=True)["value"] is None
+    assert answer_row(q, '{"n": 1}', cut=True, constrained=True)["value"] == '{"n": 1}'  # (an object keeps its)
+    assert answer_row(_query(type="string"), "Halcyon Sys", cut=True, constrained=True)["value"] == "Halcyon Sys"
 
 
 def test_a_query_set_warns_of_the_keywords_decoding_does_not_enforce(tmp_path):

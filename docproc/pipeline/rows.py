@@ -37,13 +37,21 @@ def answer_row(q, text: str, cut: bool, constrained: bool) -> dict:
     """value, status and error of a query's answer. Every answer is checked against its query's
     rule, choices or whole schema, decoded under them or not: a decoded answer can still break a
     schema keyword that decoding does not enforce (schema_violation). A constrained answer that
-    met max_tokens is truncated: closed there by the engine (it parses, and its value is kept, but
-    what it was writing may be cut and what came after is null), or cut short of valid (no value)."""
+    met max_tokens is truncated: closed there by the engine. A JSON or string answer keeps its
+    value (it parses; what it was writing may be cut, and what came after is null); a number or a
+    date keeps none: closed where it was cut it would be one the model did not write (an amount
+    with its last digits gone, a date with the shortest valid ending). Cut short of valid: no value."""
     problem = q.check(text)
     value, err = parse_answer(q.type, text, schema=q.schema is not None) if problem is None else (None, problem)
     if cut and constrained and q.structured_outputs() is not None:
-        closed = "closed there: its last value may be cut short" if err is None else f"cut short of valid ({err})"
-        return {"value": value if err is None else None, "status": "truncated",
+        if err is not None:
+            closed = f"cut short of valid ({err})"
+        elif q.type not in ("number", "date"):
+            closed = "closed there: its last value may be cut short"
+        else:
+            closed, value = (f"closed there: a {q.type} cut short is no value (the answer column holds the text)",
+                             None)
+        return {"value": value, "status": "truncated",
                 "error": f"the answer reached max_tokens ({q.max_tokens}) and was {closed}; raise the query's "
                          f"max_tokens"}
     if err is None:
@@ -122,7 +130,7 @@ class DocumentRows:
                 merged[k] = sum(r[k] for _, r in candidates)
             merged["latency_s"] = round(sum(r["latency_s"] for _, r in candidates), 4)
             rows.append(merged)
-        bad = sum(is_bad(r) for r in rows)  # (an answer closed at max_tokens keeps its value: not bad)
+        bad = sum(is_bad(r) for r in rows)  # (a JSON or string answer closed at max_tokens keeps its value: not bad)
         status = "ok" if bad == 0 else ("error" if bad == len(rows) else "partial")
         self.totals.documents += 1
         if status == "error":
