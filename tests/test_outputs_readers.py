@@ -26,13 +26,13 @@ QUERIES = """
 name = "total"
 question = "What is the total amount?"
 type = "number"
-max_tokens = 8
+max_tokens = 16
 
 [[query]]
 name = "date"
 question = "What is the invoice date?"
 type = "date"
-max_tokens = 12
+max_tokens = 20
 """
 
 
