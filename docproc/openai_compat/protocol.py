@@ -222,7 +222,9 @@ def _image_pixels(raw: bytes, limits: Limits, where: str) -> int:
             with Image.open(io.BytesIO(raw)) as img:
                 w, h = img.size
     except Image.DecompressionBombError as e:  # (its header is read: more pixels than Pillow opens)
-        m = re.search(r"\((\d+) pixels\)", str(e))
+        from docproc.pipeline.ingest import BOMB_PIXELS
+
+        m = BOMB_PIXELS.search(str(e))
         size = f"{int(m.group(1))} pixels" if m else "more pixels than Pillow opens"
         raise RequestError(f"{where}: {size}, more than {min(limits.max_pixels, 2 * Image.MAX_IMAGE_PIXELS)}") from None
     except (Image.UnidentifiedImageError, OSError, ValueError, TypeError,

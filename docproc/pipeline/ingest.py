@@ -436,12 +436,12 @@ def page_zoom(width_pt: float, height_pt: float, dpi: int, max_pixels: int) -> f
     return int(fit) / 72 if fit >= 1 else fit * 0.999 / 72  # (0.999: a rounded-up edge stays inside)
 
 
-_BOMB_PIXELS = re.compile(r"\((\d+) pixels\)")
+BOMB_PIXELS = re.compile(r"\((\d+) pixels\)")  # the size in Pillow's decompression-bomb refusal (serve reads it too)
 
 
 def _bomb_error(e: Exception, max_pixels: int) -> DocumentError:
     """Pillow's decompression-bomb refusal, in our cap's terms (its own limit is another number)."""
-    m = _BOMB_PIXELS.search(str(e))
+    m = BOMB_PIXELS.search(str(e))
     size = f"{int(m.group(1)) / 1e6:.0f} Mpx" if m else "more pixels than Pillow will decode"
     return DocumentError(f"image is {size}, over the {max_pixels / 1e6:.0f} Mpx cap per page "
                          f"(a decompression bomb or an oversized scan)", "too_large")
