@@ -975,11 +975,16 @@ def eval_cmd(
         raise typer.Exit(EXIT_USAGE)
     with _report_to_stdout():
         _print_eval(res, as_json)
+    if res["nothing_compared"]:
+        error(f"nothing to score: {res['nothing_compared']}")
+        raise typer.Exit(EXIT_FAILURES)
 
 
 def _print_eval(res: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(res, indent=2), flush=True)
+        return
+    if res["nothing_compared"]:
         return
     t = Table(title=f"{res['documents']} documents: exact match {res['overall_exact_match']:.1%}, "
                     f"F1 {res['overall_f1']:.1%}")
@@ -990,6 +995,10 @@ def _print_eval(res: dict, as_json: bool) -> None:
     for g, v in res["by_format"].items():
         t.add_row(f"[dim]all fields, {g}[/dim]", f"{v['exact_match']:.1%}", "", str(v["n"]))
     out_console.print(t)
+    if missing := res["missing_documents"]:
+        names = ", ".join(shown(m) for m in missing[:5]) + (f" and {len(missing) - 5} more (--json lists them)" if len(missing) > 5 else "")
+        out_console.print(escape(f"not scored: {len(missing)} document(s) of the truth file not in OUT: {names}"),
+                          soft_wrap=True)
 
 
 def _stdout_gone() -> None:

@@ -131,6 +131,51 @@ def test_eval_scores_a_truth_file_with_blank_lines_and_a_bom(scored_out, tmp_pat
     assert json.loads(res.stdout)["per_field"]["vendor"] == {"exact_match": 0.0, "f1": 0.0, "n": 1}
 
 
+def test_eval_reads_the_state_so_any_format_and_a_killed_run_are_scored(tmp_path):
+    """The answers as they stand: an OUT written with --format csv (no results.parquet) and a run
+    killed before its end are scored from the state's rows."""
+    out = tmp_path / "out"
+    RunStore(out).write_part(1, doc_rows(KILLED, "a.pdf"))
+    truth = tmp_path / "truth.jsonl"
+    truth.write_text(json.dumps({"file": "a.pdf", "fields": {"vendor": "x"}}) + "\n")
+    res = cli.invoke(app, ["eval", str(out), "--truth", str(truth), "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["per_field"]["vendor"] == {"exact_match": 1.0, "f1": 1.0, "n": 1}
+    res = cli.invoke(app, ["eval", str(tmp_path), "--truth", str(truth)])  # (a folder with no answers)
+    assert res.exit_code == 2 and res.stderr == f"error: {tmp_path} holds no answers yet: run `docproc run ... " \
+                                                f"--out {tmp_path}` first\n"
+
+
+def test_eval_with_nothing_to_compare_says_why_and_exits_1(scored_out, tmp_path):
+    """No score of nothing: documents not in OUT, or queries that name none of the truth's fields,
+    exit 1 with one line saying which (the JSON report has null scores and the reason)."""
+    other_docs = tmp_path / "other.jsonl"
+    other_docs.write_text(json.dumps({"file": "b.pdf", "fields": {"vendor": "Acme"}}) + "\n")
+    res = cli.invoke(app, ["eval", str(scored_out), "--truth", str(other_docs)])
+    assert res.exit_code == 1 and res.stdout == ""
+    assert res.stderr == (f"error: nothing to score: none of the 1 documents of the truth file is in {scored_out} "
+                          f"(matched by file name, e.g. 'b.pdf')\n")
+    other_fields = tmp_path / "fields.jsonl"
+    other_fields.write_text(json.dumps({"file": "a.pdf", "fields": {"iban": "X", "due_date": "Y"}}) + "\n")
+    res = cli.invoke(app, ["eval", str(scored_out), "--truth", str(other_fields), "--json"])
+    assert res.exit_code == 1
+    report = json.loads(res.stdout)
+    assert report["overall_exact_match"] is None and report["documents"] == 1
+    assert report["nothing_compared"] == "no answer names a field of the truth file: answers total, vendor; " \
+                                         "truth fields due_date, iban"
+
+
+def test_eval_names_the_truth_documents_it_did_not_find(scored_out, tmp_path):
+    truth = tmp_path / "truth.jsonl"
+    truth.write_text("".join(json.dumps({"file": f, "fields": {"vendor": "x"}}) + "\n"
+                             for f in ["a.pdf", *(f"gone{i}.pdf" for i in range(7))]))
+    res = cli.invoke(app, ["eval", str(scored_out), "--truth", str(truth)])
+    assert res.exit_code == 0, res.output
+    assert "1 documents: exact match 100.0%" in res.stdout
+    assert ("not scored: 7 document(s) of the truth file not in OUT: gone0.pdf, gone1.pdf, gone2.pdf, gone3.pdf, "
+            "gone4.pdf and 2 more (--json lists them)") in res.stdout
+
+
 # ---- docproc stats: damaged manifests, killed runs ---------------------------------------------
 
 def test_stats_skips_a_damaged_manifest_with_a_warning_and_reports_the_others(tmp_path):

@@ -16,7 +16,8 @@ import pyarrow as pa
 
 from docproc.pipeline.normalize import normalize_amount, normalize_date, normalize_text
 from docproc.pipeline.runstore import check_out_folder, json_kind
-from docproc.pipeline.schema import json_value, read_table
+from docproc.pipeline.schema import json_value
+from docproc.pipeline.stats import current_rows
 
 FIELD_TYPES = {"date": "date", "due_date": "date", "total": "number"}
 
@@ -115,20 +116,28 @@ def read_truth(path: str | Path) -> list[dict]:
     return records
 
 
+def _listed(names: list[str], most: int = 6) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "") if names else "none"
+
+
 def evaluate(out: str | Path, truth_file: str | Path) -> dict:
+    """Scores of OUT's answers as they stand (the state's current rows, so an OUT written with
+    any --format, and the documents of a run still going or killed, count; else results.parquet)
+    against truth_file. overall_* are None when no field of the truth met an answer (documents
+    not in OUT, or queries that name none of its fields): `nothing_compared` says which."""
     out = Path(out)
-    results = out / "results.parquet"
     check_out_folder(out)
-    if not results.is_file():
-        raise FileNotFoundError(f"{results} does not exist: run `docproc run ... --out {out}` first")
     truth = read_truth(truth_file)
     try:
-        table = read_table(results).to_pylist()
+        rows = current_rows(out)
     except PermissionError:
         raise  # (said as the system's refusal, not as a damaged table)
     except (pa.ArrowException, OSError) as e:
-        raise ValueError(f"{results} cannot be read as Parquet ({e}): run `docproc run ... --out {out}` again "
-                         f"to rewrite it") from None
+        raise ValueError(f"{out / 'results.parquet'} cannot be read as Parquet ({e}): run `docproc run ... "
+                         f"--out {out}` again to rewrite it") from None
+    if not rows.num_rows:
+        raise FileNotFoundError(f"{out} holds no answers yet: run `docproc run ... --out {out}` first")
+    table = rows.to_pylist()
     answers: dict[str, dict[str, str | None]] = defaultdict(dict)
     properties: dict[str, dict[str, str | None]] = defaultdict(dict)  # QUERY.FIELD of JSON answers
     fields_of: dict[str, set[str]] = defaultdict(set)  # the fields each JSON query has answered anywhere
@@ -167,11 +176,22 @@ def evaluate(out: str | Path, truth_file: str | Path) -> dict:
                 per_field[key].append((em, _f1(p, t)))
                 per_group[group].append(em)
     cells = [x for v in per_field.values() for x in v]
+    nothing = None
+    if not cells:
+        if len(missing) == len(truth):
+            nothing = (f"none of the {len(truth)} documents of the truth file is in {out} (matched by file name, "
+                       f"e.g. {Path(missing[0]).name!r})")
+        else:
+            queries = sorted({q for a in answers.values() for q in a} | {k for p in properties.values() for k in p})
+            fields = sorted({f for rec in truth for f in rec["fields"]})
+            nothing = (f"no answer names a field of the truth file: answers {_listed(queries)}; truth fields "
+                       f"{_listed(fields)}")
     return {
         "documents": len(truth) - len(missing),
         "missing_documents": missing,
-        "overall_exact_match": sum(e for e, _ in cells) / len(cells) if cells else 0.0,
-        "overall_f1": sum(f for _, f in cells) / len(cells) if cells else 0.0,
+        "overall_exact_match": sum(e for e, _ in cells) / len(cells) if cells else None,
+        "overall_f1": sum(f for _, f in cells) / len(cells) if cells else None,
+        "nothing_compared": nothing,
         "per_field": {k: {"exact_match": sum(e for e, _ in v) / len(v), "f1": sum(f for _, f in v) / len(v),
                           "n": len(v)} for k, v in sorted(per_field.items())},
         "by_format": {k: {"exact_match": sum(v) / len(v), "n": len(v)} for k, v in sorted(per_group.items())},
