@@ -668,7 +668,7 @@ def _load_llm(model_dir: str, draft_dir: Optional[str], on_fail=None, **engine):
 @app.command("run-batch", cls=_Command)
 def run_batch_cmd(
     input_file: Path = typer.Option(..., "-i", "--input", parser=_path, help="OpenAI batch file: JSONL of {custom_id, method, "
-                                    "url, body}, url /v1/chat/completions or /v1/completions."),
+                                    "url, body}, url /v1/chat/completions or /v1/completions; - reads standard input."),
     output_file: Path = typer.Option(..., "-o", "--output", parser=_path, help="Results JSONL (appended to: a rerun answers only "
                                      "the custom_ids it does not hold)."),
     model: Optional[str] = MODEL_OPT,
@@ -690,21 +690,33 @@ def run_batch_cmd(
     from docproc.openai_compat.protocol import Limits
     from docproc.pipeline.runstore import LockedError
 
-    if not input_file.is_file():
-        error(f"--input {input_file} is not a file", "usage")
-        raise typer.Exit(EXIT_USAGE)
-    try:
-        open(input_file, "rb").close()
-    except OSError as e:
-        error(f"--input {input_file} cannot be read: {e.strerror}", "usage")
-        raise typer.Exit(EXIT_USAGE)
+    stdin = str(input_file) == "-"
+    if not stdin:  # (a file, or a pipe: /dev/stdin, <(cmd), a FIFO; read once, in order)
+        if input_file.is_dir():
+            error(f"--input {input_file} is a folder: name the batch file (or - for standard input)", "usage")
+            raise typer.Exit(EXIT_USAGE)
+        if not input_file.exists():
+            error(f"--input {input_file} does not exist", "usage")
+            raise typer.Exit(EXIT_USAGE)
+        if not (input_file.is_file() or input_file.is_fifo() or input_file.is_char_device()):
+            error(f"--input {input_file} is not a file", "usage")
+            raise typer.Exit(EXIT_USAGE)
+        if input_file.is_file():  # (opening a FIFO here would wait for its writer and use up a pipe)
+            try:
+                open(input_file, "rb").close()
+            except OSError as e:
+                error(f"--input {input_file} cannot be read: {e.strerror}", "usage")
+                raise typer.Exit(EXIT_USAGE)
     if image_root is not None and not image_root.is_dir():
         error(f"--image-root {image_root} is not a folder", "usage")
+        raise typer.Exit(EXIT_USAGE)
+    if str(output_file) == "-":
+        error("--output - is not served: results go to a file (a rerun reads it to answer only the rest)", "usage")
         raise typer.Exit(EXIT_USAGE)
     if output_file.exists() and not output_file.is_file():
         error(f"--output {output_file} is not a regular file", "usage")
         raise typer.Exit(EXIT_USAGE)
-    if output_file.exists() and os.path.samefile(output_file, input_file):
+    if output_file.exists() and not stdin and os.path.samefile(output_file, input_file):
         error("--output is the --input file: results go to a file of their own", "usage")
         raise typer.Exit(EXIT_USAGE)
     k = _spec_k(spec_k)

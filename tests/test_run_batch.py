@@ -127,10 +127,25 @@ def test_a_cut_off_output_is_resumed_with_each_custom_id_once(tmp_path):
     text = out.read_text()
     cut = len("".join(text.splitlines(keepends=True)[:2])) + 17  # two whole lines and a piece of the third
     out.write_text(text[:cut])
-    res = run("-i", src, "-o", out, "--model", MODEL, "--device", "cpu")
+    # the rerun reads its input from standard input (`-i -`), the next from a pipe by name (a FIFO)
+    res = CliRunner().invoke(app, ["run-batch", "-i", "-", "-o", str(out), "--model", str(MODEL), "--device", "cpu"],
+                             input=src.read_bytes(), catch_exceptions=False)
     assert res.exit_code == 0 and "answered 4" in res.output and "already done 2" in res.output, res.output
     assert sorted(keys(out)) == sorted(whole)
     assert {r["custom_id"]: r["response"]["body"]["choices"][0]["message"]["content"] for r in records(out)} == whole
+    out.write_text(text[:cut])
+    fifo = tmp_path / "requests.fifo"
+    os.mkfifo(fifo)
+    writer = subprocess.Popen(["sh", "-c", f"cat '{src}' > '{fifo}'"])
+    res = run("-i", fifo, "-o", out, "--model", MODEL, "--device", "cpu")
+    writer.wait(timeout=60)
+    assert res.exit_code == 0 and "answered 4" in res.output, res.output
+    assert {r["custom_id"]: r["response"]["body"]["choices"][0]["message"]["content"] for r in records(out)} == whole
+    res = run("-i", src, "-o", "-")
+    assert res.exit_code == 2 and "--output - is not served: results go to a file" in res.output
+    res = run("-i", tmp_path, "-o", out)
+    assert res.exit_code == 2 and f"--input {tmp_path} is a folder: name the batch file (or - for standard " \
+                                  f"input)" in res.output
 
 
 @pytest.mark.slow

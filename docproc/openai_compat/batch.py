@@ -14,7 +14,10 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import contextlib
+import io
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,10 +159,22 @@ def error_line(custom_id: str | None, line: int, message: str, status: int = 400
 MAX_LINE_BYTES = 32 << 20  # a request line, as serve's body (ServerConfig.max_request_bytes)
 
 
+def _open_input(path: Path):
+    """The input for reading bytes: path, or standard input for "-" (its descriptor, or the
+    stream itself where it has none)."""
+    if str(path) != "-":
+        return open(path, "rb")
+    try:
+        return os.fdopen(os.dup(sys.stdin.fileno()), "rb")
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        return contextlib.nullcontext(sys.stdin.buffer)
+
+
 def read_lines(path: Path):
-    """(line number, custom_id or None, url, body, problem or None) for each non-blank line; a
-    line over MAX_LINE_BYTES is an error line, read past in pieces, never held whole."""
-    with open(path, "rb") as f:
+    """(line number, custom_id or None, url, body, problem or None) for each non-blank line of
+    path ("-": standard input), read once in order; a line over MAX_LINE_BYTES is an error line,
+    read past in pieces, never held whole."""
+    with _open_input(path) as f:
         n = 0
         while raw := f.readline(MAX_LINE_BYTES + 1):
             n += 1
