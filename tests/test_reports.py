@@ -305,3 +305,17 @@ def test_stats_on_a_folder_with_no_readable_run_says_why(tmp_path):
     assert res.exit_code == 2 and res.stdout == ""
     assert res.stderr == f"error: no runs recorded in {out} ({out / 'runs' / 'x' / 'manifest.json'} is a list, not " \
                          f"a JSON object): run `docproc run ... --out {out}` first\n"
+
+
+def test_stats_before_a_running_runs_first_document_says_a_run_is_in_progress(tmp_path):
+    out = tmp_path / "out"
+    store = RunStore(out)
+    store.lock()  # (a run that has not finished a document: no rows, no manifest)
+    try:
+        res = stats(out)
+        assert res.exit_code == 2 and res.stderr == f"error: no runs recorded in {out} yet: a run is in progress " \
+                                                     f"there (its first documents are not finished); try again in " \
+                                                     f"a while\n"
+    finally:
+        store.unlock()
+    assert stats(out).stderr.startswith(f"error: no runs recorded in {out}: run `docproc run")

@@ -222,6 +222,29 @@ class RunStore:
             self.unlock()
             raise output_fault(e, self.out) from None
 
+    def locked_by_a_run(self) -> bool:
+        """Whether a run holds the folder's lock now, read from the kernel's table of locks
+        (/proc/locks) without taking it (taking it, even shared for an instant, could turn a run
+        starting then away with exit 75). False where that table cannot be read."""
+        try:
+            st = os.stat(self.state_dir / "lock")
+            with open("/proc/locks") as f:
+                table = f.read()
+        except OSError:
+            return False
+        me = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+        for line in table.splitlines():
+            fields = line.split()
+            if "FLOCK" not in fields or len(fields) < 6:
+                continue
+            try:
+                major, minor, inode = fields[fields.index("FLOCK") + 4].split(":")
+                if (int(major, 16), int(minor, 16), int(inode)) == me:
+                    return True
+            except (ValueError, IndexError):
+                continue
+        return False
+
     def _adopt_old_parts(self) -> None:
         old = self.out / "parts"
         if not old.is_dir():

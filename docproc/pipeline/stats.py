@@ -133,6 +133,9 @@ def collect(out: str | Path, run_id: str | None = None, limit: int = 10) -> dict
                   key=lambda x: run_order(x[1]["run_id"], x[1]["started_at"]))
     if not runs:
         unread = "; ".join(f"{d['file']} is {d['reason']}" for d in damaged)
+        if RunStore(out).locked_by_a_run():
+            raise FileNotFoundError(f"no runs recorded in {out} yet: a run is in progress there (its first "
+                                    f"documents are not finished); try again in a while")
         raise FileNotFoundError(f"no runs recorded in {out}{f' ({unread})' if unread else ''}: "
                                 f"run `docproc run ... --out {out}` first")
     if run_id:
