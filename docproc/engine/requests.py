@@ -63,8 +63,8 @@ def _processed(processor, prompt: PromptType, max_model_len: int, images_memo: d
     ids, spans, loaded = processor.process(text, token_ids, list(images), uuids, images_memo)
     if len(ids) >= max_model_len:
         raise PromptError(
-            f"prompt is {len(ids)} tokens (images expanded) but max_model_len is {max_model_len}: "
-            f"shorten it, lower the image max_pixels, or raise max_model_len"
+            f"prompt is {len(ids)} tokens (images expanded) but the engine reads at most {max_model_len} "
+            f"(max_model_len, at most the model's max_position_embeddings): shorten it or send smaller images"
         )
     return ids, spans, loaded
 
@@ -83,8 +83,8 @@ def preload(processor, prompt: PromptType, max_model_len: int) -> tuple[PromptTy
         if len(text) >= longest * max_model_len or \
                 len(processor.tokenizer(text[:8 * max_model_len], add_special_tokens=False)["input_ids"]) > \
                 max_model_len + 1:
-            raise PromptError(f"the prompt's text ({len(text)} characters) is more than max_model_len "
-                              f"({max_model_len}) tokens: shorten it, or raise max_model_len")
+            raise PromptError(f"the prompt's text ({len(text)} characters) is more than the {max_model_len} tokens "
+                              f"the engine reads (max_model_len): shorten it")
     _, _, loaded = _processed(processor, prompt, max_model_len)
     if not loaded:
         return prompt, 0
