@@ -415,6 +415,38 @@ def test_the_completion_ends_values_rather_than_growing_them(llm):
     assert completion(StructuredOutputsParams(json={"type": "integer", "minimum": 10**15}), "1") is not None
 
 
+def test_an_end_forced_where_the_grammar_takes_nothing_else_is_not_a_truncation(llm):
+    """A JSON answer written whole within the budget's last tokens is ended there by the budget,
+    as the grammar alone would end it: not steered (finish_reason stop, the row is not truncated).
+    A number complete at the same point could go on with more digits: ending it is a cut."""
+    from docproc.engine.structured import GrammarCompiler, tokenizer_size
+    from docproc.pipeline.constraints import PATTERNS
+    from docproc.sampling_params import StructuredOutputsParams
+
+    gc = GrammarCompiler(llm.tokenizer, tokenizer_size(llm.tokenizer), llm.eos_token_ids)
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"],
+              "additionalProperties": False}
+
+    def written(constraint, text, left):
+        """The matcher after text, written freely, with `left` tokens of its budget left then,
+        and the budget's decision there."""
+        ids = llm.tokenizer.encode(text, add_special_tokens=False)
+        m = gc.matcher(constraint, len(ids) + left)
+        for t in ids:
+            assert m.forced_token() is None and m.accept_token(t)
+        return m, m.forced_token()
+
+    from docproc.engine.structured import BudgetMatcher
+
+    left = BudgetMatcher.MARGIN + 1  # (the end is forced from here; its closers were written freely)
+    m, forced = written(StructuredOutputsParams(json=schema), '{"a": "a long value here"}', left)
+    assert forced in gc.stop_token_ids and m.accept_token(forced) and not m.steered()
+    m, forced = written(StructuredOutputsParams(regex=PATTERNS["number"]), "1234.5", left)
+    assert forced in gc.stop_token_ids and m.accept_token(forced) and m.steered()
+    m, forced = written(StructuredOutputsParams(json=schema), '{"a": "a long value here"}', left + 1)
+    assert forced is None
+
+
 def test_a_forced_token_is_one_the_grammar_takes(llm):
     """Where the tokenizer reads the completion's text otherwise than the grammar does (an enum
     value that is a special token's text), the forced token is the completion's first byte: the
