@@ -378,7 +378,8 @@ def _dry_run(pipeline, log_json: bool, debug: bool) -> None:
         if log_json:
             for d in plan["documents"]:
                 print(json.dumps({"event": "plan", **d}))
-            print(json.dumps({"event": "plan_end", "counts": c, "config_fingerprint": plan["config_fingerprint"],
+            print(json.dumps({"event": "plan_end", "counts": c, "json_missing": plan["json_missing"],
+                              "config_fingerprint": plan["config_fingerprint"],
                               "fingerprint": f}), flush=True)
         else:
             table = Table(box=None, pad_edge=False)
@@ -391,6 +392,8 @@ def _dry_run(pipeline, log_json: bool, debug: bool) -> None:
             out_console.print(escape(
                 f"would process {c['new'] + c['redo']} (new {c['new']}, redo {c['redo']}); "
                 + ", ".join(f"{'errors' if a == 'error' else a} {c[a]}" for a in ACTIONS[2:])
+                + (f"; would write {plan['json_missing']} document JSON file(s) missing from OUT/json from "
+                   f"their rows" if plan["json_missing"] else "")
                 + f". Configuration fingerprint {plan['config_fingerprint'] or '-'}, {f['why']}. Nothing was "
                   f"written."), soft_wrap=True)
     except BrokenPipeError:  # stdout closed (`| head`)

@@ -216,6 +216,7 @@ def test_dry_run_lists_each_document_and_why_and_writes_nothing(done, llm, one_q
     shutil.copy(SAMPLES / "doc_2026_00010.jpg", docs / "doc_2026_00006.jpg")  # its bytes changed
     shutil.copy(SAMPLES / "doc_2026_00005.pdf", docs / "new.pdf")  # new
     (docs / "notes.txt").write_text("hi")  # skipped
+    (out / "json" / "doc_2026_00002.pdf.json").unlink()  # a run writes it again from the rows
     before = listing(out)
     res = CliRunner().invoke(app, ["run", str(docs), "--out", str(out), "--queries", str(one_query),
                                    "--dry-run", "--log-json"])
@@ -229,12 +230,13 @@ def test_dry_run_lists_each_document_and_why_and_writes_nothing(done, llm, one_q
                     "doc_2026_00003.jpg": ("removed", f"its file is gone from {os.path.realpath(docs)}")}
     end = lines[-1]
     # (cached though `done` ran with another --batch-pages: how fast, not what, so not part of the key)
-    assert end["event"] == "plan_end" and end["fingerprint"]["source"] == "cache"
+    assert end["event"] == "plan_end" and end["fingerprint"]["source"] == "cache" and end["json_missing"] == 1
     assert end["counts"] == {"new": 1, "redo": 1, "already done": 1, "moved": 0, "removed": 1, "skipped": 1,
                              "error": 0}
     text = CliRunner().invoke(app, ["run", str(docs), "--out", str(out), "--queries", str(one_query),
                                     "--dry-run"])
     assert text.exit_code == 0 and "would process 2 (new 1, redo 1); already done 1" in text.stdout
+    assert "; would write 1 document JSON file(s) missing from OUT/json from their rows." in text.stdout
 
     # another DPI: not cached, so the engine computes the fingerprint; it reaches the PDF only
     p = Pipeline(settings(docs, out, one_query, dpi=150), llm=llm)

@@ -35,7 +35,8 @@ def dry_run(p) -> dict:
     try:
         p.check_models()
         candidates = discover(p.s.inputs, exclude=p.store.own_folders())
-        rows = p.store.current().to_pylist()
+        table = p.store.current()
+        rows = table.to_pylist()
         p._reconcile(candidates, rows)
         fingerprint = _fingerprint(p, candidates, told)
         p._history = ConfigHistory(p.cfg, p.config_components_known(), p.stored_components(),
@@ -59,7 +60,12 @@ def dry_run(p) -> dict:
     finally:
         p.report = told
     counts = {a: sum(d["action"] == a for d in plan) for a in ACTIONS}
-    return {"documents": plan, "counts": counts, "config_fingerprint": p.cfg, "fingerprint": fingerprint}
+    # documents already done whose JSON file is gone: a completed run writes them from their rows
+    done = {d["path"] for d in plan if d["action"] == "already done"}
+    json_missing = (sum(path in done for path in p.store.missing_document_json(table))
+                    if "json" in p.s.formats and done else 0)
+    return {"documents": plan, "counts": counts, "json_missing": json_missing, "config_fingerprint": p.cfg,
+            "fingerprint": fingerprint}
 
 
 def _fingerprint(p, candidates: list[Candidate], told) -> dict:
