@@ -46,6 +46,7 @@ MAX_LANE_WAITING = 256  # calls waiting for a worker thread (429 past it)
 PDF_WORKERS, PDF_SECONDS = 2, 60  # worker processes rendering PDF parts, and the most a PDF may take
 DRAIN_SECONDS = 300  # after SIGTERM, the most the requests in flight get to finish
 MAX_CONNECTIONS = 4096  # past it, new connections get 503
+HEADER_SECONDS = 30.0  # a request's line and headers must come within this of the connection or the last response
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -786,6 +787,53 @@ def _rate(num: int, den: int) -> str:
     return f"{num / den:.6f}" if den else "NaN"
 
 
+def header_timeout_protocol(seconds: float):
+    """uvicorn's h11 protocol with a limit on the time a client takes to send a request's line and
+    headers, from its connection or the last response on it: past it the connection is closed.
+    uvicorn has none (its keep-alive timer starts after a response and stops at the next byte),
+    so a client that opened connections and sent their headers a byte at a time held them all, up
+    to MAX_CONNECTIONS, and every other client's request got 503. (The body has its own limits:
+    read_body.) h11 always, also where httptools is installed."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Protocol(H11Protocol):
+        _header_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._await_headers()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self._header_timer is not None and self.conn.their_state is not h11.IDLE:  # (a request began)
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+                self._await_headers()
+
+        def connection_lost(self, exc) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+            super().connection_lost(exc)
+
+        def _await_headers(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            self._header_timer = self.loop.call_later(seconds, self._headers_late)
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+    return Protocol
+
+
 def serve(llm, cfg: ServerConfig, sock, log_level: str = "warning") -> int:
     """Run the server on a bound socket until SIGINT/SIGTERM (the requests in flight finish first;
     a second signal stops at once) or a device failure. Returns the exit code: 0 when stopped by
@@ -805,6 +853,7 @@ def serve(llm, cfg: ServerConfig, sock, log_level: str = "warning") -> int:
             return contextlib.nullcontext()
 
     server = _Server(uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="off",
+                                    http=header_timeout_protocol(HEADER_SECONDS),
                                     timeout_keep_alive=5, limit_concurrency=MAX_CONNECTIONS,
                                     timeout_graceful_shutdown=DRAIN_SECONDS))
     failed: list[str] = []
