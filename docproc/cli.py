@@ -9,6 +9,8 @@ Exit codes of `docproc run` (README, "Exit codes"): 0 every document ok, partial
 from __future__ import annotations
 
 import contextlib
+import errno
+import io
 import json
 import os
 import re
@@ -693,8 +695,17 @@ def run_batch_cmd(
     from docproc.openai_compat.protocol import Limits
     from docproc.pipeline.runstore import LockedError
 
-    stdin = str(input_file) == "-"
-    if not stdin:  # (a file, or a pipe: /dev/stdin, <(cmd), a FIFO; read once, in order)
+    stdin = str(input_file) in ("-", "/dev/stdin", "/proc/self/fd/0")  # (also a socket, which has no name to open)
+    input_stat = None
+    if stdin:
+        try:
+            input_stat = os.fstat(sys.stdin.fileno())
+        except io.UnsupportedOperation:
+            pass  # (a stream without a descriptor: a caller's own)
+        except (AttributeError, OSError, ValueError):  # (closed: `<&-`)
+            error(f"--input {input_file}: standard input is closed", "usage")
+            raise typer.Exit(EXIT_USAGE)
+    else:  # (a file, or a pipe: /dev/stdin, <(cmd), a FIFO; read once, in order)
         if input_file.is_dir():
             error(f"--input {input_file} is a folder: name the batch file (or - for standard input)", "usage")
             raise typer.Exit(EXIT_USAGE)
@@ -704,12 +715,18 @@ def run_batch_cmd(
         if not (input_file.is_file() or input_file.is_fifo() or input_file.is_char_device()):
             error(f"--input {input_file} is not a file", "usage")
             raise typer.Exit(EXIT_USAGE)
-        if input_file.is_file():  # (opening a FIFO here would wait for its writer and use up a pipe)
-            try:
-                open(input_file, "rb").close()
-            except OSError as e:
-                error(f"--input {input_file} cannot be read: {e.strerror}", "usage")
-                raise typer.Exit(EXIT_USAGE)
+        try:  # (a FIFO is not opened here: a writer waiting for its reader would take this one for it)
+            if input_file.is_fifo():
+                input_stat = os.stat(input_file)
+                if not os.access(input_file, os.R_OK):
+                    raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+            else:
+                fd = os.open(input_file, os.O_RDONLY | os.O_NONBLOCK)
+                input_stat = os.fstat(fd)
+                os.close(fd)
+        except OSError as e:
+            error(f"--input {input_file} cannot be read: {e.strerror}", "usage")
+            raise typer.Exit(EXIT_USAGE)
     if image_root is not None and not image_root.is_dir():
         error(f"--image-root {image_root} is not a folder", "usage")
         raise typer.Exit(EXIT_USAGE)
@@ -719,7 +736,8 @@ def run_batch_cmd(
     if output_file.exists() and not output_file.is_file():
         error(f"--output {output_file} is not a regular file", "usage")
         raise typer.Exit(EXIT_USAGE)
-    if output_file.exists() and not stdin and os.path.samefile(output_file, input_file):
+    if output_file.exists() and input_stat is not None and os.path.samestat(os.stat(output_file), input_stat):
+        # (read while lines are appended to it, it would never end)
         error("--output is the --input file: results go to a file of their own", "usage")
         raise typer.Exit(EXIT_USAGE)
     k = _spec_k(spec_k)
@@ -906,12 +924,20 @@ def stats(
         data = list_failures(out) if failures else collect(out, run_id, limit)
     except (OSError, KeyError) as e:
         error(_reading_error(e, out))
-        raise typer.Exit(EXIT_USAGE)
+        raise typer.Exit(_reading_exit(e))
     for d in [] if failures else data["damaged_manifests"]:
         error(f"{d['file']} is {d['reason']}: run {d['run_id']} is skipped (its rows, if any, are reported "
               f"as a run without a manifest)", "warning", "yellow")
     with _report_to_stdout():
         _print_stats(data, as_json, failures)
+
+
+def _reading_exit(e: Exception) -> int:
+    """stats' and eval's exit code for an OUT they could not report on: 75 while a run holds it
+    with nothing written yet (as for a second run), else 2."""
+    from docproc.pipeline.runstore import RunInProgress
+
+    return EXIT_LOCKED if isinstance(e, RunInProgress) else EXIT_USAGE
 
 
 def _print_stats(data, as_json: bool, failures: bool) -> None:
@@ -987,11 +1013,16 @@ def eval_cmd(
         res = evaluate(out, truth)
     except (OSError, json.JSONDecodeError, KeyError, ValueError) as e:
         error(_reading_error(e, out))
-        raise typer.Exit(EXIT_USAGE)
+        raise typer.Exit(_reading_exit(e))
+    if res["unreadable_state_parts"]:
+        lost = res["unreadable_state_parts"]
+        error(shown(f"{len(lost)} part(s) of {out}'s state cannot be read ({', '.join(lost[:3])}"
+                    f"{', ...' if len(lost) > 3 else ''}): their documents are scored from results.parquet where it "
+                    f"holds them"), "warning", "yellow")
     with _report_to_stdout():
         _print_eval(res, as_json)
     if res["nothing_compared"]:
-        error(f"nothing to score: {res['nothing_compared']}")
+        error(shown(f"nothing to score: {res['nothing_compared']}"))
         raise typer.Exit(EXIT_FAILURES)
 
 
@@ -1010,10 +1041,12 @@ def _print_eval(res: dict, as_json: bool) -> None:
     for g, v in res["by_format"].items():
         t.add_row(f"[dim]all fields, {g}[/dim]", f"{v['exact_match']:.1%}", "", str(v["n"]))
     out_console.print(t)
-    if missing := res["missing_documents"]:
-        names = ", ".join(shown(m) for m in missing[:5]) + (f" and {len(missing) - 5} more (--json lists them)" if len(missing) > 5 else "")
-        out_console.print(escape(f"not scored: {len(missing)} document(s) of the truth file not in OUT: {names}"),
-                          soft_wrap=True)
+    for key, what in (("failed_documents", "failed in OUT, scored as no answer"),
+                      ("missing_documents", "not in OUT, not scored")):
+        if docs := res[key]:
+            names = ", ".join(shown(m) for m in docs[:5]) + (f" and {len(docs) - 5} more (--json lists them)"
+                                                             if len(docs) > 5 else "")
+            out_console.print(escape(f"{len(docs)} document(s) of the truth file {what}: {names}"), soft_wrap=True)
 
 
 def _stdout_gone() -> None:

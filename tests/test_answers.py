@@ -443,6 +443,8 @@ def test_an_end_forced_where_the_grammar_takes_nothing_else_is_not_a_truncation(
     assert forced in gc.stop_token_ids and m.accept_token(forced) and not m.steered()
     m, forced = written(StructuredOutputsParams(regex=PATTERNS["number"]), "1234.5", left)
     assert forced in gc.stop_token_ids and m.accept_token(forced) and m.steered()
+    m, forced = written(StructuredOutputsParams(regex="[0-9]{3}( [0-9]{3})*"), "123", left)  # (goes on after a space)
+    assert forced in gc.stop_token_ids and m.accept_token(forced) and m.steered()
     m, forced = written(StructuredOutputsParams(json=schema), '{"a": "a long value here"}', left + 1)
     assert forced is None
 

@@ -142,7 +142,7 @@ def test_eval_reads_the_state_so_any_format_and_a_killed_run_are_scored(tmp_path
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["per_field"]["vendor"] == {"exact_match": 1.0, "f1": 1.0, "n": 1}
     res = cli.invoke(app, ["eval", str(tmp_path), "--truth", str(truth)])  # (a folder with no answers)
-    assert res.exit_code == 2 and res.stderr == f"error: {tmp_path} holds no answers yet: run `docproc run ... " \
+    assert res.exit_code == 2 and res.stderr == f"error: no answers in {tmp_path}: run `docproc run ... " \
                                                 f"--out {tmp_path}` first\n"
 
 
@@ -172,8 +172,43 @@ def test_eval_names_the_truth_documents_it_did_not_find(scored_out, tmp_path):
     res = cli.invoke(app, ["eval", str(scored_out), "--truth", str(truth)])
     assert res.exit_code == 0, res.output
     assert "1 documents: exact match 100.0%" in res.stdout
-    assert ("not scored: 7 document(s) of the truth file not in OUT: gone0.pdf, gone1.pdf, gone2.pdf, gone3.pdf, "
+    assert ("7 document(s) of the truth file not in OUT, not scored: gone0.pdf, gone1.pdf, gone2.pdf, gone3.pdf, "
             "gone4.pdf and 2 more (--json lists them)") in res.stdout
+
+
+def test_eval_scores_a_failed_document_as_no_answer_and_a_damaged_part_from_results(tmp_path):
+    """A truth document that failed in OUT (its error row) is wrong on every field (it was left
+    out, which raised the score, and called "not in OUT"); a state part that cannot be read
+    leaves its documents to results.parquet, with a warning (it hid them)."""
+    out = tmp_path / "out"
+    store = RunStore(out)
+    store.write_part(1, doc_rows(FIRST, "a.pdf") + doc_rows(FIRST, "bad.pdf", status="error"))
+    truth = tmp_path / "truth.jsonl"
+    truth.write_text("".join(json.dumps({"file": f, "fields": {"vendor": "x"}}) + "\n" for f in ("a.pdf", "bad.pdf")))
+    res = cli.invoke(app, ["eval", str(out), "--truth", str(truth)])
+    assert res.exit_code == 0, res.output
+    assert "2 documents: exact match 50.0%" in res.stdout
+    assert "1 document(s) of the truth file failed in OUT, scored as no answer: bad.pdf" in res.stdout
+    report = json.loads(cli.invoke(app, ["eval", str(out), "--truth", str(truth), "--json"]).stdout)
+    assert report["failed_documents"] == ["bad.pdf"] and report["missing_documents"] == []
+    assert report["per_field"]["vendor"] == {"exact_match": 0.5, "f1": 0.5, "n": 2}
+
+    atomic_write_table(out / "results.parquet", to_table(doc_rows(FIRST, "a.pdf")))
+    part = store.part_files()[0]
+    part.write_bytes(b"not a table")
+    res = cli.invoke(app, ["eval", str(out), "--truth", str(truth), "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["per_field"]["vendor"] == {"exact_match": 1.0, "f1": 1.0, "n": 1}
+    assert res.stderr == f"warning: 1 part(s) of {out}'s state cannot be read ({part.name}): their documents are " \
+                         f"scored from results.parquet where it holds them\n"
+
+
+def test_eval_escapes_control_characters_in_its_one_line(scored_out, tmp_path):
+    truth = tmp_path / "truth.jsonl"
+    truth.write_text(json.dumps({"file": "a.pdf", "fields": {"\x1b[31mRED\nerror: forged": "x"}}) + "\n")
+    res = cli.invoke(app, ["eval", str(scored_out), "--truth", str(truth)])
+    assert res.exit_code == 1 and res.stderr.count("\n") == 1 and "\x1b" not in res.stderr
+    assert "truth fields \\x1b[31mRED\\nerror: forged" in res.stderr
 
 
 # ---- docproc stats: damaged manifests, killed runs ---------------------------------------------
@@ -311,11 +346,15 @@ def test_stats_before_a_running_runs_first_document_says_a_run_is_in_progress(tm
     out = tmp_path / "out"
     store = RunStore(out)
     store.lock()  # (a run that has not finished a document: no rows, no manifest)
+    truth = tmp_path / "truth.jsonl"
+    truth.write_text(GOOD + "\n")
     try:
-        res = stats(out)
-        assert res.exit_code == 2 and res.stderr == f"error: no runs recorded in {out} yet: a run is in progress " \
-                                                     f"there (its first documents are not finished); try again in " \
-                                                     f"a while\n"
+        for what, res in (("runs recorded", stats(out)), ("results", stats(out, "--failures")),
+                          ("answers", cli.invoke(app, ["eval", str(out), "--truth", str(truth)]))):
+            assert res.exit_code == 75 and res.stderr == f"error: no {what} in {out} yet: a run is in progress " \
+                                                         f"there (its first documents are not finished); try " \
+                                                         f"again in a while\n"
     finally:
         store.unlock()
-    assert stats(out).stderr.startswith(f"error: no runs recorded in {out}: run `docproc run")
+    res = stats(out)
+    assert res.exit_code == 2 and res.stderr.startswith(f"error: no runs recorded in {out}: run `docproc run")

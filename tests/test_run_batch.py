@@ -141,6 +141,11 @@ def test_a_cut_off_output_is_resumed_with_each_custom_id_once(tmp_path):
     writer.wait(timeout=60)
     assert res.exit_code == 0 and "answered 4" in res.output, res.output
     assert {r["custom_id"]: r["response"]["body"]["choices"][0]["message"]["content"] for r in records(out)} == whole
+    with open(out, "rb") as own:  # its own output on standard input (read as lines are appended: endless)
+        proc = subprocess.run([sys.executable, "-m", "docproc", "run-batch", "-i", "-", "-o", str(out)], stdin=own,
+                              capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr == "usage: --output is the --input file: results go to a file " \
+                                                   "of their own\n"
     res = run("-i", src, "-o", "-")
     assert res.exit_code == 2 and "--output - is not served: results go to a file" in res.output
     res = run("-i", tmp_path, "-o", out)

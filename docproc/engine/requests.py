@@ -63,8 +63,9 @@ def _processed(processor, prompt: PromptType, max_model_len: int, images_memo: d
     ids, spans, loaded = processor.process(text, token_ids, list(images), uuids, images_memo)
     if len(ids) >= max_model_len:
         raise PromptError(
-            f"prompt is {len(ids)} tokens (images expanded) but the engine reads at most {max_model_len} "
-            f"(max_model_len, at most the model's max_position_embeddings): shorten it or send smaller images"
+            f"prompt is {len(ids)} tokens (images expanded), which leaves no room for an answer within "
+            f"max_model_len ({max_model_len} tokens, prompt and answer): shorten it or send smaller images "
+            f"(max_model_len is the model's max_position_embeddings unless set lower)"
         )
     return ids, spans, loaded
 

@@ -162,7 +162,7 @@ MAX_LINE_BYTES = 32 << 20  # a request line, as serve's body (ServerConfig.max_r
 def _open_input(path: Path):
     """The input for reading bytes: path, or standard input for "-" (its descriptor, or the
     stream itself where it has none)."""
-    if str(path) != "-":
+    if str(path) not in ("-", "/dev/stdin", "/proc/self/fd/0"):
         return open(path, "rb")
     try:
         return os.fdopen(os.dup(sys.stdin.fileno()), "rb")

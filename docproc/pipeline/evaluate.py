@@ -15,9 +15,8 @@ from pathlib import Path
 import pyarrow as pa
 
 from docproc.pipeline.normalize import normalize_amount, normalize_date, normalize_text
-from docproc.pipeline.runstore import check_out_folder, json_kind
-from docproc.pipeline.schema import json_value
-from docproc.pipeline.stats import current_rows
+from docproc.pipeline.runstore import RunStore, check_out_folder, json_kind, nothing_yet
+from docproc.pipeline.schema import json_value, read_table
 
 FIELD_TYPES = {"date": "date", "due_date": "date", "total": "number"}
 
@@ -120,28 +119,50 @@ def _listed(names: list[str], most: int = 6) -> str:
     return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "") if names else "none"
 
 
+def answer_rows(out: Path) -> tuple[list[dict], list[str]]:
+    """OUT's rows as they stand, and the names of the state's parts that could not be read. The
+    rows are the state's current ones (an OUT written with any --format, the documents of a run
+    still going or killed); the documents of parts that cannot be read, and every document where
+    there is no state, come from results.parquet (the last completed run's table)."""
+    store = RunStore(out)
+    table = store.current() if store.part_files() else None
+    lost = sorted(p.name for p in store.damaged_parts | store.unreadable_parts)
+    rows = table.to_pylist() if table is not None else []
+    results = out / "results.parquet"
+    if (table is None or lost) and results.is_file():
+        try:
+            written = read_table(results).to_pylist()
+        except PermissionError:
+            if table is None:
+                raise  # (said as the system's refusal, not as a damaged table)
+            written = []
+        except (pa.ArrowException, OSError) as e:
+            if table is None:
+                raise ValueError(f"{results} cannot be read as Parquet ({e}): run `docproc run ... --out {out}` "
+                                 f"again to rewrite it") from None
+            written = []
+        have = {r["path"] for r in rows}
+        rows += [r for r in written if r["path"] not in have]
+    return rows, lost
+
+
 def evaluate(out: str | Path, truth_file: str | Path) -> dict:
-    """Scores of OUT's answers as they stand (the state's current rows, so an OUT written with
-    any --format, and the documents of a run still going or killed, count; else results.parquet)
-    against truth_file. overall_* are None when no field of the truth met an answer (documents
-    not in OUT, or queries that name none of its fields): `nothing_compared` says which."""
+    """Scores of OUT's answers as they stand (answer_rows) against truth_file. A document of the
+    truth that failed in OUT (an error row, no answers) scores no answer for each of its fields;
+    one OUT does not hold is listed, not scored. overall_* are None when no field of the truth
+    met an answer (documents not in OUT, or queries that name none of its fields):
+    `nothing_compared` says which."""
     out = Path(out)
     check_out_folder(out)
     truth = read_truth(truth_file)
-    try:
-        rows = current_rows(out)
-    except PermissionError:
-        raise  # (said as the system's refusal, not as a damaged table)
-    except (pa.ArrowException, OSError) as e:
-        raise ValueError(f"{out / 'results.parquet'} cannot be read as Parquet ({e}): run `docproc run ... "
-                         f"--out {out}` again to rewrite it") from None
-    if not rows.num_rows:
-        raise FileNotFoundError(f"{out} holds no answers yet: run `docproc run ... --out {out}` first")
-    table = rows.to_pylist()
+    table, lost = answer_rows(out)
+    if not table:
+        raise nothing_yet(out, "answers")
     answers: dict[str, dict[str, str | None]] = defaultdict(dict)
     properties: dict[str, dict[str, str | None]] = defaultdict(dict)  # QUERY.FIELD of JSON answers
     fields_of: dict[str, set[str]] = defaultdict(set)  # the fields each JSON query has answered anywhere
     no_object: dict[str, list[str]] = defaultdict(list)
+    held = {Path(r["path"]).name for r in table}  # (failed documents too: their error row)
     for r in table:
         if r["query"] is None or r.get("page") is not None:  # (the truth is per document, not per page)
             continue
@@ -158,11 +179,11 @@ def evaluate(out: str | Path, truth_file: str | Path) -> dict:
         answers[name][r["query"]] = value
     per_field: dict[str, list[tuple[float, float]]] = defaultdict(list)
     per_group: dict[str, list[float]] = defaultdict(list)
-    missing = []
+    missing, failed = [], []
     for rec in truth:
         name = Path(rec["file"]).name
         if name not in answers:
-            missing.append(rec["file"])
+            (failed if name in held else missing).append(rec)
             continue
         # a query's own answer wins over a JSON answer's property of the same name
         got = {**properties[name], **answers[name]}
@@ -175,10 +196,22 @@ def evaluate(out: str | Path, truth_file: str | Path) -> dict:
                 em = float(t == p)
                 per_field[key].append((em, _f1(p, t)))
                 per_group[group].append(em)
+    for rec in failed:  # no answer for each field, under every key its field is answered by elsewhere
+        group = "pdf" if rec.get("format", "pdf") == "pdf" else "scan"
+        for field, value in rec["fields"].items():
+            for key in [k for k in list(per_field) if k == field or k.endswith("." + field)]:
+                t = _norm(field, value)
+                em = float(t is None)
+                per_field[key].append((em, _f1(None, t)))
+                per_group[group].append(em)
+    missing = [rec["file"] for rec in missing]
     cells = [x for v in per_field.values() for x in v]
     nothing = None
     if not cells:
-        if len(missing) == len(truth):
+        if failed and len(failed) + len(missing) == len(truth):
+            nothing = (f"every document of the truth file that {out} holds failed there ({len(failed)}), and no "
+                       f"other document's answers name their fields")
+        elif len(missing) == len(truth):
             nothing = (f"none of the {len(truth)} documents of the truth file is in {out} (matched by file name, "
                        f"e.g. {Path(missing[0]).name!r})")
         else:
@@ -189,6 +222,8 @@ def evaluate(out: str | Path, truth_file: str | Path) -> dict:
     return {
         "documents": len(truth) - len(missing),
         "missing_documents": missing,
+        "failed_documents": [rec["file"] for rec in failed],
+        "unreadable_state_parts": lost,
         "overall_exact_match": sum(e for e, _ in cells) / len(cells) if cells else None,
         "overall_f1": sum(f for _, f in cells) / len(cells) if cells else None,
         "nothing_compared": nothing,

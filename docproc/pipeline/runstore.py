@@ -75,6 +75,20 @@ def take_lock(path: Path, what: Path | str, holder: str, option: str = "--out") 
     return fd
 
 
+class RunInProgress(FileNotFoundError):
+    """OUT holds nothing to report yet, and a run holds its lock: its first documents are not
+    finished."""
+
+
+def nothing_yet(out: Path, what: str) -> FileNotFoundError:
+    """The error for an OUT with no `what` to report: RunInProgress where a run holds its lock
+    (RunStore.locked_by_a_run), else one saying to run docproc run first."""
+    if RunStore(out).locked_by_a_run():
+        return RunInProgress(f"no {what} in {out} yet: a run is in progress there (its first documents are not "
+                             f"finished); try again in a while")
+    return FileNotFoundError(f"no {what} in {out}: run `docproc run ... --out {out}` first")
+
+
 def output_fault(e: OSError, what: Path | str, option: str = "--out") -> OutputUnwritable:
     """An OSError from writing OUT (or the file of `option`) as the run-stopping fault, with the
     fix in the message."""
@@ -200,6 +214,7 @@ class RunStore:
         self.config_cache_path = self.state_dir / "config_cache.json"
         self._lock_fd: int | None = None
         self.damaged_parts: set[Path] = set()  # parts that could not be read (read_all)
+        self.unreadable_parts: set[Path] = set()  # parts the system refused to read (read_all): left alone
 
     # ---- lock ------------------------------------------------------------------------------
     def lock(self) -> None:
@@ -300,7 +315,7 @@ class RunStore:
                 # consolidation sets it aside rather than delete it
                 self.damaged_parts.add(f)
             except OSError:
-                continue  # (unreadable now: a permission, an I/O error) left where it is
+                self.unreadable_parts.add(f)  # (unreadable now: a permission, an I/O error) left where it is
         return pa.concat_tables(tables) if tables else RESULT_SCHEMA.empty_table()
 
     @staticmethod

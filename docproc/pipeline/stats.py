@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from docproc.pipeline.runstore import RunStore, check_out_folder, run_order, run_started_at
+from docproc.pipeline.runstore import RunStore, check_out_folder, nothing_yet, run_order, run_started_at
 from docproc.pipeline.schema import BAD_STATUSES, RESULT_SCHEMA, is_bad, read_table
 
 NO_MANIFEST = "no manifest"  # the status of a run known only from its rows
@@ -133,11 +133,9 @@ def collect(out: str | Path, run_id: str | None = None, limit: int = 10) -> dict
                   key=lambda x: run_order(x[1]["run_id"], x[1]["started_at"]))
     if not runs:
         unread = "; ".join(f"{d['file']} is {d['reason']}" for d in damaged)
-        if RunStore(out).locked_by_a_run():
-            raise FileNotFoundError(f"no runs recorded in {out} yet: a run is in progress there (its first "
-                                    f"documents are not finished); try again in a while")
-        raise FileNotFoundError(f"no runs recorded in {out}{f' ({unread})' if unread else ''}: "
-                                f"run `docproc run ... --out {out}` first")
+        if unread:
+            raise FileNotFoundError(f"no runs recorded in {out} ({unread}): run `docproc run ... --out {out}` first")
+        raise nothing_yet(out, "runs recorded")
     if run_id:
         chosen = [x for x in runs if x[1]["run_id"] == run_id]
         if not chosen:
@@ -172,7 +170,7 @@ def list_failures(out: str | Path) -> list[dict]:
     check_out_folder(out)
     store = RunStore(out)
     if not store.part_files() and not (out / "results.parquet").is_file():
-        raise FileNotFoundError(f"no results in {out}: run `docproc run ... --out {out}` first")
+        raise nothing_yet(out, "results")
     docs: dict[str, dict] = {}
     for r in store.current().to_pylist():
         if r["doc_status"] not in ("error", "partial"):
