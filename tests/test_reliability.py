@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pymupdf
@@ -360,13 +361,21 @@ def test_a_damaged_part_is_said_set_aside_and_its_documents_redone(run, tmp_path
     assert run(root, "--out", out).exit_code == 0
     part, = (out / ".docproc" / "parts").glob("*.rows")
     part.write_bytes(part.read_bytes()[:40])  # damaged since it was written
+    # tables under a part's name that are not ours: other columns (ours read as nulls), a type
+    # ours cannot be cast from (these crashed stats, eval and run with a TypeError)
+    foreign = [part.with_name("part-90000000.rows"), part.with_name("part-90000001.rows")]
+    pq.write_table(pyarrow.table({"a": [1, 2]}), foreign[0])
+    pq.write_table(pyarrow.table({"path": [{"x": 1}], "part": [7]}), foreign[1])
+    assert cli.invoke(app, ["stats", str(out)]).exit_code == 0
     res = run(root, "--out", out)
     assert res.exit_code == 0, res.output
-    assert "is not a table (damaged since it was written)" in " ".join(res.output.split())
+    said = " ".join(res.output.split())
+    for f in (part, *foreign):
+        assert f"{f.name} is damaged or is not one of docproc's tables" in said
+        assert (f.parent / (f.name + ".damaged")).exists()  # set aside, not deleted
     m = manifest(out)
     assert m["totals"]["already_done"] == 0 and m["totals"]["ok"] + m["totals"]["partial"] == 1  # redone
     assert sorted(by_path(out)) == ["a.png"]
-    assert (part.parent / (part.name + ".damaged")).exists()  # set aside, not deleted
 
 
 def test_a_full_disk_during_a_redo_keeps_the_recorded_documents_json(run, tmp_path, monkeypatch):

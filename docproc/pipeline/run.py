@@ -240,7 +240,7 @@ class Pipeline(DocumentWork):
         if rows is None:
             rows = self.store.current().to_pylist()
         for f in sorted(self.store.damaged_parts):
-            self.report("warning", {"message": f"{f} is not a table (damaged since it was written): the documents "
+            self.report("warning", {"message": f"{f} is damaged or is not one of docproc's tables: the documents "
                                                f"only it recorded are redone, and a run sets it aside as "
                                                f"{f.name}.damaged"})
         found = {c.rel: c.root for c in candidates}

@@ -308,14 +308,25 @@ class RunStore:
         tables = []
         for f in self.part_files():
             try:
-                tables.append(read_table(f, schema=RESULT_SCHEMA))
+                table = read_table(f, schema=RESULT_SCHEMA)
             except pa.ArrowInvalid:
                 # a part is only ever renamed into place complete: one that is not a table was
                 # damaged since (or is a foreign file); its documents are redone, and the run's
                 # consolidation sets it aside rather than delete it
                 self.damaged_parts.add(f)
+                continue
             except OSError:
                 self.unreadable_parts.add(f)  # (unreadable now: a permission, an I/O error) left where it is
+                continue
+            except pa.ArrowException:  # columns of types ours do not cast from: not one of our tables
+                self.damaged_parts.add(f)
+                continue
+            # every part ever written has had these columns (the schema's first version): a table
+            # without them, or with nulls in them, is a foreign file under a part's name
+            if any(table.column(fld.name).null_count for fld in RESULT_SCHEMA if not fld.nullable):
+                self.damaged_parts.add(f)
+                continue
+            tables.append(table)
         return pa.concat_tables(tables) if tables else RESULT_SCHEMA.empty_table()
 
     @staticmethod
