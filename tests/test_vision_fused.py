@@ -124,31 +124,3 @@ def test_fast_vision_attention_matches_transformers_on_gpu(qwen2_vl_dir):
         for a, b in zip([torch.cat(fast), torch.cat(ref)], [torch.cat(ref), hf.pooler_output]):
             assert torch.allclose(a.float(), b.float(), rtol=tol, atol=tol), (dtype, (a - b).abs().max())
 
-
-def test_an_attention_shape_takes_flash_until_met_often_then_torchs_choice():
-    """Each run of equal spans is one SDPA shape: flash first (never cuDNN, which would plan the
-    shape) while the tower has met it in fewer than CUDNN_AFTER encodes, torch's choice after; a
-    shape repeated inside one encode (Qwen2.5-VL's rows of windows) counts once; the caller's
-    backends when it names some; nothing counted without the tower's tally (CPU, float32)."""
-    from torch.nn.attention import SDPBackend
-
-    from docproc.models.vision import CUDNN_AFTER, EncodeCall, window_order
-
-    no_plan = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    seen: dict = {}
-    for i in range(CUDNN_AFTER):
-        call = EncodeCall([64, 64, 100], True, None, seen)
-        assert call.runs == [(0, 64, 2), (128, 100, 1)] and call.backends == [no_plan, no_plan], i
-    assert seen == {(2, 64): CUDNN_AFTER, (1, 100): CUDNN_AFTER}
-    call = EncodeCall([64, 64, 100, 100], True, None, seen)  # (2, 64) met often; (2, 100) new
-    assert call.backends == [None, no_plan] and not call.one_choice
-    mine = [SDPBackend.MATH]
-    assert EncodeCall([64, 64], True, mine, seen).backends == [mine] and seen[(2, 64)] == CUDNN_AFTER + 1
-    assert EncodeCall([64, 64], True, None, None).backends == [None]
-    # one page's windows: the same two shapes row after row, each counted once for the encode
-    _, windows = window_order([[1, 100, 76]], 2, 4)  # (112-pixel windows of 14-pixel patches, merge 2)
-    rows = EncodeCall(windows, True, None, {})
-    assert len(rows.runs) > 2 and len(set(map(tuple, rows.backends))) == 1 and rows.one_choice
-    tally: dict = {}
-    EncodeCall(windows, True, None, tally)
-    assert set(tally.values()) == {1}

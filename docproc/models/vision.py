@@ -51,24 +51,11 @@ def _gelu_tanh() -> nn.Module:
 ACTIVATIONS = {"quick_gelu": QuickGELUInPlace, "gelu": nn.GELU, "gelu_pytorch_tanh": _gelu_tanh}
 
 
-# An attention shape (spans, patches a span) met fewer times than this runs on SDPA's flash
-# backend, after that on torch's choice (cuDNN's on Hopper). cuDNN builds an execution plan the
-# first time it meets a shape: H100, 7B tower, a median 41 ms more for that encode (up to 430 ms),
-# the host inside the plan and the GPU idle, against 4 ms for flash (bench/vision_launch.py
-# --first-shapes); once planned, cuDNN's kernels are the faster: a 240-document run on flash alone
-# took 1.5 s more GPU time, about 5 ms a page (BENCHMARKS.md). So a shape met 8 times has paid
-# for its plan. Page sizes vary from document to document; a run of one template's pages meets
-# the same few shapes again and again.
-CUDNN_AFTER = 8
-
-
 class EncodeCall:
     """What one encode knows on the host: each attention span's patch count (one per image frame),
-    and the tower's choices for this call. shapes_seen: times each (spans, length) attention shape
-    was met (the tower's, across calls), where the backend follows CUDNN_AFTER."""
+    and the tower's choices for this call."""
 
-    def __init__(self, lengths: list[int], fused: bool, sdpa_backends: list | None,
-                 shapes_seen: dict | None = None) -> None:
+    def __init__(self, lengths: list[int], fused: bool, sdpa_backends: list | None) -> None:
         self.lengths = lengths
         # runs of equal spans: (first patch, span length, spans), one attention call each (Qwen2.5-VL's
         # windows: a page's ~80 windows of 64 patches are a handful of runs)
@@ -82,25 +69,7 @@ class EncodeCall:
                 self.runs.append((s0, length, 1))
             s0 += length
         self.fused = fused  # q and k rotated by the Triton kernel
-        # each run's SDPA backends (None: torch's choice)
-        self.backends: list[list | None] = [sdpa_backends] * len(self.runs)
-        if sdpa_backends is None and shapes_seen is not None:
-            from torch.nn.attention import SDPBackend
-
-            # not cuDNN: flash first, the others where flash cannot take a call (never "no kernel")
-            no_plan = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-            keys = [(count, length) for _, length, count in self.runs]
-            fresh = set()
-            for key in dict.fromkeys(keys):  # each shape counted once an encode (Qwen2.5's windows repeat)
-                seen = shapes_seen.get(key, 0)
-                shapes_seen[key] = seen + 1
-                if seen < CUDNN_AFTER:
-                    fresh.add(key)
-            self.backends = [no_plan if key in fresh else None for key in keys]
-            if len(shapes_seen) > 4096:  # a bounded tally: planned shapes take CUDNN_AFTER encodes again
-                shapes_seen.clear()
-        # one SDPA backend choice for the whole call: entered once per layer (about 20 us an entry)
-        self.one_choice = all(b == self.backends[0] for b in self.backends)
+        self.sdpa_backends = sdpa_backends
 
 
 class PatchEmbed(nn.Module):
@@ -143,17 +112,13 @@ class VisionAttention(nn.Module):
         # full attention within each span (an image's frame, or a window), one SDPA call for each
         # run of equal spans (the spans as its batch) on strided views
         h, d = self.num_heads, q.shape[-1]
-
-        def backend(choice):
-            return contextlib.nullcontext() if choice is None else sdpa_kernel(choice)
-        with backend(call.backends[0] if call.one_choice else None):
-            for (s0, length, count), choice in zip(call.runs, call.backends):
+        with contextlib.nullcontext() if call.sdpa_backends is None else sdpa_kernel(call.sdpa_backends):
+            for s0, length, count in call.runs:
                 sl = slice(s0, s0 + length * count)
 
                 def spans(t):  # (count * length, heads, D) -> (count, heads, length, D)
                     return t[sl].view(count, length, h, d).transpose(1, 2)
-                with contextlib.nullcontext() if call.one_choice else backend(choice):
-                    o = F.scaled_dot_product_attention(spans(q), spans(k), spans(v), scale=self.scaling)
+                o = F.scaled_dot_product_attention(spans(q), spans(k), spans(v), scale=self.scaling)
                 out[sl] = o.transpose(1, 2).reshape(count * length, h, d)
         return self.proj(out.view(n, -1))
 
@@ -237,12 +202,11 @@ class Qwen2VisionTower(nn.Module):
         self.rotary = _Rotary(vcfg.embed_dim // vcfg.num_heads, rope.get("rope_theta", 10000.0))
 
     def forward(self, pixel_values: torch.Tensor, grid: list[list[int]], fused: bool = False,
-                sdpa_backends: list | None = None,
-                shapes_seen: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                sdpa_backends: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """pixel_values: (num_patches, C*T*P*P); grid: (t, h, w) per image, on the host.
         Returns the trunk's output (num_patches, embed_dim) and the merged (num_patches / merge^2, hidden)."""
         device = pixel_values.device
-        call = EncodeCall([h * w for t, h, w in grid for _ in range(t)], fused, sdpa_backends, shapes_seen)
+        call = EncodeCall([h * w for t, h, w in grid for _ in range(t)], fused, sdpa_backends)
         cos, sin = self.rotary(vision_positions(grid, self.merge).to(device, non_blocking=True))
         x = self.patch_embed(pixel_values, fused)
         for block in self.blocks:
@@ -324,10 +288,9 @@ class Qwen3VisionTower(nn.Module):
         return (self.pos_embed(idx) * weights[:, :, None]).sum(1)
 
     def forward(self, pixel_values: torch.Tensor, grid: list[list[int]], fused: bool = False,
-                sdpa_backends: list | None = None,
-                shapes_seen: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                sdpa_backends: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         device = pixel_values.device
-        call = EncodeCall([h * w for t, h, w in grid for _ in range(t)], fused, sdpa_backends, shapes_seen)
+        call = EncodeCall([h * w for t, h, w in grid for _ in range(t)], fused, sdpa_backends)
         cos, sin = self.rotary(vision_positions(grid, self.merge).to(device, non_blocking=True))
         x = self.patch_embed(pixel_values, fused)
         x = x + self.position_embeddings(grid, device).to(x.dtype)
@@ -422,14 +385,13 @@ class Qwen2_5VisionTower(nn.Module):
         self.rotary = _Rotary(dim // vcfg.num_heads, rope.get("rope_theta", 10000.0))
 
     def forward(self, pixel_values: torch.Tensor, grid: list[list[int]], fused: bool = False,
-                sdpa_backends: list | None = None,
-                shapes_seen: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                sdpa_backends: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         device = pixel_values.device
         unit = self.merge * self.merge
         order, windows = window_order(grid, self.merge, self.window)
         order_dev = order.to(device, non_blocking=True)
-        whole = EncodeCall([h * w for t, h, w in grid for _ in range(t)], fused, sdpa_backends, shapes_seen)
-        windowed = EncodeCall(windows, fused, sdpa_backends, shapes_seen)
+        whole = EncodeCall([h * w for t, h, w in grid for _ in range(t)], fused, sdpa_backends)
+        windowed = EncodeCall(windows, fused, sdpa_backends)
 
         def permute(x):  # patches in merge groups, the groups in window order
             return x.view(-1, unit, x.shape[-1])[order_dev].view(-1, x.shape[-1])
@@ -481,22 +443,16 @@ class VisionEncoder(nn.Module):
         self.shares_trunk = hf_config.model_type == "qwen2_vl"
         # the fused rotation on CUDA in inference (force_fused: on CPU tensors too, tests under
         # Triton's interpreter); sdpa_backends: the SDPA backends the per-image attention may use
-        # (torch.nn.attention.SDPBackend; None: flash for the shapes met fewer than CUDNN_AFTER
-        # times, then torch's choice; bench_engine times each)
+        # (torch.nn.attention.SDPBackend; None: torch's choice; bench_engine times each)
         self.fast_attention = True
         self.force_fused = False
         self.sdpa_backends: list | None = None
-        self.shapes_seen: dict[tuple[int, int], int] = {}
 
     def _run(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(trunk output, merged) over all images."""
         dtype = next(self.visual.parameters()).dtype
         fused = self.fast_attention and (pixel_values.is_cuda or self.force_fused) and not torch.is_grad_enabled()
-        # (cuDNN's plans: CUDA, not ROCm; SDPA's flash backend: sm_80 and later, 2-byte floats)
-        seen = (self.shapes_seen if fused and pixel_values.is_cuda and torch.version.hip is None
-                and dtype in (torch.bfloat16, torch.float16)
-                and torch.cuda.get_device_capability(pixel_values.device)[0] >= 8 else None)
-        return self.visual(pixel_values.to(dtype), grid_thw.tolist(), fused, self.sdpa_backends, seen)
+        return self.visual(pixel_values.to(dtype), grid_thw.tolist(), fused, self.sdpa_backends)
 
     def _sizes(self, grid_thw: torch.Tensor) -> tuple[list[int], list[int]]:
         patches = grid_thw.cpu().prod(-1)
