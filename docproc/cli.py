@@ -923,7 +923,7 @@ def stats(
     try:
         data = list_failures(out) if failures else collect(out, run_id, limit)
     except (OSError, KeyError) as e:
-        error(_reading_error(e, out))
+        error(shown(_reading_error(e, out)))
         raise typer.Exit(_reading_exit(e))
     for d in [] if failures else data["damaged_manifests"]:
         error(f"{d['file']} is {d['reason']}: run {d['run_id']} is skipped (its rows, if any, are reported "
@@ -1012,7 +1012,7 @@ def eval_cmd(
     try:
         res = evaluate(out, truth)
     except (OSError, json.JSONDecodeError, KeyError, ValueError) as e:
-        error(_reading_error(e, out))
+        error(shown(_reading_error(e, out)))
         raise typer.Exit(_reading_exit(e))
     if res["unreadable_state_parts"]:
         lost = res["unreadable_state_parts"]
@@ -1041,7 +1041,7 @@ def _print_eval(res: dict, as_json: bool) -> None:
     for g, v in res["by_format"].items():
         t.add_row(f"[dim]all fields, {g}[/dim]", f"{v['exact_match']:.1%}", "", str(v["n"]))
     out_console.print(t)
-    for key, what in (("failed_documents", "failed in OUT, scored as no answer"),
+    for key, what in (("failed_documents", "failed or skipped in OUT, scored as no answer"),
                       ("missing_documents", "not in OUT, not scored")):
         if docs := res[key]:
             names = ", ".join(shown(m) for m in docs[:5]) + (f" and {len(docs) - 5} more (--json lists them)"

@@ -363,9 +363,11 @@ def test_a_damaged_part_is_said_set_aside_and_its_documents_redone(run, tmp_path
     part.write_bytes(part.read_bytes()[:40])  # damaged since it was written
     # tables under a part's name that are not ours: other columns (ours read as nulls), a type
     # ours cannot be cast from (these crashed stats, eval and run with a TypeError)
-    foreign = [part.with_name("part-90000000.rows"), part.with_name("part-90000001.rows")]
+    foreign = [part.with_name(f"part-9000000{i}.rows") for i in range(4)]
     pq.write_table(pyarrow.table({"a": [1, 2]}), foreign[0])
     pq.write_table(pyarrow.table({"path": [{"x": 1}], "part": [7]}), foreign[1])
+    pq.write_table(pyarrow.table([pyarrow.array(["x"]), pyarrow.array(["y"])], names=["path", "path"]), foreign[2])
+    os.mkfifo(foreign[3])  # (read, it would hold every reader forever)
     assert cli.invoke(app, ["stats", str(out)]).exit_code == 0
     res = run(root, "--out", out)
     assert res.exit_code == 0, res.output
@@ -376,6 +378,39 @@ def test_a_damaged_part_is_said_set_aside_and_its_documents_redone(run, tmp_path
     m = manifest(out)
     assert m["totals"]["already_done"] == 0 and m["totals"]["ok"] + m["totals"]["partial"] == 1  # redone
     assert sorted(by_path(out)) == ["a.png"]
+
+
+def test_a_part_that_cannot_be_read_now_is_said_and_kept_and_its_documents_redone(run, tmp_path, monkeypatch):
+    """A part the system refuses to read (a permission, an I/O error) holds rows no table read
+    has: the run says so and redoes its documents, and the consolidation keeps the part (it
+    deleted it with the other parts it compacted)."""
+    root = tmp_path / "in"
+    page(root / "a.png")
+    page(root / "b.png", colour=(10, 200, 10))
+    out = tmp_path / "out"
+    assert run(root, "--out", out).exit_code == 0
+    page(root / "c.png", colour=(10, 10, 200))
+    assert run(root, "--out", out).exit_code == 0  # a second part
+    parts = RunStore(out).part_files()
+    assert len(parts) == 1  # (compacted)
+    held = parts[0]
+    real = runstore.read_table
+
+    def refused(path, schema=None):
+        if Path(path) == held:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real(path, schema)
+    monkeypatch.setattr(runstore, "read_table", refused)
+    res = run(root, "--out", out)
+    assert res.exit_code == 0, res.output
+    assert f"{held.name} cannot be read now: the documents only it recorded are redone" in " ".join(res.output.split())
+    assert manifest(out)["totals"]["already_done"] == 0  # redone
+    assert held.exists() and len(RunStore(out).part_files()) == 2  # kept beside the compacted part
+    monkeypatch.setattr(runstore, "read_table", real)
+    assert sorted(by_path(out)) == ["a.png", "b.png", "c.png"]
+    res = run(root, "--out", out)  # readable again: its rows are older than the redone ones
+    assert res.exit_code == 0 and manifest(out)["totals"]["already_done"] == 3
+    assert not held.exists() and len(RunStore(out).part_files()) == 1
 
 
 def test_a_full_disk_during_a_redo_keeps_the_recorded_documents_json(run, tmp_path, monkeypatch):

@@ -188,7 +188,7 @@ def test_eval_scores_a_failed_document_as_no_answer_and_a_damaged_part_from_resu
     res = cli.invoke(app, ["eval", str(out), "--truth", str(truth)])
     assert res.exit_code == 0, res.output
     assert "2 documents: exact match 50.0%" in res.stdout
-    assert "1 document(s) of the truth file failed in OUT, scored as no answer: bad.pdf" in res.stdout
+    assert "1 document(s) of the truth file failed or skipped in OUT, scored as no answer: bad.pdf" in res.stdout
     report = json.loads(cli.invoke(app, ["eval", str(out), "--truth", str(truth), "--json"]).stdout)
     assert report["failed_documents"] == ["bad.pdf"] and report["missing_documents"] == []
     assert report["per_field"]["vendor"] == {"exact_match": 0.5, "f1": 0.5, "n": 2}
@@ -201,6 +201,51 @@ def test_eval_scores_a_failed_document_as_no_answer_and_a_damaged_part_from_resu
     assert json.loads(res.stdout)["per_field"]["vendor"] == {"exact_match": 1.0, "f1": 1.0, "n": 1}
     assert res.stderr == f"warning: 1 part(s) of {out}'s state cannot be read ({part.name}): their documents are " \
                          f"scored from results.parquet where it holds them\n"
+
+
+def test_eval_tells_failed_and_skipped_documents_by_their_status_not_by_their_answers(tmp_path):
+    """A document is failed or skipped by its doc_status: a skipped file is listed with the failed
+    ones; one with per-page answers only is neither (it was called failed); a failed document is
+    scored under the queries the other documents were asked, those outside the truth too (when
+    every truth document failed there was no score at all)."""
+    out = tmp_path / "out"
+    skipped = [{**doc_rows(FIRST, "notes.txt", status="error")[0], "doc_status": "skipped", "status": "skipped",
+                "error_kind": "unsupported_type"}]
+    per_page = [{**r, "page": 1} for r in doc_rows(FIRST, "pages.pdf")]
+    RunStore(out).write_part(1, doc_rows(FIRST, "other.pdf") + doc_rows(FIRST, "bad.pdf", status="error")
+                             + skipped + per_page)
+    truth = tmp_path / "truth.jsonl"
+    truth.write_text("".join(json.dumps({"file": f, "fields": {"vendor": "x"}}) + "\n"
+                             for f in ("bad.pdf", "notes.txt", "pages.pdf")))
+    res = cli.invoke(app, ["eval", str(out), "--truth", str(truth), "--json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    assert report["failed_documents"] == ["bad.pdf", "notes.txt"] and report["missing_documents"] == []
+    assert report["per_field"] == {"vendor": {"exact_match": 0.0, "f1": 0.0, "n": 2}}
+    # every document of OUT failed: no query to score them under, said so
+    only_failed = tmp_path / "only_failed"
+    RunStore(only_failed).write_part(1, doc_rows(FIRST, "bad.pdf", status="error"))
+    res = cli.invoke(app, ["eval", str(only_failed), "--truth", str(truth), "--json"])
+    assert res.exit_code == 1
+    assert json.loads(res.stdout)["nothing_compared"] == (
+        f"every document of the truth file that {only_failed} holds failed or was skipped there (1), and no "
+        f"document there has an answer to any query")
+
+
+def test_eval_says_answers_that_cannot_be_read_are_there(tmp_path):
+    """Every part of the state unreadable and no results.parquet: the answers are there and
+    cannot be read (it said to run docproc run first)."""
+    out = tmp_path / "out"
+    store = RunStore(out)
+    store.write_part(1, doc_rows(FIRST, "a.pdf"))
+    part = store.part_files()[0]
+    part.write_bytes(b"not a table")
+    truth = tmp_path / "truth.jsonl"
+    truth.write_text(json.dumps({"file": "a.pdf", "fields": {"vendor": "x"}}) + "\n")
+    res = cli.invoke(app, ["eval", str(out), "--truth", str(truth)])
+    assert res.exit_code == 2 and res.stderr == (f"error: {out}'s answers cannot be read: 1 part(s) of its state "
+                                                 f"({part.name}), and no readable results.parquet holds their "
+                                                 f"documents\n")
 
 
 def test_eval_escapes_control_characters_in_its_one_line(scored_out, tmp_path):

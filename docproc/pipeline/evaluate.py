@@ -148,8 +148,9 @@ def answer_rows(out: Path) -> tuple[list[dict], list[str]]:
 
 def evaluate(out: str | Path, truth_file: str | Path) -> dict:
     """Scores of OUT's answers as they stand (answer_rows) against truth_file. A document of the
-    truth that failed in OUT (an error row, no answers) scores no answer for each of its fields;
-    one OUT does not hold is listed, not scored. overall_* are None when no field of the truth
+    truth that failed or was skipped in OUT is listed (failed_documents) and scored as its rows
+    say: with no answer rows at all, as no answer to each query OUT asks elsewhere; one OUT does
+    not hold is listed, not scored. overall_* are None when no field of the truth
     met an answer (documents not in OUT, or queries that name none of its fields):
     `nothing_compared` says which."""
     out = Path(out)
@@ -157,16 +158,21 @@ def evaluate(out: str | Path, truth_file: str | Path) -> dict:
     truth = read_truth(truth_file)
     table, lost = answer_rows(out)
     if not table:
+        if lost:  # (answers there, which cannot be read: not "run docproc run first")
+            raise PermissionError(f"{out}'s answers cannot be read: {len(lost)} part(s) of its state ({_listed(lost)}), "
+                                  f"and no readable results.parquet holds their documents")
         raise nothing_yet(out, "answers")
     answers: dict[str, dict[str, str | None]] = defaultdict(dict)
     properties: dict[str, dict[str, str | None]] = defaultdict(dict)  # QUERY.FIELD of JSON answers
     fields_of: dict[str, set[str]] = defaultdict(set)  # the fields each JSON query has answered anywhere
     no_object: dict[str, list[str]] = defaultdict(list)
-    held = {Path(r["path"]).name for r in table}  # (failed documents too: their error row)
+    queries: dict[str, str] = {}  # every document query OUT asked anywhere: its type
+    status = {Path(r["path"]).name: r["doc_status"] for r in table}  # (failed documents too: their error row)
     for r in table:
         if r["query"] is None or r.get("page") is not None:  # (the truth is per document, not per page)
             continue
         name, value = Path(r["path"]).name, r["value"]
+        queries[r["query"]] = r["query_type"]
         if r["query_type"] == "json":  # an object's properties are scored as QUERY.FIELD
             obj = json_value(value)
             if isinstance(obj, dict):
@@ -182,9 +188,17 @@ def evaluate(out: str | Path, truth_file: str | Path) -> dict:
     missing, failed = [], []
     for rec in truth:
         name = Path(rec["file"]).name
-        if name not in answers:
-            (failed if name in held else missing).append(rec)
+        if name not in status:
+            missing.append(rec)
             continue
+        if status[name] in ("error", "skipped"):  # failed or skipped there: listed, and scored as its rows say
+            failed.append(rec)
+        if name not in answers:
+            if status[name] not in ("error", "skipped"):
+                continue  # (per-page answers only: nothing the truth's fields can be compared with)
+            # no answer to any query: as if each query OUT asks had answered nothing
+            answers[name] = {q: None for q, kind in queries.items() if kind != "json"}
+            no_object[name] = [q for q, kind in queries.items() if kind == "json"]
         # a query's own answer wins over a JSON answer's property of the same name
         got = {**properties[name], **answers[name]}
         group = "pdf" if rec.get("format", "pdf") == "pdf" else "scan"
@@ -196,21 +210,13 @@ def evaluate(out: str | Path, truth_file: str | Path) -> dict:
                 em = float(t == p)
                 per_field[key].append((em, _f1(p, t)))
                 per_group[group].append(em)
-    for rec in failed:  # no answer for each field, under every key its field is answered by elsewhere
-        group = "pdf" if rec.get("format", "pdf") == "pdf" else "scan"
-        for field, value in rec["fields"].items():
-            for key in [k for k in list(per_field) if k == field or k.endswith("." + field)]:
-                t = _norm(field, value)
-                em = float(t is None)
-                per_field[key].append((em, _f1(None, t)))
-                per_group[group].append(em)
     missing = [rec["file"] for rec in missing]
     cells = [x for v in per_field.values() for x in v]
     nothing = None
     if not cells:
-        if failed and len(failed) + len(missing) == len(truth):
-            nothing = (f"every document of the truth file that {out} holds failed there ({len(failed)}), and no "
-                       f"other document's answers name their fields")
+        if failed and not queries:
+            nothing = (f"every document of the truth file that {out} holds failed or was skipped there "
+                       f"({len(failed)}), and no document there has an answer to any query")
         elif len(missing) == len(truth):
             nothing = (f"none of the {len(truth)} documents of the truth file is in {out} (matched by file name, "
                        f"e.g. {Path(missing[0]).name!r})")

@@ -243,6 +243,9 @@ class Pipeline(DocumentWork):
             self.report("warning", {"message": f"{f} is damaged or is not one of docproc's tables: the documents "
                                                f"only it recorded are redone, and a run sets it aside as "
                                                f"{f.name}.damaged"})
+        for f in sorted(self.store.unreadable_parts):
+            self.report("warning", {"message": f"{f} cannot be read now: the documents only it recorded are redone, "
+                                               f"and it is left where it is"})
         found = {c.rel: c.root for c in candidates}
         unlisted = ["" if c.rel == "./" else c.rel for c in candidates if c.kind == "unlistable_folder"]
         files = {display_name(os.path.realpath(c.path)): c.rel for c in candidates if not c.skip_reason}

@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import tempfile
 from pathlib import Path
 
@@ -308,6 +309,9 @@ class RunStore:
         tables = []
         for f in self.part_files():
             try:
+                if not stat.S_ISREG(os.stat(f).st_mode):  # a FIFO would hold the reader forever
+                    self.damaged_parts.add(f)
+                    continue
                 table = read_table(f, schema=RESULT_SCHEMA)
             except pa.ArrowInvalid:
                 # a part is only ever renamed into place complete: one that is not a table was
@@ -318,7 +322,7 @@ class RunStore:
             except OSError:
                 self.unreadable_parts.add(f)  # (unreadable now: a permission, an I/O error) left where it is
                 continue
-            except pa.ArrowException:  # columns of types ours do not cast from: not one of our tables
+            except (pa.ArrowException, KeyError):  # columns ours do not cast from, or named twice: not ours
                 self.damaged_parts.add(f)
                 continue
             # every part ever written has had these columns (the schema's first version): a table
@@ -375,8 +379,8 @@ class RunStore:
                 compacted = table.set_column(table.schema.get_field_index("part"), "part",
                                              pa.array([part] * table.num_rows, type=pa.int64()))
                 atomic_write_table(self.parts_dir / f"part-{part:08d}{PART_SUFFIX}", compacted)
-                for f in old:
-                    if f not in self.damaged_parts:
+                for f in old:  # (a part that could not be read now holds rows the table lacks: kept)
+                    if f not in self.damaged_parts and f not in self.unreadable_parts:
                         f.unlink(missing_ok=True)
             for f in sorted(self.damaged_parts):
                 if f.exists():
