@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import io
 import json
 import os
@@ -691,19 +692,23 @@ def run_batch_cmd(
 ) -> None:
     """Answer an OpenAI batch file with the engine (crash-safe, resumable; see README)."""
     from docproc.errors import DeviceUnavailable, OutputUnwritable
-    from docproc.openai_compat.batch import NotResults, OutputFile, run_batch
+    from docproc.openai_compat.batch import STDIN_NAMES, NotResults, OutputFile, run_batch
     from docproc.openai_compat.protocol import Limits
     from docproc.pipeline.runstore import LockedError
 
-    stdin = str(input_file) in ("-", "/dev/stdin", "/proc/self/fd/0")  # (also a socket, which has no name to open)
+    stdin = str(input_file) in STDIN_NAMES
     input_stat = None
     if stdin:
         try:
             input_stat = os.fstat(sys.stdin.fileno())
+            write_only = fcntl.fcntl(sys.stdin.fileno(), fcntl.F_GETFL) & os.O_ACCMODE == os.O_WRONLY
         except io.UnsupportedOperation:
-            pass  # (a stream without a descriptor: a caller's own)
+            write_only = False  # (a stream without a descriptor: a caller's own)
         except (AttributeError, OSError, ValueError):  # (closed: `<&-`)
             error(f"--input {input_file}: standard input is closed", "usage")
+            raise typer.Exit(EXIT_USAGE)
+        if write_only:  # (`0>file`: the model would load before the first read failed)
+            error(f"--input {input_file}: standard input is open for writing only", "usage")
             raise typer.Exit(EXIT_USAGE)
     else:  # (a file, or a pipe: /dev/stdin, <(cmd), a FIFO; read once, in order)
         if input_file.is_dir():

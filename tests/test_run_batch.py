@@ -146,6 +146,14 @@ def test_a_cut_off_output_is_resumed_with_each_custom_id_once(tmp_path):
                               capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr == "usage: --output is the --input file: results go to a file " \
                                                    "of their own\n"
+    with open(tmp_path / "w", "wb") as w:  # standard input closed, or open for writing only (`<&-`, `0>w`)
+        for name, stdin, said in (("/dev/fd/0", subprocess.DEVNULL, None), ("-", w, "is open for writing only")):
+            proc = subprocess.run([sys.executable, "-c", "import os, sys; from docproc.cli import entry; "
+                                   + ("os.close(0); " if said is None else "") + "sys.argv[0] = 'docproc'; entry()",
+                                   "run-batch", "-i", name, "-o", str(tmp_path / "x.jsonl")], stdin=stdin,
+                                  capture_output=True, text=True, timeout=120)
+            assert proc.returncode == 2 and proc.stderr == f"usage: --input {name}: standard input " \
+                                                           f"{said or 'is closed'}\n", proc.stderr
     res = run("-i", src, "-o", "-")
     assert res.exit_code == 2 and "--output - is not served: results go to a file" in res.output
     res = run("-i", tmp_path, "-o", out)

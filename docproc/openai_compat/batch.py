@@ -157,12 +157,14 @@ def error_line(custom_id: str | None, line: int, message: str, status: int = 400
 
 
 MAX_LINE_BYTES = 32 << 20  # a request line, as serve's body (ServerConfig.max_request_bytes)
+# --input names read from the process's standard input itself (a socket there has no name to open)
+STDIN_NAMES = ("-", "/dev/stdin", "/proc/self/fd/0", "/dev/fd/0")
 
 
 def _open_input(path: Path):
     """The input for reading bytes: path, or standard input for "-" (its descriptor, or the
     stream itself where it has none)."""
-    if str(path) not in ("-", "/dev/stdin", "/proc/self/fd/0"):
+    if str(path) not in STDIN_NAMES:
         return open(path, "rb")
     try:
         return os.fdopen(os.dup(sys.stdin.fileno()), "rb")
