@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -445,6 +446,21 @@ def test_an_end_forced_where_the_grammar_takes_nothing_else_is_not_a_truncation(
     assert forced in gc.stop_token_ids and m.accept_token(forced) and m.steered()
     m, forced = written(StructuredOutputsParams(regex="[0-9]{3}( [0-9]{3})*"), "123", left)  # (goes on after a space)
     assert forced in gc.stop_token_ids and m.accept_token(forced) and m.steered()
+    # the bundled tokenizer has no " 1"-like token: after "123" the grammar takes a lone space only,
+    # which counts as going on (a whitespace-blind check called this end whole)
+    from transformers import AutoTokenizer
+
+    bundled = AutoTokenizer.from_pretrained(str(Path(__file__).resolve().parent.parent / "docproc" / "assets" /
+                                                "models" / "target"))
+    eos = [bundled.convert_tokens_to_ids("<|im_end|>")]
+    gcb = GrammarCompiler(bundled, tokenizer_size(bundled), eos)
+    ids = bundled.encode("123", add_special_tokens=False)
+    mb = gcb.matcher(StructuredOutputsParams(regex="[0-9]{3}( [0-9]{3})*"), len(ids) + left)
+    for t in ids:
+        assert mb.forced_token() is None and mb.accept_token(t)
+    assert gcb.takes_more(mb.matcher)
+    forced = mb.forced_token()
+    assert forced in gcb.stop_token_ids and mb.accept_token(forced) and mb.steered()
     m, forced = written(StructuredOutputsParams(json=schema), '{"a": "a long value here"}', left + 1)
     assert forced is None
 
