@@ -50,17 +50,22 @@ def closed_within(conn: socket.socket, seconds: float) -> bool:
 REQUEST = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
 
 
+def trickle(sock, data: bytes, pause: float) -> None:
+    """Send data a byte at a time, pause seconds apart, until the server closes the connection."""
+    for byte in data:
+        time.sleep(pause)
+        try:
+            sock.sendall(bytes([byte]))
+        except OSError:
+            return
+
+
 def test_headers_sent_too_slowly_close_the_connection(address):
     idle = socket.create_connection(address)  # connects, sends nothing
     slow = socket.create_connection(address)  # sends its headers a byte at a time, never done in time
     slow.sendall(b"GET / HTTP/1.1\r\nHo")
     t0 = time.monotonic()
-    for byte in b"st: x\r\nX-A: 1\r\n":
-        time.sleep(0.05)
-        try:
-            slow.sendall(bytes([byte]))
-        except OSError:
-            break
+    trickle(slow, b"st: x\r\nX-A: 1\r\n", 0.05)
     assert closed_within(idle, 2.0) and closed_within(slow, 2.0)
     assert time.monotonic() - t0 < 3.0
 
@@ -80,10 +85,5 @@ def test_a_request_in_time_is_answered_and_the_next_one_is_held_to_the_same_limi
         got += conn.recv(4096)
     assert got.startswith(b"HTTP/1.1 200")
     conn.sendall(b"GET / HT")  # a third one begun and left: closed (keep-alive alone waited 5 s a byte)
-    for byte in b"TP/1.1\r\n":
-        time.sleep(0.1)
-        try:
-            conn.sendall(bytes([byte]))
-        except OSError:
-            break
+    trickle(conn, b"TP/1.1\r\n", 0.1)
     assert closed_within(conn, 2.0)
