@@ -1,7 +1,7 @@
 """A request's answer does not depend on the requests beside it: the bundled target, greedy, alone
-and inside batches of other pages' requests of several sizes (the probe first, in the middle,
-last), with a token budget per step that cuts prompts into chunks at other places, for every KV
-format the CPU runs (float32, FP4). Prefix caching is off, so every pass computes its prompt.
+and inside batches of other pages' requests (in the middle of 4, last of 12), with a token budget
+per step that cuts prompts into chunks at other places, for every KV format the CPU runs (float32,
+FP4). Prefix caching is off, so every pass computes its prompt.
 The GPU's side of this (kernels whose reduction order follows the batch) is measured by
 bench/batch_invariance.py.
 """
@@ -31,6 +31,7 @@ def page_requests() -> list[dict]:
     return reqs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv", ["auto", "fp4"])
 def test_a_request_gives_the_same_tokens_alone_and_inside_batches_of_others(kv):
     reqs = page_requests()

@@ -228,8 +228,24 @@ def test_eval_tells_failed_and_skipped_documents_by_their_status_not_by_their_an
     res = cli.invoke(app, ["eval", str(only_failed), "--truth", str(truth), "--json"])
     assert res.exit_code == 1
     assert json.loads(res.stdout)["nothing_compared"] == (
-        f"every document of the truth file that {only_failed} holds failed or was skipped there (1), and no "
-        f"document there has an answer to any query")
+        f"1 document(s) of the truth file failed or were skipped in {only_failed}, and no document there has an "
+        f"answer to a document query (per-page answers are not compared with the truth)")
+
+
+def test_eval_scores_a_failed_document_wrong_even_where_the_truth_is_null(tmp_path):
+    """No answer is not the answer "absent": a failed document (or an errored query) is wrong on a
+    field whose truth is null too; a file name whose other copy answered is not failed; a JSON
+    query whose answers are not objects gives no QUERY.FIELD keys."""
+    out = tmp_path / "out"
+    items = [{**r, "query": "line_items", "query_type": "json", "value": "[1, 2]"} for r in doc_rows(FIRST, "a/ok.pdf")[:1]]
+    RunStore(out).write_part(1, doc_rows(FIRST, "a/ok.pdf") + items + doc_rows(FIRST, "a/inv.pdf")
+                             + doc_rows(FIRST, "b/inv.pdf", status="error") + doc_rows(FIRST, "bad.pdf", status="error"))
+    truth = tmp_path / "truth.jsonl"
+    truth.write_text("".join(json.dumps({"file": f, "fields": {"vendor": None}}) + "\n"
+                             for f in ("ok.pdf", "inv.pdf", "bad.pdf")))
+    report = json.loads(cli.invoke(app, ["eval", str(out), "--truth", str(truth), "--json"]).stdout)
+    assert report["failed_documents"] == ["bad.pdf"]  # (inv.pdf answered under a/)
+    assert report["per_field"] == {"vendor": {"exact_match": 0.0, "f1": 0.0, "n": 3}}  # ("x" is not null either)
 
 
 def test_eval_says_answers_that_cannot_be_read_are_there(tmp_path):

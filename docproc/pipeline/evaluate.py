@@ -119,6 +119,10 @@ def _listed(names: list[str], most: int = 6) -> str:
     return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "") if names else "none"
 
 
+FAILED = {"error", "skipped"}  # a row's or a document's status that is no answer at all
+NO_ANSWER = object()  # (a failed or skipped query's value: not None, which a null truth would match)
+
+
 def answer_rows(out: Path) -> tuple[list[dict], list[str]]:
     """OUT's rows as they stand, and the names of the state's parts that could not be read. The
     rows are the state's current ones (an OUT written with any --format, the documents of a run
@@ -162,13 +166,15 @@ def evaluate(out: str | Path, truth_file: str | Path) -> dict:
             raise PermissionError(f"{out}'s answers cannot be read: {len(lost)} part(s) of its state ({_listed(lost)}), "
                                   f"and no readable results.parquet holds their documents")
         raise nothing_yet(out, "answers")
-    answers: dict[str, dict[str, str | None]] = defaultdict(dict)
+    answers: dict[str, dict[str, object]] = defaultdict(dict)
     properties: dict[str, dict[str, str | None]] = defaultdict(dict)  # QUERY.FIELD of JSON answers
     fields_of: dict[str, set[str]] = defaultdict(set)  # the fields each JSON query has answered anywhere
+    not_objects: set[str] = set()  # JSON queries whose schema's root is not an object (a value was not one)
     no_object: dict[str, list[str]] = defaultdict(list)
     queries: dict[str, str] = {}  # every document query OUT asked anywhere: its type
-    status = {Path(r["path"]).name: r["doc_status"] for r in table}  # (failed documents too: their error row)
+    statuses: dict[str, set[str]] = defaultdict(set)  # the doc_status of each document of a file name
     for r in table:
+        statuses[Path(r["path"]).name].add(r["doc_status"])
         if r["query"] is None or r.get("page") is not None:  # (the truth is per document, not per page)
             continue
         name, value = Path(r["path"]).name, r["value"]
@@ -182,41 +188,50 @@ def evaluate(out: str | Path, truth_file: str | Path) -> dict:
                 no_object[name].append(r["query"])
             else:  # a schema whose root is not an object: the value itself
                 value = _text(obj)
-        answers[name][r["query"]] = value
+                not_objects.add(r["query"])
+        # the engine failed on it or it was skipped: wrong against any truth, a null one too
+        answers[name][r["query"]] = NO_ANSWER if r["status"] in FAILED else value
     per_field: dict[str, list[tuple[float, float]]] = defaultdict(list)
     per_group: dict[str, list[float]] = defaultdict(list)
     missing, failed = [], []
     for rec in truth:
         name = Path(rec["file"]).name
-        if name not in status:
+        if name not in statuses:
             missing.append(rec)
             continue
-        if status[name] in ("error", "skipped"):  # failed or skipped there: listed, and scored as its rows say
+        if statuses[name] <= FAILED:  # failed or skipped there (every document of that name)
             failed.append(rec)
         if name not in answers:
-            if status[name] not in ("error", "skipped"):
+            if not statuses[name] <= FAILED:
                 continue  # (per-page answers only: nothing the truth's fields can be compared with)
-            # no answer to any query: as if each query OUT asks had answered nothing
-            answers[name] = {q: None for q, kind in queries.items() if kind != "json"}
-            no_object[name] = [q for q, kind in queries.items() if kind == "json"]
+            # no answer to any query: each query OUT asks elsewhere, unanswered
+            answers[name] = {q: NO_ANSWER for q, kind in queries.items() if kind != "json" or q in not_objects}
+            no_object[name] = [q for q, kind in queries.items() if kind == "json" and q not in not_objects]
         # a query's own answer wins over a JSON answer's property of the same name
         got = {**properties[name], **answers[name]}
         group = "pdf" if rec.get("format", "pdf") == "pdf" else "scan"
         for q in no_object[name]:  # counted as no value for each field that query answers elsewhere
-            got.update({f"{q}.{f}": None for f in rec["fields"] if not fields_of[q] or f in fields_of[q]})
+            if q in not_objects and not fields_of[q]:
+                continue  # (its value is scored as itself, under its own name)
+            none = NO_ANSWER if answers[name].get(q) is NO_ANSWER else None
+            got.update({f"{q}.{f}": none for f in rec["fields"] if not fields_of[q] or f in fields_of[q]})
         for field, value in rec["fields"].items():
             for key in [k for k in got if k == field or k.endswith("." + field)]:
-                t, p = _norm(field, value), _norm(field, got[key])
-                em = float(t == p)
-                per_field[key].append((em, _f1(p, t)))
+                if got[key] is NO_ANSWER:
+                    em, f1 = 0.0, 0.0
+                else:
+                    t, p = _norm(field, value), _norm(field, got[key])
+                    em, f1 = float(t == p), _f1(p, t)
+                per_field[key].append((em, f1))
                 per_group[group].append(em)
     missing = [rec["file"] for rec in missing]
     cells = [x for v in per_field.values() for x in v]
     nothing = None
     if not cells:
         if failed and not queries:
-            nothing = (f"every document of the truth file that {out} holds failed or was skipped there "
-                       f"({len(failed)}), and no document there has an answer to any query")
+            nothing = (f"{len(failed)} document(s) of the truth file failed or were skipped in {out}, and no "
+                       f"document there has an answer to a document query (per-page answers are not compared "
+                       f"with the truth)")
         elif len(missing) == len(truth):
             nothing = (f"none of the {len(truth)} documents of the truth file is in {out} (matched by file name, "
                        f"e.g. {Path(missing[0]).name!r})")

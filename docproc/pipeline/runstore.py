@@ -322,7 +322,9 @@ class RunStore:
             except OSError:
                 self.unreadable_parts.add(f)  # (unreadable now: a permission, an I/O error) left where it is
                 continue
-            except (pa.ArrowException, KeyError):  # columns ours do not cast from, or named twice: not ours
+            except (pa.ArrowTypeError, pa.ArrowNotImplementedError, KeyError):
+                # columns ours do not cast from, or named twice: not ours (a memory error is not a
+                # verdict on the file: it propagates)
                 self.damaged_parts.add(f)
                 continue
             # every part ever written has had these columns (the schema's first version): a table
@@ -374,13 +376,15 @@ class RunStore:
                 if fmt in formats or path.exists():
                     atomic_write_table(path, table)
             old = self.part_files()
-            if len(old) > 1:
+            # not while a part cannot be read: its rows are not in the table, and renumbering the
+            # others above it would make its newer rows lose, its removed documents come back
+            if len(old) > 1 and not self.unreadable_parts:
                 part = self.next_part()
                 compacted = table.set_column(table.schema.get_field_index("part"), "part",
                                              pa.array([part] * table.num_rows, type=pa.int64()))
                 atomic_write_table(self.parts_dir / f"part-{part:08d}{PART_SUFFIX}", compacted)
-                for f in old:  # (a part that could not be read now holds rows the table lacks: kept)
-                    if f not in self.damaged_parts and f not in self.unreadable_parts:
+                for f in old:
+                    if f not in self.damaged_parts:
                         f.unlink(missing_ok=True)
             for f in sorted(self.damaged_parts):
                 if f.exists():
