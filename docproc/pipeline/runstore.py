@@ -313,19 +313,15 @@ class RunStore:
                     self.damaged_parts.add(f)
                     continue
                 table = read_table(f, schema=RESULT_SCHEMA)
-            except pa.ArrowInvalid:
-                # a part is only ever renamed into place complete: one that is not a table was
-                # damaged since (or is a foreign file); its documents are redone, and the run's
-                # consolidation sets it aside rather than delete it
+            except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, KeyError):
+                # a part is only ever renamed into place complete: one that is not a table, or whose
+                # columns ours do not cast from or are named twice, was damaged since or is a foreign
+                # file; its documents are redone, and the run's consolidation sets it aside rather
+                # than delete it (a memory error is no verdict on the file: it propagates)
                 self.damaged_parts.add(f)
                 continue
             except OSError:
                 self.unreadable_parts.add(f)  # (unreadable now: a permission, an I/O error) left where it is
-                continue
-            except (pa.ArrowTypeError, pa.ArrowNotImplementedError, KeyError):
-                # columns ours do not cast from, or named twice: not ours (a memory error is not a
-                # verdict on the file: it propagates)
-                self.damaged_parts.add(f)
                 continue
             # every part ever written has had these columns (the schema's first version): a table
             # without them, or with nulls in them, is a foreign file under a part's name
