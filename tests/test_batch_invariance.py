@@ -2,8 +2,8 @@
 and inside batches of other pages' requests (in the middle of 4, last of 8), with a token budget
 per step that cuts prompts into chunks at other places, with FP4 KV (the format whose answers moved
 with the schedule on the GPU; float32 alone and among concurrent requests: tests/test_serve.py).
-Prefix caching is off, so every pass computes its prompt. The GPU's side of this (kernels whose reduction order follows the batch) is measured by
-bench/batch_invariance.py.
+Prefix caching is off, so every pass computes its prompt. The GPU's side of this (kernels whose
+reduction order follows the batch) is measured by bench/batch_invariance.py.
 """
 from __future__ import annotations
 
