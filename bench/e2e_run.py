@@ -128,7 +128,7 @@ def run_once(tree: Path, docs: Path, model: Path, out: Path, run_args: list[str]
               "kernel_compiles_after_warmup": (m.get("engine") or {}).get("kernel_compiles_after_warmup"),
               "engine_steps": {k: (m.get("engine") or {}).get(k) for k in (
                   "num_steps", "num_step_tokens", "mean_running_per_step", "step_seconds", "num_decode_steps",
-                  "decode_step_seconds", "num_overlapped_steps", "num_graph_steps", "images_prefetched", "images_encoded_ahead",
+                  "decode_step_seconds", "num_overlapped_steps", "num_graph_steps", "images_prefetched",
                   "images_preprocessed_inline", "pixel_wait_seconds")},
               "engine_start": {k: (m.get("engine") or {}).get(k) for k in (
                   "load_seconds", "kernel_warmup_seconds", "num_cuda_graphs", "cuda_graph_capture_seconds")},

@@ -282,65 +282,6 @@ def test_overlapped_steps_admit_and_prefill_in_chunks_while_rows_decode(qwen2_vl
 
 
 @cpu_only
-def test_queued_pages_are_encoded_while_a_step_is_in_flight(qwen2_vl_dir, monkeypatch):
-    """Overlapped steps encode the pages of queued requests while the step in flight runs (the
-    prefetcher's pixels taken as ready once done): each page once, the tokens of reading every
-    step first; a page whose pixels are not ready is left to the step that admits it."""
-    from test_speculative_engine import IMG, page
-
-    prompts = [{"prompt": "<|im_start|>user\n" + IMG + "total?", "multi_modal_data": {"image": [page(10 + i)]}}
-               for i in range(4)]
-    params = SamplingParams(max_tokens=3, ignore_eos=True)
-    runs = {}
-    for overlap in (False, True):
-        with monkeypatch.context() as m:
-            llm = static_engine(m, qwen2_vl_dir, overlap_decode=overlap, image_prefetch_workers=1)
-            llm.scheduler.max_num_seqs = 1  # one request runs, the others queue
-            pf = llm.runner.prefetcher
-            m.setattr(pf, "ready", lambda h: h in pf._pending and pf._pending[h].result() is not None)
-            runs[overlap] = ([o.outputs[0].token_ids for o in llm.generate(prompts, params)], llm)
-    (want, plain), (got, llm) = runs[False], runs[True]
-    assert got == want
-    assert plain.runner.num_images_encoded_ahead == 0 and llm.runner.num_images_encoded_ahead == 3
-    assert llm.cache_info()["images_encoded_ahead"] == 3
-    stats = llm.runner.encoder_cache.stats
-    assert stats.num_encoded_images == plain.runner.encoder_cache.stats.num_encoded_images == 4
-
-
-def test_encoding_ahead_stops_at_pixels_not_ready_an_idle_device_and_one_steps_budget():
-    """ModelRunner.encode_ahead's look-ahead, on a stub runner: queue order kept (it ends at the
-    first sequence that cannot go), one vision call per sequence, a page shared or cached counted
-    once, the first sequence encoded whatever its size, nothing once the device is idle."""
-    from types import SimpleNamespace as NS
-
-    from docproc.engine.model_runner import ModelRunner
-
-    def seq(*spans):
-        return NS(images=[NS(content_hash=h, num_tokens=n) for h, n in spans])
-
-    def runner(ready=(), cached=()):
-        calls = []
-        r = NS(model=NS(vision_fingerprint="v"), prefetcher=NS(ready=lambda h: h in ready),
-               encoder_cache={("v", h) for h in cached}, num_images_encoded_ahead=0,
-               _image_embeddings=lambda seqs: calls.append([s.content_hash for q in seqs for s in q.images]))
-        return r, calls
-
-    def ahead(r, seqs, busy=True, budget=100):
-        return ModelRunner.encode_ahead.__wrapped__(r, seqs, lambda: busy, budget)
-
-    r, calls = runner(ready={"a", "c"})
-    assert ahead(r, [seq(("a", 10)), seq(("b", 10)), seq(("c", 10))]) == 1 and calls == [["a"]]
-    r, calls = runner(ready={"a", "b"})
-    assert ahead(r, [seq(("a", 10)), seq(("b", 10))], busy=False) == 0 and calls == []
-    r, calls = runner(ready={"a", "b", "c"}, cached={"b"})
-    # a's 60 + b's 30 (cached) fit 100; the second query of page a adds nothing; c's 20 would not fit
-    assert ahead(r, [seq(("a", 60)), seq(("b", 30)), seq(("a", 60)), seq(("c", 20))]) == 1 and calls == [["a"]]
-    assert r.num_images_encoded_ahead == 1
-    r, calls = runner(ready={"a", "b"})
-    assert ahead(r, [seq(("a", 500)), seq(("b", 10))]) == 1 and calls == [["a"]]  # the first goes whatever its size
-
-
-@cpu_only
 def test_cancelling_a_request_whose_prefill_chunk_is_in_flight_stops_it_at_once(qwen2_vl_dir, monkeypatch):
     """An overlapped step in flight may hold a request's prefill chunk, which samples nothing: a
     cancel stops it at once (no more chunks computed), as with reading every step first. An

@@ -71,8 +71,6 @@ def cache_info(llm) -> dict:
         "images_prefetched": llm.runner.prefetcher.num_prefetched,
         "images_preprocessed_inline": llm.runner.prefetcher.num_inline,
         "pixel_wait_seconds": round(llm.runner.prefetcher.take_seconds, 3),
-        # pages encoded while the device worked through a step, before the step that admits them
-        "images_encoded_ahead": llm.runner.num_images_encoded_ahead,
         "one_row_kernels": llm.runner.kernel_options.one_row and llm.runner.device.type == "cuda",  # kernels/gemv.py
         # programmatic dependent launch, kernels/pdl.py
         "pdl": kernels_pdl.enabled_on(llm.runner.device, llm.runner.kernel_options.pdl),

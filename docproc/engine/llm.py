@@ -427,16 +427,6 @@ class LLM:
         if self.runner.prefetcher.workers and self.scheduler.waiting:
             self.runner.prefetch_images(itertools.islice(self.scheduler.waiting, PREFETCH_LOOKAHEAD))
 
-    def encode_ahead(self, step) -> None:
-        """While the device works through a launched step (its tokens unread), encode the pages of
-        the queue's head: the step that admits them then queues no vision work of its own, which
-        would otherwise sit between the device's steps while the host launches the tower."""
-        if self.scheduler.waiting:
-            event = step.event
-            self.runner.encode_ahead(itertools.islice(self.scheduler.waiting, PREFETCH_LOOKAHEAD),
-                                     (lambda: not event.query()) if event is not None else (lambda: True),
-                                     self.scheduler.max_num_batched_tokens)
-
     def prefetch(self, out) -> None:
         """Start preprocessing the pages a scheduled step encodes that are not started yet (in
         parallel; the queue was looked at by prefetch_waiting before the step was scheduled)."""

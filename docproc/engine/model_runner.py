@@ -194,7 +194,6 @@ class ModelRunner:
         self.trunk_cache: EncoderCache | None = None
         self.trunk_source: EncoderCache | None = None
         self.num_shared_trunk_images = 0
-        self.num_images_encoded_ahead = 0  # images encoded before the step that needed them (encode_ahead)
         self.warmup_seconds = 0.0
         self.warmup_compiles = 0
         # (tensor parallelism runs eagerly: CUDA graphs with the collectives inside are not built yet)
@@ -352,39 +351,6 @@ class ModelRunner:
             if self.trunk_cache is not None and trunks is not None:
                 self.trunk_cache.put((trunk_fp, h), trunks[i])
             seq.num_encoded_images += 1
-
-    @inference
-    def encode_ahead(self, seqs, busy, max_tokens: int) -> int:
-        """Encode the images of these queued sequences (in queue order) that the vision cache lacks,
-        before the step that admits them: one vision call per sequence, each only while busy()
-        says the device still has the step in flight to work through (so the host's launches of
-        the tower sit where it would wait for that step's tokens, not between two steps), and only
-        a sequence whose pixel values are prepared already (nothing is waited for or computed
-        inline). The look-ahead ends at the first sequence that cannot go, and where the distinct
-        images looked at would hold more than max_tokens image tokens (one step's token budget:
-        what the next admissions can prefill; the first sequence goes whatever its size). Returns
-        the images encoded."""
-        fp = self.model.vision_fingerprint
-        ready = self.prefetcher.ready
-        seen: set[str] = set()
-        tokens = done = 0
-        for seq in seqs:
-            spans = [s for s in seq.images if s.content_hash not in seen]
-            if not spans:
-                continue
-            tokens += sum(s.num_tokens for s in spans)
-            if tokens > max_tokens and seen:
-                break
-            seen.update(s.content_hash for s in spans)
-            missing = [s.content_hash for s in spans if (fp, s.content_hash) not in self.encoder_cache]
-            if not missing:
-                continue
-            if not all(ready(h) for h in missing) or not busy():
-                break
-            self._image_embeddings([seq])
-            done += len(missing)
-        self.num_images_encoded_ahead += done
-        return done
 
     def prefetch_images(self, seqs) -> None:
         """Start preprocessing the images of these sequences (in the order given) that the vision

@@ -173,7 +173,6 @@ class OverlapDecoder:
         prev = self.pending
         self.pending = None
         nxt = self._continue(prev)
-        eng.encode_ahead(prev)
         tokens = eng.runner.collect(prev)
         now = time.perf_counter()
         seconds = now - max(prev.t0, self.pending_since)
