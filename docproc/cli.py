@@ -1047,7 +1047,8 @@ def _print_eval(res: dict, as_json: bool) -> None:
         t.add_row(f"[dim]all fields, {g}[/dim]", f"{v['exact_match']:.1%}", "", str(v["n"]))
     out_console.print(t)
     for key, what in (("failed_documents", "failed or skipped in OUT, scored as no answer"),
-                      ("missing_documents", "not in OUT, not scored")):
+                      ("missing_documents", "not in OUT, not scored"),
+                      ("ambiguous_documents", "name several documents of OUT (give their paths), not scored")):
         if docs := res[key]:
             names = ", ".join(shown(m) for m in docs[:5]) + (f" and {len(docs) - 5} more (--json lists them)"
                                                              if len(docs) > 5 else "")

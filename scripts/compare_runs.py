@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from docproc.pipeline.evaluate import _norm  # noqa: E402
+from docproc.pipeline.evaluate import FIELD_TYPES, _norm  # noqa: E402
 
 
 def answers(out: Path) -> dict[str, dict[str, str | None]]:
@@ -43,7 +43,8 @@ def main() -> None:
             if a is None and b is None and field not in runs[args.a][doc]:
                 continue  # a field no query asks for
             for name, v in ((args.a, a), (args.b, b)):
-                em[name].append(float(_norm(field, value) == _norm(field, v)))
+                kind = FIELD_TYPES.get(field, "string")  # (the default query set's field names)
+                em[name].append(float(_norm(kind, value) == _norm(kind, v)))
             same.append(a == b)
     report = {"documents": len(common), "fields": len(same),
               "exact_match": {name: round(sum(v) / max(1, len(v)), 4) for name, v in em.items()},

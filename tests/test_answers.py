@@ -128,9 +128,20 @@ def test_a_schema_the_grammar_cannot_compile_stops_the_run_with_exit_2_before_th
     q = tmp_path / "q.toml"
     q.write_text('[[query]]\nname = "n"\nquestion = "?"\ntype = "json"\nschema_file = "s.json"\n')
     (tmp_path / "s.json").write_text(json.dumps(schema))
-    res = CliRunner().invoke(app, ["run", str(tmp_path / "in"), "--out", str(tmp_path / "out"), "--queries", str(q),
-                                   "--log-json"])
+    # OUT holds an earlier run's rows and tables: the refused run leaves the tables as they are
+    # (it rewrote them, documents.parquet with the refused set's columns)
+    from docproc.pipeline.runstore import RunStore
+
+    out = tmp_path / "out"
+    RunStore(out).write_part(1, [{"run_id": "r0", "path": "b.png", "root": str(tmp_path / "in"), "doc_status": "ok",
+                                  "query": "vendor", "query_type": "string", "value": "Acme", "status": "ok",
+                                  "config_fingerprint": "c0"}])
+    for name in ("results.parquet", "documents.parquet"):
+        (out / name).write_bytes(b"the earlier run's table")
+    res = CliRunner().invoke(app, ["run", str(tmp_path / "in"), "--out", str(out), "--queries", str(q),
+                                   "--log-json", "--format", "json,parquet,documents"])
     assert res.exit_code == 2, res.output
+    assert all((out / n).read_bytes() == b"the earlier run's table" for n in ("results.parquet", "documents.parquet"))
     events = [json.loads(line) for line in res.output.splitlines() if line.startswith("{")]
     assert "load_start" not in {e["event"] for e in events}  # no model was loaded
     end = [e for e in events if e["event"] == "end"][0]

@@ -85,9 +85,9 @@ def test_json_names_never_leave_the_folder_fail_or_clash():
 
 
 def test_eval_normalisation_and_f1():
-    assert _norm("total", "EUR 1.234,50") == _norm("total", "1234.5") == "1234.50"
+    assert _norm("number", "EUR 1.234,50") == _norm("number", "1234.5") == "1234.50"
     assert _norm("date", "March 1, 2024") == "2024-03-01"
-    assert _norm("vendor", "  ACME  Corp ") == "acme corp"
+    assert _norm("string", "  ACME  Corp ") == "acme corp"
     assert _f1("acme corp", "acme corp ltd") == pytest.approx(0.8)
     assert _f1(None, None) == 1.0 and _f1("x", None) == 0.0
 
@@ -365,6 +365,50 @@ def test_eval_reads_lists_collisions_and_non_object_roots(tmp_path):
     assert pf["obj.total"] == {"exact_match": 1.0, "f1": 1.0, "n": 1}  # the query's 9.00, not the property's 1.00
     assert pf["vendor"]["exact_match"] == 1.0
     assert pf["parties.vendor"] == {"exact_match": 0.5, "f1": 0.5, "n": 2} and "parties.total" not in pf
+
+
+def test_eval_matches_documents_by_path_and_normalises_by_query_type(tmp_path):
+    """Two documents of one file name in two folders: a truth record naming one by its path scores
+    that one, a bare name they share is listed as ambiguous (not scored, not "missing"), a path
+    from elsewhere that ends with a document's path names it, an unknown path is missing. A
+    custom `number` or `date` query is normalised as its type says whatever its name; strings
+    compare across Unicode composition; the format group is the document's own."""
+    import unicodedata
+
+    import pyarrow.parquet as _pq
+
+    from docproc.pipeline.evaluate import evaluate, match_document
+    from docproc.pipeline.schema import to_table
+
+    base = {"run_id": "r", "doc_status": "ok", "status": "ok", "config_fingerprint": "c", "part": 1}
+    rows = [{**base, "path": "sub1/x.jpg", "query": "vendor", "query_type": "string", "value": "Tyrell"},
+            {**base, "path": "sub2/x.jpg", "query": "vendor", "query_type": "string", "value": "Wayne"},
+            {**base, "path": "a.pdf", "query": "amount", "query_type": "number", "value": "7213.84"},
+            {**base, "path": "a.pdf", "query": "issued", "query_type": "date", "value": "2022-11-30"},
+            {**base, "path": "a.pdf", "query": "label", "query_type": "string", "value": "café"}]
+    (tmp_path / "out").mkdir()
+    _pq.write_table(to_table(rows), tmp_path / "out" / "results.parquet")
+    truth = tmp_path / "truth.jsonl"
+    truth.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in [
+        {"file": "sub1/x.jpg", "fields": {"vendor": "Tyrell"}},
+        {"file": "x.jpg", "fields": {"vendor": "Wayne"}},
+        {"file": "sub9/x.jpg", "fields": {"vendor": "Wayne"}},
+        {"file": "corpus/a.pdf", "fields": {"amount": "7 213,84", "issued": "30.11.2022",
+                                             "label": unicodedata.normalize("NFD", "café")}}]))
+    res = evaluate(tmp_path / "out", truth)
+    assert res["per_field"]["vendor"] == {"exact_match": 1.0, "f1": 1.0, "n": 1}  # sub1's, not sub2's
+    assert res["ambiguous_documents"] == ["x.jpg"] and res["documents"] == 2
+    assert res["missing_documents"] == ["sub9/x.jpg"]  # (its name's two documents are in other folders)
+    assert all(res["per_field"][f]["exact_match"] == 1.0 for f in ("amount", "issued", "label"))
+    assert res["by_format"] == {"pdf": {"exact_match": 1.0, "n": 3}, "scan": {"exact_match": 1.0, "n": 1}}
+    paths = {"sub1/x.jpg", "sub2/x.jpg", "a/b/c.pdf", "b/c.pdf"}
+    by_name = {"x.jpg": ["sub1/x.jpg", "sub2/x.jpg"], "c.pdf": ["a/b/c.pdf", "b/c.pdf"]}
+    assert match_document("./sub2/x.jpg", paths, by_name) == ("sub2/x.jpg", ["sub2/x.jpg"])
+    assert match_document("in/a/b/c.pdf", paths, by_name)[0] == "a/b/c.pdf"  # the longest common ending
+    assert match_document("z/b/c.pdf", paths, by_name)[0] == "b/c.pdf"
+    assert match_document("z/c.pdf", paths, by_name) == (None, [])  # only the file name in common
+    assert match_document("b/c.pdf", paths - {"b/c.pdf"}, {"c.pdf": ["a/b/c.pdf", "x/b/c.pdf"]}) == \
+        (None, ["a/b/c.pdf", "x/b/c.pdf"])
 
 
 def test_documents_table_keeps_colliding_names_apart_and_survives_odd_values():

@@ -154,7 +154,7 @@ def test_eval_with_nothing_to_compare_says_why_and_exits_1(scored_out, tmp_path)
     res = cli.invoke(app, ["eval", str(scored_out), "--truth", str(other_docs)])
     assert res.exit_code == 1 and res.stdout == ""
     assert res.stderr == (f"error: nothing to score: none of the 1 documents of the truth file is in {scored_out} "
-                          f"(matched by file name, e.g. 'b.pdf')\n")
+                          f"(matched by path, or by file name where one document has it, e.g. 'b.pdf')\n")
     other_fields = tmp_path / "fields.jsonl"
     other_fields.write_text(json.dumps({"file": "a.pdf", "fields": {"iban": "X", "due_date": "Y"}}) + "\n")
     res = cli.invoke(app, ["eval", str(scored_out), "--truth", str(other_fields), "--json"])
@@ -234,18 +234,23 @@ def test_eval_tells_failed_and_skipped_documents_by_their_status_not_by_their_an
 
 def test_eval_scores_a_failed_document_wrong_even_where_the_truth_is_null(tmp_path):
     """No answer is not the answer "absent": a failed document (or an errored query) is wrong on a
-    field whose truth is null too; a file name whose other copy answered is not failed; a JSON
-    query whose answers are not objects gives no QUERY.FIELD keys."""
+    field whose truth is null too; of two documents of one file name, the failed one is failed
+    and the name alone names neither (listed as ambiguous, not scored); a JSON query whose
+    answers are not objects gives no QUERY.FIELD keys."""
     out = tmp_path / "out"
     items = [{**r, "query": "line_items", "query_type": "json", "value": "[1, 2]"} for r in doc_rows(FIRST, "a/ok.pdf")[:1]]
     RunStore(out).write_part(1, doc_rows(FIRST, "a/ok.pdf") + items + doc_rows(FIRST, "a/inv.pdf")
                              + doc_rows(FIRST, "b/inv.pdf", status="error") + doc_rows(FIRST, "bad.pdf", status="error"))
     truth = tmp_path / "truth.jsonl"
     truth.write_text("".join(json.dumps({"file": f, "fields": {"vendor": None}}) + "\n"
-                             for f in ("ok.pdf", "inv.pdf", "bad.pdf")))
-    report = json.loads(cli.invoke(app, ["eval", str(out), "--truth", str(truth), "--json"]).stdout)
-    assert report["failed_documents"] == ["bad.pdf"]  # (inv.pdf answered under a/)
-    assert report["per_field"] == {"vendor": {"exact_match": 0.0, "f1": 0.0, "n": 3}}  # ("x" is not null either)
+                             for f in ("ok.pdf", "a/inv.pdf", "b/inv.pdf", "inv.pdf", "bad.pdf")))
+    res = cli.invoke(app, ["eval", str(out), "--truth", str(truth), "--json"])
+    report = json.loads(res.stdout)
+    assert report["failed_documents"] == ["b/inv.pdf", "bad.pdf"] and report["ambiguous_documents"] == ["inv.pdf"]
+    assert report["per_field"] == {"vendor": {"exact_match": 0.0, "f1": 0.0, "n": 4}}  # ("x" is not null either)
+    shown = cli.invoke(app, ["eval", str(out), "--truth", str(truth)]).stdout
+    assert "1 document(s) of the truth file name several documents of OUT (give their paths), not scored: inv.pdf" \
+        in " ".join(shown.split())
 
 
 def test_eval_says_answers_that_cannot_be_read_are_there(tmp_path):

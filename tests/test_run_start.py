@@ -299,7 +299,7 @@ def test_a_run_stopped_before_its_fingerprint_is_known_does_not_load_the_model_t
                              model=str(bundled_model("target"))))
     p.store.lock()
     try:
-        p._part = p.store.next_part()
+        p._part = p._first_part = p.store.next_part()
         p._pending = [("notes.txt", [{"path": "notes.txt", "config_fingerprint": None}], False)]
         assert p.cfg is None
         p._wind_down()

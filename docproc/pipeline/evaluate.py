@@ -18,6 +18,8 @@ from docproc.pipeline.normalize import normalize_amount, normalize_date, normali
 from docproc.pipeline.runstore import RunStore, check_out_folder, json_kind, nothing_yet
 from docproc.pipeline.schema import json_value, read_table
 
+# the kinds of a JSON answer's properties, which carry no query type of their own (the default
+# query set's all_fields): by the property's name
 FIELD_TYPES = {"date": "date", "due_date": "date", "total": "number"}
 
 
@@ -26,11 +28,11 @@ def _text(value) -> str | None:
     return None if value is None else value if isinstance(value, str) else json.dumps(value, sort_keys=True)
 
 
-def _norm(field: str, value) -> str | None:
+def _norm(kind: str, value) -> str | None:
+    """value normalised as a `kind` answer ("date", "number", anything else as text)."""
     value = _text(value)
     if value is None:
         return None
-    kind = FIELD_TYPES.get(field, "string")
     if kind == "date":
         return normalize_date(str(value)) or normalize_text(str(value))
     if kind == "number":
@@ -115,6 +117,33 @@ def read_truth(path: str | Path) -> list[dict]:
     return records
 
 
+def match_document(file: str, paths: set[str], by_name: dict[str, list[str]]) -> tuple[str | None, list[str]]:
+    """The OUT document a truth record's "file" names, and the candidates: the path itself; else
+    for a bare file name, the one document of that name in any folder; else for a path, the
+    document whose path it ends with or that ends with it, folder by folder, the longest such (a
+    truth written from another folder: `sample_docs/a.pdf` for `a.pdf`). (None, candidates)
+    where none or several fit."""
+    if file in paths:
+        return file, [file]
+    file = file.replace("\\", "/").removeprefix("./")  # (written on Windows, or from the corpus's folder)
+    if file in paths:
+        return file, [file]
+    if "/" not in file:
+        found = by_name.get(file, [])
+    else:  # one path ends with the other, folder by folder; the longest such
+        parts = file.split("/")
+        best, found = 0, []
+        for p in by_name.get(parts[-1], []):
+            q = p.split("/")
+            n = min(len(q), len(parts))
+            if q[-n:] != parts[-n:] or n < best:
+                continue
+            if n > best:
+                best, found = n, []
+            found.append(p)
+    return (found[0] if len(found) == 1 else None), found
+
+
 def _listed(names: list[str], most: int = 6) -> str:
     return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "") if names else "none"
 
@@ -172,12 +201,15 @@ def evaluate(out: str | Path, truth_file: str | Path) -> dict:
     not_objects: set[str] = set()  # JSON queries whose schema's root is not an object (a value was not one)
     no_object: dict[str, list[str]] = defaultdict(list)
     queries: dict[str, str] = {}  # every document query OUT asked anywhere: its type
-    statuses: dict[str, set[str]] = defaultdict(set)  # the doc_status of each document of a file name
+    statuses: dict[str, set[str]] = defaultdict(set)  # the doc_status of each document (its path)
+    by_name: dict[str, list[str]] = defaultdict(list)  # file name -> the documents of that name
     for r in table:
-        statuses[Path(r["path"]).name].add(r["doc_status"])
+        if r["path"] not in statuses:
+            by_name[Path(r["path"]).name].append(r["path"])
+        statuses[r["path"]].add(r["doc_status"])
         if r["query"] is None or r.get("page") is not None:  # (the truth is per document, not per page)
             continue
-        name, value = Path(r["path"]).name, r["value"]
+        name, value = r["path"], r["value"]
         queries[r["query"]] = r["query_type"]
         if r["query_type"] == "json":  # an object's properties are scored as QUERY.FIELD
             obj = json_value(value)
@@ -193,13 +225,14 @@ def evaluate(out: str | Path, truth_file: str | Path) -> dict:
         answers[name][r["query"]] = NO_ANSWER if r["status"] in FAILED else value
     per_field: dict[str, list[tuple[float, float]]] = defaultdict(list)
     per_group: dict[str, list[float]] = defaultdict(list)
-    missing, failed = [], []
+    missing, failed, ambiguous = [], [], []
+    paths = set(statuses)
     for rec in truth:
-        name = Path(rec["file"]).name
-        if name not in statuses:
-            missing.append(rec)
+        name, candidates = match_document(rec["file"], paths, by_name)
+        if name is None:
+            (ambiguous if candidates else missing).append(rec)
             continue
-        if statuses[name] <= FAILED:  # failed or skipped there (every document of that name)
+        if statuses[name] <= FAILED:  # failed or skipped there
             failed.append(rec)
         if name not in answers:
             if not statuses[name] <= FAILED:
@@ -209,7 +242,8 @@ def evaluate(out: str | Path, truth_file: str | Path) -> dict:
             no_object[name] = [q for q, kind in queries.items() if kind == "json" and q not in not_objects]
         # a query's own answer wins over a JSON answer's property of the same name
         got = {**properties[name], **answers[name]}
-        group = "pdf" if rec.get("format", "pdf") == "pdf" else "scan"
+        fmt = rec.get("format") or ("pdf" if name.lower().endswith(".pdf") else "image")
+        group = "pdf" if fmt == "pdf" else "scan"
         for q in no_object[name]:  # counted as no value for each field that query answers elsewhere
             if q in not_objects and not fields_of[q]:
                 continue  # (its value is scored as itself, under its own name)
@@ -220,11 +254,14 @@ def evaluate(out: str | Path, truth_file: str | Path) -> dict:
                 if got[key] is NO_ANSWER:
                     em, f1 = 0.0, 0.0
                 else:
-                    t, p = _norm(field, value), _norm(field, got[key])
+                    # a query's answer by its query's type, a JSON answer's property by its name
+                    kind = queries.get(key) if key in queries else FIELD_TYPES.get(field, "string")
+                    t, p = _norm(kind, value), _norm(kind, got[key])
                     em, f1 = float(t == p), _f1(p, t)
                 per_field[key].append((em, f1))
                 per_group[group].append(em)
     missing = [rec["file"] for rec in missing]
+    ambiguous = [rec["file"] for rec in ambiguous]
     cells = [x for v in per_field.values() for x in v]
     nothing = None
     if not cells:
@@ -232,17 +269,21 @@ def evaluate(out: str | Path, truth_file: str | Path) -> dict:
             nothing = (f"{len(failed)} document(s) of the truth file failed or were skipped in {out}, and no "
                        f"document there has an answer to a document query (per-page answers are not compared "
                        f"with the truth)")
-        elif len(missing) == len(truth):
-            nothing = (f"none of the {len(truth)} documents of the truth file is in {out} (matched by file name, "
-                       f"e.g. {Path(missing[0]).name!r})")
+        elif len(missing) + len(ambiguous) == len(truth):
+            first = (missing or ambiguous)[0]
+            nothing = (f"none of the {len(truth)} documents of the truth file is in {out} (matched by path, or by "
+                       f"file name where one document has it, e.g. {first!r})" if not ambiguous else
+                       f"none of the {len(truth)} documents of the truth file is in {out} or names one document "
+                       f"there ({len(ambiguous)} name several: give their paths, e.g. {ambiguous[0]!r})")
         else:
             queries = sorted({q for a in answers.values() for q in a} | {k for p in properties.values() for k in p})
             fields = sorted({f for rec in truth for f in rec["fields"]})
             nothing = (f"no answer names a field of the truth file: answers {_listed(queries)}; truth fields "
                        f"{_listed(fields)}")
     return {
-        "documents": len(truth) - len(missing),
+        "documents": len(truth) - len(missing) - len(ambiguous),
         "missing_documents": missing,
+        "ambiguous_documents": ambiguous,
         "failed_documents": [rec["file"] for rec in failed],
         "unreadable_state_parts": lost,
         "overall_exact_match": sum(e for e, _ in cells) / len(cells) if cells else None,

@@ -3,6 +3,7 @@ evaluation. Pure functions, no torch."""
 from __future__ import annotations
 
 import re
+import unicodedata
 from datetime import date, datetime
 from decimal import Decimal, InvalidOperation
 
@@ -83,10 +84,11 @@ def normalize_amount(text: str | None) -> str | None:
 
 
 def normalize_text(text: str | None) -> str | None:
-    """Case- and space-insensitive form for string fields."""
+    """Case-, space- and Unicode-composition-insensitive form for string fields (NFC: an `é`
+    typed as e + a combining accent is the same text as the one character)."""
     if text is None:
         return None
-    return " ".join(str(text).split()).casefold() or None
+    return unicodedata.normalize("NFC", " ".join(str(text).split()).casefold()) or None
 
 
 def format_date(d: date, fmt: str) -> str:

@@ -121,10 +121,11 @@ class Pipeline(DocumentWork):
         status, fault, exit_code = "completed", None, None
         self._pending: list[tuple[str, list[dict], bool]] = []  # (key, rows, write its JSON)
         self.documents_written = 0
+        self._part = self._first_part = None  # (the part numbers this run writes from)
         try:
             with signals_raise() as signals:
                 try:
-                    self._part = self.store.next_part()
+                    self._part = self._first_part = self.store.next_part()
                     self._process()
                 except RunInterrupted as e:
                     signals.calm()
@@ -156,13 +157,15 @@ class Pipeline(DocumentWork):
 
     def _wind_down(self) -> None:
         """After a signal or a fault: write what is finished (removals wait for a whole run). A run
-        that stopped before any row was written leaves no results.parquet behind. One stopped before
+        that stopped before it wrote any row leaves the tables as the runs before it left them (none
+        at all before a first row): a run refused for its query set (a schema the grammar backend
+        cannot compile) must not rewrite documents.parquet with that set's columns. One stopped before
         its fingerprint was known (the engine had not loaded) drops its pending rows rather than load
         the model now: they can only be files settled without the engine (skips, unreadable files),
         which the next run settles again in moments."""
         if self.cfg is None:
             self._pending = []
-        if not self._pending and not self.store.part_files():
+        if not self._pending and self._part == self._first_part:
             return
         try:
             self._flush()
