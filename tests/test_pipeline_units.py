@@ -48,6 +48,11 @@ def test_query_file_errors(tmp_path):
                       ("[[query]]\nname='a'", "needs a question"),
                       ("[[query]]\nname='a'\nquestion='q'\ntype='int'", "type 'int'"),
                       ("[[query]]\nname='a'\nquestion='q'\n[[query]]\nname='a'\nquestion='r'", "appears twice"),
+                      ("[[query]]\nname=\"a\\nb\"\nquestion='q'", "holds a control character"),
+                      ("[[query]]\nname='Total'\nquestion='q'\n[[query]]\nname='total'\nquestion='r'",
+                       "'Total' and 'total' differ only in case"),
+                      ("[[query]]\nname='caf\u00e9'\nquestion='q'\n[[query]]\nname='cafe\u0301'\nquestion='r'",
+                       "differ only in case or Unicode composition"),
                       ("[[query", "not valid TOML")]:
         f = tmp_path / "q.toml"
         f.write_text(body)

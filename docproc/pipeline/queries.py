@@ -6,6 +6,7 @@ import hashlib
 import json
 import re
 import tomllib
+import unicodedata
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -163,8 +164,17 @@ def load_queries(path: str | Path | None = None) -> QuerySet:
         qtype = q.get("type", "string")
         if qtype not in QUERY_TYPES:
             raise QueryFileError(f"{where} has type {qtype!r}; use one of {', '.join(QUERY_TYPES)}")
+        if any(unicodedata.category(c)[0] == "C" for c in name):
+            raise QueryFileError(f"{where}: a query's name is one line of printable text (it names a column, a CSV "
+                                 f"header and a JSON key); this one holds a control character")
         if name in seen:
             raise QueryFileError(f"{path}: query name {name!r} appears twice")
+        folded = unicodedata.normalize("NFC", name).casefold()
+        alike = next((n for n in seen if unicodedata.normalize("NFC", n).casefold() == folded), None)
+        if alike is not None:
+            raise QueryFileError(f"{path}: query names {alike!r} and {name!r} differ only in case or Unicode "
+                                 f"composition: their columns would clash where names ignore case (SQL, DuckDB) "
+                                 f"and look the same elsewhere; rename one")
         seen.add(name)
         max_tokens = q.get("max_tokens", 128 if qtype == "json" else 48)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
