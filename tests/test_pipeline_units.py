@@ -53,7 +53,14 @@ def test_query_file_errors(tmp_path):
                        "'Total' and 'total' differ only in case"),
                       ("[[query]]\nname='caf\u00e9'\nquestion='q'\n[[query]]\nname='cafe\u0301'\nquestion='r'",
                        "differ only in case or Unicode composition"),
-                      ("[[query", "not valid TOML")]:
+                      ("[[query", "not valid TOML"),
+                      ("[[query]]\nname='a'\nquestion='q'\ntype='json'\nschema={type='number', maximum=nan}",
+                       "its schema cannot be used: nan or inf is not a JSON number"),
+                      ("[[query]]\nname='a'\nquestion='q'\ntype='json'\nschema={maximum=" + "9" * 5000 + "}",
+                       "is not valid TOML: a whole number of more than 4,300 digits"),
+                      ("[[query]]\nname='a'\nquestion='q'\ntype='json'\nschema_file='nan.json'",
+                       "nan.json is not valid JSON: NaN is not a JSON number")]:
+        (tmp_path / "nan.json").write_text('{"type": "number", "maximum": NaN}')
         f = tmp_path / "q.toml"
         f.write_text(body)
         with pytest.raises(QueryFileError, match=re.escape(msg)):

@@ -83,6 +83,9 @@ def scored_out(tmp_path):
                                                  f"{RECORD}, one per line"),
     ('{"file": "a.pdf", "fields": {"vendor": "Acme Ltd"}}', 3,  # (it was scored twice: two documents of one)
      "a second record for 'a.pdf' (the first is on line 1): one record per file"),
+    ('{"file": "b.pdf", "fields": {"total": NaN}}', 3, f"not JSON (NaN is not a JSON number); {RECORD}, one per line"),
+    ('{"file": "b.pdf", "fields": {"total": ' + "9" * 5000 + '}}', 3,  # (it told of sys.set_int_max_str_digits)
+     f"not JSON (a whole number of more than 4,300 digits); {RECORD}, one per line"),
 ])
 def test_eval_names_the_truth_line_and_what_it_must_hold(scored_out, tmp_path, line, line_number, message):
     """A bad record after a good one and a blank line: exit 2 and one line naming the file, the

@@ -15,6 +15,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from docproc.pipeline.normalize import normalize_amount, normalize_date, normalize_text
+from docproc.pipeline.queries import json_value_problem, not_json
 from docproc.pipeline.runstore import RunStore, check_out_folder, json_kind, nothing_yet
 from docproc.pipeline.schema import json_value, read_table
 
@@ -90,11 +91,13 @@ def read_truth(path: str | Path) -> list[dict]:
         if not line.strip():
             continue
         try:
-            rec = json.loads(line)
+            rec = json.loads(line, parse_constant=not_json)
         except json.JSONDecodeError as e:  # its own position is within the line: the column only
             raise TruthFileError(f"{where}: not JSON ({e.msg} at column {e.colno}); {RECORD}, one per line") from None
         except RecursionError:
             raise TruthFileError(f"{where}: JSON nested too deep; {RECORD}") from None
+        except ValueError as e:  # NaN or Infinity, a whole number of thousands of digits
+            raise TruthFileError(f"{where}: not JSON ({json_value_problem(e)}); {RECORD}, one per line") from None
         if not isinstance(rec, dict):
             raise TruthFileError(f"{where}: {RECORD}; got {json_kind(rec)}")
         if "file" not in rec:

@@ -134,6 +134,8 @@ def load_queries(path: str | Path | None = None) -> QuerySet:
     except RecursionError:
         raise QueryFileError(f"query file {path} nests tables more than {MAX_DEPTH} levels deep: flatten its "
                              f"schemas") from None
+    except ValueError as e:  # (tomllib reads a whole number of thousands of digits with int())
+        raise QueryFileError(f"query file {path} is not valid TOML: {json_value_problem(e)}") from None
     unknown = sorted(set(data) - set(FILE_KEYS))
     if unknown:
         raise QueryFileError(f"{path}: unknown top-level key(s) {', '.join(map(repr, unknown))}; "
@@ -194,6 +196,17 @@ def load_queries(path: str | Path | None = None) -> QuerySet:
     return QuerySet(data.get("name", path.stem), tuple(queries), str(path))
 
 
+def not_json(constant: str):
+    """json.loads' parse_constant: NaN, Infinity and -Infinity are not JSON (Python reads them)."""
+    raise ValueError(f"{constant} is not a JSON number")
+
+
+def json_value_problem(e: ValueError) -> str:
+    """What a json.loads ValueError that is not a syntax error says, for a user: not_json's, or
+    Python's limit on the digits of a whole number (whose own text suggests a Python call)."""
+    return "a whole number of more than 4,300 digits" if "integer string conversion" in str(e) else str(e)
+
+
 def _constraint(q: dict, qtype: str, where: str, path: Path) -> tuple[str | None, tuple[str, ...] | None]:
     """A query's schema (inline `schema` table or `schema_file`, relative to the query file) or its
     `choices`, checked."""
@@ -220,13 +233,15 @@ def _constraint(q: dict, qtype: str, where: str, path: Path) -> tuple[str | None
                 raise QueryFileError(f"{where}: schema_file {file} is over {SCHEMA_FILE_LIMIT >> 20} MiB: "
                                      f"not a schema")
             try:
-                schema = json.loads(file.read_text(encoding="utf-8"))
+                schema = json.loads(file.read_text(encoding="utf-8"), parse_constant=not_json)
             except FileNotFoundError:
                 raise QueryFileError(f"{where}: schema_file {file} does not exist") from None
             except (OSError, UnicodeDecodeError) as e:
                 raise QueryFileError(f"{where}: cannot read schema_file {file}: {e}") from None
             except json.JSONDecodeError as e:
                 raise QueryFileError(f"{where}: schema_file {file} is not valid JSON: {e}") from None
+            except ValueError as e:  # (NaN or Infinity, or a whole number of thousands of digits)
+                raise QueryFileError(f"{where}: schema_file {file} is not valid JSON: {json_value_problem(e)}") from None
             except RecursionError:
                 raise QueryFileError(f"{where}: its schema cannot be used: the schema is nested more than "
                                      f"{MAX_DEPTH} levels deep: flatten it") from None
@@ -234,11 +249,14 @@ def _constraint(q: dict, qtype: str, where: str, path: Path) -> tuple[str | None
                 raise QueryFileError(f"{where}: schema_file {file} must hold a JSON object (a JSON Schema)")
         try:
             check_schema(schema)
+            # as written: the order of an object's properties is the order the answer gives them in
+            # (sorting them would have the model write its values under the wrong keys)
+            schema = json.dumps(schema, ensure_ascii=False, allow_nan=False)
         except SchemaProblem as e:
             raise QueryFileError(f"{where}: its schema cannot be used: {e}") from None
-        # as written: the order of an object's properties is the order the answer gives them in
-        # (sorting them would have the model write its values under the wrong keys)
-        schema = json.dumps(schema, ensure_ascii=False)
+        except ValueError as e:  # (TOML's nan and inf, a whole number of thousands of digits)
+            problem = "nan or inf is not a JSON number" if "Out of range float" in str(e) else json_value_problem(e)
+            raise QueryFileError(f"{where}: its schema cannot be used: {problem}") from None
     choices = None
     if "choices" in q:
         if qtype != "string":
