@@ -47,6 +47,12 @@ BAD_SCHEMAS = [  # (schema, what the message names)
     ({"enum": []}, "'enum'"),
     ({"anyOf": 5}, "'anyOf'"),
     ({"type": "integer", "minimum": 9, "maximum": 1}, "'minimum' 9 and 'maximum' 1"),
+    # nothing of the declared type: every answer was decoded and then failed (a whole batch's work)
+    ({"type": "object", "properties": {"x": {"type": "integer", "const": "abc"}}}, "'const' at /properties/x/const"),
+    ({"type": "integer", "enum": ["a", "b"]}, "'enum' at /enum holds no value of type integer"),
+    ({"type": "number", "enum": [True]}, "no value of type number"),
+    ({"type": "object", "properties": {"x": {}}, "required": ["y"], "additionalProperties": False},
+     "required property 'y' at the root is not among its properties"),
     (_deep(200), "nested more than"),
     (_deep(1500), "nested more than"),
 ]
@@ -68,6 +74,10 @@ def test_a_schema_that_cannot_be_used_is_named_before_any_model_loads(tmp_path, 
 
 
 def test_good_schemas_pass_and_recursion_through_a_value_is_allowed():
+    check_schema({"type": ["string", "null"], "enum": ["a", None]})  # one member of the type is enough
+    check_schema({"type": "integer", "const": 3.0})  # (a whole number, as JSON Schema counts it)
+    check_schema({"type": "object", "required": ["y"], "additionalProperties": False,
+                  "patternProperties": {"^y$": {}}})
     check_schema({"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}})
     check_schema({"type": "object", "properties": {"n": {"$ref": "#"}}})  # optional: {} ends it
     check_schema({"$defs": {"b": {"type": "object", "properties": {"b": {"anyOf": [{"$ref": "#/$defs/b"},

@@ -104,9 +104,27 @@ def check_schema(schema) -> None:
         if keyword == "type":
             hint = ": use string, number, integer, boolean, object, array or null"
         raise SchemaProblem(f"keyword {keyword or err.validator!r} at {_where(path)}: {err.message}{hint}")
+    is_type = Draft202012Validator.TYPE_CHECKER.is_type
     for sub, path in _walk(schema):
         if sub.get("enum") == []:
             raise SchemaProblem(f"keyword 'enum' at {_where(path + ('enum',))} is empty: no answer could match it")
+        types = sub.get("type")
+        types = [types] if isinstance(types, str) else types if isinstance(types, list) else None
+        if types is not None:  # a const or every enum member outside the declared type: nothing matches
+            fits = lambda v: any(is_type(v, t) for t in types)  # noqa: E731
+            if "const" in sub and not fits(sub["const"]):
+                raise SchemaProblem(f"keyword 'const' at {_where(path + ('const',))} is {json.dumps(sub['const'])}, "
+                                    f"not of type {' or '.join(types)}: no answer could match")
+            if isinstance(sub.get("enum"), list) and sub["enum"] and not any(fits(v) for v in sub["enum"]):
+                raise SchemaProblem(f"keyword 'enum' at {_where(path + ('enum',))} holds no value of type "
+                                    f"{' or '.join(types)}: no answer could match")
+        if sub.get("additionalProperties") is False and isinstance(sub.get("required"), list) \
+                and not sub.get("patternProperties"):
+            props = sub.get("properties") if isinstance(sub.get("properties"), dict) else {}
+            absent = [n for n in sub["required"] if n not in props]
+            if absent:
+                raise SchemaProblem(f"required property {absent[0]!r} at {_where(path)} is not among its properties, "
+                                    f"and additionalProperties is false: no answer could match")
         for lo, hi in _BOUNDS:
             if isinstance(sub.get(lo), (int, float)) and isinstance(sub.get(hi), (int, float)) and sub[lo] > sub[hi]:
                 raise SchemaProblem(f"keywords {lo!r} {sub[lo]} and {hi!r} {sub[hi]} at {_where(path)} "
