@@ -13,9 +13,11 @@ MONTHS = {m.lower(): i for i, m in enumerate(
 MONTHS.update({k[:3]: v for k, v in list(MONTHS.items())})
 MONTHS["sept"] = 9
 
-_ISO = re.compile(r"^(\d{4})-(\d{1,2})-(\d{1,2})$")
+# year first, with -, / or . between (one kind), and an ISO time after it that is left out
+_ISO = re.compile(r"^(\d{4})([-/.])(\d{1,2})\2(\d{1,2})(?:[T ]\d{1,2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?)?$")
+_COMPACT = re.compile(r"^(\d{4})(\d{2})(\d{2})$")  # 20230902
 _DMY_DOT = re.compile(r"^(\d{1,2})\.(\d{1,2})\.(\d{4})$")
-_SLASH = re.compile(r"^(\d{1,2})/(\d{1,2})/(\d{4})$")
+_SLASH = re.compile(r"^(\d{1,2})([/-])(\d{1,2})\2(\d{4})$")
 _MDY_WORDS = re.compile(r"^([A-Za-z]+)\.?\s+(\d{1,2}),?\s+(\d{4})$")
 _DMY_WORDS = re.compile(r"^(\d{1,2})\.?\s+([A-Za-z]+)\.?,?\s+(\d{4})$")
 
@@ -23,19 +25,23 @@ _DMY_WORDS = re.compile(r"^(\d{1,2})\.?\s+([A-Za-z]+)\.?,?\s+(\d{4})$")
 def normalize_date(text: str | None) -> str | None:
     """ISO date (YYYY-MM-DD) for the formats our documents use, else None.
 
-    Dotted dates are day.month.year (the European convention). Slashed dates are ambiguous; they
-    are read day/month/year unless the first number cannot be a day-first month (> 12 as month).
+    Year-first dates may use -, / or . and carry an ISO time (left out); eight digits are
+    YYYYMMDD. Dotted dates are day.month.year (the European convention). Slashed (or dashed)
+    dates are ambiguous; they are read day/month/year unless the first number cannot be a
+    day-first month (> 12 as month).
     """
     if not text:
         return None
     s = text.strip().rstrip(".")
     y = m = d = None
     if mo := _ISO.match(s):
+        y, m, d = int(mo.group(1)), int(mo.group(3)), int(mo.group(4))
+    elif mo := _COMPACT.match(s):
         y, m, d = (int(x) for x in mo.groups())
     elif mo := _DMY_DOT.match(s):
         d, m, y = (int(x) for x in mo.groups())
     elif mo := _SLASH.match(s):
-        a, b, y = (int(x) for x in mo.groups())
+        a, b, y = int(mo.group(1)), int(mo.group(3)), int(mo.group(4))
         d, m = (a, b) if b <= 12 else (b, a)
     elif mo := _MDY_WORDS.match(s):
         m, d, y = MONTHS.get(mo.group(1).lower()), int(mo.group(2)), int(mo.group(3))
