@@ -445,6 +445,25 @@ def test_documents_table_keeps_colliding_names_apart_and_survives_odd_values():
     assert row["total"] is None and row["o"] == {"n": None}  # past float64: null, not a crash or infinity
 
 
+def test_documents_table_keeps_values_asked_under_an_earlier_type_where_they_fit():
+    """A document of a root the run did not search keeps its rows of an earlier query set: a
+    value asked as a number shows in the current string column, one asked as a string in a date
+    column where it is a date; one that does not fit (text in a number column) is null."""
+    import datetime
+
+    from docproc.pipeline.queries import Query, QuerySet
+    from docproc.pipeline.schema import to_table
+    from docproc.pipeline.typed import documents_table
+
+    qs = QuerySet("x", (Query("total", "?", "string"), Query("date", "?", "date"), Query("vendor", "?", "number")), "")
+    base = {"run_id": "r", "doc_status": "ok", "status": "ok", "config_fingerprint": "c", "part": 1, "path": "a.pdf"}
+    rows = [{**base, "query": "total", "query_type": "number", "value": "7213.84"},
+            {**base, "query": "date", "query_type": "string", "value": "2023-01-11"},
+            {**base, "query": "vendor", "query_type": "string", "value": "Acme"}]
+    row = documents_table(to_table(rows), qs).to_pylist()[0]
+    assert row["total"] == "7213.84" and row["date"] == datetime.date(2023, 1, 11) and row["vendor"] is None
+
+
 def test_a_page_is_blank_only_without_ink_and_text():
     from PIL import Image
 

@@ -125,10 +125,13 @@ def documents_table(results: pa.Table, queries) -> pa.Table:
     for r in results.to_pylist():
         d = docs.setdefault(r["path"], {n: r.get(n) for n, _ in DOCUMENT_COLUMNS})
         d.setdefault("_values", {})
+        # by name, whatever type the row was asked under: a document of a root this run did not
+        # search keeps the rows of an earlier query set, whose value goes into the current
+        # column where it fits its type (it was null there for any change of type)
         if r["query"] is not None and r.get("page") is not None:  # a per-page query: its values in page order
-            d["_values"].setdefault((r["query"], r["query_type"], "pages"), []).append((r["page"], r["value"]))
+            d["_values"].setdefault((r["query"], "pages"), []).append((r["page"], r["value"]))
         elif r["query"] is not None:
-            d["_values"][(r["query"], r["query_type"])] = r["value"]
+            d["_values"][r["query"]] = r["value"]
     fields = [pa.field(n, t) for n, t in DOCUMENT_COLUMNS] + [pa.field(c, t) for _, c, t in qcols]
     columns = {f.name: [] for f in fields}
     for d in docs.values():
@@ -136,8 +139,8 @@ def documents_table(results: pa.Table, queries) -> pa.Table:
             columns[n].append(d[n])
         for q, c, t in qcols:
             if q.per_page:
-                pages = sorted(d["_values"].get((q.name, q.type, "pages"), []), key=lambda x: x[0])
+                pages = sorted(d["_values"].get((q.name, "pages"), []), key=lambda x: x[0])
                 columns[c].append([_cell(q, t.value_type, v) for _, v in pages] if pages else None)
             else:
-                columns[c].append(_cell(q, t, d["_values"].get((q.name, q.type))))
+                columns[c].append(_cell(q, t, d["_values"].get(q.name)))
     return pa.Table.from_pydict(columns, schema=pa.schema(fields))
