@@ -209,6 +209,10 @@ def test_answers_are_validated_against_the_whole_schema():
         assert problem is not None and problem.startswith(where + ":"), (value, problem)
     assert "not a finite number" in violation({"a": float("inf")}, {})  # json.loads("1e999")
     assert unenforced(schema) == ["dependentRequired", "if", "not", "then", "uniqueItems"]
+    # xgrammar decodes a pattern alone where length bounds are beside it (it logs that it ignores them)
+    assert unenforced({"type": "string", "pattern": "^a+$", "minLength": 3, "maxLength": 9}) == [
+        "maxLength (beside pattern)", "minLength (beside pattern)"]
+    assert violation("aa", {"type": "string", "pattern": "^a+$", "minLength": 3}) is not None
 
 
 def _query(**kw):

@@ -145,8 +145,14 @@ def check_schema(schema) -> None:
 
 def unenforced(schema) -> list[str]:
     """The keywords of schema that decoding does not enforce (each answer is validated against
-    them after)."""
-    return sorted({k for sub, _ in _walk(schema) for k in sub if k in UNENFORCED})
+    them after): UNENFORCED's, and a string's length bounds beside its pattern (xgrammar
+    decodes the pattern alone there)."""
+    keys = set()
+    for sub, _ in _walk(schema):
+        keys.update(k for k in sub if k in UNENFORCED)
+        if "pattern" in sub:
+            keys.update(f"{k} (beside pattern)" for k in ("minLength", "maxLength") if k in sub)
+    return sorted(keys)
 
 
 def violation(value, schema) -> str | None:
