@@ -48,7 +48,8 @@ BAD_SCHEMAS = [  # (schema, what the message names)
     ({"anyOf": 5}, "'anyOf'"),
     ({"type": "integer", "minimum": 9, "maximum": 1}, "'minimum' 9 and 'maximum' 1"),
     # nothing of the declared type: every answer was decoded and then failed (a whole batch's work)
-    ({"type": "object", "properties": {"x": {"type": "integer", "const": "abc"}}}, "'const' at /properties/x/const"),
+    ({"type": "object", "properties": {"x": {"type": "integer", "const": "abc"}}, "required": ["x"]},
+     "'const' at /properties/x/const"),
     ({"type": "integer", "enum": ["a", "b"]}, "'enum' at /enum holds no value of type integer"),
     ({"type": "number", "enum": [True]}, "no value of type number"),
     ({"type": "object", "properties": {"x": {}}, "required": ["y"], "additionalProperties": False},
@@ -78,6 +79,15 @@ def test_good_schemas_pass_and_recursion_through_a_value_is_allowed():
     check_schema({"type": "integer", "const": 3.0})  # (a whole number, as JSON Schema counts it)
     check_schema({"type": "object", "required": ["y"], "additionalProperties": False,
                   "patternProperties": {"^y$": {}}})
+    # a part nothing matches where an answer need not pass it: an alternative, an optional
+    # property, an unused definition, inside `not`
+    check_schema({"type": "object", "properties": {"x": {"anyOf": [{"type": "string", "const": 5},
+                                                                    {"type": "integer"}]}}})
+    check_schema({"type": "object", "properties": {"legacy": {"type": "string", "enum": [1]}}})
+    check_schema({"$defs": {"old": {"type": "object", "additionalProperties": False, "required": ["z"]}}})
+    check_schema({"type": "string", "not": {"type": "string", "const": 5}})
+    with pytest.raises(SchemaProblem, match="/items/enum"):  # an array that must hold one
+        check_schema({"type": "array", "minItems": 1, "items": {"type": "integer", "enum": ["a"]}})
     check_schema({"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}})
     check_schema({"type": "object", "properties": {"n": {"$ref": "#"}}})  # optional: {} ends it
     check_schema({"$defs": {"b": {"type": "object", "properties": {"b": {"anyOf": [{"$ref": "#/$defs/b"},

@@ -53,6 +53,7 @@ def test_query_file_errors(tmp_path):
                       ("[[query]]\nname='a'\nquestion='q'\ntype='int'", "type 'int'"),
                       ("[[query]]\nname='a'\nquestion='q'\n[[query]]\nname='a'\nquestion='r'", "appears twice"),
                       ("[[query]]\nname=\"a\\nb\"\nquestion='q'", "holds a control character"),
+                      ("[[query]]\nname=\"a\u2028b\"\nquestion='q'", "holds a control character"),
                       ("[[query]]\nname='Total'\nquestion='q'\n[[query]]\nname='total'\nquestion='r'",
                        "'Total' and 'total' differ only in case"),
                       ("[[query]]\nname='caf\u00e9'\nquestion='q'\n[[query]]\nname='cafe\u0301'\nquestion='r'",
@@ -62,6 +63,8 @@ def test_query_file_errors(tmp_path):
                        "its schema cannot be used: nan or inf is not a JSON number"),
                       ("[[query]]\nname='a'\nquestion='q'\ntype='json'\nschema={maximum=" + "9" * 5000 + "}",
                        "is not valid TOML: a whole number of more than 4,300 digits"),
+                      ("[[query]]\nname='a'\nquestion='q'\ntype='json'\nschema={type='string', const=2023-01-01}",
+                       "2023-01-01 is a TOML date or time, not a JSON value"),
                       ("[[query]]\nname='a'\nquestion='q'\ntype='json'\nschema_file='nan.json'",
                        "nan.json is not valid JSON: NaN is not a JSON number")]:
         (tmp_path / "nan.json").write_text('{"type": "number", "maximum": NaN}')
@@ -71,6 +74,8 @@ def test_query_file_errors(tmp_path):
             load_queries(f)
     with pytest.raises(QueryFileError, match="does not exist"):
         load_queries(tmp_path / "none.toml")
+    f.write_text("[[query]]\nname='m\u06cc\u200c\u062e'\nquestion='q'")  # a zero-width non-joiner (Persian)
+    assert load_queries(f).queries[0].name == "m\u06cc\u200c\u062e"
 
 
 def test_prompt_has_one_placeholder_per_page():
@@ -413,16 +418,25 @@ def test_eval_matches_documents_by_path_and_normalises_by_query_type(tmp_path):
                                              "label": unicodedata.normalize("NFD", "café")}}]))
     res = evaluate(tmp_path / "out", truth)
     assert res["per_field"]["vendor"] == {"exact_match": 1.0, "f1": 1.0, "n": 1}  # sub1's, not sub2's
-    assert res["ambiguous_documents"] == ["x.jpg"] and res["documents"] == 2
-    assert res["missing_documents"] == ["sub9/x.jpg"]  # (its name's two documents are in other folders)
+    # sub9/x.jpg: no such folder, and its file name is two documents'
+    assert res["ambiguous_documents"] == ["x.jpg", "sub9/x.jpg"] and res["documents"] == 2
+    assert res["missing_documents"] == []
     assert all(res["per_field"][f]["exact_match"] == 1.0 for f in ("amount", "issued", "label"))
     assert res["by_format"] == {"pdf": {"exact_match": 1.0, "n": 3}, "scan": {"exact_match": 1.0, "n": 1}}
+    twice = tmp_path / "twice.jsonl"
+    twice.write_text('{"file": "a.pdf", "fields": {}}\n{"file": "./corpus/a.pdf", "fields": {}}\n')
+    with pytest.raises(ValueError, match="'a.pdf' and './corpus/a.pdf' name one document"):
+        evaluate(tmp_path / "out", twice)
     paths = {"sub1/x.jpg", "sub2/x.jpg", "a/b/c.pdf", "b/c.pdf"}
     by_name = {"x.jpg": ["sub1/x.jpg", "sub2/x.jpg"], "c.pdf": ["a/b/c.pdf", "b/c.pdf"]}
     assert match_document("./sub2/x.jpg", paths, by_name) == ("sub2/x.jpg", ["sub2/x.jpg"])
     assert match_document("in/a/b/c.pdf", paths, by_name)[0] == "a/b/c.pdf"  # the longest common ending
     assert match_document("z/b/c.pdf", paths, by_name)[0] == "b/c.pdf"
-    assert match_document("z/c.pdf", paths, by_name) == (None, [])  # only the file name in common
+    assert match_document("z/c.pdf", paths, by_name) == (None, ["a/b/c.pdf", "b/c.pdf"])  # no folder lines up
+    # folders that do not line up (another input's name): the one document of that file name
+    assert match_document("corpus/y.pdf", paths | {"in2023/y.pdf"}, {"y.pdf": ["in2023/y.pdf"]})[0] == "in2023/y.pdf"
+    assert match_document("sub//sub2/./x.jpg", paths, by_name)[0] == "sub2/x.jpg"
+    assert match_document("q.pdf", paths, by_name) == (None, [])
     assert match_document("b/c.pdf", paths - {"b/c.pdf"}, {"c.pdf": ["a/b/c.pdf", "x/b/c.pdf"]}) == \
         (None, ["a/b/c.pdf", "x/b/c.pdf"])
 

@@ -121,29 +121,35 @@ def read_truth(path: str | Path) -> list[dict]:
 
 
 def match_document(file: str, paths: set[str], by_name: dict[str, list[str]]) -> tuple[str | None, list[str]]:
-    """The OUT document a truth record's "file" names, and the candidates: the path itself; else
-    for a bare file name, the one document of that name in any folder; else for a path, the
-    document whose path it ends with or that ends with it, folder by folder, the longest such (a
-    truth written from another folder: `sample_docs/a.pdf` for `a.pdf`). (None, candidates)
-    where none or several fit."""
+    """The OUT document a truth record's "file" names, and the candidates: the path itself
+    (separators as on Windows, `./` and doubled slashes read too); else for a bare file name,
+    the one document of that name in any folder; else for a path, the document whose path it
+    ends with or that ends with it, folder by folder, the longest such (a truth written from
+    another folder: `sample_docs/a.pdf` for `a.pdf`), and where no folder lines up, the one
+    document of its file name. (None, candidates) where none or several fit."""
     if file in paths:
         return file, [file]
-    file = file.replace("\\", "/").removeprefix("./")  # (written on Windows, or from the corpus's folder)
+    # written on Windows, or with ./ and doubled slashes
+    parts = [p for p in file.replace("\\", "/").split("/") if p not in ("", ".")]
+    if not parts:
+        return None, []
+    file = "/".join(parts)
     if file in paths:
         return file, [file]
-    if "/" not in file:
-        found = by_name.get(file, [])
-    else:  # one path ends with the other, folder by folder; the longest such
-        parts = file.split("/")
-        best, found = 0, []
-        for p in by_name.get(parts[-1], []):
-            q = p.split("/")
-            n = min(len(q), len(parts))
-            if q[-n:] != parts[-n:] or n < best:
-                continue
-            if n > best:
-                best, found = n, []
-            found.append(p)
+    named = by_name.get(parts[-1], [])
+    if len(parts) == 1:
+        return (named[0] if len(named) == 1 else None), named
+    best, found = 0, []  # one path ends with the other, folder by folder; the longest such
+    for p in named:
+        q = p.split("/")
+        n = min(len(q), len(parts))
+        if q[-n:] != parts[-n:] or n < best:
+            continue
+        if n > best:
+            best, found = n, []
+        found.append(p)
+    if not found:  # folders that do not line up (another input's name): the file name, if one has it
+        found = named
     return (found[0] if len(found) == 1 else None), found
 
 
@@ -230,11 +236,16 @@ def evaluate(out: str | Path, truth_file: str | Path) -> dict:
     per_group: dict[str, list[float]] = defaultdict(list)
     missing, failed, ambiguous = [], [], []
     paths = set(statuses)
+    named_by: dict[str, str] = {}  # an OUT document -> the truth's "file" that named it
     for rec in truth:
         name, candidates = match_document(rec["file"], paths, by_name)
         if name is None:
             (ambiguous if candidates else missing).append(rec)
             continue
+        if name in named_by:  # (scored twice it would count twice)
+            raise TruthFileError(f"{truth_file}: the records for {named_by[name]!r} and {rec['file']!r} name one "
+                                 f"document of {out} ({name!r}): one record per document")
+        named_by[name] = rec["file"]
         if statuses[name] <= FAILED:  # failed or skipped there
             failed.append(rec)
         if name not in answers:

@@ -66,6 +66,27 @@ def _walk(schema, path=()):
                 yield from _walk(s, path + (key, name))
 
 
+def _must(schema, path=()):
+    """The subschemas every answer must pass, with their paths: the root, the properties it
+    requires, the members of allOf and the items of an array that must hold one (not anyOf's
+    alternatives, optional properties, $defs or a $ref's target: a part there that nothing can
+    match leaves other answers)."""
+    if not isinstance(schema, dict):
+        return
+    yield schema, path
+    props, required = schema.get("properties"), schema.get("required")
+    if isinstance(props, dict) and isinstance(required, list):
+        for name in required:
+            if name in props:
+                yield from _must(props[name], path + ("properties", name))
+    if isinstance(schema.get("allOf"), list):
+        for i, sub in enumerate(schema["allOf"]):
+            yield from _must(sub, path + ("allOf", i))
+    min_items = schema.get("minItems")
+    if isinstance(min_items, int) and min_items > 0 and isinstance(schema.get("items"), dict):
+        yield from _must(schema["items"], path + ("items",))
+
+
 def _pointer(root, ref: str, where: str):
     """The subschema a local $ref names ("#" or "#/a/b"), or SchemaProblem."""
     if ref == "#":
@@ -105,15 +126,13 @@ def check_schema(schema) -> None:
             hint = ": use string, number, integer, boolean, object, array or null"
         raise SchemaProblem(f"keyword {keyword or err.validator!r} at {_where(path)}: {err.message}{hint}")
     is_type = Draft202012Validator.TYPE_CHECKER.is_type
-    for sub, path in _walk(schema):
-        if sub.get("enum") == []:
-            raise SchemaProblem(f"keyword 'enum' at {_where(path + ('enum',))} is empty: no answer could match it")
+    for sub, path in _must(schema):  # (where every answer must pass it: nothing could match)
         types = sub.get("type")
         types = [types] if isinstance(types, str) else types if isinstance(types, list) else None
         if types is not None:  # a const or every enum member outside the declared type: nothing matches
             fits = lambda v: any(is_type(v, t) for t in types)  # noqa: E731
             if "const" in sub and not fits(sub["const"]):
-                raise SchemaProblem(f"keyword 'const' at {_where(path + ('const',))} is {json.dumps(sub['const'])}, "
+                raise SchemaProblem(f"keyword 'const' at {_where(path + ('const',))} is {json.dumps(sub['const'], default=str)}, "
                                     f"not of type {' or '.join(types)}: no answer could match")
             if isinstance(sub.get("enum"), list) and sub["enum"] and not any(fits(v) for v in sub["enum"]):
                 raise SchemaProblem(f"keyword 'enum' at {_where(path + ('enum',))} holds no value of type "
@@ -125,6 +144,9 @@ def check_schema(schema) -> None:
             if absent:
                 raise SchemaProblem(f"required property {absent[0]!r} at {_where(path)} is not among its properties, "
                                     f"and additionalProperties is false: no answer could match")
+    for sub, path in _walk(schema):
+        if sub.get("enum") == []:
+            raise SchemaProblem(f"keyword 'enum' at {_where(path + ('enum',))} is empty: no answer could match it")
         for lo, hi in _BOUNDS:
             if isinstance(sub.get(lo), (int, float)) and isinstance(sub.get(hi), (int, float)) and sub[lo] > sub[hi]:
                 raise SchemaProblem(f"keywords {lo!r} {sub[lo]} and {hi!r} {sub[hi]} at {_where(path)} "

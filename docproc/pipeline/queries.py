@@ -1,6 +1,7 @@
 """Query sets (TOML), the prompt each query is asked with, and answer parsing per query type."""
 from __future__ import annotations
 
+import datetime
 import functools
 import hashlib
 import json
@@ -166,7 +167,7 @@ def load_queries(path: str | Path | None = None) -> QuerySet:
         qtype = q.get("type", "string")
         if qtype not in QUERY_TYPES:
             raise QueryFileError(f"{where} has type {qtype!r}; use one of {', '.join(QUERY_TYPES)}")
-        if any(unicodedata.category(c)[0] == "C" for c in name):
+        if any(unicodedata.category(c) in ("Cc", "Cs") or c in "\u2028\u2029" for c in name):
             raise QueryFileError(f"{where}: a query's name is one line of printable text (it names a column, a CSV "
                                  f"header and a JSON key); this one holds a control character")
         if name in seen:
@@ -194,6 +195,21 @@ def load_queries(path: str | Path | None = None) -> QuerySet:
             raise QueryFileError(f"{where}: per_page must be true or false, got {per_page!r}")
         queries.append(Query(name, q["question"], qtype, max_tokens, schema, choices, constrained, per_page))
     return QuerySet(data.get("name", path.stem), tuple(queries), str(path))
+
+
+def _toml_time(value):
+    """The first TOML date, time or date-time in an inline schema (tomllib reads them as datetime
+    objects, which JSON has no form for), or None; without recursion (a schema may nest deep)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, (datetime.date, datetime.time)):
+            return v.isoformat()
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return None
 
 
 def not_json(constant: str):
@@ -247,6 +263,10 @@ def _constraint(q: dict, qtype: str, where: str, path: Path) -> tuple[str | None
                                      f"{MAX_DEPTH} levels deep: flatten it") from None
             if not isinstance(schema, dict):
                 raise QueryFileError(f"{where}: schema_file {file} must hold a JSON object (a JSON Schema)")
+        toml_time = _toml_time(schema)
+        if toml_time is not None:
+            raise QueryFileError(f"{where}: its schema cannot be used: {toml_time} is a TOML date or time, not a JSON "
+                                 f"value: quote it (\"{toml_time}\")")
         try:
             check_schema(schema)
             # as written: the order of an object's properties is the order the answer gives them in
