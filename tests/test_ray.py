@@ -78,10 +78,19 @@ def _poison_hook():
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(tmp_path_factory):
+    import subprocess
     import sys
 
     from ray import cloudpickle
+
+    # Ray's workers import docproc as installed: where they cannot, the setup hook below fails in
+    # every worker and Ray starts them again without end (the module hung, it did not fail)
+    probe = subprocess.run([sys.executable, "-c", "import docproc.pipeline.feed"], capture_output=True, text=True,
+                           cwd=tmp_path_factory.mktemp("outside"))
+    if probe.returncode != 0:
+        pytest.fail("docproc cannot be imported outside the repository, as Ray's workers import it: install it "
+                    f"(pip install -e .): {probe.stderr.strip().splitlines()[-1:]}")
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this module
     # 4 logical CPUs on a 2-core machine: the 2 actors hold one each and Ray Data's tasks still run
