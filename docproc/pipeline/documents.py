@@ -19,7 +19,7 @@ from docproc.pipeline.feed import WindowRules
 from docproc.pipeline.ingest import Candidate, DocumentError, file_digest
 from docproc.pipeline.queries import QuerySet, build_prompt
 from docproc.pipeline.reconcile import ConfigHistory, Reconciliation
-from docproc.pipeline.rows import DocumentRows, _Window, window_requests
+from docproc.pipeline.rows import DocumentRows, _Window, engine_requests
 from docproc.pipeline.settings import RunSettings, RunTotals
 from docproc.pipeline.signals import RunInterrupted, reraise_swallowed
 
@@ -161,11 +161,12 @@ class DocumentWork(EngineSetup, DocumentRows):
                            self.s.anchor_text)
 
     def window_prompts(self, w: _Window) -> tuple[list, list]:
-        """The prompts and sampling parameters of a window's requests (window_requests), in order."""
+        """The prompts and sampling parameters of a window's requests the engine answers
+        (engine_requests), in order."""
         from docproc import SamplingParams
 
         prompts, params = [], []
-        for q, page in window_requests(w, self.queries):  # (a per-page query: the page alone)
+        for q, page in engine_requests(w, self.queries):  # (a per-page query: the page alone)
             pages = w.pages if page is None else [page]
             anchor = window_anchor(pages) if self.s.anchor_text else None
             prompts.append({"prompt": build_prompt(len(pages), q.question, anchor),
@@ -277,9 +278,9 @@ class DocumentWork(EngineSetup, DocumentRows):
             if self.s.debug:
                 traceback.print_exception(e)
             outs = None
-        at, start = {}, 0  # a window's outputs: its requests' (window_requests), in order
+        at, start = {}, 0  # a window's outputs: its requests' (engine_requests), in order
         for w in live:
-            at[id(w)] = (start, start + len(window_requests(w, self.queries)))
+            at[id(w)] = (start, start + len(engine_requests(w, self.queries)))
             start = at[id(w)][1]
         for w in batch:
             if outs is not None and w.doc.failure is None:
@@ -302,7 +303,7 @@ class DocumentWork(EngineSetup, DocumentRows):
         self._flush()
 
     def _generate(self, batch: list[_Window]) -> list:
-        """The engine's outputs for every request of the batch's windows (window_requests), in order."""
+        """The engine's outputs for every request of the batch's windows (engine_requests), in order."""
         llm = self._engine()
         prompts, params = [], []
         for w in batch:  # a document's queries stay together: its prefix is computed once

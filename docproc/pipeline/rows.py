@@ -68,16 +68,32 @@ def window_requests(w: _Window, queries) -> list[tuple]:
     return whole + [(q, page) for q in queries.queries if q.per_page for page in w.pages]
 
 
+def engine_requests(w: _Window, queries) -> list[tuple]:
+    """The window's requests the engine answers (window_requests but a per-page query's request
+    for a blank page: asked about a page with nothing on it, a model invents an answer)."""
+    return [(q, page) for q, page in window_requests(w, queries) if page is None or not page.blank]
+
+
 def _page_number(page) -> int | None:
     return None if page is None else page.index + 1
 
 
+def _blank_row(q, page) -> dict:
+    """A query's row for pages with nothing on them: empty, no engine work."""
+    return {"query": q.name, "query_type": q.type, "page": _page_number(page), "answer": "", "value": None,
+            "status": "empty", "error": None, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
+            "draft_proposed": 0, "draft_accepted": 0, "draft_verifications": 0, "latency_s": 0.0}
+
+
 class DocumentRows:
     def _answers(self, w: _Window, outs: list) -> None:
-        """One window's outputs (one per request of window_requests) as rows of its document,
-        counted in the totals."""
+        """One window's outputs (one per request of engine_requests) as rows of its document,
+        counted in the totals; a per-page query's row for a blank page is empty."""
         rows = []
-        for (q, page), out in zip(window_requests(w, self.queries), outs):
+        for q, page in window_requests(w, self.queries):
+            if page is not None and page.blank:
+                w.doc.answers.setdefault(q.name, []).append((w.index, _blank_row(q, page)))
+        for (q, page), out in zip(engine_requests(w, self.queries), outs):
             m = out.metrics
             row = {"query": q.name, "query_type": q.type, "page": _page_number(page), "answer": out.outputs[0].text,
                    "prompt_tokens": m.num_prompt_tokens, "cached_tokens": m.num_cached_tokens,
@@ -104,10 +120,7 @@ class DocumentRows:
         """A window whose pages are all blank: each query's row is empty, with no engine work."""
         self.totals.blank_pages += len(w.pages)
         for q, page in window_requests(w, self.queries):
-            row = {"query": q.name, "query_type": q.type, "page": _page_number(page), "answer": "", "value": None,
-                   "status": "empty", "error": None, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
-                   "draft_proposed": 0, "draft_accepted": 0, "draft_verifications": 0, "latency_s": 0.0}
-            w.doc.answers.setdefault(q.name, []).append((w.index, row))
+            w.doc.answers.setdefault(q.name, []).append((w.index, _blank_row(q, page)))
 
     def _finish_document(self, state: _DocState) -> None:
         doc = state.doc
