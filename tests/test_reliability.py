@@ -482,6 +482,10 @@ def test_signals_end_the_run_with_a_manifest(qwen2_vl_dir, queries, tmp_path, si
     assert "Traceback" not in err and "interrupted" in err
     m = manifest(out)
     assert m["status"] == "interrupted" and m["exit_code"] == code
+    # the engine's stage until the signal is recorded (it was left out of the timeline, and the
+    # step the signal ended out of the seconds)
+    start, end = m["stage_timeline"]["engine"]
+    assert m["stage_seconds"]["engine"] > 0 and start <= end
     holder = RunStore(out)
     holder.lock()  # the lock was freed
     holder.unlock()

@@ -47,23 +47,27 @@ class _Streamer:
 
     # ---- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
-        while True:
-            busy = self.stream is not None and self.stream.unfinished > 0
-            event = self.feed.next_event(block=not busy and not self.ready and not self._done())
-            while event is not None:
-                self._on(event)
-                event = self.feed.next_event(block=False)
-            if self.ready:
-                self._hand_over()
-            if self.stream is not None and self.stream.unfinished:
-                self._step()
-            elif self._done():
-                break
-            self._maybe_flush()
-        self._maybe_flush(now=True)
-        p = self.p
-        if self.first_request is not None:
-            p.mark("engine", self.first_request, self.last_answer)
+        ended = False
+        try:
+            while True:
+                busy = self.stream is not None and self.stream.unfinished > 0
+                event = self.feed.next_event(block=not busy and not self.ready and not self._done())
+                while event is not None:
+                    self._on(event)
+                    event = self.feed.next_event(block=False)
+                if self.ready:
+                    self._hand_over()
+                if self.stream is not None and self.stream.unfinished:
+                    self._step()
+                elif self._done():
+                    break
+                self._maybe_flush()
+            self._maybe_flush(now=True)
+            ended = True
+        finally:  # (a run stopped by a signal or a fault: its engine stage until then, in the manifest)
+            if self.first_request is not None:
+                end = self.last_answer if ended and self.last_answer is not None else time.perf_counter()
+                self.p.mark("engine", self.first_request, end)
 
     def _done(self) -> bool:
         return self.ended and not self.feed.jobs and not self.ready and not self.flight
@@ -163,6 +167,7 @@ class _Streamer:
         try:
             done = self.stream.step()
         except (EnvironmentFault, RunInterrupted):
+            p.stage_seconds["engine"] += time.perf_counter() - t0  # (the step the signal or fault ended)
             raise
         except Exception as e:  # noqa: BLE001 -- a request broke the step: its documents one by one
             reraise_swallowed()
