@@ -446,16 +446,18 @@ def test_documents_table_keeps_colliding_names_apart_and_survives_odd_values():
     from docproc.pipeline.schema import to_table
     from docproc.pipeline.typed import documents_table
 
-    qs = QuerySet("x", (Query("path", "?"), Query("query.path", "?"), Query("total", "?", "number"),
+    qs = QuerySet("x", (Query("path", "?"), Query("query.path", "?"), Query("Run_ID", "?"), Query("total", "?", "number"),
                         Query("o", "?", "json", schema=json.dumps({"type": "object", "properties": {"n": {"type": "number"}}}))), "")
     base = {"run_id": "r", "doc_status": "ok", "status": "ok", "config_fingerprint": "c", "part": 1, "path": "a.pdf"}
     rows = [{**base, "query": "path", "query_type": "string", "value": "p"},
             {**base, "query": "query.path", "query_type": "string", "value": "qp"},
+            {**base, "query": "Run_ID", "query_type": "string", "value": "r"},
             {**base, "query": "total", "query_type": "number", "value": "1" * 400},
             {**base, "query": "o", "query_type": "json", "value": '{"n": ' + "9" * 400 + "}"}]
     t = documents_table(to_table(rows), qs)
     row = t.to_pylist()[0]
     assert row["query.path"] == "p" and row["query.query.path"] == "qp"
+    assert row["query.Run_ID"] == "r" and row["run_id"] == "r"  # (a column that differs from run_id by case only)
     assert row["total"] is None and row["o"] == {"n": None}  # past float64: null, not a crash or infinity
 
 

@@ -110,13 +110,13 @@ def _cell(q, typ: pa.DataType, value: str | None):
 
 def documents_table(results: pa.Table, queries) -> pa.Table:
     """results.parquet's rows as one row per document, typed by the query set (see above). A
-    query name that is also a document column (or another query's column) gets the prefix
-    "query."."""
+    query name that is also a document column (or another query's column), ignoring case, gets
+    the prefix "query."."""
     used = {n for n, _ in DOCUMENT_COLUMNS}
     qcols = []
-    for q in queries.queries:
-        name = ("query." + q.name) if q.name in used else q.name
-        while name in used:  # ("path" and "query.path" both queries: one column each)
+    for q in queries.queries:  # (compared ignoring case: "Run_ID" beside run_id clashes in SQL and DuckDB)
+        name = q.name
+        while name.casefold() in {u.casefold() for u in used}:  # ("path" and "query.path" both queries)
             name = "query." + name
         used.add(name)
         typ = query_type(q)
