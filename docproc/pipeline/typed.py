@@ -112,13 +112,13 @@ def documents_table(results: pa.Table, queries) -> pa.Table:
     """results.parquet's rows as one row per document, typed by the query set (see above). A
     query name that is also a document column (or another query's column), ignoring case, gets
     the prefix "query."."""
-    used = {n for n, _ in DOCUMENT_COLUMNS}
+    used = {n.casefold() for n, _ in DOCUMENT_COLUMNS}  # (ignoring case: "Run_ID" beside run_id clashes in SQL)
     qcols = []
-    for q in queries.queries:  # (compared ignoring case: "Run_ID" beside run_id clashes in SQL and DuckDB)
+    for q in queries.queries:
         name = q.name
-        while name.casefold() in {u.casefold() for u in used}:  # ("path" and "query.path" both queries)
+        while name.casefold() in used:  # ("path" and "query.path" both queries: one column each)
             name = "query." + name
-        used.add(name)
+        used.add(name.casefold())
         typ = query_type(q)
         qcols.append((q, name, pa.list_(typ) if q.per_page else typ))
     docs: dict[str, dict] = {}
