@@ -255,6 +255,17 @@ def test_an_answer_row_says_ok_schema_violation_truncated_or_parse_error():
     assert answer_row(_query(type="date"), "01 APR 1001", cut=True, constrained=True)["value"] is None
     assert answer_row(q, '{"n": 1}', cut=True, constrained=True)["value"] == '{"n": 1}'  # (an object keeps its)
     assert answer_row(_query(type="string"), "Halcyon Sys", cut=True, constrained=True)["value"] == "Halcyon Sys"
+    # what Python's json reads but a strict reader does not is no value, with or without a schema
+    # (stored, it would be written back as NaN or Infinity, or keep one of two values at random)
+    free = _query(type="json")
+    for answer, why in [('{"n": 1, "n": 2}', "the key 'n' appears twice"), ('{"n": NaN}', "NaN is not JSON"),
+                        ('{"n": {"m": -Infinity}}', "-Infinity is not JSON"),
+                        ('{"n": 1e999}', "the number 1e999 is too large for a double")]:
+        for query in (q, free):
+            row = answer_row(query, answer, cut=False, constrained=True)
+            assert row["status"] == "parse_error" and row["value"] is None and why in row["error"], (answer, row)
+    assert answer_row(free, 'It is {"n": 1.5e3, "m": [1, 1]}.', cut=False, constrained=True)["value"] == \
+        '{"m": [1, 1], "n": 1500.0}'
 
 
 def test_a_query_set_warns_of_the_keywords_decoding_does_not_enforce(tmp_path):
@@ -514,6 +525,32 @@ def test_a_forced_token_is_one_the_grammar_takes(llm):
         assert o.error is None and o.outputs[0].finish_reason in ("stop", "length"), o.outputs[0].stop_reason
     for o in outs[2:]:  # (8 and 10 tokens cannot hold '{"k": "<|im_end|>"}' once begun, a byte a token)
         assert json.loads(o.outputs[0].text)["k"] in ("<|im_end|>", "xx"), o.outputs[0].text
+
+
+def test_the_grammar_rewrites_read_keywords_not_property_names_or_data(capfd):
+    """What the grammar is given: number bounds and strict strings go to subschemas, wherever they
+    are; a property named like a keyword (enum, pattern, minLength) is a property, and const /
+    enum values are data, left as written. A pattern with length bounds is given alone (xgrammar
+    ignores the bounds and logged so on stderr, whatever --quiet said; they are validated after)."""
+    from docproc.engine.structured import _patterns, _strict_strings, bounded_numbers, compile_problem
+    from docproc.sampling_params import StructuredOutputsParams
+
+    data = {"type": "string", "maxLength": 3, "pattern": "(", "minimum": 0}
+    schema = {"type": "object", "required": ["enum", "pattern"], "properties": {
+        "enum": {"type": "number"}, "pattern": {"type": "string", "maxLength": 4},
+        "minLength": {"type": "string", "pattern": "^[A-Z]+$", "minLength": 2},
+        "c": {"const": data, "enum": [data], "default": data}}}
+    bounded = bounded_numbers(schema)
+    assert bounded["properties"]["enum"]["maximum"] == 10**15 - 1 and bounded["properties"]["c"]["const"] == data
+    strict = _strict_strings(schema)["properties"]
+    assert strict["pattern"]["pattern"].endswith("{0,4}$") and "maxLength" not in strict["pattern"]
+    assert strict["minLength"] == {"type": "string", "pattern": "^[A-Z]+$"}
+    assert strict["c"] == {"const": data, "enum": [data], "default": data}
+    assert sorted(_patterns(schema)) == ["^[A-Z]+$"]  # (not the const's "(")
+    capfd.readouterr()
+    assert compile_problem(StructuredOutputsParams(json=json.dumps(schema))) is None
+    assert "ignoring minLength" not in capfd.readouterr().err
+    assert schema["properties"]["minLength"]["minLength"] == 2  # (the query's schema itself is not changed)
 
 
 @pytest.mark.slow

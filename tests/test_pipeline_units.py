@@ -76,6 +76,12 @@ def test_query_file_errors(tmp_path):
         load_queries(tmp_path / "none.toml")
     f.write_text("[[query]]\nname='m\u06cc\u200c\u062e'\nquestion='q'")  # a zero-width non-joiner (Persian)
     assert load_queries(f).queries[0].name == "m\u06cc\u200c\u062e"
+    # the question as the prompt takes it: a multi-line string's newline, or spaces around it, are
+    # not an edit (they would change the fingerprint and redo every document)
+    f.write_text("[[query]]\nname='a'\nquestion='What is it?'")
+    plain = load_queries(f)
+    f.write_text('[[query]]\nname=\'a\'\nquestion="""\n  What is it?\n"""')
+    assert load_queries(f).queries[0].question == "What is it?" and load_queries(f).fingerprint == plain.fingerprint
 
 
 def test_prompt_has_one_placeholder_per_page():

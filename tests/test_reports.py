@@ -427,3 +427,26 @@ def test_stats_before_a_running_runs_first_document_says_a_run_is_in_progress(tm
         store.unlock()
     res = stats(out)
     assert res.exit_code == 2 and res.stderr.startswith(f"error: no runs recorded in {out}: run `docproc run")
+
+
+def test_failure_reasons_name_query_and_page_and_a_kept_answer_is_a_note(tmp_path):
+    """A document's reasons say which query (and which page of a per-page query) failed; an answer
+    closed at max_tokens that kept its value is no reason the document is partial: the JSON file
+    lists it under notes, and `stats --failures` leaves it out."""
+    from docproc.pipeline.schema import document_json
+    from docproc.pipeline.stats import list_failures
+
+    rows = doc_rows(KILLED, "a.pdf", "partial")
+    rows[0].update(status="truncated", value='{"n": 1}', error="the answer reached max_tokens (16) and was closed")
+    rows[1].update(status="parse_error", value=None, error="not a number: 'x'")
+    page = {**rows[1], "query": "date", "page": 2, "error": "not a date: 'y'"}
+    doc = document_json(rows + [page, {**page, "page": 3}])
+    assert doc["errors"] == ["total: not a number: 'x'", "date (page 2): not a date: 'y'",
+                             "date (page 3): not a date: 'y'"]
+    assert doc["notes"] == ["vendor: the answer reached max_tokens (16) and was closed"]
+    assert "notes" not in document_json(doc_rows(KILLED, "b.pdf")) and "errors" not in document_json(
+        doc_rows(KILLED, "b.pdf"))
+    out = tmp_path / "out"
+    RunStore(out).write_part(1, rows + [page])
+    assert [(f["path"], f["status"], f["error"]) for f in list_failures(out)] == [
+        ("a.pdf", "partial", "total: not a number: 'x'; date (page 2): not a date: 'y'")]

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from docproc.sampling_params import StructuredOutputsParams
+from docproc.schema_walk import rebuild, subschemas
 from kernels.token_mask import apply_token_mask
 
 INSTALL_HINT = "structured outputs need xgrammar, a dependency of docproc that is missing here: pip install xgrammar"
@@ -505,12 +506,10 @@ def bounded_numbers(schema):
     integer digits; xgrammar then writes at most 6 decimals and no exponent): an unbounded
     number's grammar lets a model write digits until max_tokens (`261.85E2645101416...`). The
     answer is validated against the schema as written."""
-    if isinstance(schema, list):
-        return [bounded_numbers(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: (bounded_numbers(v) if k not in ("enum", "const", "default", "examples") else v)
-           for k, v in schema.items()}
+    return rebuild(schema, _bounded_number)
+
+
+def _bounded_number(out: dict) -> dict:
     types = out.get("type")
     types = types if isinstance(types, list) else [types]
     if "number" in types or "integer" in types:
@@ -841,45 +840,39 @@ ISO_DATE = "^([12][0-9]{3}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11
 
 
 def _strict_strings(schema):
-    """The schema with every `format: date` string given as the real dates' pattern, and every length-bounded string (minLength / maxLength, no pattern or format)
-    given as the equivalent pattern over JSON string characters (unescaped, or an escape: each
-    counts as one character). xgrammar 0.2.9 compiles
-    such a string to any characters but quote, backslash and newlines, control characters
-    included, which strict JSON parsers reject; its pattern strings and unbounded strings are
-    right."""
-    if isinstance(schema, list):
-        return [_strict_strings(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: _strict_strings(v) for k, v in schema.items()}
-    if out.get("type") == "string" and out.get("format") == "date" and "pattern" not in out:
-        del out["format"]
-        out["pattern"] = ISO_DATE
-    if out.get("type") == "string" and ("maxLength" in out or "minLength" in out) \
-            and "pattern" not in out and "format" not in out:
-        lo, hi = int(out.pop("minLength", 0)), out.pop("maxLength", None)
+    """The schema with every `format: date` string given as the real dates' pattern, and every
+    length-bounded string (minLength / maxLength, no pattern or format) given as the equivalent
+    pattern over JSON string characters (unescaped, or an escape: each counts as one character).
+    xgrammar 0.2.9 compiles such a string to any characters but quote, backslash and newlines,
+    control characters included, which strict JSON parsers reject; its pattern strings and
+    unbounded strings are right. A pattern's string loses its length bounds: xgrammar decodes the
+    pattern alone and logs that it ignores them, on stderr whatever --quiet says (the answer is
+    validated against them after, and the run's warning names them: json_schema.unenforced)."""
+    return rebuild(schema, _strict_string)
+
+
+def _strict_string(node: dict) -> dict:
+    if node.get("type") == "string" and node.get("format") == "date" and "pattern" not in node:
+        del node["format"]
+        node["pattern"] = ISO_DATE
+    if node.get("type") == "string" and ("maxLength" in node or "minLength" in node) \
+            and "pattern" not in node and "format" not in node:
+        lo, hi = int(node.pop("minLength", 0)), node.pop("maxLength", None)
         char = '(?:[^"\\\\\\x00-\\x1f]|\\\\["\\\\/bfnrt]|\\\\u[0-9a-fA-F]{4})'  # one JSON string character
-        out["pattern"] = "^%s{%d,%s}$" % (char, lo, "" if hi is None else int(hi))
-    return out
-
-
-# Keywords whose values are data, not schemas: a "pattern" inside them is not a constraint.
-_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+        node["pattern"] = "^%s{%d,%s}$" % (char, lo, "" if hi is None else int(hi))
+    if isinstance(node.get("pattern"), str):
+        node.pop("minLength", None)
+        node.pop("maxLength", None)
+    return node
 
 
 def _patterns(schema):
     """Every string `pattern` and `patternProperties` key in a schema (its subschemas included)."""
-    if isinstance(schema, list):
-        for s in schema:
-            yield from _patterns(s)
-    elif isinstance(schema, dict):
-        if isinstance(schema.get("pattern"), str):
-            yield schema["pattern"]
-        if isinstance(schema.get("patternProperties"), dict):
-            yield from schema["patternProperties"]
-        for key, value in schema.items():
-            if key not in _DATA_KEYWORDS:
-                yield from _patterns(value)
+    for node in subschemas(schema):
+        if isinstance(node.get("pattern"), str):
+            yield node["pattern"]
+        if isinstance(node.get("patternProperties"), dict):
+            yield from node["patternProperties"]
 
 
 def _check_patterns(xgr, schema) -> None:

@@ -117,6 +117,8 @@ def answer_allowed(qtype: str, text: str, schema: str | None = None, choices: tu
             return None  # parse_answer looks for the object
         try:
             value = json_schema.loads(text)
+        except json_schema.AnswerJSONError as e:
+            return f"invalid JSON: {e}"
         except (ValueError, RecursionError):  # (JSONDecodeError; a number of more than 4,300 digits)
             return "not one JSON value"
         problem = json_schema.violation(value, json.loads(schema))

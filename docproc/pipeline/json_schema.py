@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 
 from docproc.json_finite import MISSING, endless, resolve
+from docproc.schema_walk import SCHEMA_MAPS as _SCHEMA_MAPS, SUBSCHEMA as _SUBSCHEMA, SUBSCHEMAS as _SUBSCHEMAS
 
 MAX_DEPTH = 100  # nesting of objects and arrays in a query's schema (a property of a property: 2 levels)
 # keywords the grammar does not enforce while decoding (validated after, named in a warning): what
@@ -21,11 +22,6 @@ UNENFORCED = ("not", "allOf", "oneOf", "uniqueItems", "contains", "minContains",
               "else", "dependentRequired", "dependentSchemas", "unevaluatedProperties", "unevaluatedItems")
 _BOUNDS = (("minLength", "maxLength"), ("minItems", "maxItems"), ("minimum", "maximum"),
            ("minProperties", "maxProperties"), ("minContains", "maxContains"))
-# keywords whose value is a schema, a list of schemas, or a map of names to schemas
-_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
-              "unevaluatedProperties", "unevaluatedItems", "additionalItems")
-_SUBSCHEMAS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 class SchemaProblem(ValueError):
@@ -209,9 +205,36 @@ def _not_finite(value, where: str = "$") -> str | None:
     return None
 
 
+class AnswerJSONError(ValueError):
+    """JSON text that Python's json module reads but a strict reader does not: NaN or Infinity, a
+    number too large for a double, or a key twice in one object."""
+
+
+def _constant(name: str):
+    raise AnswerJSONError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise AnswerJSONError(f"the number {text[:40]} is too large for a double")
+    return value
+
+
+def _unique(pairs: list) -> dict:
+    obj = dict(pairs)
+    if len(obj) < len(pairs):
+        seen = set()
+        key = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise AnswerJSONError(f"the key {key[:40]!r} appears twice in one object (which value is meant?)")
+    return obj
+
+
 def loads(text: str):
-    """One JSON value (json.loads; ValueError for NaN, Infinity and text that is not JSON)."""
-    def constant(name: str):
-        raise ValueError(f"{name} is not JSON")
-    return json.loads(text, parse_constant=constant)
+    """One JSON value as a strict reader takes it: ValueError for text that is not JSON, and
+    AnswerJSONError for what Python's json.loads takes but other readers refuse or read otherwise
+    (NaN and Infinity; a number past a double's range, which Python makes infinite and writes back
+    as Infinity; a key twice in one object, where Python keeps the last value and others the
+    first or an error)."""
+    return json.loads(text, parse_constant=_constant, parse_float=_finite, object_pairs_hook=_unique)
 

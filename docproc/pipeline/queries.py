@@ -14,7 +14,8 @@ from pathlib import Path
 
 from docproc.multimodal import IMAGE_PLACEHOLDER
 from docproc.pipeline.constraints import ANY_OBJECT, PATTERNS, RULE_FINGERPRINTS, answer_allowed
-from docproc.pipeline.json_schema import MAX_DEPTH, SchemaProblem, check_schema, unenforced
+from docproc.pipeline.json_schema import MAX_DEPTH, AnswerJSONError, SchemaProblem, check_schema, unenforced
+from docproc.pipeline.json_schema import loads as answer_json
 from docproc.pipeline.normalize import normalize_amount, normalize_date
 
 QUERY_TYPES = ("string", "number", "date", "json")
@@ -193,7 +194,10 @@ def load_queries(path: str | Path | None = None) -> QuerySet:
         per_page = q.get("per_page", False)
         if not isinstance(per_page, bool):
             raise QueryFileError(f"{where}: per_page must be true or false, got {per_page!r}")
-        queries.append(Query(name, q["question"], qtype, max_tokens, schema, choices, constrained, per_page))
+        # the question as the prompt takes it: without the blank lines and spaces around it (a TOML
+        # multi-line string ends in a newline), which would change its fingerprint and redo every
+        # document for an edit the model should not see
+        queries.append(Query(name, q["question"].strip(), qtype, max_tokens, schema, choices, constrained, per_page))
     return QuerySet(data.get("name", path.stem), tuple(queries), str(path))
 
 
@@ -302,11 +306,13 @@ def parse_answer(qtype: str, text: str, schema: bool = False) -> tuple[str | Non
     JSON value as a whole (an object, or whatever the schema's root is; null is no answer)."""
     try:
         if schema:
-            value = json.loads(text)
+            value = answer_json(text)
             return (None if value is None else json.dumps(value, sort_keys=True, ensure_ascii=False)), None
         return _parse(qtype, text)
     except json.JSONDecodeError as e:
         return None, f"invalid JSON: {e.msg}"
+    except AnswerJSONError as e:
+        return None, f"invalid JSON: {e}"
     except (ValueError, ArithmeticError, RecursionError, TypeError) as e:
         return None, f"unparseable answer ({type(e).__name__})"
 
@@ -327,7 +333,7 @@ def _parse(qtype: str, text: str) -> tuple[str | None, str | None]:
     if not m:
         return None, "no JSON object in the answer"
     try:
-        obj = json.loads(m.group(0))
+        obj = answer_json(m.group(0))
     except json.JSONDecodeError as e:
         return None, f"invalid JSON: {e.msg}"
     if not isinstance(obj, dict):

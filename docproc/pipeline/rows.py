@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from docproc.pipeline.ingest import Candidate, Document
 from docproc.pipeline.constraints import SCHEMA_PROBLEM
 from docproc.pipeline.queries import parse_answer
-from docproc.pipeline.schema import document_json, is_bad, to_table
+from docproc.pipeline.schema import document_json, is_bad, row_problem, to_table
 
 
 @dataclass
@@ -148,7 +148,7 @@ class DocumentRows:
         self.totals.documents += 1
         if status == "error":
             self.totals.errors += 1
-            reason = next(r["error"] for r in rows if r["error"])
+            reason = next(row_problem(r) for r in rows if r["error"])
             self.failures.append({"path": doc.candidate.rel, "kind": rows[0].get("error_kind") or "answers",
                                   "error": reason})
         else:

@@ -122,12 +122,25 @@ def document_json(rows: list[dict]) -> dict:
                 doc["fields"].setdefault(r["query"], []).append(value)
     doc["queries"] = [{k: r.get(k) for k in COLUMNS if k not in doc and k not in ("part", "root")} for r in rows
                       if r["query"] is not None]
-    errors = [r["error"] for r in rows if r.get("error")]
-    if errors:
-        doc["errors"] = errors
+    # what went wrong, each message once and naming its query (and page): "errors" for the rows
+    # without a usable answer, "notes" for those whose answer stands with a remark (closed at
+    # max_tokens with its value kept, a document read only to --max-pages)
+    for key, bad in (("errors", True), ("notes", False)):
+        said = dict.fromkeys(row_problem(r) for r in rows if r.get("error") and is_bad(r) == bad)
+        if said:
+            doc[key] = list(said)
     if first.get("error_kind") and first["query"] is None:
         doc["error_kind"] = first["error_kind"]
     return _clean(doc)
+
+
+def row_problem(row: dict) -> str:
+    """A row's error naming its query and, for a per-page query, its page: "total: not a number:
+    ..." or "date (page 2): ..."; a file's row (no query) as it is."""
+    if row.get("query") is None:
+        return row["error"]
+    where = row["query"] if row.get("page") is None else f"{row['query']} (page {row['page']})"
+    return f"{where}: {row['error']}"
 
 
 def json_value(value: str | None):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from docproc.pipeline.runstore import RunStore, check_out_folder, nothing_yet, run_order, run_started_at
-from docproc.pipeline.schema import BAD_STATUSES, RESULT_SCHEMA, is_bad, read_table
+from docproc.pipeline.schema import RESULT_SCHEMA, is_bad, read_table, row_problem
 
 NO_MANIFEST = "no manifest"  # the status of a run known only from its rows
 DAMAGED_MANIFEST = "manifest damaged"
@@ -177,8 +177,8 @@ def list_failures(out: str | Path) -> list[dict]:
             continue
         d = docs.setdefault(r["path"], {"path": r["path"], "status": r["doc_status"], "kind": r.get("error_kind"),
                                         "error": None, "run_id": r["run_id"]})
-        if r["status"] in BAD_STATUSES and r["error"]:
-            reason = r["error"] if r["query"] is None else f"{r['query']}: {r['error']}"
+        if r["error"] and is_bad(r):  # (an answer closed at max_tokens that kept its value is not a reason)
+            reason = row_problem(r)
             d["error"] = reason if d["error"] is None else f"{d['error']}; {reason}"
             d["kind"] = d["kind"] or r.get("error_kind") or ("answer" if r["status"] != "error" else None)
     return sorted(docs.values(), key=lambda d: (d["status"] != "error", d["path"]))
