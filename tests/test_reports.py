@@ -411,7 +411,13 @@ def test_stats_on_a_folder_with_no_readable_run_says_why(tmp_path):
                          f"a JSON object): run `docproc run ... --out {out}` first\n"
 
 
-def test_stats_before_a_running_runs_first_document_says_a_run_is_in_progress(tmp_path):
+@pytest.mark.parametrize("locks_table", ["/proc/locks", "/nonexistent/locks"])
+def test_stats_before_a_running_runs_first_document_says_a_run_is_in_progress(tmp_path, monkeypatch, locks_table):
+    """Read from the kernel's table of locks, or (where that table names the file under another
+    device, as on btrfs, or cannot be read) from the run whose ID the lock file holds."""
+    from docproc.pipeline import runstore
+
+    monkeypatch.setattr(runstore, "PROC_LOCKS", locks_table)
     out = tmp_path / "out"
     store = RunStore(out)
     store.lock()  # (a run that has not finished a document: no rows, no manifest)
@@ -427,6 +433,8 @@ def test_stats_before_a_running_runs_first_document_says_a_run_is_in_progress(tm
         store.unlock()
     res = stats(out)
     assert res.exit_code == 2 and res.stderr.startswith(f"error: no runs recorded in {out}: run `docproc run")
+    (out / ".docproc" / "lock").write_text("1\n")  # a live process that does not hold it
+    assert not RunStore(out).locked_by_a_run()
 
 
 def test_failure_reasons_name_query_and_page_and_a_kept_answer_is_a_note(tmp_path):

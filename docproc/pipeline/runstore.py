@@ -50,8 +50,30 @@ JSON_PATH_MAX_BYTES = 1024  # beyond this a JSON file goes under its hashed name
 TABLE_FORMATS = ("parquet", "csv", "jsonl")  # the files a table of OUT is written as: TABLE.parquet, ...
 
 
+PROC_LOCKS = "/proc/locks"
+
+
 class LockedError(RuntimeError):
     pass
+
+
+def _holds_open(path: Path, st: os.stat_result) -> bool:
+    """Whether the process whose ID the lock file names (a run writes its own) has that file
+    open: a live run holding the lock (it closes the file as it unlocks, and an ID used again
+    by another process does not have it open). False where /proc cannot say."""
+    try:
+        pid = int(path.read_bytes()[:32].split()[0])
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except (OSError, ValueError, IndexError):
+        return False
+    for fd in fds:
+        try:
+            other = os.stat(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
+            return True
+    return False
 
 
 def _umask() -> int:
@@ -239,16 +261,22 @@ class RunStore:
             raise output_fault(e, self.out) from None
 
     def locked_by_a_run(self) -> bool:
-        """Whether a run holds the folder's lock now, read from the kernel's table of locks
-        (/proc/locks) without taking it (taking it, even shared for an instant, could turn a run
-        starting then away with exit 75). False where that table cannot be read."""
+        """Whether a run holds the folder's lock now, without taking it (taking it, even shared
+        for an instant, could turn a run starting then away with exit 75): the kernel's table of
+        locks (/proc/locks), else the process whose ID the lock file holds, if it has the lock
+        file open (btrfs and overlay file systems give /proc/locks another device number than
+        stat, NFS another host). False where neither can be read."""
+        path = self.state_dir / "lock"
         try:
-            st = os.stat(self.state_dir / "lock")
-            with open("/proc/locks") as f:
-                table = f.read()
+            st = os.stat(path)
         except OSError:
             return False
         me = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+        try:
+            with open(PROC_LOCKS) as f:
+                table = f.read()
+        except OSError:
+            table = ""
         for line in table.splitlines():
             fields = line.split()
             if "FLOCK" not in fields or len(fields) < 6:
@@ -259,7 +287,7 @@ class RunStore:
                     return True
             except (ValueError, IndexError):
                 continue
-        return False
+        return _holds_open(path, st)
 
     def _adopt_old_parts(self) -> None:
         old = self.out / "parts"
