@@ -96,6 +96,10 @@ def endless(root) -> str | None:
     where = next((where for key, (_, where) in nodes.items() if key not in finite), None)
     if where is None:
         return None
+    if not any(_target(root, node) is not None for key, (node, _) in nodes.items() if key not in finite):
+        # (no $ref among them: nothing refers back; minProperties asks for more than it allows)
+        return (f"no JSON value matches the subschema at {where}: its minProperties asks for more properties "
+                f"than it allows (additionalProperties false)")
     return (f"no finite JSON value matches the subschema at {where}: what it requires ($ref, required "
             f"properties, minProperties, minItems) refers back to it without end; make the recursion optional")
 

@@ -42,6 +42,8 @@ BAD_SCHEMAS = [  # (schema, what the message names)
     ({"anyOf": [{"type": "string"}, {"$ref": "#/$defs/b"}], "$defs": {"b": {"type": "object", "properties": {
         "b": {"$ref": "#/$defs/b"}}, "required": ["b"]}}}, "at /anyOf/1"),
     ({"type": "object", "properties": {"a": {"$ref": "#"}}, "minProperties": 1}, "no finite JSON value"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": False, "minProperties": 2},
+     "minProperties asks for more properties than it allows"),  # (no recursion: not "refers back")
     ({"type": "string", "minLength": 5, "maxLength": 2}, "'minLength' 5 and 'maxLength' 2"),
     ({"type": "string", "pattern": "(["}, "'pattern'"),
     ({"enum": []}, "'enum'"),
@@ -127,6 +129,8 @@ BEYOND_THE_GRAMMAR = [  # valid JSON Schema that xgrammar cannot compile: (schem
     ({"type": "string", "pattern": "(a)\\1"}, "Backreference"),
     ({"type": "string", "pattern": '^".$'}, "names a quote, a backslash or a control character"),
     ({"type": "object", "patternProperties": {"^a\\n": {"type": "integer"}}}, "would write unescaped"),
+    ({"type": "string", "pattern": "^[a-z]{1,20000}$"}, "repeats 20,000 times: more than 1,000"),  # (61 s to build)
+    ({"type": "string", "pattern": "^((a|b){1,500}c){1,50}$"}, "too large for xgrammar"),  # (not "names a quote")
 ]
 
 
@@ -299,6 +303,24 @@ def test_the_unenforced_list_is_what_the_grammar_leaves_out():
     for keyword, (schema, answer) in cases.items():
         g = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
         assert accepts(g, answer) == (keyword in UNENFORCED), keyword
+    # and through the engine's own rewrite of a schema (numbers bounded, strings made strict):
+    # what unenforced() names is what the grammar lets through
+    from docproc.engine.structured import grammar
+    from docproc.sampling_params import StructuredOutputsParams
+
+    more = [({"type": "integer", "multipleOf": 7}, "3"), ({"type": "integer", "multipleOf": 7, "minimum": 0}, "3"),
+            ({"type": "number", "multipleOf": 0.5}, "0.3"), ({"type": "string", "format": "email", "maxLength": 5},
+                                                            '"abc@example.com"'),
+            ({"type": "string", "format": "date", "minLength": 12}, '"2024-01-31"'),
+            ({"type": "string", "format": "iri"}, '"not an iri"'),
+            ({"type": "string", "pattern": "^a+$", "maxLength": 2}, '"aaa"'), ({"type": "string", "maxLength": 2}, '"abc"'),
+            ({"type": "string", "maxLength": 600}, '"%s"' % ("a" * 601))]
+    for schema, answer in more:
+        named = unenforced(schema)
+        assert accepts(grammar(xgr, StructuredOutputsParams(json=schema)), answer) == bool(named), (schema, named)
+    assert unenforced(more[1][0]) == ["multipleOf (beside a range)"]
+    assert unenforced(more[3][0]) == ["maxLength (beside format)"] and unenforced(more[5][0]) == ["format 'iri'"]
+    assert unenforced({"type": "string", "format": "iri", "maxLength": 3}) == ["format 'iri'"]  # (its length holds)
 
 
 def test_the_rules_are_bounded_and_dates_real():

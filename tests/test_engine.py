@@ -109,6 +109,12 @@ def test_images_as_path_bytes_or_pil_share_the_encoder_and_prefix_cache(qwen2_vl
     assert info["num_encoded_images"] == 1
     assert sum(o.metrics.num_encoded_images for o in outs) == 1
     assert all(o.metrics.num_cached_tokens > 0 for o in outs[1:])
+    # the vision cache's hit rate: every image a step needs, found without an encode or not (its
+    # reads of what it encoded counted as hits too, so the rate was 1 whatever happened)
+    cold = LLM(str(qwen2_vl_dir), device="cpu", enable_prefix_caching=False)
+    cold.generate(reqs, SamplingParams(max_tokens=2, ignore_eos=True))
+    info = cold.cache_info()
+    assert (info["encoder_cache_lookups"], info["encoder_cache_hits"], info["num_encoded_images"]) == (3, 2, 1)
 
 
 def test_metrics_and_cache_info(llm):

@@ -142,7 +142,7 @@ def test_streaming_yields_the_same_text_in_chunks(client):
     assert sum(1 for t in parts if t) >= 2
 
 
-def test_n_choices_stream_each_to_its_stop_string(client):
+def test_n_choices_stream_each_to_its_stop_string(server, client):
     """n sampled choices with a seed and a stop string: each choice's streamed text is its whole
     answer's, and none holds the stop string (a choice that stopped sent its last tokens, the
     stop string among them, before the request ended); greedy n streams every choice."""
@@ -162,6 +162,11 @@ def test_n_choices_stream_each_to_its_stop_string(client):
         for ch in c.choices:
             greedy[ch.index] += ch.text
     assert greedy[0] == greedy[1] != ""
+    # /metrics counts the tokens the engine generated: greedy choices are one run, repeated
+    before = metric(server[1], "docproc_generation_tokens_total")
+    client.completions.create(model="target", prompt="Total:", max_tokens=5, temperature=0, n=4,
+                              extra_body={"ignore_eos": True})
+    assert metric(server[1], "docproc_generation_tokens_total") == before + 5
 
 
 def test_a_pdf_part_is_rendered_into_its_pages(client, reference):
@@ -186,17 +191,19 @@ def test_a_pdf_part_is_rendered_into_its_pages(client, reference):
 
 
 def test_a_slow_constraint_compiles_beside_the_engine(server, client):
-    """A constraint that takes xgrammar a second or more to compile (a pattern with a long
-    repetition) holds up only its own request: one sent after it, of 16 tokens, is answered
+    """A constraint that takes xgrammar a second or more to compile (twelve patterns with long
+    repetitions) holds up only its own request: one sent after it, of 16 tokens, is answered
     before the constrained one's single token (a compile in the engine's thread would hold the
     engine: both would then run together and the one token come first)."""
     pytest.importorskip("xgrammar")
     done = []
+    slow = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "^%s{1,1000}$" % chr(97 + i)}
+                                             for i in range(12)}}
 
     def constrained():
         client.chat.completions.create(model="target", messages=[{"role": "user", "content": "code?"}], max_tokens=1,
                                        response_format={"type": "json_schema", "json_schema": {
-                                           "name": "c", "schema": {"type": "string", "pattern": "^a{1,5000}$"}}})
+                                           "name": "c", "schema": slow}})
         done.append("constrained")
 
     t = threading.Thread(target=constrained)
@@ -261,6 +268,16 @@ def test_malformed_requests_get_4xx_and_the_server_goes_on(server, client):
             {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]}), 400),
         ("/v1/chat/completions", json.dumps({**good, "response_format": {
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}), 400),
+        # a $ref to another document (nothing is fetched: it was decoded unconstrained); strict
+        # with a keyword decoding cannot hold (it answered a non-multiple, finish_reason stop)
+        ("/v1/chat/completions", json.dumps({**good, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "https://example.com/s.json"}}}}),
+         400),
+        ("/v1/chat/completions", json.dumps({**good, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "strict": True, "schema": {"type": "integer", "multipleOf": 7, "minimum": 0}}}}), 400),
+        # a repetition xgrammar would take a minute to build, holding the compile threads
+        ("/v1/chat/completions", json.dumps({**good, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "string", "pattern": "^[a-z]{1,20000}$"}}}}), 400),
         # no finite answer: decoding under it grew the server's memory until the system killed it
         ("/v1/chat/completions", json.dumps({**good, "response_format": {"type": "json_schema", "json_schema": {
             "name": "x", "schema": {"type": "object", "properties": {"n": {"$ref": "#"}}, "required": ["n"]}}}}),

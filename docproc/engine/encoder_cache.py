@@ -10,8 +10,8 @@ import torch
 
 @dataclass
 class EncoderCacheStats:
-    num_lookups: int = 0
-    num_hits: int = 0
+    num_lookups: int = 0  # images a step needed the embeddings of (ModelRunner._image_embeddings)
+    num_hits: int = 0  # of those, found without an encode (cached, or encoded for another in the step)
     num_encoded_images: int = 0  # images that went through the vision tower
     num_evictions: int = 0
 
@@ -31,12 +31,16 @@ class EncoderCache:
         return len(self._entries)
 
     def get(self, key: tuple[str, str]) -> torch.Tensor | None:
-        self.stats.num_lookups += 1
         value = self._entries.get(key)
         if value is not None:
-            self.stats.num_hits += 1
             self._entries.move_to_end(key)
         return value
+
+    def count(self, hit: bool) -> None:
+        """One image a step needed: found without an encode or not (the hit rate's figures; a
+        step reads what it encoded through get() too, which counts nothing)."""
+        self.stats.num_lookups += 1
+        self.stats.num_hits += hit
 
     def put(self, key: tuple[str, str], value: torch.Tensor) -> None:
         old = self._entries.pop(key, None)

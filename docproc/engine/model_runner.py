@@ -327,7 +327,9 @@ class ModelRunner:
         for seq in seqs:
             for span, img in zip(seq.images, seq.mm_inputs):
                 key = (fp, span.content_hash)
-                if key not in self.encoder_cache and span.content_hash not in todo:
+                hit = key in self.encoder_cache or span.content_hash in todo
+                self.encoder_cache.count(hit)
+                if not hit:
                     todo[span.content_hash] = (seq, img)
         if not todo:
             return

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from docproc.sampling_params import StructuredOutputsParams
-from docproc.schema_walk import rebuild, subschemas
+from docproc.schema_walk import (GRAMMAR_FORMATS, MAX_PATTERN_REPEAT, RANGE_KEYWORDS, STRICT_LENGTH_LIMIT, rebuild,
+                                 subschemas)
 from kernels.token_mask import apply_token_mask
 
 INSTALL_HINT = "structured outputs need xgrammar, a dependency of docproc that is missing here: pip install xgrammar"
@@ -512,6 +513,8 @@ def bounded_numbers(schema):
 def _bounded_number(out: dict) -> dict:
     types = out.get("type")
     types = types if isinstance(types, list) else [types]
+    if "multipleOf" in out and types == ["integer"] and not any(k in out for k in RANGE_KEYWORDS):
+        return out  # (xgrammar enforces an integer's multipleOf only without a range: the budget bounds it)
     if "number" in types or "integer" in types:
         low = out.get("minimum", out.get("exclusiveMinimum"))
         high = out.get("maximum", out.get("exclusiveMaximum"))
@@ -845,9 +848,11 @@ def _strict_strings(schema):
     pattern over JSON string characters (unescaped, or an escape: each counts as one character).
     xgrammar 0.2.9 compiles such a string to any characters but quote, backslash and newlines,
     control characters included, which strict JSON parsers reject; its pattern strings and
-    unbounded strings are right. A pattern's string loses its length bounds: xgrammar decodes the
-    pattern alone and logs that it ignores them, on stderr whatever --quiet says (the answer is
-    validated against them after, and the run's warning names them: json_schema.unenforced)."""
+    unbounded strings are right. A string with a pattern or a format xgrammar knows loses its
+    length bounds (xgrammar decodes the pattern or format alone and logs that it ignores them, on
+    stderr whatever --quiet says), and one of another format loses the format (decoded as any
+    string by xgrammar): the answer is validated against them after, and json_schema.unenforced
+    names them."""
     return rebuild(schema, _strict_string)
 
 
@@ -855,12 +860,16 @@ def _strict_string(node: dict) -> dict:
     if node.get("type") == "string" and node.get("format") == "date" and "pattern" not in node:
         del node["format"]
         node["pattern"] = ISO_DATE
+    if node.get("type") == "string" and "format" in node and node["format"] not in GRAMMAR_FORMATS:
+        del node["format"]  # (decoded as any string either way: its length bounds become a strict pattern)
     if node.get("type") == "string" and ("maxLength" in node or "minLength" in node) \
             and "pattern" not in node and "format" not in node:
         lo, hi = int(node.pop("minLength", 0)), node.pop("maxLength", None)
+        if max(lo, hi or 0) > STRICT_LENGTH_LIMIT:
+            return node  # (any string: the bounds are validated after)
         char = '(?:[^"\\\\\\x00-\\x1f]|\\\\["\\\\/bfnrt]|\\\\u[0-9a-fA-F]{4})'  # one JSON string character
         node["pattern"] = "^%s{%d,%s}$" % (char, lo, "" if hi is None else int(hi))
-    if isinstance(node.get("pattern"), str):
+    if isinstance(node.get("pattern"), str) or isinstance(node.get("format"), str):
         node.pop("minLength", None)
         node.pop("maxLength", None)
     return node
@@ -883,16 +892,37 @@ def _check_patterns(xgr, schema) -> None:
     its quote, backslash, newline and every `.` or class are written unescaped, which is not JSON.
     Which way it goes shows in the grammar (a `Regex(` rule is the escaped way)."""
     for pattern in dict.fromkeys(_patterns(schema)):  # each distinct pattern once
+        counts = [int(n) for n in re.findall(r"(?<!\\)\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}", pattern) for n in n if n]
+        if counts and max(counts) > MAX_PATTERN_REPEAT:
+            raise StructuredOutputError(
+                f"the pattern {_shown(pattern)} repeats {max(counts):,} times: more than {MAX_PATTERN_REPEAT:,} takes "
+                f"xgrammar too long to build (its time grows with the square of the count); use + or *, or a "
+                f"maxLength beside the pattern (validated after decoding)")
         try:
             text = str(xgr.Grammar.from_json_schema(json.dumps({"type": "string", "pattern": pattern}),
                                                     any_whitespace=False))
         except Exception:  # noqa: BLE001 -- the whole schema's compile gives xgrammar's reason
             continue
         if "Regex(" not in text:
+            if not _names_raw(pattern):
+                raise StructuredOutputError(
+                    f"the pattern {_shown(pattern)} is too large for xgrammar to hold as a JSON string's pattern "
+                    f"(its repetitions, nested, multiply); make the counts smaller or use + and *")
             raise StructuredOutputError(
-                f"the pattern {pattern!r} names a quote, a backslash or a control character, which xgrammar "
+                f"the pattern {_shown(pattern)} names a quote, a backslash or a control character, which xgrammar "
                 "would write unescaped inside the JSON string (an answer that is not JSON); write the pattern "
                 "without them (a negated class such as [^\\n] is fine)")
+
+
+def _shown(pattern: str) -> str:
+    return repr(pattern) if len(pattern) <= 80 else repr(pattern[:77]) + "..."
+
+
+def _names_raw(pattern: str) -> bool:
+    """Whether a pattern names a quote, a backslash or a control character (what makes xgrammar
+    match it against the raw JSON text)."""
+    return ('"' in pattern or "\\\\" in pattern or any(ord(c) < 32 for c in pattern)
+            or re.search(r"\\(?:[nrtfv0]|x[01][0-9a-fA-F]|u00[01][0-9a-fA-F]|c)", pattern) is not None)
 
 
 def grammar(xgr, params: StructuredOutputsParams):

@@ -145,8 +145,14 @@ def sampling(body: dict) -> SamplingParams:
 
 
 def response_format(rf: object) -> StructuredOutputsParams | None:
-    """`{"type": "text"}`: none; `json_object`: any JSON object; `json_schema`: its `schema`
-    (docproc's decoding is always strict: every answer that ends by itself is valid)."""
+    """`{"type": "text"}`: none; `json_object`: any JSON object; `json_schema`: its `schema`,
+    checked as `docproc run` checks a query's (a schema no answer could match, a `$ref` outside
+    it, a regex that is not one: 400). Decoding enforces the schema but for the keywords
+    json_schema.unenforced names: with `"strict": true` such a schema is refused (400 naming
+    them), as OpenAI refuses what strict mode cannot hold; without, it is decoded under the rest
+    (OpenAI's non-strict mode: the answer follows the schema as far as decoding can make it)."""
+    from docproc.pipeline.json_schema import SchemaProblem, check_schema, unenforced
+
     kind = rf.get("type") if isinstance(rf, dict) else None
     if kind == "text":
         return None
@@ -157,6 +163,18 @@ def response_format(rf: object) -> StructuredOutputsParams | None:
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise RequestError("response_format.json_schema.schema must be a JSON Schema object")
+        strict = spec.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise RequestError("response_format.json_schema.strict must be true or false")
+        try:
+            check_schema(schema)
+        except SchemaProblem as e:
+            raise RequestError(f"response_format.json_schema.schema: {e}") from None
+        loose = unenforced(schema)
+        if strict and loose:
+            raise RequestError(f"response_format.json_schema.schema: decoding cannot enforce {', '.join(loose)}; "
+                               f"remove them, or send \"strict\": false to have the answer decoded under the rest "
+                               f"of the schema")
         try:
             return StructuredOutputsParams(json=schema)
         except ValueError as e:

@@ -411,8 +411,10 @@ class EngineLoop:
             self.finished["error"] = self.finished.get("error", 0) + 1
             return
         self.prompt_tokens += len(out.prompt_token_ids)
+        # the tokens the engine generated: a greedy request's n choices are one run repeated
+        self.generation_tokens += out.metrics.num_generated_tokens if out.metrics is not None else \
+            sum(len(c.token_ids) for c in out.outputs)
         for c in out.outputs:
-            self.generation_tokens += len(c.token_ids)
             self.finished[c.finish_reason or "stop"] = self.finished.get(c.finish_reason or "stop", 0) + 1
         ttft = out.metrics.time_to_first_token if out.metrics is not None else None
         if ttft is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 
 from docproc.json_finite import MISSING, endless, resolve
+from docproc.schema_walk import GRAMMAR_FORMATS, RANGE_KEYWORDS, STRICT_LENGTH_LIMIT
 from docproc.schema_walk import SCHEMA_MAPS as _SCHEMA_MAPS, SUBSCHEMA as _SUBSCHEMA, SUBSCHEMAS as _SUBSCHEMAS
 
 MAX_DEPTH = 100  # nesting of objects and arrays in a query's schema (a property of a property: 2 levels)
@@ -163,13 +164,27 @@ def check_schema(schema) -> None:
 
 def unenforced(schema) -> list[str]:
     """The keywords of schema that decoding does not enforce (each answer is validated against
-    them after): UNENFORCED's, and a string's length bounds beside its pattern (xgrammar
-    decodes the pattern alone there)."""
+    them after): UNENFORCED's; a string's length bounds beside its pattern or a format xgrammar
+    knows (it decodes the pattern or format alone), or over STRICT_LENGTH_LIMIT, and a format it
+    does not know; multipleOf of a number, or of an integer with a range."""
     keys = set()
     for sub, _ in _walk(schema):
         keys.update(k for k in sub if k in UNENFORCED)
-        if "pattern" in sub:
+        if isinstance(sub.get("pattern"), str):
             keys.update(f"{k} (beside pattern)" for k in ("minLength", "maxLength") if k in sub)
+        elif isinstance(sub.get("format"), str) and sub["format"] in GRAMMAR_FORMATS:
+            keys.update(f"{k} (beside format)" for k in ("minLength", "maxLength") if k in sub)
+        elif sub.get("type") == "string" and any(isinstance(sub.get(k), int) and sub[k] > STRICT_LENGTH_LIMIT
+                                                 for k in ("minLength", "maxLength")):
+            keys.update(f"{k} (over {STRICT_LENGTH_LIMIT})" for k in ("minLength", "maxLength") if k in sub)
+        if isinstance(sub.get("format"), str) and sub["format"] not in GRAMMAR_FORMATS:
+            keys.add(f"format {sub['format']!r}")
+        if "multipleOf" in sub:
+            types = sub.get("type") if isinstance(sub.get("type"), list) else [sub.get("type")]
+            if types != ["integer"]:
+                keys.add("multipleOf (not of an integer)")
+            elif any(k in sub for k in RANGE_KEYWORDS):
+                keys.add("multipleOf (beside a range)")
     return sorted(keys)
 
 
