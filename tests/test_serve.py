@@ -229,6 +229,21 @@ def test_json_schema_answers_parse_and_match(client):
         jsonschema.validate(json.loads(r.choices[0].message.content), schema)
 
 
+def test_vllms_guided_fields_constrain_the_answer(client):
+    """guided_choice / guided_regex / guided_json and structured_outputs (vLLM's fields, which
+    its clients send through extra_body) constrain the answer as response_format does (they were
+    ignored: the answer came back free)."""
+    pytest.importorskip("xgrammar")
+    ask = dict(model="target", messages=[{"role": "user", "content": "Paid?"}], max_tokens=32, temperature=0)
+    for extra, ok in (({"guided_choice": ["paid", "unpaid"]}, lambda t: t in ("paid", "unpaid")),
+                      ({"structured_outputs": {"regex": "[0-9]{3}"}}, lambda t: re.fullmatch("[0-9]{3}", t)),
+                      ({"guided_json": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+                                        "additionalProperties": False}},
+                       lambda t: isinstance(json.loads(t)["n"], int))):
+        r = client.chat.completions.create(**ask, extra_body=extra)
+        assert r.choices[0].finish_reason == "stop" and ok(r.choices[0].message.content), (extra, r.choices[0])
+
+
 def test_a_request_whose_client_left_before_it_entered_the_engine_counts_as_aborted():
     """A stream's client that leaves while its request still waits in the loop's queue (its
     submit and cancel taken in one batch, the engine busy with a step): /metrics counts it under
@@ -275,6 +290,12 @@ def test_malformed_requests_get_4xx_and_the_server_goes_on(server, client):
          400),
         ("/v1/chat/completions", json.dumps({**good, "response_format": {"type": "json_schema", "json_schema": {
             "name": "x", "strict": True, "schema": {"type": "integer", "multipleOf": 7, "minimum": 0}}}}), 400),
+        # the completions API's logprobs 0 asks for the chosen tokens' logprobs (it answered null)
+        ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": 2, "logprobs": 0}), 400),
+        ("/v1/chat/completions", json.dumps({**good, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "file://evil.example/etc/a.png"}}]}]}), 400),
+        ("/v1/chat/completions", json.dumps({**good, "guided_json": {"$ref": "https://example.com/s.json"}}), 400),
+        ("/v1/chat/completions", json.dumps({**good, "guided_regex": "a+", "guided_choice": ["b"]}), 400),
         # a repetition xgrammar would take a minute to build, holding the compile threads
         ("/v1/chat/completions", json.dumps({**good, "response_format": {"type": "json_schema", "json_schema": {
             "name": "x", "schema": {"type": "string", "pattern": "^[a-z]{1,20000}$"}}}}), 400),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import json
 import re
 import struct
 import time
@@ -78,7 +79,7 @@ def parse(url: object, body: object, limits: Limits, render, streaming: bool = F
             if value is not None and not isinstance(value, bool):
                 raise RequestError("stream must be true or false")
             continue
-        if value is not None and value != neutral and value != [] and value != {}:
+        if not _neutral(value, neutral):
             raise RequestError(f"{key} is not supported by docproc" + ("" if streaming else " run-batch"))
     stream = bool(body.get("stream")) if streaming else False
     include_usage = False
@@ -112,6 +113,52 @@ def parse(url: object, body: object, limits: Limits, render, streaming: bool = F
     return Parsed(url, prompt, params, model, pixels, stream, include_usage)
 
 
+def _neutral(value: object, neutral: object) -> bool:
+    """Whether a field of an unsupported feature asks for nothing: absent, or its neutral value
+    of the neutral's own kind (the completions API's `logprobs: 0` asks for the chosen tokens'
+    logprobs, where the chat API's `false` asks for none; a penalty of 0 or 0.0 is none)."""
+    if value is None or value == [] or value == {}:
+        return True
+    if isinstance(neutral, bool) or isinstance(value, bool):
+        return value is neutral
+    if isinstance(neutral, (int, float)):
+        return isinstance(value, (int, float)) and value == neutral
+    return value == neutral
+
+
+# vLLM's fields for constrained decoding, beside OpenAI's response_format: guided_* (older) and
+# structured_outputs {json, regex, choice, grammar}; each becomes the same constraint
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _guided(body: dict) -> StructuredOutputsParams | None:
+    given = {kind: body[key] for key, kind in GUIDED.items() if body.get(key) is not None}
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise RequestError("structured_outputs must be an object: {json | regex | choice | grammar: ...}")
+        given.update({k: v for k, v in so.items() if k in ("json", "regex", "choice", "grammar") and v is not None})
+    if not given:
+        return None
+    if len(given) > 1:
+        raise RequestError(f"give one constraint, not {', '.join(sorted(given))}")
+    kind, value = next(iter(given.items()))
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise RequestError("guided_json must be a JSON Schema (an object, or its text)") from None
+        try:
+            return response_format({"type": "json_schema", "json_schema": {"schema": value}})
+        except RequestError as e:
+            raise RequestError(str(e).replace("response_format.json_schema.schema", "guided_json", 1)) from None
+    try:
+        return StructuredOutputsParams(**{kind: value})
+    except ValueError as e:
+        raise RequestError(f"{kind}: {e}") from None
+
+
 def sampling(body: dict) -> SamplingParams:
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
@@ -138,6 +185,11 @@ def sampling(body: dict) -> SamplingParams:
     rf = body.get("response_format")
     if rf is not None:
         kw["structured_outputs"] = response_format(rf)
+    guided = _guided(body)
+    if guided is not None:
+        if kw.get("structured_outputs") is not None:
+            raise RequestError("response_format and a guided_* or structured_outputs constraint: give one")
+        kw["structured_outputs"] = guided
     try:
         return SamplingParams(**kw)
     except (ValueError, TypeError) as e:
@@ -279,6 +331,9 @@ def _read(url: object, limits: Limits, where: str) -> bytes:
         raise RequestError(f"{where}: docproc fetches nothing over the network: send the image as a data: URL")
     if parsed.scheme not in ("", "file"):
         raise RequestError(f"{where}: unsupported URL scheme {parsed.scheme!r}")
+    if parsed.scheme == "file" and parsed.netloc not in ("", "localhost"):
+        raise RequestError(f"{where}: a file:// URL names a file on this machine (file:///path), not on "
+                           f"{parsed.netloc[:60]!r}")
     path = Path(unquote(parsed.path) if parsed.scheme == "file" else url)
     root = limits.image_root
     if root is None:
