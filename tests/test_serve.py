@@ -188,6 +188,11 @@ def test_a_pdf_part_is_rendered_into_its_pages(client, reference):
         {"type": "text", "text": "Which invoices?"}]}]], SamplingParams(temperature=0, max_tokens=8))[0]
     assert r.choices[0].message.content == expected.outputs[0].text
     assert r.usage.prompt_tokens == len(expected.prompt_token_ids)
+    # the same PDF as bare base64, without the data: URL around it (it was read as a file name)
+    part["file"]["file_data"] = base64.b64encode(pdf).decode()
+    bare = client.chat.completions.create(model="target", max_tokens=8, temperature=0, messages=[
+        {"role": "user", "content": [part, {"type": "text", "text": "Which invoices?"}]}])
+    assert bare.choices[0].message.content == r.choices[0].message.content
 
 
 def test_a_slow_constraint_compiles_beside_the_engine(server, client):
@@ -333,6 +338,12 @@ def test_malformed_requests_get_4xx_and_the_server_goes_on(server, client):
         code, err = post(base, path, body)
         assert code == status, (path, body[:80], code, err)
         assert err["error"]["message"] and err["error"]["code"] == status
+    # brackets inside a string are text, not containers (refused for its length, not as JSON)
+    code, err = post(base, "/v1/chat/completions", json.dumps({**good, "messages": [
+        {"role": "user", "content": "{" * 100_001}]}))
+    assert code == 400 and "JSON objects" not in err["error"]["message"], err
+    code, err = post(base, "/v1/chat/completions", "[" * 5000 + "]" * 5000)
+    assert code == 400 and "deeper than it can be read" in err["error"]["message"], err
     host, port = base.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as s:  # 413 from the header, before the body
         s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"

@@ -190,7 +190,10 @@ def read_lines(path: Path):
             try:
                 rec = json.loads(raw)
                 json.dumps(rec, ensure_ascii=False).encode()  # lone surrogates (\ud800) are not text
-            except (ValueError, UnicodeError, RecursionError) as e:
+            except RecursionError:
+                yield n, None, None, None, f"line {n} nests JSON deeper than it can be read (about 1,000 levels)"
+                continue
+            except (ValueError, UnicodeError) as e:
                 yield n, None, None, None, f"line {n} is not JSON text ({type(e).__name__})"
                 continue
             if not isinstance(rec, dict):

@@ -109,7 +109,7 @@ def parse(url: object, body: object, limits: Limits, render, streaming: bool = F
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if not isinstance(prompt, str) or not prompt:
-            raise RequestError("prompt must be a non-empty string (one prompt per line)")
+            raise RequestError("prompt must be a non-empty string (or a list of one: one prompt a request)")
     return Parsed(url, prompt, params, model, pixels, stream, include_usage)
 
 
@@ -261,7 +261,10 @@ def chat_messages(messages: object, limits: Limits) -> tuple[list[dict], int]:
                     count += 1
                 elif kind == "file":
                     f = part.get("file")
-                    data = _read(f.get("file_data") if isinstance(f, dict) else None, limits, where)
+                    file_data = f.get("file_data") if isinstance(f, dict) else None
+                    data = _bare_pdf(file_data, limits, where)
+                    if data is None:
+                        data = _read(file_data, limits, where)
                     pages = (pdf_pages if limits.render_pdf is None else limits.render_pdf)(data, limits, where)
                     parts.extend({"type": "image", "image": page} for page in pages)
                     count += len(pages)
@@ -309,6 +312,21 @@ def _image_pixels(raw: bytes, limits: Limits, where: str) -> int:
 
 
 DATA_URL = re.compile(r"data:([\w.+/-]*)(;[\w=.+-]+)*?(;base64)?,", re.I)
+BARE_PDF = re.compile(r"JVBERi0[A-Za-z0-9+/\s]*={0,2}\s*")  # base64 of "%PDF-..." (its first bytes fix "JVBERi0")
+
+
+def _bare_pdf(value: object, limits: Limits, where: str) -> bytes | None:
+    """A file part's PDF given as bare base64, without the data: URL around it (what some clients
+    send); None for anything else (a data: URL, a path)."""
+    if not isinstance(value, str) or not BARE_PDF.fullmatch(value):
+        return None
+    payload = "".join(value.split())
+    if len(payload) > limits.max_bytes * 4 // 3 + 4:
+        raise RequestError(f"{where}: more than {limits.max_bytes} bytes")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise RequestError(f"{where}: the file's base64 is damaged") from None
 
 
 def _read(url: object, limits: Limits, where: str) -> bytes:

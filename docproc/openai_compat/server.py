@@ -20,6 +20,7 @@ import hmac
 import json
 import os
 import queue
+import re
 import sys
 import threading
 import time
@@ -42,6 +43,13 @@ BODY_IDLE_SECONDS = 30  # a body that sends nothing for this long is cut off (40
 BODY_SECONDS = 300  # and one that takes longer in all
 MAX_HELD_BYTES = 1 << 30  # bodies being read or parsed, in all (429 past it)
 MAX_JSON_CONTAINERS = 100_000  # objects and arrays in a body (parsed, each costs ~100x its bytes)
+JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
+
+
+def containers(raw: bytes) -> int:
+    """The objects and arrays JSON text holds: its brackets outside strings."""
+    bare = JSON_STRING.sub(b"", raw)
+    return bare.count(b"{") + bare.count(b"[")
 MAX_LANE_WAITING = 256  # calls waiting for a worker thread (429 past it)
 PDF_WORKERS, PDF_SECONDS = 2, 60  # worker processes rendering PDF parts, and the most a PDF may take
 DRAIN_SECONDS = 300  # after SIGTERM, the most the requests in flight get to finish
@@ -589,12 +597,15 @@ def build_app(engine: EngineLoop, cfg: ServerConfig, render_pdf=None):
         """The body as JSON, parsed (protocol.parse), then its images decoded and its length
         checked (preload), in a worker thread: the engine's thread only tokenizes it. 400 for
         anything the engine would refuse."""
-        if raw.count(b"{") + raw.count(b"[") > MAX_JSON_CONTAINERS:
+        if raw.count(b"{") + raw.count(b"[") > MAX_JSON_CONTAINERS and \
+                containers(raw) > MAX_JSON_CONTAINERS:  # (the brackets inside strings are text)
             raise HTTPError(400, f"the body holds more than {MAX_JSON_CONTAINERS} JSON objects and arrays")
         try:
             body = json.loads(raw)
             json.dumps(body, ensure_ascii=False).encode()  # lone surrogates (\ud800) are not text
-        except (ValueError, UnicodeError, RecursionError) as e:
+        except RecursionError:
+            raise HTTPError(400, "the body nests JSON deeper than it can be read (about 1,000 levels)") from None
+        except (ValueError, UnicodeError) as e:
             raise HTTPError(400, f"the body is not JSON text ({type(e).__name__})") from None
         del raw
         proc = getattr(own, "processor", None)
