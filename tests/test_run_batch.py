@@ -121,6 +121,7 @@ def test_a_chat_answer_is_the_engines_for_the_same_messages(tmp_path):
 
 def test_a_cut_off_output_is_resumed_with_each_custom_id_once(tmp_path):
     lines = [chat(f"q{i}", f"question {i}", max_tokens=4, temperature=0) for i in range(6)]
+    lines.append(chat("q0", "a repeated custom_id"))  # (skipped each run, never counted done)
     src, out = write(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
     assert run("-i", src, "-o", out, "--model", MODEL, "--device", "cpu").exit_code == 0
     whole = {r["custom_id"]: r["response"]["body"]["choices"][0]["message"]["content"] for r in records(out)}
@@ -131,6 +132,7 @@ def test_a_cut_off_output_is_resumed_with_each_custom_id_once(tmp_path):
     res = CliRunner().invoke(app, ["run-batch", "-i", "-", "-o", str(out), "--model", str(MODEL), "--device", "cpu"],
                              input=src.read_bytes(), catch_exceptions=False)
     assert res.exit_code == 0 and "answered 4" in res.output and "already done 2" in res.output, res.output
+    assert "duplicate custom_ids skipped 1" in res.output, res.output
     assert sorted(keys(out)) == sorted(whole)
     assert {r["custom_id"]: r["response"]["body"]["choices"][0]["message"]["content"] for r in records(out)} == whole
     out.write_text(text[:cut])

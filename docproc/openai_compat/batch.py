@@ -245,14 +245,14 @@ def run_batch(input_path: Path, out: OutputFile, llm, model_name: str, limits: L
         for n, cid, url, body, problem in read_lines(input_path):
             summary.lines += 1
             key = ("id", cid) if cid is not None else ("line", n)
-            if key in out.done:
-                summary.already_done += 1
-                continue
-            if cid is not None and cid in seen:
+            if cid is not None and cid in seen:  # (a repeat on a rerun too: not done again, and not counted done)
                 summary.duplicates += 1
                 continue
             if cid is not None:
                 seen.add(cid)
+            if key in out.done:
+                summary.already_done += 1
+                continue
             if problem is None:
                 try:
                     parsed = parse(url, body, limits, llm.chat_prompt)
