@@ -400,6 +400,11 @@ def test_eval_matches_documents_by_path_and_normalises_by_query_type(tmp_path):
     from elsewhere that ends with a document's path names it, an unknown path is missing. A
     custom `number` or `date` query is normalised as its type says whatever its name; strings
     compare across Unicode composition; the format group is the document's own."""
+    from docproc.pipeline.evaluate import _norm
+
+    # a list is not an amount or a date (["7213.84"] matched the answer 7213.84)
+    assert _norm("number", ["7213.84"]) != _norm("number", "7213.84") == _norm("number", 7213.84) == "7213.84"
+    assert _norm("date", {"d": "2024-01-31"}) != _norm("date", "31.01.2024") == "2024-01-31"
     import unicodedata
 
     import pyarrow.parquet as _pq

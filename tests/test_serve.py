@@ -295,6 +295,10 @@ def test_malformed_requests_get_4xx_and_the_server_goes_on(server, client):
          400),
         ("/v1/chat/completions", json.dumps({**good, "response_format": {"type": "json_schema", "json_schema": {
             "name": "x", "strict": True, "schema": {"type": "integer", "multipleOf": 7, "minimum": 0}}}}), 400),
+        # a file part that is not a PDF (MuPDF opened a PNG, an SVG or an HTML page as one)
+        ("/v1/chat/completions", json.dumps({**good, "messages": [{"role": "user", "content": [
+            {"type": "file", "file": {"file_data": "data:application/pdf;base64," + base64.b64encode(
+                b"<svg xmlns='http://www.w3.org/2000/svg'/>").decode()}}]}]}), 400),
         # the completions API's logprobs 0 asks for the chosen tokens' logprobs (it answered null)
         ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": 2, "logprobs": 0}), 400),
         ("/v1/chat/completions", json.dumps({**good, "messages": [{"role": "user", "content": [

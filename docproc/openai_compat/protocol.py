@@ -265,6 +265,9 @@ def chat_messages(messages: object, limits: Limits) -> tuple[list[dict], int]:
                     data = _bare_pdf(file_data, limits, where)
                     if data is None:
                         data = _read(file_data, limits, where)
+                    if b"%PDF-" not in data[:1024]:  # (MuPDF would open an image, SVG or HTML page as well)
+                        raise RequestError(f"{where}: a file part holds a PDF, and this is not one (an image goes "
+                                           f"in an image_url part)")
                     pages = (pdf_pages if limits.render_pdf is None else limits.render_pdf)(data, limits, where)
                     parts.extend({"type": "image", "image": page} for page in pages)
                     count += len(pages)

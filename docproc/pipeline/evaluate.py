@@ -30,10 +30,14 @@ def _text(value) -> str | None:
 
 
 def _norm(kind: str, value) -> str | None:
-    """value normalised as a `kind` answer ("date", "number", anything else as text)."""
+    """value normalised as a `kind` answer ("date", "number", anything else as text). A list or
+    an object is not read as a date or an amount (["7213.84"] is not the amount 7213.84)."""
+    scalar = not isinstance(value, (list, dict))
     value = _text(value)
     if value is None:
         return None
+    if not scalar:
+        return normalize_text(value)
     if kind == "date":
         return normalize_date(str(value)) or normalize_text(str(value))
     if kind == "number":
