@@ -96,12 +96,27 @@ def endless(root) -> str | None:
     where = next((where for key, (_, where) in nodes.items() if key not in finite), None)
     if where is None:
         return None
-    if not any(_target(root, node) is not None for key, (node, _) in nodes.items() if key not in finite):
-        # (no $ref among them: nothing refers back; minProperties asks for more than it allows)
-        return (f"no JSON value matches the subschema at {where}: its minProperties asks for more properties "
-                f"than it allows (additionalProperties false)")
+    short = next((w for key, (node, w) in nodes.items() if key not in finite and _too_few(node)), None)
+    if short is not None:  # (nothing refers back: the subschema itself can hold too few properties)
+        return (f"no JSON value matches the subschema at {short}: its minProperties asks for more properties "
+                f"than its properties allow, and decoding writes no others (its additionalProperties is not true or a "
+                f"schema)")
     return (f"no finite JSON value matches the subschema at {where}: what it requires ($ref, required "
             f"properties, minProperties, minItems) refers back to it without end; make the recursion optional")
+
+
+def _too_few(node: dict) -> bool:
+    """Whether an object subschema's minProperties asks for more properties than it may hold
+    whatever they are: more than its properties, with no additionalProperties or
+    patternProperties to take others."""
+    least = node.get("minProperties")
+    if not isinstance(least, int) or isinstance(least, bool) or least <= 0:
+        return False
+    extra = [node.get("additionalProperties", False), *(node.get("patternProperties") or {}).values()]
+    if any(x is True or isinstance(x, dict) for x in extra):
+        return False
+    props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    return len(props) < least
 
 
 def _reached(node: dict):

@@ -24,6 +24,7 @@ STRICT_LENGTH_LIMIT = 512
 # the largest count a pattern's {m,n} may name: xgrammar's time to build a pattern grows with the
 # square of it (0.2 s at 1,000, 61 s at 20,000), before any request can be answered
 MAX_PATTERN_REPEAT = 1000
+MAX_SCHEMA_REPEAT = 8000  # the counts of all of a schema's patterns together (about 2 s to build at 8,000)
 
 
 def rebuild(schema, fn):
@@ -65,3 +66,37 @@ def subschemas(schema):
         for key in SCHEMA_MAPS:
             if isinstance(node.get(key), dict):
                 stack.extend(node[key].values())
+
+
+def stray_ref(schema) -> str | None:
+    """The first local `$ref` ("#/...") whose pointer leaves the schema's subschemas (it goes
+    through a key that is not a schema keyword, as `#/components/s` does), or None. What it
+    points at is not walked as a schema (number bounds, strict strings, pattern checks), though
+    the grammar would decode it: such a schema is refused, its target to be moved under $defs."""
+    for node in subschemas(schema):
+        ref = node.get("$ref")
+        if not isinstance(ref, str) or not ref.startswith("#/"):
+            continue
+        parts = [p.replace("~1", "/").replace("~0", "~") for p in ref[2:].split("/")]
+        i = 0
+        while i < len(parts):
+            key = parts[i]
+            if key in SUBSCHEMA:
+                i += 2 if key == "items" and i + 1 < len(parts) and parts[i + 1].isdigit() else 1
+            elif key in SUBSCHEMAS or key in SCHEMA_MAPS:
+                i += 2
+            else:
+                return ref
+    return None
+
+
+MAX_GRAMMAR_MULTIPLE = 1024  # the largest multipleOf xgrammar 0.2.9 decodes (an integer's, without a range)
+
+
+def grammar_multiple_of(node: dict) -> bool:
+    """Whether the grammar enforces this subschema's multipleOf: an integer's (its type only
+    "integer"), a whole number from 1 to MAX_GRAMMAR_MULTIPLE, with no range beside it. Elsewhere
+    xgrammar ignores it (and logs so on stderr)."""
+    m, types = node.get("multipleOf"), node.get("type")
+    return (types in ("integer", ["integer"]) and isinstance(m, int) and not isinstance(m, bool)
+            and 0 < m <= MAX_GRAMMAR_MULTIPLE and not any(k in node for k in RANGE_KEYWORDS))

@@ -35,6 +35,9 @@ BAD_SCHEMAS = [  # (schema, what the message names)
     ({"$ref": "#"}, "circular"),
     ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "circular"),
     ({"$ref": "https://example.com/s.json"}, "inside the schema"),
+    # a pointer through a key that is not a schema keyword: its target was never walked (numbers
+    # left unbounded, a pattern naming a quote unchecked) though the grammar decodes it
+    ({"$ref": "#/components/s", "components": {"s": {"type": "number"}}}, "points outside the schema's subschemas"),
     # no finite value: decoding under them never ends (the grammar's forced text grew without bound)
     ({"type": "object", "properties": {"n": {"$ref": "#"}}, "required": ["n"]}, "no finite JSON value"),
     ({"$defs": {"a": {"type": "array", "minItems": 1, "items": {"$ref": "#/$defs/a"}}}, "type": "object",
@@ -43,7 +46,9 @@ BAD_SCHEMAS = [  # (schema, what the message names)
         "b": {"$ref": "#/$defs/b"}}, "required": ["b"]}}}, "at /anyOf/1"),
     ({"type": "object", "properties": {"a": {"$ref": "#"}}, "minProperties": 1}, "no finite JSON value"),
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": False, "minProperties": 2},
-     "minProperties asks for more properties than it allows"),  # (no recursion: not "refers back")
+     "minProperties asks for more properties than its properties allow"),  # (no recursion: not "refers back")
+    ({"type": "array", "minItems": 1, "items": {"type": "object", "properties": {"a": {}}, "minProperties": 3}},
+     "at /items: its minProperties"),  # (named where it is, not at the root)
     ({"type": "string", "minLength": 5, "maxLength": 2}, "'minLength' 5 and 'maxLength' 2"),
     ({"type": "string", "pattern": "(["}, "'pattern'"),
     ({"enum": []}, "'enum'"),
@@ -319,6 +324,16 @@ def test_the_unenforced_list_is_what_the_grammar_leaves_out():
         named = unenforced(schema)
         assert accepts(grammar(xgr, StructuredOutputsParams(json=schema)), answer) == bool(named), (schema, named)
     assert unenforced(more[1][0]) == ["multipleOf (beside a range)"]
+    for schema, named in (({"type": "integer", "multipleOf": 2000}, "multipleOf 2000 (not a whole number from 1 to"),
+                          ({"type": "integer", "multipleOf": 2.5}, "multipleOf 2.5"),
+                          ({"type": ["integer", "null"], "multipleOf": 3}, "of a type other than integer alone"),
+                          ({"type": "string", "maxLength": 600.0}, "maxLength (over 512)")):
+        assert any(named in k for k in unenforced(schema)), (schema, unenforced(schema))
+    # (what it names does get through)
+    assert accepts(grammar(xgr, StructuredOutputsParams(json={"type": "integer", "multipleOf": 2000})), "1")
+    # an unknown format beside a type list keeps its length bounds (they were dropped with nothing said)
+    assert not accepts(grammar(xgr, StructuredOutputsParams(json={"type": ["string", "null"], "format": "foo",
+                                                                  "maxLength": 3})), '"abcd"')
     assert unenforced(more[3][0]) == ["maxLength (beside format)"] and unenforced(more[5][0]) == ["format 'iri'"]
     assert unenforced({"type": "string", "format": "iri", "maxLength": 3}) == ["format 'iri'"]  # (its length holds)
 

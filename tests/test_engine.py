@@ -115,6 +115,12 @@ def test_images_as_path_bytes_or_pil_share_the_encoder_and_prefix_cache(qwen2_vl
     cold.generate(reqs, SamplingParams(max_tokens=2, ignore_eos=True))
     info = cold.cache_info()
     assert (info["encoder_cache_lookups"], info["encoder_cache_hits"], info["num_encoded_images"]) == (3, 2, 1)
+    # a prompt of two pages prefilled in small chunks: each image counted once, not at every chunk
+    chunked = LLM(str(qwen2_vl_dir), device="cpu", enable_prefix_caching=False, max_num_batched_tokens=16)
+    chunked.generate({"prompt": "<|im_start|>user\n" + IMG + IMG + "Totals?", "multi_modal_data": {
+        "image": [page(6), page(7)]}}, SamplingParams(max_tokens=1))
+    info = chunked.cache_info()
+    assert (info["encoder_cache_lookups"], info["encoder_cache_hits"], info["num_encoded_images"]) == (2, 0, 2)
 
 
 def test_metrics_and_cache_info(llm):

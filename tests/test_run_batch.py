@@ -84,14 +84,16 @@ def test_good_and_bad_lines_each_get_one_line(tmp_path):
         chat("badschema", "hi", response_format={"type": "json_schema", "json_schema": {
             "schema": {"type": "integer", "minimum": 0.5, "exclusiveMaximum": 0.5}}}),
         chat("img", "a repeated custom_id"),
+        chat("deep", "hi", guided_json="[" * 100_000),  # (it ended the whole batch: internal error)
     ]
     out = tmp_path / "out.jsonl"
     res = run("-i", write(tmp_path / "in.jsonl", lines), "-o", out, "--model", MODEL, "--device", "cpu",
               "--image-root", tmp_path)
     assert res.exit_code == 1, res.output
-    assert "answered 3, errors 6" in res.output and "duplicate custom_ids skipped 1" in res.output
+    assert "answered 3, errors 7" in res.output and "duplicate custom_ids skipped 1" in res.output
     recs = {r["custom_id"] if r["custom_id"] else "line3": r for r in records(out)}
-    assert sorted(recs) == sorted(["img", "cmpl", "line3", "url", "passwd", "neg", "broken", "json", "badschema"])
+    assert sorted(recs) == sorted(["img", "cmpl", "line3", "url", "passwd", "neg", "broken", "json", "badschema",
+                                   "deep"])
     for cid in ("img", "cmpl", "json"):
         resp = recs[cid]["response"]
         assert resp["status_code"] == 200 and recs[cid]["error"] is None
@@ -102,7 +104,8 @@ def test_good_and_bad_lines_each_get_one_line(tmp_path):
         "invoice", "receipt")
     assert recs["line3"]["error"]["line"] == 3 and recs["line3"]["response"] is None
     for cid, words in (("url", "not served"), ("passwd", "outside --image-root"), ("neg", "max_tokens"),
-                       ("broken", "not an image"), ("badschema", "does not compile")):
+                       ("broken", "not an image"), ("badschema", "does not compile"),
+                       ("deep", "deeper than it can be read")):
         resp = recs[cid]["response"]
         assert resp["status_code"] == 400 and words in resp["body"]["error"]["message"], (cid, resp)
 

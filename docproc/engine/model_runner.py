@@ -328,9 +328,11 @@ class ModelRunner:
             for span, img in zip(seq.images, seq.mm_inputs):
                 key = (fp, span.content_hash)
                 hit = key in self.encoder_cache or span.content_hash in todo
-                self.encoder_cache.count(hit)
+                if not seq.images_counted:  # (each chunk of a long prompt looks again: counted once)
+                    self.encoder_cache.count(hit)
                 if not hit:
                     todo[span.content_hash] = (seq, img)
+            seq.images_counted = True
         if not todo:
             return
         trunk_fp = self.model.vision_trunk_fingerprint

@@ -62,6 +62,7 @@ class Sequence:
         # the request's sampling parameters and its random generator.
         self.mm_inputs: list = []
         self.images_prefetched = False  # every image's preprocessing started or its encode cached
+        self.images_counted = False  # its images counted in the vision cache's lookups (once a sequence)
         self.sampling = None
         self.generator = None
         self.grammar = None  # a structured-output request's grammar matcher (engine/structured.py)

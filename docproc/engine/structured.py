@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from docproc.sampling_params import StructuredOutputsParams
-from docproc.schema_walk import (GRAMMAR_FORMATS, MAX_PATTERN_REPEAT, RANGE_KEYWORDS, STRICT_LENGTH_LIMIT, rebuild,
-                                 subschemas)
+from docproc.schema_walk import (GRAMMAR_FORMATS, MAX_PATTERN_REPEAT, MAX_SCHEMA_REPEAT, STRICT_LENGTH_LIMIT,
+                                 grammar_multiple_of, rebuild, stray_ref, subschemas)
 from kernels.token_mask import apply_token_mask
 
 INSTALL_HINT = "structured outputs need xgrammar, a dependency of docproc that is missing here: pip install xgrammar"
@@ -513,8 +513,10 @@ def bounded_numbers(schema):
 def _bounded_number(out: dict) -> dict:
     types = out.get("type")
     types = types if isinstance(types, list) else [types]
-    if "multipleOf" in out and types == ["integer"] and not any(k in out for k in RANGE_KEYWORDS):
-        return out  # (xgrammar enforces an integer's multipleOf only without a range: the budget bounds it)
+    if "multipleOf" in out and grammar_multiple_of(out):
+        # xgrammar enforces an integer's multipleOf only without a range: its digits are left to
+        # the budget (steered closed at max_tokens), the multiple kept
+        return out
     if "number" in types or "integer" in types:
         low = out.get("minimum", out.get("exclusiveMinimum"))
         high = out.get("maximum", out.get("exclusiveMaximum"))
@@ -869,8 +871,8 @@ def _strict_string(node: dict) -> dict:
             return node  # (any string: the bounds are validated after)
         char = '(?:[^"\\\\\\x00-\\x1f]|\\\\["\\\\/bfnrt]|\\\\u[0-9a-fA-F]{4})'  # one JSON string character
         node["pattern"] = "^%s{%d,%s}$" % (char, lo, "" if hi is None else int(hi))
-    if isinstance(node.get("pattern"), str) or isinstance(node.get("format"), str):
-        node.pop("minLength", None)
+    if isinstance(node.get("pattern"), str) or node.get("format") in GRAMMAR_FORMATS:
+        node.pop("minLength", None)  # (xgrammar decodes the pattern or the format alone)
         node.pop("maxLength", None)
     return node
 
@@ -891,13 +893,21 @@ def _check_patterns(xgr, schema) -> None:
     `^a\\n$`): then the whole pattern is matched against the JSON text between the quotes, and
     its quote, backslash, newline and every `.` or class are written unescaped, which is not JSON.
     Which way it goes shows in the grammar (a `Regex(` rule is the escaped way)."""
-    for pattern in dict.fromkeys(_patterns(schema)):  # each distinct pattern once
+    patterns = list(dict.fromkeys(_patterns(schema)))  # each distinct pattern once
+    total = 0
+    for pattern in patterns:  # (counted before any is built: the counts bound the time)
         counts = [int(n) for n in re.findall(r"(?<!\\)\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}", pattern) for n in n if n]
         if counts and max(counts) > MAX_PATTERN_REPEAT:
             raise StructuredOutputError(
                 f"the pattern {_shown(pattern)} repeats {max(counts):,} times: more than {MAX_PATTERN_REPEAT:,} takes "
                 f"xgrammar too long to build (its time grows with the square of the count); use + or *, or a "
                 f"maxLength beside the pattern (validated after decoding)")
+        total += max(counts, default=0)
+    if total > MAX_SCHEMA_REPEAT:
+        raise StructuredOutputError(
+            f"the schema's patterns repeat {total:,} times in all (their largest counts added up), more than "
+            f"{MAX_SCHEMA_REPEAT:,}: xgrammar would take too long to build them; use + or * in some")
+    for pattern in patterns:
         try:
             text = str(xgr.Grammar.from_json_schema(json.dumps({"type": "string", "pattern": pattern}),
                                                     any_whitespace=False))
@@ -922,7 +932,8 @@ def _names_raw(pattern: str) -> bool:
     """Whether a pattern names a quote, a backslash or a control character (what makes xgrammar
     match it against the raw JSON text)."""
     return ('"' in pattern or "\\\\" in pattern or any(ord(c) < 32 for c in pattern)
-            or re.search(r"\\(?:[nrtfv0]|x[01][0-9a-fA-F]|u00[01][0-9a-fA-F]|c)", pattern) is not None)
+            or re.search(r"\\(?:[nrtfv0]|x[01][0-9a-fA-F]|x22|x5[cC]|u00[01][0-9a-fA-F]|u0022|u005[cC]|c)",
+                         pattern) is not None)
 
 
 def grammar(xgr, params: StructuredOutputsParams):
@@ -933,6 +944,10 @@ def grammar(xgr, params: StructuredOutputsParams):
             schema = json.loads(params.json) if isinstance(params.json, str) else params.json
         except json.JSONDecodeError as e:
             raise StructuredOutputError(f"the json constraint is not valid JSON: {e}") from None
+        stray = stray_ref(schema)
+        if stray is not None:
+            raise StructuredOutputError(f"$ref {stray!r} points outside the schema's subschemas: move what it "
+                                        f"names under $defs (\"#/$defs/NAME\")")
         _check_patterns(xgr, schema)
         return xgr.Grammar.from_json_schema(json.dumps(bounded_numbers(_strict_strings(schema))),
                                             any_whitespace=False)

@@ -258,6 +258,8 @@ def run_batch(input_path: Path, out: OutputFile, llm, model_name: str, limits: L
                     parsed = parse(url, body, limits, llm.chat_prompt)
                 except RequestError as e:
                     problem = str(e)
+                except Exception as e:  # noqa: BLE001 -- a line that breaks the parser fails alone
+                    problem = f"the request could not be read ({type(e).__name__}: {str(e)[:200]})"
             if problem is not None:
                 out.write(error_line(cid, n, problem))
                 summary.errors += 1

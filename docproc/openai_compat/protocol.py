@@ -131,32 +131,45 @@ def _neutral(value: object, neutral: object) -> bool:
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
+STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+
+
 def _guided(body: dict) -> StructuredOutputsParams | None:
-    given = {kind: body[key] for key, kind in GUIDED.items() if body.get(key) is not None}
+    given = {(key, kind): body[key] for key, kind in GUIDED.items() if body.get(key) is not None}
     so = body.get("structured_outputs")
     if so is not None:
         if not isinstance(so, dict):
             raise RequestError("structured_outputs must be an object: {json | regex | choice | grammar: ...}")
-        given.update({k: v for k, v in so.items() if k in ("json", "regex", "choice", "grammar") and v is not None})
+        other = sorted(k for k, v in so.items() if k not in STRUCTURED_KEYS and v is not None)
+        if other:
+            raise RequestError(f"structured_outputs.{other[0]} is not supported by docproc (it takes "
+                               f"{', '.join(STRUCTURED_KEYS)})")
+        given.update({(f"structured_outputs.{k}", k): v for k, v in so.items() if v is not None})
     if not given:
         return None
     if len(given) > 1:
-        raise RequestError(f"give one constraint, not {', '.join(sorted(given))}")
-    kind, value = next(iter(given.items()))
+        raise RequestError(f"give one constraint, not {', '.join(sorted(field for field, _ in given))}")
+    (field, kind), value = next(iter(given.items()))
+    if kind == "json_object":
+        if value is not True:
+            raise RequestError(f"{field} must be true")
+        return StructuredOutputsParams(json={"type": "object"})
     if kind == "json":
         if isinstance(value, str):
             try:
                 value = json.loads(value)
+            except RecursionError:
+                raise RequestError(f"{field} nests JSON deeper than it can be read (about 1,000 levels)") from None
             except ValueError:
-                raise RequestError("guided_json must be a JSON Schema (an object, or its text)") from None
+                raise RequestError(f"{field} must be a JSON Schema (an object, or its text)") from None
         try:
             return response_format({"type": "json_schema", "json_schema": {"schema": value}})
         except RequestError as e:
-            raise RequestError(str(e).replace("response_format.json_schema.schema", "guided_json", 1)) from None
+            raise RequestError(str(e).replace("response_format.json_schema.schema", field, 1)) from None
     try:
         return StructuredOutputsParams(**{kind: value})
     except ValueError as e:
-        raise RequestError(f"{kind}: {e}") from None
+        raise RequestError(f"{field}: {str(e).removeprefix(kind + ' ')}") from None
 
 
 def sampling(body: dict) -> SamplingParams:
@@ -315,15 +328,17 @@ def _image_pixels(raw: bytes, limits: Limits, where: str) -> int:
 
 
 DATA_URL = re.compile(r"data:([\w.+/-]*)(;[\w=.+-]+)*?(;base64)?,", re.I)
-BARE_PDF = re.compile(r"JVBERi0[A-Za-z0-9+/\s]*={0,2}\s*")  # base64 of "%PDF-..." (its first bytes fix "JVBERi0")
+BARE_PDF = re.compile(r"JVBERi0[A-Za-z0-9+/]*={0,2}")  # base64 of "%PDF-..." (its first bytes fix "JVBERi0")
 
 
 def _bare_pdf(value: object, limits: Limits, where: str) -> bytes | None:
     """A file part's PDF given as bare base64, without the data: URL around it (what some clients
     send); None for anything else (a data: URL, a path)."""
-    if not isinstance(value, str) or not BARE_PDF.fullmatch(value):
+    if not isinstance(value, str) or not value.startswith("JVBERi0"):
         return None
-    payload = "".join(value.split())
+    payload = "".join(value.split())  # (base64 wrapped in lines)
+    if not BARE_PDF.fullmatch(payload):
+        return None
     if len(payload) > limits.max_bytes * 4 // 3 + 4:
         raise RequestError(f"{where}: more than {limits.max_bytes} bytes")
     try:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 
 from docproc.json_finite import MISSING, endless, resolve
-from docproc.schema_walk import GRAMMAR_FORMATS, RANGE_KEYWORDS, STRICT_LENGTH_LIMIT
+from docproc.schema_walk import (GRAMMAR_FORMATS, MAX_GRAMMAR_MULTIPLE, RANGE_KEYWORDS, STRICT_LENGTH_LIMIT,
+                                 grammar_multiple_of, stray_ref)
 from docproc.schema_walk import SCHEMA_MAPS as _SCHEMA_MAPS, SUBSCHEMA as _SUBSCHEMA, SUBSCHEMAS as _SUBSCHEMAS
 
 MAX_DEPTH = 100  # nesting of objects and arrays in a query's schema (a property of a property: 2 levels)
@@ -110,6 +111,10 @@ def check_schema(schema) -> None:
     if not isinstance(schema, dict):
         raise SchemaProblem(f"a schema must be a JSON object, got {type(schema).__name__}")
     _depth_ok(schema)
+    stray = stray_ref(schema)
+    if stray is not None:
+        raise SchemaProblem(f"$ref {stray!r} points outside the schema's subschemas: move what it names under "
+                            f"$defs (\"#/$defs/NAME\")")
     try:
         err = best_match(Draft202012Validator(Draft202012Validator.META_SCHEMA,
                                               format_checker=Draft202012Validator.FORMAT_CHECKER).iter_errors(schema))
@@ -174,17 +179,20 @@ def unenforced(schema) -> list[str]:
             keys.update(f"{k} (beside pattern)" for k in ("minLength", "maxLength") if k in sub)
         elif isinstance(sub.get("format"), str) and sub["format"] in GRAMMAR_FORMATS:
             keys.update(f"{k} (beside format)" for k in ("minLength", "maxLength") if k in sub)
-        elif sub.get("type") == "string" and any(isinstance(sub.get(k), int) and sub[k] > STRICT_LENGTH_LIMIT
+        elif sub.get("type") == "string" and any(isinstance(sub.get(k), (int, float)) and sub[k] > STRICT_LENGTH_LIMIT
                                                  for k in ("minLength", "maxLength")):
             keys.update(f"{k} (over {STRICT_LENGTH_LIMIT})" for k in ("minLength", "maxLength") if k in sub)
         if isinstance(sub.get("format"), str) and sub["format"] not in GRAMMAR_FORMATS:
             keys.add(f"format {sub['format']!r}")
-        if "multipleOf" in sub:
+        if "multipleOf" in sub and not grammar_multiple_of(sub):
             types = sub.get("type") if isinstance(sub.get("type"), list) else [sub.get("type")]
+            m = sub["multipleOf"]
             if types != ["integer"]:
-                keys.add("multipleOf (not of an integer)")
+                keys.add("multipleOf (of a type other than integer alone)")
             elif any(k in sub for k in RANGE_KEYWORDS):
                 keys.add("multipleOf (beside a range)")
+            else:
+                keys.add(f"multipleOf {m} (not a whole number from 1 to {MAX_GRAMMAR_MULTIPLE:,})")
     return sorted(keys)
 
 

@@ -125,8 +125,13 @@ def document_json(rows: list[dict]) -> dict:
     # what went wrong, each message once and naming its query (and page): "errors" for the rows
     # without a usable answer, "notes" for those whose answer stands with a remark (closed at
     # max_tokens with its value kept, a document read only to --max-pages)
+    asked = [r for r in rows if r["query"] is not None]
+    everywhere = {r["error"] for r in asked if r.get("error")} if asked else set()
+    for r in asked:
+        everywhere &= {r.get("error")}  # (a remark every row carries, --max-pages': once, no query named)
     for key, bad in (("errors", True), ("notes", False)):
-        said = dict.fromkeys(row_problem(r) for r in rows if r.get("error") and is_bad(r) == bad)
+        said = dict.fromkeys(r["error"] if r.get("error") in everywhere else row_problem(r)
+                             for r in rows if r.get("error") and is_bad(r) == bad)
         if said:
             doc[key] = list(said)
     if first.get("error_kind") and first["query"] is None:

@@ -26,6 +26,7 @@ class DraftView:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.num_encoded_images = 0
+        self.images_counted = False  # (the draft runner's vision cache lookups, counted once)
         self.num_placeholders = 0  # (a draft's tokens are always known)
 
     # what BlockManager and ModelRunner read
