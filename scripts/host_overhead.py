@@ -17,6 +17,7 @@ Three modes:
     python scripts/host_overhead.py --docs-dir DIR [--device cuda] [--batches 1,16] [--repeats 6]
     python scripts/host_overhead.py --stub
     python scripts/host_overhead.py --stub-graph [--batches 1,16]
+    python scripts/host_overhead.py --stub-graph --rules --prompt-tokens 300 --batches 176 [--model DIR]
 """
 from __future__ import annotations
 
@@ -71,10 +72,12 @@ def stub(batches: list[int]) -> None:
         print(json.dumps({"batch": b, **{f"{k}_us_per_step": round(v / steps * 1e6, 2) for k, v in best.items()}}))
 
 
-def stub_graph(batches: list[int], prompt_tokens: int = 0) -> None:
+def stub_graph(batches: list[int], prompt_tokens: int = 0, rules: bool = False, model: str = T) -> None:
     """With prompt_tokens, every request's prompt is about that long (contexts like a page's) and
     the model's layers are removed outright, so the prefill steps that leave the graph path run
-    (eagerly, as on a GPU) too; the timed part is still the decode steps' host work."""
+    (eagerly, as on a GPU) too; the timed part is still the decode steps' host work. rules: each
+    request is one of the default query set's, decoded under its rule (and max_tokens), against
+    the same requests free: the grammar's share of a decode step's host time."""
     from torch import nn
 
     from docproc.engine import model_runner
@@ -83,7 +86,7 @@ def stub_graph(batches: list[int], prompt_tokens: int = 0) -> None:
     model_runner.resolve_step_graphs = lambda config, device: "static"
     try:
         for b in batches:
-            llm = LLM(T, device="cpu", max_num_seqs=b)
+            llm = LLM(model, device="cpu", max_num_seqs=b)
             g = llm.runner.graphs
             hidden = llm.runner.text_config.hidden_size
 
@@ -98,6 +101,9 @@ def stub_graph(batches: list[int], prompt_tokens: int = 0) -> None:
             filler = " ".join(["word"] * prompt_tokens)
             reqs = [f"hello world {i} {filler}" for i in range(max(32, b))]  # every step runs b sequences
             sp = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+            if rules:
+                rules_vs_free(llm, reqs)
+                continue
             llm.generate(reqs, sp)
             one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
             best, best_one = 1e9, 1e9
@@ -116,6 +122,29 @@ def stub_graph(batches: list[int], prompt_tokens: int = 0) -> None:
                               "graph_steps": g.num_replays}))
     finally:
         model_runner.resolve_step_graphs = real
+
+
+def rules_vs_free(llm: LLM, reqs: list[str]) -> None:
+    """The default query set's rules against free decoding of the same requests, each run's steps
+    and host ms a step (best of three; the answers end where the grammar or max_tokens ends them)."""
+    from docproc.pipeline.queries import load_queries
+
+    qs = load_queries().queries
+    for name, constrain in (("rules", True), ("free", False)):
+        params = [SamplingParams(temperature=0.0, max_tokens=qs[i % len(qs)].max_tokens,
+                                 structured_outputs=qs[i % len(qs)].structured_outputs() if constrain else None)
+                  for i in range(len(reqs))]
+        llm.generate(reqs[:8], params[:8])
+        best = None
+        for _ in range(3):
+            steps = llm.num_steps
+            t0 = time.perf_counter()
+            outs = llm.generate(reqs, params)
+            dt, n = time.perf_counter() - t0, llm.num_steps - steps
+            if best is None or dt < best[0]:
+                best = (dt, n, sum(len(o.outputs[0].token_ids) for o in outs))
+        print(json.dumps({"rows": len(reqs), "decoding": name, "steps": best[1], "tokens": best[2],
+                          "host_ms_per_step": round(best[0] / best[1] * 1e3, 2)}))
 
 
 def device_run(args) -> None:
@@ -180,12 +209,15 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--prompt-tokens", type=int, default=0, help="--stub-graph: prompts of about this many tokens")
+    ap.add_argument("--rules", action="store_true", help="--stub-graph: the default query set's rules against free "
+                                                         "decoding (with --model, a checkpoint's tokenizer)")
+    ap.add_argument("--model", default=T, help="--stub-graph: the checkpoint (its layers are removed)")
     args = ap.parse_args()
     args.batches = [int(x) for x in args.batches.split(",")]
     if args.stub:
         stub(args.batches)
     elif args.stub_graph:
-        stub_graph(args.batches, args.prompt_tokens)
+        stub_graph(args.batches, args.prompt_tokens, args.rules, args.model)
     else:
         device_run(args)
 
