@@ -1,9 +1,11 @@
 """Walking a JSON Schema by its keywords: which values are schemas (and so hold constraints) and
 which are data or names. A walk over every dict of a schema mistakes data for schemas (a `const`
 object that looks like `{"type": "string", "maxLength": 3}`) and names for keywords (a property
-called `enum`, `pattern` or `minLength`). Torch-free; no imports.
+called `enum`, `pattern` or `minLength`). Torch-free.
 """
 from __future__ import annotations
+
+from docproc.json_finite import MISSING, resolve
 
 # keywords whose value is one schema (items: a list of schemas too, as older drafts write tuples)
 SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
@@ -75,8 +77,8 @@ def stray_ref(schema) -> str | None:
     the grammar would decode it: such a schema is refused, its target to be moved under $defs."""
     for node in subschemas(schema):
         ref = node.get("$ref")
-        if not isinstance(ref, str) or not ref.startswith("#/"):
-            continue
+        if not isinstance(ref, str) or not ref.startswith("#/") or resolve(schema, ref) is MISSING:
+            continue  # (a pointer to nothing is named by the checks and the compile as dangling)
         parts = [p.replace("~1", "/").replace("~0", "~") for p in ref[2:].split("/")]
         i = 0
         while i < len(parts):

@@ -946,8 +946,8 @@ def grammar(xgr, params: StructuredOutputsParams):
             raise StructuredOutputError(f"the json constraint is not valid JSON: {e}") from None
         stray = stray_ref(schema)
         if stray is not None:
-            raise StructuredOutputError(f"$ref {stray!r} points outside the schema's subschemas: move what it "
-                                        f"names under $defs (\"#/$defs/NAME\")")
+            raise StructuredOutputError(f"the json constraint does not compile: $ref {stray!r} points outside the "
+                                        f"schema's subschemas: move what it names under $defs (\"#/$defs/NAME\")")
         _check_patterns(xgr, schema)
         return xgr.Grammar.from_json_schema(json.dumps(bounded_numbers(_strict_strings(schema))),
                                             any_whitespace=False)
