@@ -346,7 +346,11 @@ def test_malformed_requests_get_4xx_and_the_server_goes_on(server, client):
         code, err = post(base, path, body)
         assert code == status, (path, body[:80], code, err)
         assert err["error"]["message"] and err["error"]["code"] == status
-    from docproc.openai_compat.server import containers
+    from docproc.openai_compat.server import carries_images, containers
+
+    # a body without images or files is parsed in threads of its own (never behind decoding pages)
+    assert not carries_images(json.dumps(good).encode()) and carries_images(json.dumps({**good, "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}).encode())
 
     assert containers(json.dumps({"a": '{"[\\', "b": [1, {}], "c": "\\", "d": ["]"]}).encode()) == 4
     # brackets inside a string are text, not containers (refused for its length, not as JSON)

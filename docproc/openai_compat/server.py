@@ -38,12 +38,20 @@ MAX_QUEUED = 1024  # requests waiting for the engine before new ones get 429
 MAX_QUEUED_BYTES = 2 << 30  # and their bodies' bytes
 MAX_QUEUED_PIXELS = 1_000_000_000  # and their decoded images' pixels (3 GB of RGB)
 PREPARING = min(8, os.cpu_count() or 1)  # bodies parsed and their images decoded at once
+TEXT_PREPARING = 2  # bodies without image or file parts, parsed beside those
 GRAMMAR_THREADS = 2  # constraints compiled at once (a slow one holds up constrained requests only)
 BODY_IDLE_SECONDS = 30  # a body that sends nothing for this long is cut off (408)
 BODY_SECONDS = 300  # and one that takes longer in all
 MAX_HELD_BYTES = 1 << 30  # bodies being read or parsed, in all (429 past it)
 MAX_JSON_CONTAINERS = 100_000  # objects and arrays in a body (parsed, each costs ~100x its bytes)
 JSON_STRING = re.compile(rb'"[^"]*"')  # (escapes taken out first: no backtracking, linear in the body)
+
+
+def carries_images(raw: bytes) -> bool:
+    """Whether a body may hold image or file parts (their type names, anywhere in it: a text
+    body that only mentions them goes with the image bodies, which costs it a wait, never a
+    wrong answer)."""
+    return b"image_url" in raw or b'"file"' in raw
 
 
 def containers(raw: bytes) -> int:
@@ -492,6 +500,9 @@ def build_app(engine: EngineLoop, cfg: ServerConfig, render_pdf=None):
     # bodies parsed and their images decoded by PREPARING threads (which bounds the pixels being
     # decoded), each with a processor of its own (a tokenizer is not shared between threads)
     preparing = Lane(PREPARING, "docproc-prepare")
+    # bodies without images or files in two threads of their own: a text request (or a malformed
+    # one, answered 400) does not wait behind pages being decoded
+    preparing_text = Lane(TEXT_PREPARING, "docproc-prepare-text")
     own = threading.local()
     grammar_lane = Lane(GRAMMAR_THREADS, "docproc-grammar")
     held = {"bytes": 0}  # bodies being read or parsed
@@ -564,7 +575,7 @@ def build_app(engine: EngineLoop, cfg: ServerConfig, render_pdf=None):
             hold = [0]
             try:
                 raw = await read_body(request, hold)
-                parsed = await preparing.run(prepare, kind, raw)
+                parsed = await (preparing if carries_images(raw) else preparing_text).run(prepare, kind, raw)
             finally:
                 held["bytes"] -= hold[0]
             nbytes = len(raw)
