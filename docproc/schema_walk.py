@@ -71,24 +71,29 @@ def subschemas(schema):
 
 
 def stray_ref(schema) -> str | None:
-    """The first local `$ref` ("#/...") whose pointer leaves the schema's subschemas (it goes
-    through a key that is not a schema keyword, as `#/components/s` does), or None. What it
-    points at is not walked as a schema (number bounds, strict strings, pattern checks), though
-    the grammar would decode it: such a schema is refused, its target to be moved under $defs."""
+    """The first local `$ref` ("#/...") whose pointer does not end on a subschema reached through
+    schema keywords (it goes through another key, as `#/components/s` does, or ends on a map or a
+    list of them, as `#/$defs` does), or None. What it points at is not walked as a schema
+    (number bounds, strict strings, pattern checks), though the grammar would decode it: such a
+    schema is refused, its target to be moved under $defs."""
     for node in subschemas(schema):
         ref = node.get("$ref")
         if not isinstance(ref, str) or not ref.startswith("#/") or resolve(schema, ref) is MISSING:
             continue  # (a pointer to nothing is named by the checks and the compile as dangling)
         parts = [p.replace("~1", "/").replace("~0", "~") for p in ref[2:].split("/")]
-        i = 0
-        while i < len(parts):
-            key = parts[i]
-            if key in SUBSCHEMA:
-                i += 2 if key == "items" and i + 1 < len(parts) and parts[i + 1].isdigit() else 1
-            elif key in SUBSCHEMAS or key in SCHEMA_MAPS:
-                i += 2
+        at, i = schema, 0
+        while i < len(parts) and isinstance(at, dict):
+            key, value = parts[i], at.get(parts[i])
+            if key in SUBSCHEMA and not (key == "items" and isinstance(value, list)):
+                at, i = value, i + 1
+            elif key in SUBSCHEMAS or key in SCHEMA_MAPS or key == "items":
+                if i + 1 >= len(parts):
+                    return ref  # (a list or a map of subschemas, not one)
+                at, i = resolve(value, "#/" + parts[i + 1].replace("~", "~0").replace("/", "~1")), i + 2
             else:
                 return ref
+        if i < len(parts) or not isinstance(at, (dict, bool)):
+            return ref
     return None
 
 
@@ -100,5 +105,6 @@ def grammar_multiple_of(node: dict) -> bool:
     "integer"), a whole number from 1 to MAX_GRAMMAR_MULTIPLE, with no range beside it. Elsewhere
     xgrammar ignores it (and logs so on stderr)."""
     m, types = node.get("multipleOf"), node.get("type")
-    return (types in ("integer", ["integer"]) and isinstance(m, int) and not isinstance(m, bool)
-            and 0 < m <= MAX_GRAMMAR_MULTIPLE and not any(k in node for k in RANGE_KEYWORDS))
+    whole = (isinstance(m, int) and not isinstance(m, bool)) or (isinstance(m, float) and m.is_integer())
+    return (types in ("integer", ["integer"]) and whole and 0 < m <= MAX_GRAMMAR_MULTIPLE
+            and not any(k in node for k in RANGE_KEYWORDS))

@@ -38,6 +38,8 @@ BAD_SCHEMAS = [  # (schema, what the message names)
     # a pointer through a key that is not a schema keyword: its target was never walked (numbers
     # left unbounded, a pattern naming a quote unchecked) though the grammar decodes it
     ({"$ref": "#/components/s", "components": {"s": {"type": "number"}}}, "points outside the schema's subschemas"),
+    ({"properties": {"v": {"$ref": "#/$defs"}}, "$defs": {"properties": {"x": {"type": "number"}}}},
+     "points outside the schema's subschemas"),  # (a map of subschemas, not one)
     # no finite value: decoding under them never ends (the grammar's forced text grew without bound)
     ({"type": "object", "properties": {"n": {"$ref": "#"}}, "required": ["n"]}, "no finite JSON value"),
     ({"$defs": {"a": {"type": "array", "minItems": 1, "items": {"$ref": "#/$defs/a"}}}, "type": "object",
@@ -136,6 +138,13 @@ BEYOND_THE_GRAMMAR = [  # valid JSON Schema that xgrammar cannot compile: (schem
     ({"type": "object", "patternProperties": {"^a\\n": {"type": "integer"}}}, "would write unescaped"),
     ({"type": "string", "pattern": "^[a-z]{1,20000}$"}, "repeats 20,000 times: more than 1,000"),  # (61 s to build)
     ({"type": "string", "pattern": "^((a|b){1,500}c){1,50}$"}, "too large for xgrammar"),  # (not "names a quote")
+    # counts that add up: in one pattern, repeated, and the strict strings' lengths
+    ({"type": "string", "pattern": "^" + "x{1000}" * 9 + "$"}, "count 9,000 repetitions in all"),
+    ({"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "^[a-z]{1000}$"} for i in range(9)}},
+     "more than 8,000"),
+    ({"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 500} for i in range(17)}},
+     "more than 8,000"),
+    ({"type": "string", "pattern": "^\\\\{8000}$"}, "repeats 8,000 times"),  # (an escaped backslash before it)
 ]
 
 
@@ -331,6 +340,11 @@ def test_the_unenforced_list_is_what_the_grammar_leaves_out():
         assert any(named in k for k in unenforced(schema)), (schema, unenforced(schema))
     # (what it names does get through)
     assert accepts(grammar(xgr, StructuredOutputsParams(json={"type": "integer", "multipleOf": 2000})), "1")
+    # an integer's multipleOf written 5.0 is a whole number; a nullable string's length bounds
+    # are the strict pattern (xgrammar's own rule wrote control characters unescaped)
+    assert unenforced({"type": "integer", "multipleOf": 5.0}) == []
+    nullable = grammar(xgr, StructuredOutputsParams(json={"type": ["string", "null"], "maxLength": 5}))
+    assert not accepts(nullable, '"a\x01b"') and accepts(nullable, '"abc"') and accepts(nullable, "null")
     # an unknown format beside a type list keeps its length bounds (they were dropped with nothing said)
     assert not accepts(grammar(xgr, StructuredOutputsParams(json={"type": ["string", "null"], "format": "foo",
                                                                   "maxLength": 3})), '"abcd"')

@@ -121,6 +121,13 @@ def test_images_as_path_bytes_or_pil_share_the_encoder_and_prefix_cache(qwen2_vl
         "image": [page(6), page(7)]}}, SamplingParams(max_tokens=1))
     info = chunked.cache_info()
     assert (info["encoder_cache_lookups"], info["encoder_cache_hits"], info["num_encoded_images"]) == (2, 0, 2)
+    # a step with more images than the vision cache keeps (its first ones were evicted by its last
+    # before the step read them: TypeError)
+    three = {"prompt": "<|im_start|>user\n" + IMG * 3 + "Totals?", "multi_modal_data": {"image": [page(6), page(7),
+                                                                                                     page(8)]}}
+    small = LLM(str(qwen2_vl_dir), device="cpu", encoder_cache_entries=2).generate(three, SamplingParams(max_tokens=3))
+    assert small[0].error is None and small[0].outputs[0].token_ids == \
+        cold.generate(three, SamplingParams(max_tokens=3))[0].outputs[0].token_ids
 
 
 def test_metrics_and_cache_info(llm):

@@ -454,6 +454,10 @@ def test_failure_reasons_name_query_and_page_and_a_kept_answer_is_a_note(tmp_pat
     assert doc["notes"] == ["vendor: the answer reached max_tokens (16) and was closed"]
     assert "notes" not in document_json(doc_rows(KILLED, "b.pdf")) and "errors" not in document_json(
         doc_rows(KILLED, "b.pdf"))
+    # a document read to --max-pages: that remark once, the rest named as ever (a single query too)
+    short = "; only the first 2 of 5 pages were read (--max-pages)"
+    doc = document_json([{**rows[1], "error": rows[1]["error"] + short}])
+    assert doc["errors"] == ["total: not a number: 'x'"] and doc["notes"] == [short[2:]]
     out = tmp_path / "out"
     RunStore(out).write_part(1, rows + [page])
     assert [(f["path"], f["status"], f["error"]) for f in list_failures(out)] == [

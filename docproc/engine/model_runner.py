@@ -186,6 +186,7 @@ class ModelRunner:
         if self.tp is not None:  # every rank holds its share of the same blocks
             self.kv_cache.allocate = self._allocate_everywhere
         self.encoder_cache = EncoderCache(config.cache.encoder_cache_entries, config.cache.encoder_cache_bytes)
+        self._step_embeds: dict[str, torch.Tensor] = {}  # this step's image embeddings (_image_embeddings)
         self.sampler = Sampler(config.seed, self.device)
         self.logits_hook = None  # tests: called with (list[Sequence], logits) at every sampled row
         self.grammar = None  # engine/structured.py's GrammarCompiler once a request is constrained
@@ -324,13 +325,18 @@ class ModelRunner:
         """Encode, in one vision call, every image of these sequences that the cache lacks."""
         fp = self.model.vision_fingerprint
         todo: dict[str, tuple[Sequence, object]] = {}
+        # the step's embeddings, held for _prepare: a step with more images than the cache keeps
+        # would otherwise find its first ones evicted by its last
+        step = self._step_embeds = {}
         for seq in seqs:
             for span, img in zip(seq.images, seq.mm_inputs):
                 key = (fp, span.content_hash)
                 hit = key in self.encoder_cache or span.content_hash in todo
                 if not seq.images_counted:  # (each chunk of a long prompt looks again: counted once)
                     self.encoder_cache.count(hit)
-                if not hit:
+                if key in self.encoder_cache:
+                    step[span.content_hash] = self.encoder_cache.get(key)
+                elif not hit:
                     todo[span.content_hash] = (seq, img)
             seq.images_counted = True
         if not todo:
@@ -341,7 +347,8 @@ class ModelRunner:
             for h in list(todo):
                 trunk = self.trunk_source.get((trunk_fp, h))
                 if trunk is not None:
-                    self.encoder_cache.put((fp, h), self.model.vision.merge(trunk.to(self.device)))
+                    step[h] = self.model.vision.merge(trunk.to(self.device))
+                    self.encoder_cache.put((fp, h), step[h])
                     self.num_shared_trunk_images += 1
                     del todo[h]
             if not todo:
@@ -351,6 +358,7 @@ class ModelRunner:
             plist[0].to(self.device, non_blocking=True)
         embeds, trunks = self.model.vision.encode(pixels, grids)  # the grid stays on the host
         for i, ((h, (seq, _)), e) in enumerate(zip(todo.items(), embeds)):
+            step[h] = e
             self.encoder_cache.put((fp, h), e)
             if self.trunk_cache is not None and trunks is not None:
                 self.trunk_cache.put((trunk_fp, h), trunks[i])
@@ -405,7 +413,8 @@ class ModelRunner:
         image_embeds = []
         r = 0
         for row, lo, hi, span in pieces:
-            image_embeds.append(self.encoder_cache.get((fp, span.content_hash))[lo:hi])
+            embed = self._step_embeds.get(span.content_hash)
+            image_embeds.append((embed if embed is not None else self.encoder_cache.get((fp, span.content_hash)))[lo:hi])
             image_rows[r: r + hi - lo] = np.arange(row, row + hi - lo)
             r += hi - lo
         d = self.stage.to_device(flat)

@@ -864,8 +864,9 @@ def _strict_string(node: dict) -> dict:
         node["pattern"] = ISO_DATE
     if node.get("type") == "string" and "format" in node and node["format"] not in GRAMMAR_FORMATS:
         del node["format"]  # (decoded as any string either way: its length bounds become a strict pattern)
-    if node.get("type") == "string" and ("maxLength" in node or "minLength" in node) \
-            and "pattern" not in node and "format" not in node:
+    types = node.get("type")
+    strings = types == "string" or (isinstance(types, list) and "string" in types)  # (["string", "null"] too)
+    if strings and ("maxLength" in node or "minLength" in node) and "pattern" not in node and "format" not in node:
         lo, hi = int(node.pop("minLength", 0)), node.pop("maxLength", None)
         if max(lo, hi or 0) > STRICT_LENGTH_LIMIT:
             return node  # (any string: the bounds are validated after)
@@ -877,8 +878,35 @@ def _strict_string(node: dict) -> dict:
     return node
 
 
+def _repeat_counts(pattern: str) -> list[int]:
+    """The numbers of a pattern's counted repetitions ({n}, {m,n}, {m,}), outside character
+    classes and escapes."""
+    counts, i, in_class = [], 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            if pattern[i + 1: i + 2] == "]" or pattern[i + 1: i + 3] == "^]":  # (a ] first is a member)
+                i += 2 if pattern[i + 1] == "]" else 3
+                continue
+        elif c == "{":
+            m = re.match(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}", pattern[i:])
+            if m:
+                counts += [int(n) for n in m.groups() if n]
+                i += m.end()
+                continue
+        i += 1
+    return counts
+
+
 def _patterns(schema):
-    """Every string `pattern` and `patternProperties` key in a schema (its subschemas included)."""
+    """Every string `pattern` and `patternProperties` key in a schema (its subschemas included),
+    each occurrence."""
     for node in subschemas(schema):
         if isinstance(node.get("pattern"), str):
             yield node["pattern"]
@@ -894,19 +922,21 @@ def _check_patterns(xgr, schema) -> None:
     its quote, backslash, newline and every `.` or class are written unescaped, which is not JSON.
     Which way it goes shows in the grammar (a `Regex(` rule is the escaped way)."""
     patterns = list(dict.fromkeys(_patterns(schema)))  # each distinct pattern once
-    total = 0
     for pattern in patterns:  # (counted before any is built: the counts bound the time)
-        counts = [int(n) for n in re.findall(r"(?<!\\)\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}", pattern) for n in n if n]
+        counts = _repeat_counts(pattern)
         if counts and max(counts) > MAX_PATTERN_REPEAT:
             raise StructuredOutputError(
                 f"the pattern {_shown(pattern)} repeats {max(counts):,} times: more than {MAX_PATTERN_REPEAT:,} takes "
                 f"xgrammar too long to build (its time grows with the square of the count); use + or *, or a "
                 f"maxLength beside the pattern (validated after decoding)")
-        total += max(counts, default=0)
+    # every occurrence of every count, the strict strings' length patterns included: what the
+    # grammar will build
+    total = sum(sum(_repeat_counts(p)) for p in _patterns(_strict_strings(schema)))
     if total > MAX_SCHEMA_REPEAT:
         raise StructuredOutputError(
-            f"the schema's patterns repeat {total:,} times in all (their largest counts added up), more than "
-            f"{MAX_SCHEMA_REPEAT:,}: xgrammar would take too long to build them; use + or * in some")
+            f"the schema's patterns and string lengths count {total:,} repetitions in all, more than "
+            f"{MAX_SCHEMA_REPEAT:,}: xgrammar would take too long to build them; use + or * in some patterns, or "
+            f"leave some lengths out (validated after decoding)")
     for pattern in patterns:
         try:
             text = str(xgr.Grammar.from_json_schema(json.dumps({"type": "string", "pattern": pattern}),

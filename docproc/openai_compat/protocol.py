@@ -132,6 +132,9 @@ GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choi
 
 
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+# vLLM's options for its backends, taken and left aside: docproc's answers never hold whitespace
+# between JSON tokens, never fall back to another backend, and take a schema's additionalProperties
+BACKEND_OPTIONS = ("disable_any_whitespace", "disable_fallback", "disable_additional_properties")
 
 
 def _guided(body: dict) -> StructuredOutputsParams | None:
@@ -140,11 +143,14 @@ def _guided(body: dict) -> StructuredOutputsParams | None:
     if so is not None:
         if not isinstance(so, dict):
             raise RequestError("structured_outputs must be an object: {json | regex | choice | grammar: ...}")
-        other = sorted(k for k, v in so.items() if k not in STRUCTURED_KEYS and v is not None)
+        for key in BACKEND_OPTIONS:  # (how vLLM picks and runs a backend: docproc's one decodes without them)
+            if so.get(key) is not None and not isinstance(so[key], bool):
+                raise RequestError(f"structured_outputs.{key} must be true or false")
+        other = sorted(k for k, v in so.items() if k not in STRUCTURED_KEYS + BACKEND_OPTIONS and v is not None)
         if other:
             raise RequestError(f"structured_outputs.{other[0]} is not supported by docproc (it takes "
                                f"{', '.join(STRUCTURED_KEYS)})")
-        given.update({(f"structured_outputs.{k}", k): v for k, v in so.items() if v is not None})
+        given.update({(f"structured_outputs.{k}", k): v for k, v in so.items() if v is not None and k in STRUCTURED_KEYS})
     if not given:
         return None
     if len(given) > 1:

@@ -609,17 +609,21 @@ def build_app(engine: EngineLoop, cfg: ServerConfig, render_pdf=None):
         """The body as JSON, parsed (protocol.parse), then its images decoded and its length
         checked (preload), in a worker thread: the engine's thread only tokenizes it. 400 for
         anything the engine would refuse."""
+        try:  # (JSON between systems is UTF-8, RFC 8259; in UTF-16 a quote byte can sit inside a character)
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise HTTPError(400, "the body is not UTF-8 text (JSON is sent as UTF-8)") from None
         if raw.count(b"{") + raw.count(b"[") > MAX_JSON_CONTAINERS and \
                 containers(raw) > MAX_JSON_CONTAINERS:  # (the brackets inside strings are text)
             raise HTTPError(400, f"the body holds more than {MAX_JSON_CONTAINERS} JSON objects and arrays")
         try:
-            body = json.loads(raw)
+            body = json.loads(text)
             json.dumps(body, ensure_ascii=False).encode()  # lone surrogates (\ud800) are not text
         except RecursionError:
             raise HTTPError(400, "the body nests JSON deeper than it can be read (about 1,000 levels)") from None
         except (ValueError, UnicodeError) as e:
             raise HTTPError(400, f"the body is not JSON text ({type(e).__name__})") from None
-        del raw
+        del raw, text
         proc = getattr(own, "processor", None)
         if proc is None:
             proc = own.processor = copy.copy(llm.processor)

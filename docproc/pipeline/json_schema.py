@@ -179,8 +179,8 @@ def unenforced(schema) -> list[str]:
             keys.update(f"{k} (beside pattern)" for k in ("minLength", "maxLength") if k in sub)
         elif isinstance(sub.get("format"), str) and sub["format"] in GRAMMAR_FORMATS:
             keys.update(f"{k} (beside format)" for k in ("minLength", "maxLength") if k in sub)
-        elif sub.get("type") == "string" and any(isinstance(sub.get(k), (int, float)) and sub[k] > STRICT_LENGTH_LIMIT
-                                                 for k in ("minLength", "maxLength")):
+        elif (sub.get("type") == "string" or isinstance(sub.get("type"), list) and "string" in sub["type"]) and any(
+                isinstance(sub.get(k), (int, float)) and sub[k] > STRICT_LENGTH_LIMIT for k in ("minLength", "maxLength")):
             keys.update(f"{k} (over {STRICT_LENGTH_LIMIT})" for k in ("minLength", "maxLength") if k in sub)
         if isinstance(sub.get("format"), str) and sub["format"] not in GRAMMAR_FORMATS:
             keys.add(f"format {sub['format']!r}")

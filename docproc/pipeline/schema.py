@@ -12,6 +12,7 @@ import array
 import json
 import mmap
 import os
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -125,18 +126,21 @@ def document_json(rows: list[dict]) -> dict:
     # what went wrong, each message once and naming its query (and page): "errors" for the rows
     # without a usable answer, "notes" for those whose answer stands with a remark (closed at
     # max_tokens with its value kept, a document read only to --max-pages)
-    asked = [r for r in rows if r["query"] is not None]
-    everywhere = {r["error"] for r in asked if r.get("error")} if asked else set()
-    for r in asked:
-        everywhere &= {r.get("error")}  # (a remark every row carries, --max-pages': once, no query named)
+    # (--max-pages' remark, which every row of a document read in part carries: once, unnamed)
+    short = next((m.group(0) for r in rows if r.get("error") and (m := TRUNCATED.search(r["error"]))), None)
     for key, bad in (("errors", True), ("notes", False)):
-        said = dict.fromkeys(r["error"] if r.get("error") in everywhere else row_problem(r)
-                             for r in rows if r.get("error") and is_bad(r) == bad)
+        said = dict.fromkeys(row_problem({**r, "error": TRUNCATED.sub("", r["error"])}) for r in rows
+                             if r.get("error") and TRUNCATED.sub("", r["error"]) and is_bad(r) == bad)
+        if key == "notes" and short is not None:
+            said[short.removeprefix("; ")] = None
         if said:
             doc[key] = list(said)
     if first.get("error_kind") and first["query"] is None:
         doc["error_kind"] = first["error_kind"]
     return _clean(doc)
+
+
+TRUNCATED = re.compile(r"(?:; )?only the first \d+ of \d+ pages were read \(--max-pages\)$")
 
 
 def row_problem(row: dict) -> str:
