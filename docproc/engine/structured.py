@@ -914,13 +914,15 @@ def _patterns(schema):
             yield from node["patternProperties"]
 
 
-def _check_patterns(xgr, schema) -> None:
+def _check_patterns(xgr, schema, strict) -> None:
     """Refuse a pattern that xgrammar 0.2.9 would constrain as raw text. It matches a pattern
     against the string's characters, written as JSON escapes where JSON needs them, unless the
     pattern itself names a quote, a backslash or a control character (`^".$`, `^C:\\\\`,
     `^a\\n$`): then the whole pattern is matched against the JSON text between the quotes, and
     its quote, backslash, newline and every `.` or class are written unescaped, which is not JSON.
-    Which way it goes shows in the grammar (a `Regex(` rule is the escaped way)."""
+    Which way it goes shows in the grammar (a `Regex(` rule is the escaped way). Also refuse
+    counts xgrammar would take too long to build: one pattern's, and all of `strict`'s (the
+    schema as the grammar gets it, its strict strings' length patterns included) together."""
     patterns = list(dict.fromkeys(_patterns(schema)))  # each distinct pattern once
     for pattern in patterns:  # (counted before any is built: the counts bound the time)
         counts = _repeat_counts(pattern)
@@ -931,7 +933,7 @@ def _check_patterns(xgr, schema) -> None:
                 f"maxLength beside the pattern (validated after decoding)")
     # every occurrence of every count, the strict strings' length patterns included: what the
     # grammar will build
-    total = sum(sum(_repeat_counts(p)) for p in _patterns(_strict_strings(schema)))
+    total = sum(sum(_repeat_counts(p)) for p in _patterns(strict))
     if total > MAX_SCHEMA_REPEAT:
         raise StructuredOutputError(
             f"the schema's patterns and string lengths count {total:,} repetitions in all, more than "
@@ -978,8 +980,9 @@ def grammar(xgr, params: StructuredOutputsParams):
         if stray is not None:
             raise StructuredOutputError(f"the json constraint does not compile: $ref {stray!r} points outside the "
                                         f"schema's subschemas: move what it names under $defs (\"#/$defs/NAME\")")
-        _check_patterns(xgr, schema)
-        return xgr.Grammar.from_json_schema(json.dumps(bounded_numbers(_strict_strings(schema))),
+        strict = _strict_strings(schema)
+        _check_patterns(xgr, schema, strict)
+        return xgr.Grammar.from_json_schema(json.dumps(bounded_numbers(strict)),
                                             any_whitespace=False)
     if params.kind == "regex":
         return xgr.Grammar.from_regex(params.regex)
