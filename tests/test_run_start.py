@@ -196,6 +196,34 @@ def test_a_signal_that_c_code_swallowed_is_raised_again():
     reraise_swallowed()  # outside a run: nothing entered
 
 
+def test_signals_sent_together_end_the_run_once_and_later_ones_do_nothing():
+    """SIGTERM and SIGINT arriving together (both taken in before a handler runs) raise one
+    RunInterrupted, with no "ignored due to race condition" error and its traceback; a signal
+    after it, once the run's guard has exited and the command's handler is back, does nothing
+    (a second Ctrl-C had ended the command before the run's summary and manifest line)."""
+    unraisable = []
+    hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+    both = {signal.SIGTERM, signal.SIGINT}
+    try:
+        with signals_raise() as outer:
+            with pytest.raises(RunInterrupted) as e:
+                with signals_raise() as run:
+                    signal.pthread_sigmask(signal.SIG_BLOCK, both)
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    os.kill(os.getpid(), signal.SIGINT)
+                    signal.pthread_sigmask(signal.SIG_UNBLOCK, both)
+                    time.sleep(1)
+            run.calm()
+            for _ in range(20):  # the one the handler did not raise, run on the checks that follow
+                time.sleep(0.001)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            assert outer.raised is None
+    finally:
+        sys.unraisablehook = hook
+    assert e.value.signum in both and not unraisable
+
+
 def _swallowing_a_signal():
     """What pydantic's Rust validators do to an exception raised in them while typer parses the
     options: report it as unraisable and go on."""

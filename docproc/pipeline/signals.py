@@ -27,6 +27,10 @@ _START_FRAMES = (os.path.join(os.path.dirname(multiprocessing.__file__), "popen_
 _ENTERED: list = []  # the signals_raise entered in the main thread, innermost last
 
 
+def _ignored(signum, frame) -> None:
+    """A signal after the first, or while a run winds down: nothing to do."""
+
+
 def reraise_swallowed() -> None:
     """Raise again a RunInterrupted that code between the handler and the run swallowed: raised
     inside a Python callback of C code (torch's tensor construction from storages while a model
@@ -107,6 +111,9 @@ class signals_raise:
             self._watch()
             return
         signum = self.pending if self.pending is not None else signum
+        for guard in _ENTERED:  # the process has its signal: a guard outside this one (the command's,
+            guard._quiet = True  # its handler back once the run's guard exits) takes no second one
+            guard.pending = None
         self._ignore()
         self.raised = signum
         raise RunInterrupted(signum)
@@ -137,10 +144,14 @@ class signals_raise:
         self.raised = None
 
     def _ignore(self) -> None:
+        """Signals do nothing from now on: a Python handler that returns, not SIG_IGN, since a
+        signal the interpreter has already taken in (SIGINT and SIGTERM sent together) and finds
+        ignored when it runs the handlers is reported as an error with a traceback ("Signal 15
+        ignored due to race condition")."""
         self._quiet = True
         self.pending = None
         for sig in self.saved:
-            signal.signal(sig, signal.SIG_IGN)
+            signal.signal(sig, _ignored)
 
     def __exit__(self, *exc):
         if self in _ENTERED:
