@@ -85,6 +85,28 @@ def test_main_in_process_ends_in_system_exit_after_a_run_too(monkeypatch):
     assert e.value.code == 0 and cli._run_ended is False
 
 
+@pytest.mark.slow
+def test_what_a_killed_run_left_between_two_writes_is_removed_by_the_next(done_once, one_query, tmp_path):
+    """kill -9 after a document's JSON file was renamed into place and before the part that
+    records its rows leaves a JSON file with no rows (and temporary files): the next completed
+    run removes them and says so; every document's own JSON file stays."""
+    docs, done = done_once
+    out = tmp_path / "out"
+    shutil.copytree(done, out)
+    own = sorted(p.relative_to(out / "json") for p in (out / "json").rglob("*.json"))
+    assert len(own) == 2
+    (out / "json" / "gone.pdf.json").write_text("{}")
+    (out / "json" / "sub").mkdir()
+    (out / "json" / "sub" / "gone.png.json").write_text("{}")
+    (out / "json" / ".tmp-abc.json").write_text("{")
+    (out / ".docproc" / "parts" / ".tmp-def.rows").write_bytes(b"PAR1")
+    res = CliRunner().invoke(app, ["run", str(docs), "--out", str(out), "--queries", str(one_query)])
+    assert res.exit_code == 0, res.output
+    assert "removing 4 file(s) an interrupted run left" in res.output and "2 JSON file(s) of documents with no rows" in res.output
+    assert sorted(p.relative_to(out / "json") for p in (out / "json").rglob("*") if p.is_file()) == own
+    assert not (out / "json" / "sub").exists() and not list((out / ".docproc" / "parts").glob(".tmp-*"))
+
+
 # ---- documents redone because the configuration changed ----------------------------------------------
 @pytest.mark.slow
 def test_a_setting_change_redoes_only_the_documents_it_reaches_and_says_what_changed(done_once, one_query,

@@ -235,7 +235,9 @@ class Pipeline(DocumentWork):
             feed.close()
         self._flush()
         self._remove_gone()
-        self._write_missing_json(self._consolidate())
+        table = self._consolidate()
+        self._remove_stray(table)
+        self._write_missing_json(table)
 
     def _reconcile(self, candidates: list[Candidate], rows: list[dict] | None = None) -> None:
         """What the stored rows (rows: OUT's current rows, read here when not given) say against
@@ -300,6 +302,17 @@ class Pipeline(DocumentWork):
             self.store.write_documents(documents_table(table, self.queries), self.s.formats)
         self.stage_seconds["write"] += time.perf_counter() - t0
         return table
+
+    def _remove_stray(self, table) -> None:
+        """At a completed run's end: what a killed run left between two writes (a JSON file of a
+        document with no rows, temporary files) is removed, and said."""
+        stray = self.store.stray_files(table)
+        if stray:
+            json_files = [p for p in stray if not p.name.startswith(".tmp-")]
+            self.report("note", {"message": f"removing {len(stray)} file(s) an interrupted run left in {self.store.out}"
+                                            + (f" ({len(json_files)} JSON file(s) of documents with no rows, first: "
+                                               f"{json_files[0].name})" if json_files else "")})
+            self.store.remove_stray(stray)
 
     def _write_missing_json(self, table) -> None:
         """At a completed run's end: the JSON files of documents that have none (deleted by hand,

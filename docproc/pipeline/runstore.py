@@ -482,6 +482,34 @@ class RunStore:
                 failed.append((rel, str(e) if isinstance(e, OutputUnwritable) else f"{type(e).__name__}: {e}"))
         return failed
 
+    def stray_files(self, table: pa.Table) -> list[Path]:
+        """Files a run killed between two writes left in OUT: a document JSON file whose document
+        has no rows (its JSON renamed into place, then the kill before the part that would have
+        recorded it), and temporary files (`.tmp-*`) in json/ and in the state's parts. Only the
+        run that holds the lock calls this: no write of another is under way."""
+        keys = set(table.column("path").to_pylist())
+        ours = {json_relpath(k).as_posix() for k in keys} | {k + ".json" for k in keys}
+        stray = [p for p in self.parts_dir.glob(".tmp-*") if p.is_file()] if self.parts_dir.is_dir() else []
+        for dirpath, _, files in os.walk(self.json_dir):
+            rel_dir = os.path.relpath(dirpath, self.json_dir)
+            for f in files:
+                rel = f if rel_dir == "." else f"{rel_dir}/{f}"
+                if f.startswith(".tmp-") or (f.endswith(".json") and rel not in ours):
+                    stray.append(Path(dirpath) / f)
+        return stray
+
+    def remove_stray(self, paths: list[Path]) -> None:
+        for path in paths:
+            try:
+                path.unlink(missing_ok=True)
+                if path.is_relative_to(self.json_dir):
+                    for parent in path.parents:  # folders it leaves empty, up to json/
+                        if parent == self.json_dir or not parent.is_relative_to(self.json_dir):
+                            break
+                        parent.rmdir()
+            except OSError:
+                pass  # (a folder with other files: as it should be)
+
     def remove_document_json(self, rel: str) -> None:
         path = self.json_path(rel)
         try:
