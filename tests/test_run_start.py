@@ -107,6 +107,29 @@ def test_what_a_killed_run_left_between_two_writes_is_removed_by_the_next(done_o
     assert not (out / "json" / "sub").exists() and not list((out / ".docproc" / "parts").glob(".tmp-*"))
 
 
+@pytest.mark.slow
+def test_a_run_stopped_after_a_move_holds_the_document_once(one_query, tmp_path, monkeypatch):
+    """A renamed file's rows move to its new key in one part with the old key's removal: a run
+    stopped after that part (before the removals a whole run writes at its end) leaves the
+    document once, under its new name, with one JSON file (it was under both)."""
+    from docproc.pipeline.run import Pipeline
+
+    docs, out = _docs(tmp_path / "in", "doc_2026_00003.jpg", "doc_2026_00002.pdf"), tmp_path / "out"
+    args = ["run", str(docs), "--out", str(out), "--queries", str(one_query)]
+    assert CliRunner().invoke(app, args).exit_code == 0
+    (docs / "doc_2026_00003.jpg").rename(docs / "renamed.jpg")
+
+    def stopped(self):
+        raise RunInterrupted(signal.SIGTERM)
+
+    monkeypatch.setattr(Pipeline, "_remove_gone", stopped)
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 143, res.output
+    assert _manifest(out)["totals"]["moved"] == 1
+    assert sorted(set(RunStore(out).current().column("path").to_pylist())) == ["doc_2026_00002.pdf", "renamed.jpg"]
+    assert sorted(p.name for p in (out / "json").rglob("*.json")) == ["doc_2026_00002.pdf.json", "renamed.jpg.json"]
+
+
 # ---- documents redone because the configuration changed ----------------------------------------------
 @pytest.mark.slow
 def test_a_setting_change_redoes_only_the_documents_it_reaches_and_says_what_changed(done_once, one_query,

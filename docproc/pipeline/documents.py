@@ -85,6 +85,7 @@ class DocumentWork(EngineSetup, DocumentRows):
         self.page_hashes: set[str] = set()
         self.failures: list[dict] = []  # this run's failed files: path, kind, error
         self._pending: list[tuple[str, list[dict], bool]] = []  # (key, rows, write its JSON)
+        self._json_gone: list[str] = []  # keys moved away: their JSON files go at the next flush
         self.documents_written = 0  # documents whose rows are in a part (kept whatever happens next)
         self._live = None
         self.timeline: dict[str, list[float]] = {}  # stage -> [first start, last end], seconds from the start

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from docproc.pipeline.ingest import Candidate, Document
 from docproc.pipeline.constraints import SCHEMA_PROBLEM
 from docproc.pipeline.queries import parse_answer
+from docproc.pipeline.runstore import REMOVED
 from docproc.pipeline.schema import document_json, is_bad, row_problem, to_table
 
 
@@ -176,11 +177,32 @@ class DocumentRows:
         self.report("document", {"path": cand.rel, "status": status, "error": error, "error_kind": kind})
 
     def _move(self, cand: Candidate, old_rows: list[dict]) -> None:
-        """A renamed file: the removed document's rows under the new key, the model not run."""
+        """A renamed file: the removed document's rows under the new key, the model not run, and
+        the old key's removal in the same part (a run stopped after that part holds the document
+        once, under its new key); the old key's JSON file goes first, at the flush."""
+        old = old_rows[0]["path"]
         rows = [{**r, "path": cand.rel, "root": cand.root} for r in old_rows]
         self.totals.moved += 1
         self._pending.append((cand.rel, rows, True))
-        self.report("document", {"path": cand.rel, "status": "moved", "from": old_rows[0]["path"]})
+        if old in self._plan.removed:  # (several files with its bytes: the first move takes it)
+            self._json_gone.append(old)
+            self._pending.append(("", [self._tombstone(old, self._plan.removed.pop(old))], False))
+        self.report("document", {"path": cand.rel, "status": "moved", "from": old})
+
+    def _tombstone(self, key: str, root: str | None) -> dict:
+        """The row that removes a document from OUT's current rows."""
+        return {"run_id": self.run_id, "path": key, "root": root, "doc_status": REMOVED, "status": REMOVED,
+                "config_fingerprint": self.cfg or ""}
+
+    def _remove_json_gone(self) -> None:
+        """The JSON files of documents removed by this flush (moved away), before their tombstones
+        are written; one that is also a live document's file stays."""
+        gone, self._json_gone = self._json_gone, []
+        if gone:
+            live = {self.store.json_path(k) for k in self._roots}
+            for key in gone:
+                if self.store.json_path(key) not in live:
+                    self.store.remove_document_json(key)
 
     def _flush(self) -> None:
         """Write the finished documents: their JSON files first, then one part with all their rows
@@ -189,6 +211,7 @@ class DocumentRows:
         if not self._pending:
             return
         t0 = time.perf_counter()
+        self._remove_json_gone()
         cfg = self.fingerprint_now()
         for _, rows, _ in self._pending:  # (rows made before the fingerprint was known)
             for r in rows:

@@ -34,7 +34,7 @@ from docproc.pipeline.streamer import _Streamer
 from docproc.pipeline.ingest import Candidate, discover, display_name, searched_roots
 from docproc.pipeline.queries import load_queries
 from docproc.pipeline.reconcile import ConfigHistory, reconcile
-from docproc.pipeline.runstore import REMOVED, RunStore
+from docproc.pipeline.runstore import RunStore
 from docproc.pipeline.settings import RunSettings, RunTotals
 from docproc.pipeline.signals import EXIT_INTERRUPTED, RunInterrupted, signals_raise
 from docproc.pipeline.typed import documents_table
@@ -120,6 +120,7 @@ class Pipeline(DocumentWork):
         self.store.lock()  # LockedError, OutputUnwritable: nothing started, no manifest
         status, fault, exit_code = "completed", None, None
         self._pending: list[tuple[str, list[dict], bool]] = []  # (key, rows, write its JSON)
+        self._json_gone: list[str] = []
         self.documents_written = 0
         self._part = self._first_part = None  # (the part numbers this run writes from)
         try:
@@ -164,7 +165,7 @@ class Pipeline(DocumentWork):
         the model now: they can only be files settled without the engine (skips, unreadable files),
         which the next run settles again in moments."""
         if self.cfg is None:
-            self._pending = []
+            self._pending, self._json_gone = [], []
         if not self._pending and self._part == self._first_part:
             return
         try:
@@ -286,11 +287,9 @@ class Pipeline(DocumentWork):
         for k in removed:
             if self.store.json_path(k) not in live:
                 self.store.remove_document_json(k)
-        self._pending.append(("", [{"run_id": self.run_id, "path": k, "root": root, "doc_status": REMOVED,
-                                    "status": REMOVED, "config_fingerprint": self.cfg or ""}
-                                   for k, root in removed.items()], False))
+        self._pending.append(("", [self._tombstone(k, root) for k, root in removed.items()], False))
         self._flush()
-        self.totals.removed = len(removed) - self.totals.moved  # a rename is a move, not a removal
+        self.totals.removed = len(removed)  # (a rename's old key went with its move)
         self._plan.removed = {}
 
     def _consolidate(self):
