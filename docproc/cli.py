@@ -965,6 +965,12 @@ def _print_stats(data, as_json: bool, failures: bool) -> None:
     seconds = "-" if r["seconds"] is None else f"{r['seconds']:.1f}"
     out_console.print(f"[bold]run {escape(r['run_id'])}[/bold] started {escape(_fmt(r['started_at']))}, "
                       f"{seconds} s, exit {escape(_fmt(r['exit_code']))}, {escape(_fmt(r['status']))}")
+    fault = data["fault"] if isinstance(data["fault"], dict) else None
+    if fault is not None:  # the run stopped: what it kept (an unwritable OUT loses what it had not written)
+        kept = fault.get("documents_kept") if fault.get("kind") == "output" else r["documents"]
+        out_console.print(f"  fault: {escape(_fmt(fault.get('message')))}"
+                          + (f"; {_fmt(kept)} of its documents kept (the others are redone by the next run)"
+                             if fault.get("kind") == "output" else ""), soft_wrap=True)
     out_console.print(f"  documents {_fmt(r['documents'])} (ok {_fmt(r['ok'])}, already done "
                       f"{_fmt(r['already_done'])}), pages {_fmt(r['pages'])} (unique {_fmt(r['unique_pages'])}, "
                       f"vision encodes {_fmt(r['vision_encodes'])}), failures {_fmt(r['failures'])}, "

@@ -314,6 +314,23 @@ def test_stats_skips_a_damaged_manifest_with_a_warning_and_reports_the_others(tm
     assert json.loads(stats(out, "--run", FIRST, "--json").stdout)["per_query"]["vendor"]["rows"] == 1
 
 
+def test_stats_says_how_a_run_stopped_and_what_an_unwritable_out_kept(tmp_path):
+    """A run that stopped on a full disk counted the documents it answered, not the ones it could
+    write: stats says it stopped, and how many of its documents OUT kept."""
+    out = tmp_path / "out"
+    store = RunStore(out)
+    store.write_part(1, doc_rows(FIRST, "a.pdf") + doc_rows(FIRST, "b.pdf"))
+    m = manifest(FIRST, "2025-01-03T10:00:00.000000+00:00", 8)
+    m.update(status="failed", exit_code=5, fault={"kind": "output", "message": "no space left for out", "documents_kept": 2})
+    store.write_manifest(FIRST, m)
+    res = stats(out)
+    assert res.exit_code == 0, res.output
+    assert "fault: no space left for out; 2 of its documents kept (the others are redone by the next run)" in res.stdout
+    m.update(status="interrupted", exit_code=143, fault={"kind": "signal", "message": "stopped by SIGTERM"})
+    store.write_manifest(FIRST, m)
+    assert "  fault: stopped by SIGTERM\n" in stats(out).stdout
+
+
 def test_stats_reports_a_killed_first_run_from_its_rows(tmp_path):
     """kill -9 leaves no manifest: stats reports the documents the parts hold and says why."""
     out = tmp_path / "out"
