@@ -352,6 +352,9 @@ def test_environment_faults_stop_with_one_line_and_their_exit_code(run, tmp_path
     res = run(tmp_path / "in", "--out", tmp_path / "o_ro")
     assert res.exit_code == 5 and "read-only" in res.output
     monkeypatch.setattr(runstore.tempfile, "mkstemp", real_mkstemp)
+    # `ulimit -f` (EFBIG): said as such, with the fix (it was "File too large", naming the folder)
+    message = str(runstore.output_fault(OSError(errno.EFBIG, "File too large"), tmp_path / "o"))
+    assert "file size limit (`ulimit -f`)" in message and "raise the limit" in message
 
 
 def test_a_damaged_part_is_said_set_aside_and_its_documents_redone(run, tmp_path):

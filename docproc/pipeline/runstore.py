@@ -122,6 +122,9 @@ def output_fault(e: OSError, what: Path | str, option: str = "--out") -> OutputU
         msg = f"{what} is on a read-only file system: pass a writable {option}"
     elif code in (errno.EACCES, errno.EPERM):
         msg = f"cannot write {what}: permission denied; pass an {option} you may write to"
+    elif code == errno.EFBIG:
+        msg = (f"cannot write {what}: a file would pass this process's file size limit (`ulimit -f`) or the file "
+               f"system's largest file; raise the limit and run the same command again")
     elif code in (errno.ENOTDIR, errno.EEXIST):
         msg = f"cannot write {what}: a file stands where a folder is needed; pass a {'folder' if option == '--out' else 'file'} as {option}"
     else:
