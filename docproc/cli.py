@@ -311,7 +311,8 @@ def run(
                                               f"same command again to finish" if kept else ""))
     elif manifest["status"] == "interrupted":
         t = manifest["totals"]
-        error(f"{manifest['fault']['message']}: {t['documents']} documents finished and kept; the batch in "
+        moved = f" ({t['moved']} renamed file(s) moved)" if t.get("moved") else ""
+        error(f"{manifest['fault']['message']}: {t['documents']} documents finished and kept{moved}; the batch in "
               f"flight was dropped; run the same command again to finish", "interrupted", "yellow")
     global _run_ended
     _run_ended = not ray  # (a Ray run leaves its cluster through Ray's own exit handlers)

@@ -124,7 +124,7 @@ def test_a_run_stopped_after_a_move_holds_the_document_once(one_query, tmp_path,
 
     monkeypatch.setattr(Pipeline, "_remove_gone", stopped)
     res = CliRunner().invoke(app, args)
-    assert res.exit_code == 143, res.output
+    assert res.exit_code == 143 and "(1 renamed file(s) moved)" in res.output, res.output
     assert _manifest(out)["totals"]["moved"] == 1
     assert sorted(set(RunStore(out).current().column("path").to_pylist())) == ["doc_2026_00002.pdf", "renamed.jpg"]
     assert sorted(p.name for p in (out / "json").rglob("*.json")) == ["doc_2026_00002.pdf.json", "renamed.jpg.json"]
