@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -253,10 +254,15 @@ def test_signals_sent_together_end_the_run_once_and_later_ones_do_nothing():
         with signals_raise() as outer:
             with pytest.raises(RunInterrupted) as e:
                 with signals_raise() as run:
+                    # sent to this thread while it blocks them (sent to the process, another thread
+                    # of it, pytest-xdist's, would take the first at once), then both let in
+                    main = threading.main_thread().ident
                     signal.pthread_sigmask(signal.SIG_BLOCK, both)
-                    os.kill(os.getpid(), signal.SIGTERM)
-                    os.kill(os.getpid(), signal.SIGINT)
-                    signal.pthread_sigmask(signal.SIG_UNBLOCK, both)
+                    try:
+                        signal.pthread_kill(main, signal.SIGTERM)
+                        signal.pthread_kill(main, signal.SIGINT)
+                    finally:
+                        signal.pthread_sigmask(signal.SIG_UNBLOCK, both)
                     time.sleep(1)
             run.calm()
             for _ in range(20):  # the one the handler did not raise, run on the checks that follow
