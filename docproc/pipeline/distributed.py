@@ -525,9 +525,7 @@ class RayPipeline(Pipeline):
         self._flush()  # skips, errors, renames: written before the engine work starts
         if groups:
             self._distribute(list(groups.values()))
-        self._flush()
-        self._remove_gone()
-        self._write_missing_json(self._consolidate())
+        self._finish()
 
     def _distribute(self, groups: list[list]) -> None:
         import ray

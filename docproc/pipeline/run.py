@@ -234,6 +234,11 @@ class Pipeline(DocumentWork):
             _Streamer(self, feed).run()
         finally:
             feed.close()
+        self._finish()
+
+    def _finish(self) -> None:
+        """A completed run's end: what is finished written, documents gone removed, the tables
+        written, what a killed run left behind removed, missing JSON files written."""
         self._flush()
         self._remove_gone()
         table = self._consolidate()
