@@ -383,7 +383,7 @@ def _dry_run(pipeline, log_json: bool, debug: bool) -> None:
             for d in plan["documents"]:
                 print(json.dumps({"event": "plan", **d}))
             print(json.dumps({"event": "plan_end", "counts": c, "json_missing": plan["json_missing"],
-                              "config_fingerprint": plan["config_fingerprint"],
+                              "stray_files": plan["stray_files"], "config_fingerprint": plan["config_fingerprint"],
                               "fingerprint": f}), flush=True)
         else:
             table = Table(box=None, pad_edge=False)
@@ -398,6 +398,7 @@ def _dry_run(pipeline, log_json: bool, debug: bool) -> None:
                 + ", ".join(f"{'errors' if a == 'error' else a} {c[a]}" for a in ACTIONS[2:])
                 + (f"; would write {plan['json_missing']} document JSON file(s) missing from OUT/json from "
                    f"their rows" if plan["json_missing"] else "")
+                + (f"; would remove {plan['stray_files']} file(s) an interrupted run left" if plan["stray_files"] else "")
                 + f". Configuration fingerprint {plan['config_fingerprint'] or '-'}, {f['why']}. Nothing was "
                   f"written."), soft_wrap=True)
     except BrokenPipeError:  # stdout closed (`| head`)
@@ -968,10 +969,9 @@ def _print_stats(data, as_json: bool, failures: bool) -> None:
                       f"{seconds} s, exit {escape(_fmt(r['exit_code']))}, {escape(_fmt(r['status']))}")
     fault = data["fault"] if isinstance(data["fault"], dict) else None
     if fault is not None:  # the run stopped: what it kept (an unwritable OUT loses what it had not written)
-        kept = fault.get("documents_kept") if fault.get("kind") == "output" else r["documents"]
         out_console.print(f"  fault: {escape(_fmt(fault.get('message')))}"
-                          + (f"; {_fmt(kept)} of its documents kept (the others are redone by the next run)"
-                             if fault.get("kind") == "output" else ""), soft_wrap=True)
+                          + (f"; {_fmt(fault.get('documents_kept'))} of its documents kept (the others are redone "
+                             f"by the next run)" if fault.get("kind") == "output" else ""), soft_wrap=True)
     out_console.print(f"  documents {_fmt(r['documents'])} (ok {_fmt(r['ok'])}, already done "
                       f"{_fmt(r['already_done'])}), pages {_fmt(r['pages'])} (unique {_fmt(r['unique_pages'])}, "
                       f"vision encodes {_fmt(r['vision_encodes'])}), failures {_fmt(r['failures'])}, "

@@ -90,21 +90,31 @@ def test_main_in_process_ends_in_system_exit_after_a_run_too(monkeypatch):
 def test_what_a_killed_run_left_between_two_writes_is_removed_by_the_next(done_once, one_query, tmp_path):
     """kill -9 after a document's JSON file was renamed into place and before the part that
     records its rows leaves a JSON file with no rows (and temporary files): the next completed
-    run removes them and says so; every document's own JSON file stays."""
+    run removes them and says so. Every document's own JSON file stays, and so do other files in
+    json/ (docproc's JSON of another path's name, a user's index)."""
     docs, done = done_once
     out = tmp_path / "out"
     shutil.copytree(done, out)
     own = sorted(p.relative_to(out / "json") for p in (out / "json").rglob("*.json"))
     assert len(own) == 2
-    (out / "json" / "gone.pdf.json").write_text("{}")
-    (out / "json" / "sub").mkdir()
-    (out / "json" / "sub" / "gone.png.json").write_text("{}")
-    (out / "json" / ".tmp-abc.json").write_text("{")
-    (out / ".docproc" / "parts" / ".tmp-def.rows").write_bytes(b"PAR1")
-    res = CliRunner().invoke(app, ["run", str(docs), "--out", str(out), "--queries", str(one_query)])
+    doc = json.loads((out / "json" / own[0]).read_text())
+    for path in ("gone.pdf", "sub/gone.png"):  # what a killed run renamed into place
+        (out / "json" / path).parent.mkdir(exist_ok=True)
+        (out / "json" / (path + ".json")).write_text(json.dumps({**doc, "path": path}))
+    (out / "json" / ".tmp-abcdefgh.json").write_text("{")
+    (out / ".docproc" / "parts" / ".tmp-ijklmnop.rows").write_bytes(b"PAR1")
+    kept = {"index.json": "{}", "notes/config.json": json.dumps({**doc, "path": "elsewhere.pdf"})}
+    for name, text in kept.items():
+        (out / "json" / name).parent.mkdir(exist_ok=True)
+        (out / "json" / name).write_text(text)
+    args = ["run", str(docs), "--out", str(out), "--queries", str(one_query)]
+    plan = CliRunner().invoke(app, [*args, "--dry-run", "--log-json"])
+    assert json.loads(plan.stdout.splitlines()[-1])["stray_files"] == 4, plan.output
+    res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     assert "removing 4 file(s) an interrupted run left" in res.output and "2 JSON file(s) of documents with no rows" in res.output
-    assert sorted(p.relative_to(out / "json") for p in (out / "json").rglob("*") if p.is_file()) == own
+    assert sorted(p.relative_to(out / "json") for p in (out / "json").rglob("*") if p.is_file()) == \
+        sorted(own + [Path(name) for name in kept])
     assert not (out / "json" / "sub").exists() and not list((out / ".docproc" / "parts").glob(".tmp-*"))
 
 

@@ -64,7 +64,11 @@ def dry_run(p) -> dict:
     done = {d["path"] for d in plan if d["action"] == "already done"}
     json_missing = (sum(path in done for path in p.store.missing_document_json(table))
                     if "json" in p.s.formats and done else 0)
-    return {"documents": plan, "counts": counts, "json_missing": json_missing, "config_fingerprint": p.cfg,
+    # what a killed run left behind (a JSON file of a document with no rows, temporary files),
+    # which a completed run removes
+    stray = len(p.store.stray_files(table))
+    return {"documents": plan, "counts": counts, "json_missing": json_missing, "stray_files": stray,
+            "config_fingerprint": p.cfg,
             "fingerprint": fingerprint}
 
 

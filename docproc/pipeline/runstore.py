@@ -112,6 +112,25 @@ def nothing_yet(out: Path, what: str) -> FileNotFoundError:
     return FileNotFoundError(f"no {what} in {out}: run `docproc run ... --out {out}` first")
 
 
+TMP_NAME = re.compile(r"\.tmp-[a-z0-9_]{8}\.[a-z]+")  # _atomic's temporary files (tempfile.mkstemp's names)
+DOCUMENT_JSON_KEYS = {"run_id", "path", "doc_sha256", "doc_status", "fields", "queries"}
+STRAY_JSON_MAX_BYTES = 64 << 20
+
+
+def _document_json_of(path: Path, rel: str) -> bool:
+    """Whether path (at rel in json/) is a document JSON file docproc wrote for the document
+    whose file it is named after."""
+    try:
+        st = path.lstat()
+        if not stat.S_ISREG(st.st_mode) or st.st_size > STRAY_JSON_MAX_BYTES:
+            return False
+        doc = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return (isinstance(doc, dict) and DOCUMENT_JSON_KEYS <= doc.keys() and isinstance(doc["path"], str)
+            and rel in (json_relpath(doc["path"]).as_posix(), doc["path"] + ".json"))
+
+
 def output_fault(e: OSError, what: Path | str, option: str = "--out") -> OutputUnwritable:
     """An OSError from writing OUT (or the file of `option`) as the run-stopping fault, with the
     fix in the message."""
@@ -486,19 +505,28 @@ class RunStore:
         return failed
 
     def stray_files(self, table: pa.Table) -> list[Path]:
-        """Files a run killed between two writes left in OUT: a document JSON file whose document
-        has no rows (its JSON renamed into place, then the kill before the part that would have
-        recorded it), and temporary files (`.tmp-*`) in json/ and in the state's parts. Only the
+        """Files a run killed between two writes left in OUT: docproc's JSON file of a document
+        that has no rows (its JSON renamed into place, then the kill before the part that would
+        have recorded it: a file whose content is such a JSON file of the path it stands at), and
+        temporary files (`.tmp-` and 8 characters, as `_atomic` names them) in json/ and in the
+        state's parts. Other files in json/ are not ours to remove. None while a part cannot be
+        read (its documents' JSON files may be the only readable copy of their answers). Only the
         run that holds the lock calls this: no write of another is under way."""
+        if self.unreadable_parts or self.damaged_parts:
+            return []
         keys = set(table.column("path").to_pylist())
         ours = {json_relpath(k).as_posix() for k in keys} | {k + ".json" for k in keys}
-        stray = [p for p in self.parts_dir.glob(".tmp-*") if p.is_file()] if self.parts_dir.is_dir() else []
+        stray = [p for p in self.parts_dir.glob(".tmp-*") if TMP_NAME.fullmatch(p.name) and p.is_file()] \
+            if self.parts_dir.is_dir() else []
         for dirpath, _, files in os.walk(self.json_dir):
             rel_dir = os.path.relpath(dirpath, self.json_dir)
             for f in files:
                 rel = f if rel_dir == "." else f"{rel_dir}/{f}"
-                if f.startswith(".tmp-") or (f.endswith(".json") and rel not in ours):
-                    stray.append(Path(dirpath) / f)
+                if rel in ours:
+                    continue
+                path = Path(dirpath) / f
+                if TMP_NAME.fullmatch(f) or _document_json_of(path, rel):
+                    stray.append(path)
         return stray
 
     def remove_stray(self, paths: list[Path]) -> None:
