@@ -198,11 +198,17 @@ class DocumentRows:
         """The JSON files of documents removed by this flush (moved away), before their tombstones
         are written; one that is also a live document's file stays."""
         gone, self._json_gone = self._json_gone, []
-        if gone:
-            live = {self.store.json_path(k) for k in self._roots}
-            for key in gone:
-                if self.store.json_path(key) not in live:
-                    self.store.remove_document_json(key)
+        for key in gone:
+            if self.store.json_path(key) not in self._live_json():
+                self.store.remove_document_json(key)
+
+    def _live_json(self) -> set:
+        """The JSON files of the documents this run found (made once a run: every flush with a
+        move asks)."""
+        if getattr(self, "_live_json_for", None) is not self._roots:
+            self._live_json_paths = {self.store.json_path(k) for k in self._roots}
+            self._live_json_for = self._roots
+        return self._live_json_paths
 
     def _flush(self) -> None:
         """Write the finished documents: their JSON files first, then one part with all their rows

@@ -288,7 +288,7 @@ class Pipeline(DocumentWork):
         removed = self._plan.removed
         if not removed:
             return
-        live = {self.store.json_path(k) for k in self._roots}
+        live = self._live_json()
         for k in removed:
             if self.store.json_path(k) not in live:
                 self.store.remove_document_json(k)
