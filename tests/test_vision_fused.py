@@ -101,6 +101,28 @@ def test_the_patch_embedding_as_one_product_equals_the_convolution(bias):
     assert not torch.allclose(flipped, conv, rtol=1e-2, atol=1e-2)
 
 
+def test_a_long_span_is_an_attention_call_of_its_own():
+    """Equal spans share an attention call (Qwen2.5-VL's windows) unless they are long: a page's
+    span is a call of its own, so that SDPA's cuDNN backend plans one shape per page size, not
+    one per number of equal pages a step encodes, and a page's output is the one it gets alone."""
+    from docproc.models.vision import SPAN_ALONE, EncodeCall, VisionAttention
+
+    call = EncodeCall([64, 64, 64, SPAN_ALONE, SPAN_ALONE, 64], fused=False, sdpa_backends=None)
+    assert call.runs == [(0, 64, 3), (192, SPAN_ALONE, 1), (192 + SPAN_ALONE, SPAN_ALONE, 1),
+                         (192 + 2 * SPAN_ALONE, 64, 1)]
+    torch.manual_seed(0)
+    attn = VisionAttention(16, 2).eval()
+    n = SPAN_ALONE
+    x = torch.randn(2 * n, 16)
+    ang = torch.randn(2 * n, 4)
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    with torch.no_grad():
+        both = attn(x, cos, sin, EncodeCall([n, n], False, None))
+        alone = [attn(x[i * n:(i + 1) * n], cos[i * n:(i + 1) * n], sin[i * n:(i + 1) * n], EncodeCall([n], False, None))
+                 for i in range(2)]
+    assert torch.equal(both, torch.cat(alone))
+
+
 @pytest.mark.slow
 def test_fast_vision_attention_equals_transformers_on_cpu(qwen2_vl_dir):
     """The fused path gives the reference path's float32 output, and both transformers', on two

@@ -51,18 +51,27 @@ def _gelu_tanh() -> nn.Module:
 ACTIVATIONS = {"quick_gelu": QuickGELUInPlace, "gelu": nn.GELU, "gelu_pytorch_tanh": _gelu_tanh}
 
 
+# A span of at least this many patches gets an attention call of its own (16 heads x 8 tiles of
+# 128 queries fill the chip). SDPA's cuDNN backend builds an execution plan for every new shape,
+# batch size included (H100: a median 41 ms of host time with the GPU idle, BENCHMARKS.md): runs
+# of several equal pages made one plan per page count a step happened to encode. Alone, a page
+# size is one plan for the run.
+SPAN_ALONE = 1024
+
+
 class EncodeCall:
     """What one encode knows on the host: each attention span's patch count (one per image frame),
     and the tower's choices for this call."""
 
     def __init__(self, lengths: list[int], fused: bool, sdpa_backends: list | None) -> None:
         self.lengths = lengths
-        # runs of equal spans: (first patch, span length, spans), one attention call each (Qwen2.5-VL's
-        # windows: a page's ~80 windows of 64 patches are a handful of runs)
+        # runs of equal short spans: (first patch, span length, spans), one attention call each
+        # (Qwen2.5-VL's windows: a page's ~80 windows of 64 patches are a handful of runs); a span
+        # of SPAN_ALONE patches or more is a run of its own
         self.runs: list[tuple[int, int, int]] = []
         s0 = 0
         for length in lengths:
-            if self.runs and self.runs[-1][1] == length:
+            if self.runs and self.runs[-1][1] == length and length < SPAN_ALONE:
                 start, _, count = self.runs[-1]
                 self.runs[-1] = (start, length, count + 1)
             else:
