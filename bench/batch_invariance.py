@@ -40,7 +40,7 @@ def compare(a: torch.Tensor, b: torch.Tensor) -> dict:
             "differing_share": round(float((d > 0).float().mean()), 4)}
 
 
-def products(geo: dict, dev: torch.device, rows: list[int], fp8: bool) -> dict:
+def products(geo: dict, dev: torch.device, rows: list[int], fp8: bool, opts) -> dict:
     from kernels.gemv import linear
     from docproc.models.quant import fp8_linear, quantize
 
@@ -56,7 +56,7 @@ def products(geo: dict, dev: torch.device, rows: list[int], fp8: bool) -> dict:
         wq = quantize(w) if fp8 else None
 
         def prod(xs):
-            return fp8_linear(xs, wq) if fp8 else linear(xs, w)
+            return fp8_linear(xs, wq, opts=opts) if fp8 else linear(xs, w, opts=opts)
 
         alone = torch.cat([prod(x[i:i + 1]) for i in range(8)])
         pair = prod(x[:2])
@@ -68,7 +68,7 @@ def products(geo: dict, dev: torch.device, rows: list[int], fp8: bool) -> dict:
     return out
 
 
-def attention_rows(geo: dict, dev: torch.device, kv: str, context: int, batches: list[int]) -> dict:
+def attention_rows(geo: dict, dev: torch.device, kv: str, context: int, batches: list[int], opts) -> dict:
     """The probe row (the last of a sequence of `context` keys) through the engine's attention
     backend in each arrangement, against the row alone."""
     from docproc.layers.attention import AttentionMetadata, DenseAttention, FP4Attention
@@ -81,9 +81,9 @@ def attention_rows(geo: dict, dev: torch.device, kv: str, context: int, batches:
     blocks = [-(-n // bs) + 1 for n in lengths]
     nb = sum(blocks) + 1
     if kv == "fp4":
-        backend = FP4Attention(heads, kvh, d, d ** -0.5, dev, torch.bfloat16)
+        backend = FP4Attention(heads, kvh, d, d ** -0.5, dev, torch.bfloat16, kernels=opts)
     else:
-        backend = DenseAttention(heads, kvh, d, d ** -0.5, dev, torch.bfloat16, torch.bfloat16)
+        backend = DenseAttention(heads, kvh, d, d ** -0.5, dev, torch.bfloat16, torch.bfloat16, kernels=opts)
     layer = backend.allocate(nb, bs)
     g = torch.Generator(device="cpu").manual_seed(1)
     slots = torch.arange(nb * bs, device=dev)
@@ -130,11 +130,14 @@ def ops(args) -> dict:
     geo = GEOMETRIES[args.geometry]
     rows = [int(r) for r in args.rows.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
-    report = {"products_bf16": products(geo, dev, rows, fp8=False)}
+    from kernels.options import KernelOptions
+
+    opts = KernelOptions(batch_invariant=args.batch_invariant)
+    report = {"products_bf16": products(geo, dev, rows, False, opts)}
     if dev.type == "cuda":
-        report["products_fp8"] = products(geo, dev, rows, fp8=True)
+        report["products_fp8"] = products(geo, dev, rows, True, opts)
     for kv in ("bf16", "fp4"):
-        report[f"attention_{kv}"] = {c: attention_rows(geo, dev, kv, c, batches)
+        report[f"attention_{kv}"] = {c: attention_rows(geo, dev, kv, c, batches, opts)
                                      for c in (int(x) for x in args.contexts.split(","))}
     return report
 
@@ -150,7 +153,7 @@ def engine(args) -> dict:
     for p in params:
         p.max_tokens = args.max_tokens
     kw = dict(device=args.device, kv_cache_dtype=args.kv_cache, enable_prefix_caching=False,
-              enforce_eager=args.enforce_eager, gpu_memory_utilization=0.8)
+              enforce_eager=args.enforce_eager, gpu_memory_utilization=0.8, batch_invariant=args.batch_invariant)
     if args.draft:
         kw.update(speculative_model=args.draft, num_speculative_tokens=args.spec_k)
     llm = LLM(args.model, **kw)
@@ -227,6 +230,8 @@ def main() -> None:
     ap.add_argument("--spec-k", default="4")
     ap.add_argument("--kv-cache", default="auto")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--batch-invariant", action="store_true", help="the engine's batch-invariant mode "
+                    "(KernelOptions.batch_invariant)")
     ap.add_argument("--docs", default=str(ROOT / "sample_docs"))
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=2)

@@ -220,6 +220,9 @@ def run(
                                      "coordinates, in the prompt beside its image (scans have none)."),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="No CUDA graphs for decode and "
                                        "verification steps (debugging, profiling)."),
+    batch_invariant: bool = typer.Option(False, "--batch-invariant", help="Answers that do not depend on the "
+                                         "batch: a document gives the answers it gives alone, whatever runs "
+                                         "beside it (GPU kernels with one summation order; slower)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display and no summary."),
     debug: bool = typer.Option(False, "--debug", help="Print the traceback of every unexpected error (a "
                                "document's, or the run's) on stderr."),
@@ -264,7 +267,7 @@ def run(
                                gpu_memory_utilization=gpu_memory_utilization, batch_pages=batch_pages,
                                render_workers=render_workers, load_format=load_format,
                                anchor_text=anchor_text, enforce_eager=enforce_eager,
-                               quantization=quantization, debug=debug,
+                               batch_invariant=batch_invariant, quantization=quantization, debug=debug,
                                ray=ray, ray_address=ray_address, data_parallel_size=data_parallel_size,
                                tensor_parallel_size=tensor_parallel_size)
         display = _Display(quiet=quiet or log_json, log_json=log_json)
@@ -632,6 +635,8 @@ DEVICE_OPT = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N.")
 GPU_UTIL_OPT = typer.Option(0.9, "--gpu-memory-utilization", help="Share of the GPU.")
 BATCHED_TOKENS_OPT = typer.Option(8192, "--max-num-batched-tokens", help="Tokens per engine step.")
 SEED_OPT = typer.Option(0, "--seed", help="The engine's seed (a body's seed is per request).")
+BATCH_INVARIANT_OPT = typer.Option(False, "--batch-invariant", help="Answers that do not depend on the requests "
+                                   "beside them (one GPU; slower).")
 STREAM_INTERVAL_MS = 0.0  # serve: least time between a stream's chunks
 
 
@@ -690,6 +695,7 @@ def run_batch_cmd(
     image_root: Optional[Path] = typer.Option(None, "--image-root", parser=_path, help="Local images and PDFs named in the file "
                                               "are read from under this folder only (data: URLs always work)."),
     seed: int = SEED_OPT,
+    batch_invariant: bool = BATCH_INVARIANT_OPT,
     quiet: bool = typer.Option(False, "--quiet", help="Only errors and the summary line."),
 ) -> None:
     """Answer an OpenAI batch file with the engine (crash-safe, resumable; see README)."""
@@ -763,7 +769,8 @@ def run_batch_cmd(
         raise typer.Exit(EXIT_OUTPUT) from None
     llm = _load_llm(model_dir, draft_dir, on_fail=out.close, device=device, kv_cache_dtype=kv_cache,
                     quantization=quantization, num_speculative_tokens=k, seed=seed,
-                    gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens)
+                    gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens,
+                    batch_invariant=batch_invariant)
     name = Path(model_dir).name
     from docproc.pipeline.signals import EXIT_INTERRUPTED, RunInterrupted
 
@@ -810,6 +817,7 @@ def serve_cmd(
     gpu_memory_utilization: float = GPU_UTIL_OPT,
     max_num_batched_tokens: int = BATCHED_TOKENS_OPT,
     seed: int = SEED_OPT,
+    batch_invariant: bool = BATCH_INVARIANT_OPT,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
     port: int = typer.Option(8000, "--port", help="Port to listen on (0: any free port, printed at start)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="DOCPROC_API_KEY",
@@ -882,7 +890,8 @@ def serve_cmd(
         raise typer.Exit(EXIT_USAGE) from None
     llm = _load_llm(model_dir, draft_dir, on_fail=sock.close, device=device, kv_cache_dtype=kv_cache,
                     quantization=quantization, num_speculative_tokens=k, seed=seed,
-                    gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens)
+                    gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens,
+                    batch_invariant=batch_invariant)
     name = served_model_name or Path(model_dir).name
     cfg = ServerConfig(name, Limits(image_root=image_root, max_images=max_images,
                                     max_bytes=int(max_request_mb * (1 << 20))),

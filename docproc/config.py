@@ -75,6 +75,9 @@ class EngineConfig:
     one_row_kernels: bool = True
     pdl: bool = True
     fp4_gluon: bool = True
+    # answers independent of the batch (kernels/options.py KernelOptions.batch_invariant; slower):
+    # a request gives the tokens it gives alone, whatever runs beside it and however its steps are cut
+    batch_invariant: bool = False
     # FP8 weights for the language model: None (the checkpoint's own layout, FP8 or float) or
     # "fp8" (a float checkpoint quantized at load, per output channel; models/quant.py)
     quantization: str | None = None
@@ -93,6 +96,9 @@ class EngineConfig:
             raise ValueError(f"quantization {self.quantization!r} is not supported: pick fp8 (or none)")
         if self.weight_digest_cache == "":
             raise ValueError("weight_digest_cache must be 'auto', a folder or None, not an empty string")
+        if self.batch_invariant and self.tensor_parallel_size > 1:
+            raise ValueError("batch_invariant needs tensor_parallel_size 1: the ranks' all-reduce sums in an order "
+                             "that follows its size")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format {self.load_format!r} is not supported: pick auto or dummy")
         if self.cache is None:

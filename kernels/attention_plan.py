@@ -54,11 +54,28 @@ class TilePlan:
     num_splits: int
     max_context: int
     dense_block_n: int | None = None  # the dense kernel's keys per step chosen with the splits (wide decode)
+    invariant: bool = False  # a batch-invariant plan (INVARIANT_BLOCK_N below): one fixed shape
 
 
-def tile_shape(max_q: int, group: int) -> tuple[int, int]:
+# Batch-invariant plans (KernelOptions.batch_invariant). A row's attention output must not depend
+# on the rows beside it: not on the step's longest window (which sets the tile shape above), nor on
+# the number of tiles (which sets the split count, and with it where the online softmax restarts
+# and how the merge adds the pieces). So every tile of every step (decode, verification, prefill
+# chunk) takes one shape: one query token (its GQA group's heads are the tile's rows, so a row sits
+# at the same place of the same tile shape however its step is made), INVARIANT_BLOCK_N keys a
+# step, one key split. A row then sums its keys in blocks [0, 64), [64, 128), ... up to its own
+# position; key rows past it inside its last block add exact zeros (weight 0). The price: decode
+# parallelism (one program per sequence and KV head, where the default plan splits long contexts
+# to fill the chip), and prefill chunks and verification windows read their keys once per token.
+INVARIANT_BLOCK_N = 64
+
+
+def tile_shape(max_q: int, group: int, invariant: bool = False) -> tuple[int, int]:
     """(query tokens per tile, BLOCK_M rows) for windows of at most max_q tokens and GQA group size
-    `group`: up to ~64 rows of (token, head) per tile, a power of two >= 16."""
+    `group`: up to ~64 rows of (token, head) per tile, a power of two >= 16. invariant: the one
+    shape of batch-invariant plans (above), one token's, whatever max_q."""
+    if invariant:
+        return tile_shape(1, group)
     tokens = max(1, min(max_q, max(1, 64 // group)))
     block_m = max(16, triton.next_power_of_2(tokens * group))
     tokens = max(1, block_m // group) if max_q > 1 else 1
@@ -69,7 +86,7 @@ MAX_SPLITS = 64
 
 
 def warmup_launches(group: int, max_window: int = 64, dense: bool = False,
-                    num_kv_heads: int | None = None) -> list[tuple[int, int, int | None]]:
+                    num_kv_heads: int | None = None, invariant: bool = False) -> list[tuple[int, int, int | None]]:
     """(query tokens per sequence, key splits) pairs whose launches compile every variant of the
     kernels that plan_tiles and default_num_splits can ask for with GQA group `group`: one window
     length per distinct tile_shape (decode, verify windows, prefill chunks), unsplit (1) and split
@@ -79,7 +96,9 @@ def warmup_launches(group: int, max_window: int = 64, dense: bool = False,
     kernel's keys per step), but for the dense kernel's wide decode (dense_wide_decode): its 128
     keys a step, unsplit and split, and at two KV heads its narrow decode (dense_narrow_decode): 64
     keys a step, unsplit and split (32 splits on 132 SMs; fewer SMs, fewer). Triples (q_len,
-    splits, the plan's dense_block_n)."""
+    splits, the plan's dense_block_n). invariant: the one launch of batch-invariant plans."""
+    if invariant:
+        return [(1, 1, None)]
     shapes: dict[tuple[int, int], int] = {}
     for q_len in range(1, max_window + 1):
         shapes.setdefault(tile_shape(q_len, group), q_len)
@@ -167,12 +186,15 @@ def default_num_splits(num_tiles: int, max_context: int, num_sms: int, num_kv_he
 
 
 def launch_shape(num_tiles: int, max_q: int, max_context: int, num_sms: int, num_kv_heads: int,
-                 dense: bool = False, fp4_gluon: bool = False) -> tuple[int, int | None]:
+                 dense: bool = False, fp4_gluon: bool = False, invariant: bool = False) -> tuple[int, int | None]:
     """(key splits, the dense kernel's keys per step or None) of a launch of num_tiles tiles of
     at most max_q query tokens over at most max_context keys: the one rule of the eager plans
     (plan_tiles) and the graph keys (graph_runner), which count a graph's padded tiles. dense:
     the dense kernel, which may take its wide or narrow decode shape (dense_decode_block_n);
-    fp4_gluon: decode launches run the Gluon FP4 kernel, whose split count is the wide shape's."""
+    fp4_gluon: decode launches run the Gluon FP4 kernel, whose split count is the wide shape's.
+    invariant: a batch-invariant plan's (one split, the kernel's invariant shape)."""
+    if invariant:
+        return 1, None
     shape = dense_decode_block_n(num_tiles, max_q, max_context, num_kv_heads) if dense else None
     wide = shape == WIDE_BLOCK_N or (fp4_gluon and max_q == 1)
     return default_num_splits(num_tiles, max_context, num_sms, num_kv_heads, wide=wide), shape
@@ -180,15 +202,19 @@ def launch_shape(num_tiles: int, max_q: int, max_context: int, num_sms: int, num
 
 def plan_tiles(query_start: list[int], context_lens: list[int], block_tables: list[list[int]], group: int,
                device, num_splits: int | None = None, num_sms: int = 132, num_kv_heads: int = 4,
-               dense: bool = False, dense_block_n: int | None = None, fp4_gluon: bool = False) -> TilePlan:
+               dense: bool = False, dense_block_n: int | None = None, fp4_gluon: bool = False,
+               invariant: bool = False) -> TilePlan:
     """dense: the plan is for the dense kernel, which may take the wide or the narrow decode shape
     (dense_decode_block_n) when the split count is left to the default; dense_block_n names its
     keys per step outright (warm-up). fp4_gluon: decode steps (one query token) run the Gluon FP4
     kernel (kernels/fp4_gluon.py), whose split count is the wide shape's, about 2 programs an SM:
     H200, 7B, from a CUDA graph, batch 8 at 16k keys 56.5 us in 8 splits
-    against 75.8 in the default 32 and 64.7 in 16; batch 32 189.1 in 2 against 209.3 in 8."""
+    against 75.8 in the default 32 and 64.7 in 16; batch 32 189.1 in 2 against 209.3 in 8.
+    invariant: a batch-invariant plan (INVARIANT_BLOCK_N above): the other choices are not taken."""
     max_q = max(query_start[i + 1] - query_start[i] for i in range(len(context_lens)))
-    tokens, block_m = tile_shape(max_q, group)
+    tokens, block_m = tile_shape(max_q, group, invariant)
+    if invariant:
+        num_splits, dense_block_n = 1, None
     seqs, toks, nqs, poss = [], [], [], []
     for b, ctx in enumerate(context_lens):
         q0, q1 = query_start[b], query_start[b + 1]
@@ -200,7 +226,8 @@ def plan_tiles(query_start: list[int], context_lens: list[int], block_tables: li
             poss.append(ctx - num_q + j)
     max_ctx = max(context_lens)
     if num_splits is None:
-        num_splits, shape = launch_shape(len(seqs), max_q, max_ctx, num_sms, num_kv_heads, dense, fp4_gluon)
+        num_splits, shape = launch_shape(len(seqs), max_q, max_ctx, num_sms, num_kv_heads, dense, fp4_gluon,
+                                         invariant)
         if shape:
             dense_block_n = shape
     # the block tables side by side, zero-padded to the longest, filled in one pass (a row at a time
@@ -215,4 +242,4 @@ def plan_tiles(query_start: list[int], context_lens: list[int], block_tables: li
         return torch.from_numpy(np.array(xs, dtype=np.int32)).to(device, non_blocking=True)
 
     return TilePlan(i32(seqs), i32(toks), i32(nqs), i32(poss), torch.from_numpy(table).to(device, non_blocking=True),
-                    tokens, block_m, num_splits, max_ctx, dense_block_n)
+                    tokens, block_m, num_splits, max_ctx, dense_block_n, invariant)

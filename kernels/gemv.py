@@ -21,6 +21,7 @@ from kernels._triton import tl, triton
 
 from kernels import pdl
 from kernels.fused import silu_times
+from kernels.matmul import matmul
 from kernels.options import DEFAULT, KernelOptions
 
 # the model's one-row products go through gemv() on CUDA unless its engine turns them off
@@ -152,8 +153,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 # ---- a few rows: the tensor cores over the same streamed weight tiles ------------------------------
 def use_gemv(x: torch.Tensor, opts: KernelOptions = DEFAULT) -> bool:
-    """Whether a product with input x takes this kernel: one row on CUDA, where opts allow."""
-    return opts.one_row and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1
+    """Whether a product with input x takes this kernel: one row on CUDA, where opts allow (not
+    in the batch-invariant mode: kernels/matmul.py serves every row count there)."""
+    return (opts.one_row and not opts.batch_invariant and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
+            and x.stride(-1) == 1)
 
 
 def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -164,7 +167,10 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            opts: KernelOptions = DEFAULT) -> torch.Tensor:
-    """F.linear, through gemv() for one row on CUDA (where opts allow)."""
+    """F.linear, through gemv() for one row on CUDA (where opts allow); on CUDA in the
+    batch-invariant mode through kernels/matmul.py for any row count."""
+    if opts.batch_invariant and x.is_cuda:
+        return matmul(x, weight, bias)
     if use_gemv(x, opts):
         return product(x, weight, bias, opts=opts)
     return torch.nn.functional.linear(x, weight, bias)

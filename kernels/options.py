@@ -15,6 +15,12 @@ class KernelOptions:
     # FP4 decode tiles through the Gluon kernel (kernels/fp4_gluon.py) where it can run (else the
     # Triton one)
     fp4_gluon: bool = True
+    # answers that do not depend on the batch: every language-model product through
+    # kernels/matmul.py (one tile shape for any row count, FP8 weights dequantized in it) and every
+    # attention plan in its invariant shape (kernels/attention_plan.py), so a row's bits follow from
+    # its own sequence alone; the one-row, few-row and FP8 tensor-core paths and the Gluon kernel are
+    # not taken
+    batch_invariant: bool = False
 
 
 DEFAULT = KernelOptions()

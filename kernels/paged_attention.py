@@ -21,7 +21,7 @@ from kernels._triton import interpreting, tl, triton
 
 from kernels import pdl
 from kernels.fp4 import fp4_pair_steps
-from kernels.attention_plan import LOG2E, UNSPECIALIZED, TilePlan, merge_shape
+from kernels.attention_plan import INVARIANT_BLOCK_N, LOG2E, UNSPECIALIZED, TilePlan, merge_shape
 
 TWO_119 = tl.constexpr(2.0 ** 119)
 
@@ -572,6 +572,10 @@ def paged_attention_tuned(
     # the Gluon kernel unless the caller names a variant of the Triton one
     triton_variant = (block_n is not None or fp4_ptx_decode is not None
                       or (maxnreg is not None and not fp4_gluon))  # with fp4_gluon=True: the Gluon kernel's cap
+    if plan.invariant:  # (kernels/attention_plan.py: one shape for every tile, the Triton kernels only)
+        assert not fp4_gluon, "a batch-invariant plan runs the Triton kernels"
+        fp4_gluon = False
+        block_n = block_n or INVARIANT_BLOCK_N
     if is_fp4 and (fp4_gluon or (fp4_gluon is None and not triton_variant)):
         try:
             from kernels import fp4_gluon as gluon_kernel  # imported only where it may run

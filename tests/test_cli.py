@@ -271,7 +271,7 @@ def test_run_with_a_draft_reports_acceptance(docs, qwen2_vl_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_anchor_text_lengthens_pdf_prompts_only_and_is_part_of_the_fingerprint(docs, qwen2_vl_dir, tmp_path):
+def test_anchor_text_and_batch_invariance_are_part_of_the_fingerprint(docs, qwen2_vl_dir, tmp_path):
     out = tmp_path / "out"
     assert run_cli("run", docs, "--out", out, "--model", qwen2_vl_dir, "--device", "cpu", "-q").exit_code == 0
     plain = {(r["path"], r["query"]): r for r in rows(out)}
@@ -292,6 +292,12 @@ def test_anchor_text_lengthens_pdf_prompts_only_and_is_part_of_the_fingerprint(d
     assert any(k[0].endswith(".pdf") for k in anchored) and any(k[0].endswith(".png") for k in anchored)
     again = run_cli("run", docs, "--out", out, "--model", qwen2_vl_dir, "--device", "cpu", "-q", "--anchor-text")
     assert again.exit_code == 0 and manifest(out)["totals"]["already_done"] == 5
+    # --batch-invariant is part of the fingerprint too (its kernels sum in their own order): all redone
+    inv = run_cli("run", docs, "--out", out, "--model", qwen2_vl_dir, "--device", "cpu", "-q", "--anchor-text",
+                  "--batch-invariant")
+    m = manifest(out)
+    assert inv.exit_code == 0 and m["totals"]["already_done"] == 0 and m["totals"]["documents"] == 5
+    assert m["settings"]["batch_invariant"] is True and m["engine"]["batch_invariant"] is True
 
 
 @pytest.mark.slow

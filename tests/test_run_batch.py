@@ -112,13 +112,14 @@ def test_good_and_bad_lines_each_get_one_line(tmp_path):
 
 def test_a_chat_answer_is_the_engines_for_the_same_messages(tmp_path):
     """Greedy: the batch's text equals LLM.chat's for the same messages (the model's chat
-    template), with an image as a data: URL."""
+    template), with an image as a data: URL; --batch-invariant reaches the engine."""
     content = [{"type": "text", "text": "Invoice number?"}, {"type": "image_url", "image_url": {"url": data_url(png(5))}}]
     out = tmp_path / "out.jsonl"
     assert run("-i", write(tmp_path / "in.jsonl", [chat("x", content, max_tokens=10, temperature=0)]), "-o", out,
-               "--model", MODEL, "--device", "cpu").exit_code == 0
+               "--model", MODEL, "--device", "cpu", "--batch-invariant").exit_code == 0
     text = records(out)[0]["response"]["body"]["choices"][0]["message"]["content"]
-    want = LLM(str(MODEL), device="cpu").chat([{"role": "user", "content": content}], SamplingParams(max_tokens=10))
+    want = LLM(str(MODEL), device="cpu", batch_invariant=True).chat([{"role": "user", "content": content}],
+                                                                   SamplingParams(max_tokens=10))
     assert text == want[0].outputs[0].text
 
 

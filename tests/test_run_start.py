@@ -174,6 +174,8 @@ def test_components_that_cannot_reach_a_document_do_not_redo_it():
     assert not same({"max_pages": None}, {"max_pages": 2}) and not same({}, {"max_pages": 5}, pages=None)
     assert not same({"kv_cache": "fp32"}, {"kv_cache": "fp4"}, pdf=False)
     assert not same({"model": {"text": "1", "vision": "2"}}, {}, pdf=False)
+    # --batch-invariant sums in its own order: every document is redone; off is what an entry-less one had
+    assert not same({}, {"batch_invariant": True}, pdf=False) and same({"batch_invariant": False}, {})
 
 
 def test_config_history_names_what_changed_and_takes_older_fingerprints_of_a_no_op_mode():
@@ -413,6 +415,7 @@ def test_the_config_cache_key_holds_what_it_held():
         "fp4_value_slots": None}
     assert keyed_settings(RunSettings(inputs=["x"], out="o", model="m", batch_pages=4, render_workers=2)) == \
         keyed_settings(RunSettings(inputs=["y"], out="p", model="m"))
+    assert keyed_settings(RunSettings(inputs=["x"], out="o", model="m", batch_invariant=True))["batch_invariant"]
 
 
 def test_pages_in_flight_default_follows_the_engine_device(monkeypatch, tmp_path):

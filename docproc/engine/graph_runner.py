@@ -71,6 +71,8 @@ class GraphRunner:
         self.num_sms = backend.num_sms
         self.wide_decode = backend.wide_decode
         self.fp4_gluon = getattr(backend, "fp4_gluon", False)
+        kernels = getattr(backend, "kernels", None)
+        self.invariant = bool(kernels and kernels.batch_invariant)  # batch-invariant plans (kernels/attention_plan.py)
         self.block_size = runner.block_size
         self.batches = tuple(b for b in BATCH_BUCKETS if b <= max(max_batch, 1))
         if self.batches[-1] < max_batch:
@@ -115,9 +117,10 @@ class GraphRunner:
         for c in chunks:
             if len(c.seq.block_table) > self.width:
                 return None
-        tokens, _ = tile_shape(qb, self.group)
+        tokens, _ = tile_shape(qb, self.group, self.invariant)
         tiles, ctx = b * -(-qb // tokens), max(c.end for c in chunks)
-        splits, shape = launch_shape(tiles, qb, ctx, self.num_sms, self.num_kv_heads, self.wide_decode, self.fp4_gluon)
+        splits, shape = launch_shape(tiles, qb, ctx, self.num_sms, self.num_kv_heads, self.wide_decode, self.fp4_gluon,
+                                     self.invariant)
         return b, qb, splits, shape
 
     # ---- per step ----------------------------------------------------------------------------
@@ -130,7 +133,7 @@ class GraphRunner:
     def _make_layout(self, key):
         b, q = key[:2]
         n = b * q
-        tokens, block_m = tile_shape(q, self.group)
+        tokens, block_m = tile_shape(q, self.group, self.invariant)
         per_seq = -(-q // tokens)
         t = b * per_seq
         a = _seg(t)
@@ -216,7 +219,7 @@ class GraphRunner:
         views, n, t, tokens, block_m, _, _ = self._layout(key)
         splits = key[2]
         plan = TilePlan(views["tile_seq"], views["tile_tok"], views["tile_nq"], views["tile_pos"], views["table"],
-                        tokens, block_m, splits, 0, key[3])
+                        tokens, block_m, splits, 0, key[3], self.invariant)
         meta = AttentionMetadata(views["slots"], [0, n], [n], [], self.block_size, plan)
         text = self.runner.model.text
         hidden = text(views["ids"], views["pos"], self.runner.kv_cache.layers, meta, self.runner.backend)

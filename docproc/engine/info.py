@@ -71,7 +71,10 @@ def cache_info(llm) -> dict:
         "images_prefetched": llm.runner.prefetcher.num_prefetched,
         "images_preprocessed_inline": llm.runner.prefetcher.num_inline,
         "pixel_wait_seconds": round(llm.runner.prefetcher.take_seconds, 3),
-        "one_row_kernels": llm.runner.kernel_options.one_row and llm.runner.device.type == "cuda",  # kernels/gemv.py
+        "one_row_kernels": (llm.runner.kernel_options.one_row and not llm.runner.kernel_options.batch_invariant
+                            and llm.runner.device.type == "cuda"),  # kernels/gemv.py
+        # answers independent of the batch (kernels/options.py): the invariant products and plans
+        "batch_invariant": llm.runner.kernel_options.batch_invariant,
         # programmatic dependent launch, kernels/pdl.py
         "pdl": kernels_pdl.enabled_on(llm.runner.device, llm.runner.kernel_options.pdl),
         # FP8 language-model weights: how they came (None: the model dtype)

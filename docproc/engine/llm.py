@@ -46,7 +46,7 @@ WHOLE_ARGUMENTS = {"block_size": 1, "max_num_batched_tokens": 1, "max_num_seqs":
 OPTIONAL_WHOLE_ARGUMENTS = {"max_model_len": 2, "kv_cache_memory_bytes": 1, "num_kv_blocks": 1,
                             "image_prefetch_workers": 0}
 FLAG_ARGUMENTS = ("enable_prefix_caching", "enforce_eager", "overlap_decode", "one_row_kernels", "pdl", "fp4_gluon",
-                  "trust_remote_code")
+                  "batch_invariant", "trust_remote_code")
 TEXT_ARGUMENTS = ("device", "kv_cache_dtype", "draft_vision", "load_format")
 
 
@@ -178,6 +178,7 @@ class LLM:
         one_row_kernels: bool = True,
         pdl: bool = True,
         fp4_gluon: bool = True,
+        batch_invariant: bool = False,
         quantization: str | None = None,
         load_format: str = "auto",
         tensor_parallel_size: int = 1,
@@ -204,6 +205,7 @@ class LLM:
                                    max_model_len=max_model_len, seed=seed, cache=cache,
                                    enforce_eager=enforce_eager, image_prefetch_workers=image_prefetch_workers,
                                    one_row_kernels=one_row_kernels, pdl=pdl, fp4_gluon=fp4_gluon,
+                                   batch_invariant=batch_invariant,
                                    quantization=quantization, load_format=load_format,
                                    tensor_parallel_size=tensor_parallel_size,
                                    weight_digest_cache=None if weight_digest_cache is None

@@ -53,7 +53,8 @@ def resolve_device(device: str) -> torch.device:
 
 def kernel_options(config: EngineConfig) -> KernelOptions:
     """The configuration's kernel choices, as the model and the attention backend take them."""
-    return KernelOptions(one_row=config.one_row_kernels, pdl=config.pdl, fp4_gluon=config.fp4_gluon)
+    return KernelOptions(one_row=config.one_row_kernels, pdl=config.pdl, fp4_gluon=config.fp4_gluon,
+                         batch_invariant=config.batch_invariant)
 
 
 def resolve_step_graphs(config: EngineConfig, device: torch.device) -> str | None:
@@ -225,9 +226,10 @@ class ModelRunner:
     def set_kernel_options(self, opts: KernelOptions) -> None:
         """Other kernel choices for this engine's model and attention backend (comparisons and
         profiles); captured step graphs keep the launches they were captured with, so the caller
-        drops them. fp4_gluon stays as the engine was built (its plans' split counts follow it)."""
-        if opts.fp4_gluon != self.kernel_options.fp4_gluon:
-            raise ValueError("fp4_gluon is fixed when the engine is built: build another with LLM(fp4_gluon=...)")
+        drops them. fp4_gluon and batch_invariant stay as the engine was built (its plans follow them)."""
+        for name in ("fp4_gluon", "batch_invariant"):
+            if getattr(opts, name) != getattr(self.kernel_options, name):
+                raise ValueError(f"{name} is fixed when the engine is built: build another with LLM({name}=...)")
         self.kernel_options = opts
         self.model.text.set_kernel_options(opts)
         self.backend.kernels = opts
@@ -354,9 +356,18 @@ class ModelRunner:
             if not todo:
                 return
         plist, grids = self.prefetcher.take([(h, img.image) for h, (_, img) in todo.items()])
-        pixels = torch.cat([p.to(self.device, non_blocking=True) for p in plist]) if len(plist) > 1 else \
-            plist[0].to(self.device, non_blocking=True)
-        embeds, trunks = self.model.vision.encode(pixels, grids)  # the grid stays on the host
+        if self.kernel_options.batch_invariant:
+            # each page in a call of its own: a page's embeddings are the same bits whatever pages
+            # a step encodes beside it (the tower's products and attention then see one page's rows)
+            embeds, trunks = [], []
+            for i, p in enumerate(plist):
+                e, t = self.model.vision.encode(p.to(self.device, non_blocking=True), grids[i: i + 1])
+                embeds += e
+                trunks = None if t is None or trunks is None else trunks + t
+        else:
+            pixels = torch.cat([p.to(self.device, non_blocking=True) for p in plist]) if len(plist) > 1 else \
+                plist[0].to(self.device, non_blocking=True)
+            embeds, trunks = self.model.vision.encode(pixels, grids)  # the grid stays on the host
         for i, ((h, (seq, _)), e) in enumerate(zip(todo.items(), embeds)):
             step[h] = e
             self.encoder_cache.put((fp, h), e)

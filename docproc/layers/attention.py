@@ -74,7 +74,7 @@ class _Backend:
             meta.plan = plan_tiles(meta.query_start, meta.context_lens, meta.block_tables,
                                    self.num_heads // self.num_kv_heads, self.device, num_sms=self.num_sms,
                                    num_kv_heads=self.num_kv_heads, dense=self.wide_decode,
-                                   fp4_gluon=self.fp4_gluon)
+                                   fp4_gluon=self.fp4_gluon, invariant=self.kernels.batch_invariant)
 
     def rotary_store(self, layer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      meta: AttentionMetadata, norm: tuple | None = None) -> torch.Tensor:
@@ -95,9 +95,10 @@ class _Backend:
             return 0.0
         t0 = time.perf_counter()
         n_blocks = self.num_blocks(layer)
+        invariant = self.kernels.batch_invariant
         for q_len, splits, dense_block_n in warmup_launches(self.num_heads // self.num_kv_heads,
                                                             dense=self.wide_decode,
-                                                            num_kv_heads=self.num_kv_heads):
+                                                            num_kv_heads=self.num_kv_heads, invariant=invariant):
             ctx = q_len
             blocks = list(range(min(n_blocks, -(-ctx // block_size))))
             if len(blocks) * block_size < ctx:
@@ -106,7 +107,7 @@ class _Backend:
                                      block_size)
             meta.plan = plan_tiles(meta.query_start, meta.context_lens, meta.block_tables,
                                    self.num_heads // self.num_kv_heads, self.device, num_splits=splits,
-                                   dense_block_n=dense_block_n)
+                                   dense_block_n=dense_block_n, invariant=invariant)
             q = torch.zeros(q_len, self.num_heads, self.head_dim, device=self.device, dtype=self.compute_dtype)
             kv = torch.zeros(q_len, self.num_kv_heads, self.head_dim, device=self.device, dtype=self.compute_dtype)
             self.store(layer, kv, kv, meta)
@@ -194,7 +195,7 @@ class FP4Attention(_Backend):
         self.compute_dtype = compute_dtype
         self.num_outliers = num_outliers
         self.threshold = threshold
-        if self.use_triton and kernels.fp4_gluon:
+        if self.use_triton and kernels.fp4_gluon and not kernels.batch_invariant:
             from kernels import fp4_gluon  # CUDA only: Gluon imports where it can run
 
             self.fp4_gluon = fp4_gluon.engine_can_use(num_heads // num_kv_heads, head_dim, num_outliers,

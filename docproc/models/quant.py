@@ -25,6 +25,7 @@ import torch
 from kernels.fp8 import (FP8, FP8_MAX, ROWS_MAX, TC_GROUP_ROWS_MAX, TC_ROWS_MAX, cublas_block_scales, dequantize_ref, gemm_fp8_rows,
                          gemm_fp8_tc, gemv_fp8, quantize_rows, scaled_mm, scaled_mm_blocks, tensor_core_fp8)
 from kernels.fused import silu_mul, silu_mul_ref
+from kernels.matmul import matmul
 from kernels.options import DEFAULT, KernelOptions
 
 QUANTIZATION_METHODS = ("fp8",)
@@ -112,7 +113,13 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
     decode batch) in Triton's product, which reads each weight tile once, past that in cuBLAS's
     (row-wise scales, or 128 x 128 block scaling where it applies; else Triton's again, for
     group-wise weights up to TC_GROUP_ROWS_MAX rows); else the dequantized product; on CPU the dequantized product (weight-only reference
-    semantics). opts.one_row off: the one-row and few-row kernels and the fused SiLU are not taken."""
+    semantics). opts.one_row off: the one-row and few-row kernels and the fused SiLU are not taken.
+    opts.batch_invariant on CUDA: the dequantized product for any row count in kernels/matmul.py,
+    the weight dequantized in its tiles (the CPU's semantics, one summation order for every row)."""
+    if opts.batch_invariant and x.is_cuda:
+        if gated:
+            x = silu_mul(x) if x.dim() == 2 and x.stride(-1) == 1 else silu_mul_ref(x)
+        return matmul(x, w.data, bias, w.scale, w.group)
     one_row = opts.one_row and x.is_cuda
     if one_row and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1:
         return gemv_fp8(x, w.data, w.scale, w.group, bias, gated=gated, pdl_on=opts.pdl)

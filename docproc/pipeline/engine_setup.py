@@ -45,7 +45,7 @@ def keyed_settings(s) -> dict:
     """The settings a config-cache key holds: every one but the inputs and outputs and those that
     decide where and how fast, not what (the fingerprint holds none of them). Keys of runs made
     before a change stay: --batch-pages (unkeyed since) is held at its default, the removed
-    --fp4-value-slots at its default, load_format only when set."""
+    --fp4-value-slots at its default, load_format and batch_invariant only when set."""
     unkeyed = ("inputs", "out", "force", "formats", "debug", "ray", "ray_address", "data_parallel_size",
                "render_workers")
     settings = {k: v for k, v in asdict(s).items() if k not in unkeyed}
@@ -53,6 +53,8 @@ def keyed_settings(s) -> dict:
     settings["fp4_value_slots"] = None
     if settings.get("load_format") == "auto":
         del settings["load_format"]
+    if not settings.get("batch_invariant"):
+        settings.pop("batch_invariant", None)
     return settings
 
 
@@ -184,6 +186,7 @@ class EngineSetup:
                                gpu_memory_utilization=self.s.gpu_memory_utilization, seed=self.s.seed,
                                speculative_model=self.s.draft, num_speculative_tokens=self.s.spec_k,
                                draft_vision=self.s.draft_vision, enforce_eager=self.s.enforce_eager,
+                               batch_invariant=self.s.batch_invariant,
                                quantization=self.s.quantization,
                                tensor_parallel_size=self.s.tensor_parallel_size, load_format=self.s.load_format)
             except EnvironmentFault:
@@ -250,6 +253,8 @@ class EngineSetup:
                    "dtype": info["dtype"], "max_image_tokens": self.s.max_image_tokens, "prompt": PROMPT_VERSION}
         if self.s.anchor_text:  # only when on: runs without it keep their fingerprints
             payload["anchor_text"] = True
+        if self.s.batch_invariant:  # likewise: the batch-invariant kernels sum in their own order
+            payload["batch_invariant"] = True
         if info.get("weights_fp8"):  # likewise: FP8 weights (the checkpoint's, or quantized at load)
             payload["weights_fp8"] = info["weights_fp8"]
         if info["kv_cache_dtype"] == "fp4":

@@ -110,7 +110,7 @@ def fingerprint_of(components: dict) -> str:
 
 
 # components recorded only when on: a fingerprint without one had it off
-ABSENT = {"anchor_text": False, "weights_fp8": None}
+ABSENT = {"anchor_text": False, "weights_fp8": None, "batch_invariant": False}
 
 
 def same_answers(old: dict, new: dict, *, pdf: bool, pages: int | None, any_constrained: bool) -> bool:
@@ -138,7 +138,7 @@ COMPONENT_NAMES = {"queries": "query set", "constraints": "constrained decoding 
                    "draft": "draft", "dpi": "--dpi", "max_pages": "--max-pages", "kv_cache": "--kv-cache",
                    "dtype": "dtype", "max_image_tokens": "max image tokens", "prompt": "prompt version",
                    "anchor_text": "--anchor-text", "weights_fp8": "FP8 weights",
-                   "fp4_value_slots": "FP4 value slots"}
+                   "fp4_value_slots": "FP4 value slots", "batch_invariant": "--batch-invariant"}
 # components of options that are gone: a change from a value other than the one every run now has
 # says so (no setting brings the old answers back)
 REMOVED_OPTIONS = {"fp4_value_slots": (0, "an option docproc no longer has")}

@@ -35,6 +35,7 @@ class RunSettings:
     draft_vision: str = "auto"
     anchor_text: bool = False  # put each PDF page's text layer (with coordinates) in the prompt
     enforce_eager: bool = False  # no CUDA graphs (debugging, profiling)
+    batch_invariant: bool = False  # answers independent of the batch (kernels/options.py; slower)
     quantization: str | None = None  # "fp8": the model's language weights quantized to FP8 at load
     tensor_parallel_size: int = 1  # the model's language weights split over this many GPUs (processes)
     debug: bool = False  # tracebacks of documents' unexpected errors on stderr
