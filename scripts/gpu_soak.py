@@ -45,10 +45,10 @@ def name(c: dict) -> str:
     return f"{spec}-{c['kv']}-{'graphs' if c['graphs'] else 'eager'}"
 
 
-def run_one(c: dict, repeat: int, docs: Path, work: Path, share: float, timeout: int) -> dict:
+def run_one(c: dict, repeat: int, docs: Path, work: Path, share: float, timeout: int, more: list[str]) -> dict:
     out = work / f"{name(c)}-r{repeat}"
     cmd = [sys.executable, "-m", "docproc", "run", str(docs), "--out", str(out), "--draft", c["draft"],
-           "--kv-cache", c["kv"], "--device", "cuda", "--quiet", "--gpu-memory-utilization", str(share)]
+           "--kv-cache", c["kv"], "--device", "cuda", "--quiet", "--gpu-memory-utilization", str(share), *more]
     if c["draft"] != "none":
         cmd += ["--spec-k", c["spec_k"]]  # a usage error without a draft
     if not c["graphs"]:
@@ -125,6 +125,8 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=4, help="Runs sharing the GPU at once.")
     ap.add_argument("--timeout", type=int, default=480, help="Seconds one run may take.")
     ap.add_argument("--json", type=Path, help="Write the report here.")
+    ap.add_argument("--run-args", default="", help="More `docproc run` options for every run, one string "
+                    "(e.g. --batch-invariant).")
     a = ap.parse_args()
     if a.make_docs:
         sys.path.insert(0, str(ROOT / "tests"))
@@ -142,7 +144,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(a.parallel) as pool:
         # the plain runs first: every other run is compared with them
         jobs.sort(key=lambda j: (j[1], j[0]["draft"] != "none"))
-        futures = [pool.submit(run_one, c, r, a.docs, Path(tmp), share, a.timeout) for c, r in jobs]
+        futures = [pool.submit(run_one, c, r, a.docs, Path(tmp), share, a.timeout, a.run_args.split())
+                   for c, r in jobs]
         for fut in as_completed(futures):
             runs.append(fut.result())
             report = summarize(runs, a, share, t0)
@@ -159,7 +162,7 @@ def main() -> None:
 
 
 def summarize(runs: list[dict], a, share: float, t0: float) -> dict:
-    return {"runs": len(runs), "crashes": sum(r["crashed"] for r in runs),
+    return {"runs": len(runs), "run_args": a.run_args, "crashes": sum(r["crashed"] for r in runs),
               "runs_with_draft_auto": sum(r["draft"] == "bundled" and r["spec_k"] == "auto" for r in runs),
               "parallel": a.parallel, "memory_share": share, "seconds": round(time.perf_counter() - t0, 1),
               "documents": len([p for p in a.docs.iterdir() if p.is_file()]),
