@@ -222,7 +222,7 @@ def run(
                                        "verification steps (debugging, profiling)."),
     batch_invariant: bool = typer.Option(False, "--batch-invariant", help="Answers that do not depend on the "
                                          "batch: a document gives the answers it gives alone, whatever runs "
-                                         "beside it (GPU kernels with one summation order; slower)."),
+                                         "beside it (one GPU's kernels with one summation order; slower)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display and no summary."),
     debug: bool = typer.Option(False, "--debug", help="Print the traceback of every unexpected error (a "
                                "document's, or the run's) on stderr."),
@@ -414,13 +414,16 @@ def gpu_only_options(settings) -> list[str]:
     run is slower with them than without."""
     return [flag for flag, on in (("--kv-cache fp4", settings.kv_cache == "fp4"),
                                   ("--quantization fp8", settings.quantization == "fp8"),
-                                  ("--draft", settings.draft is not None)) if on]
+                                  ("--draft", settings.draft is not None),
+                                  ("--batch-invariant", settings.batch_invariant)) if on]
 
 
 def cpu_warning(flags: list[str]) -> str:
     one = len(flags) == 1
     return (f"{' and '.join(flags)} {'is' if one else 'are'} meant for CUDA: on a CPU {'it runs' if one else 'they run'} "
-            f"the torch reference code, slower than without {'it' if one else 'them'}")
+            f"the torch reference code, slower than without {'it' if one else 'them'}"
+            + ("; --batch-invariant's products there are torch's, whose sums may follow the row count"
+               if "--batch-invariant" in flags else ""))
 
 
 # Off a terminal (cron mail, a log file) the progress is one plain line this often, and at the
@@ -635,8 +638,8 @@ DEVICE_OPT = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N.")
 GPU_UTIL_OPT = typer.Option(0.9, "--gpu-memory-utilization", help="Share of the GPU.")
 BATCHED_TOKENS_OPT = typer.Option(8192, "--max-num-batched-tokens", help="Tokens per engine step.")
 SEED_OPT = typer.Option(0, "--seed", help="The engine's seed (a body's seed is per request).")
-BATCH_INVARIANT_OPT = typer.Option(False, "--batch-invariant", help="Answers that do not depend on the requests "
-                                   "beside them (one GPU; slower).")
+BATCH_INVARIANT_OPT = typer.Option(False, "--batch-invariant", help="Greedy answers that do not depend on the "
+                                   "requests beside them (one GPU; slower; sampled ones still do).")
 STREAM_INTERVAL_MS = 0.0  # serve: least time between a stream's chunks
 
 

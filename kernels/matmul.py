@@ -77,6 +77,8 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     assert weight.shape[1] == k and weight.stride(1) == 1, (tuple(weight.shape), k)
     fp8 = scale is not None
     assert fp8 or weight.dtype == x.dtype, (weight.dtype, x.dtype)
+    assert not fp8 or scale.shape[1] == 1 or scale.stride(1) == 1, "a scale row's groups must be contiguous"
+    assert bias is None or (bias.shape == (n,) and bias.stride(0) == 1)
     m = x2.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m and n:

@@ -126,7 +126,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=480, help="Seconds one run may take.")
     ap.add_argument("--json", type=Path, help="Write the report here.")
     ap.add_argument("--run-args", default="", help="More `docproc run` options for every run, one string "
-                    "(e.g. --batch-invariant).")
+                    "(--run-args=--batch-invariant: with `=`, since it starts with a dash).")
     a = ap.parse_args()
     if a.make_docs:
         sys.path.insert(0, str(ROOT / "tests"))

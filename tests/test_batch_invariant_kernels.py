@@ -60,8 +60,9 @@ def test_a_rows_attention_is_the_same_bits_in_every_step_that_computes_it(kv):
         cache = (torch.randn(NB, BS, KV_HEADS, D, generator=g).to(DEV), torch.randn(NB, BS, KV_HEADS, D, generator=g).to(DEV))
     else:
         cache = fp4_layer_with_outliers(NB, BS, KV_HEADS, D)
-    rows = {case: probe_row_in(case, cache, invariant=True) for case in CASES}
-    for case in CASES[1:]:
+    cases = CASES if kv == "fp32" else ["decode", "window+batch", "chunk+batch"]  # (FP4: slow in the interpreter)
+    rows = {case: probe_row_in(case, cache, invariant=True) for case in cases}
+    for case in cases[1:]:
         assert torch.equal(rows[case], rows["decode"]), (kv, case, (rows[case] - rows["decode"]).abs().max())
     # and it is attention: the reference's value for that row
     q = rows["decode"].new_zeros(1, HEADS, D)

@@ -154,6 +154,10 @@ def test_the_gpu_warning_waits_for_the_engine_and_names_every_option():
     settings = RunSettings(inputs=["x"], out="o", model="m", kv_cache="fp4", quantization="fp8", draft="d")
     assert cli.gpu_only_options(settings) == ["--kv-cache fp4", "--quantization fp8", "--draft"]
     assert cli.gpu_only_options(RunSettings(inputs=["x"], out="o", model="m")) == []
+    alone = cli.gpu_only_options(RunSettings(inputs=["x"], out="o", model="m", batch_invariant=True))
+    assert alone == ["--batch-invariant"] and "sums may follow the row count" in cli.cpu_warning(alone)
+    with pytest.raises(ValueError, match="--tensor-parallel-size 1"):
+        RunSettings(inputs=["x"], out="o", model="m", batch_invariant=True, tensor_parallel_size=2)
     shown = []
     for device in ("cpu", "cuda:0"):
         display = cli._Display(quiet=True, log_json=False)

@@ -30,8 +30,9 @@ def test_deterministic_per_seed(corpus, tmp_path):
     generate(again, 16, seed=7)
     assert digest(out) == digest(again)
     other = tmp_path / "other"
-    generate(other, 16, seed=8)
-    assert (other / "truth.jsonl").read_text() != (out / "truth.jsonl").read_text()
+    generate(other, 4, seed=8)  # (four are enough to differ)
+    theirs = (other / "truth.jsonl").read_text().splitlines()
+    assert theirs != (out / "truth.jsonl").read_text().splitlines()[:4]
 
 
 def test_truth_file_describes_every_document(corpus):

@@ -44,14 +44,19 @@ def warm_fused(runner) -> float:
         else:
             gemv(gate_up, mlp.down_weight, gated=True, pdl_on=opts.pdl)
         gemv(x1, text.lm_head.weight, pdl_on=opts.pdl)
-    if opts.batch_invariant:  # every product through kernels/matmul.py (one variant per weight kind and bias)
-        x2 = torch.zeros(2, tc.hidden_size, dtype=runner.dtype, device=runner.device)
-        project(x2, att.qkv_weight, att.qkv_bias, opts)
-        project(torch.zeros(2, att.o_proj.in_features, dtype=runner.dtype, device=runner.device), att.o_weight,
-                opts=opts)
-        project(x2, mlp.gate_up_weight, opts=opts)
-        project(torch.zeros(2, tc.intermediate, dtype=runner.dtype, device=runner.device), mlp.down_weight, opts=opts)
-        text.compute_logits(x2)
+    if opts.batch_invariant:
+        # every product through kernels/matmul.py: one variant per shape, weight kind (an FP8
+        # checkpoint may keep some layers' products in float) and bias, over all layers
+        seen = set()
+        for layer in text.layers:
+            a, m = layer.self_attn, layer.mlp
+            for w, b, k in ((a.qkv_weight, a.qkv_bias, tc.hidden_size), (a.o_weight, None, a.o_proj.in_features),
+                            (m.gate_up_weight, None, tc.hidden_size), (m.down_weight, None, tc.intermediate)):
+                kind = (tuple(w.shape), isinstance(w, Fp8Weight), getattr(w, "group", None), b is not None)
+                if kind not in seen:
+                    seen.add(kind)
+                    project(torch.zeros(2, k, dtype=runner.dtype, device=runner.device), w, b, opts)
+        text.compute_logits(torch.zeros(2, tc.hidden_size, dtype=runner.dtype, device=runner.device))
     elif isinstance(mlp.down_weight, Fp8Weight):
         # the few-row FP8 kernel of verification windows and small batches (2-15 rows, and 16: a
         # row count Triton specialises as a multiple of 16), past ROWS_MAX each tile shape of the

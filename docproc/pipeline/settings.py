@@ -58,6 +58,9 @@ class RunSettings:
             raise ValueError(f"--draft-vision must be auto, own or none, got {self.draft_vision}")
         if self.spec_k != "auto" and not (self.spec_k.isdigit() and 1 <= int(self.spec_k) <= 15):
             raise ValueError(f"--spec-k must be a number from 1 to 15 or auto, got {self.spec_k}")
+        if self.batch_invariant and self.tensor_parallel_size > 1:
+            raise ValueError("--batch-invariant needs one GPU (--tensor-parallel-size 1): the ranks' all-reduce sums "
+                             "in an order that follows its size")
         if self.kv_cache not in ("auto", "bf16", "fp16", "fp32", "fp4"):
             raise ValueError(f"--kv-cache must be auto, bf16, fp16, fp32 or fp4, got {self.kv_cache}")
         if self.quantization not in (None, "fp8"):
