@@ -180,7 +180,8 @@ def flops(llm: LLM, image_tokens: int, patches: int, prompt_tokens: int, new_tok
 def ours(folder: Path, args, **kw) -> LLM:
     # --quantization applies to the target (the engine leaves a draft in its checkpoint's format);
     # --load-format dummy draws every model's weights from its config.json (sizes no disk holds)
-    kw = {"quantization": args.quantization, "load_format": args.load_format, **kw}
+    kw = {"quantization": args.quantization, "load_format": args.load_format,
+          "batch_invariant": args.batch_invariant, **kw}
     return LLM(str(folder), device=args.device, dtype=args.dtype, gpu_memory_utilization=args.gpu_util,
                max_num_batched_tokens=args.batched_tokens, image_prefetch_workers=args.prefetch_workers, **kw)
 
@@ -855,6 +856,8 @@ def main() -> None:
                     help="the random checkpoints' image pixel cap (1,280 tokens a page by default); with a larger "
                          "--page-w/--page-h, a long context (part a at 28*28*16384 and a 3584x3584 page: 16k tokens)")
     ap.add_argument("--no-transformers", action="store_true", help="parts a, b: ours only (no transformers run)")
+    ap.add_argument("--batch-invariant", action="store_true", help="every engine in the batch-invariant mode "
+                    "(LLM(batch_invariant=True))")
     ap.add_argument("--b-weights", default="model",
                     help="part b: model (the checkpoint's weights, or --quantization), fp8 (quantized at load), or both")
     ap.add_argument("--no-vision-backends", action="store_true", help="part b: skip the vision tower's SDPA probe")
