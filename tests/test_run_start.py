@@ -103,19 +103,27 @@ def test_what_a_killed_run_left_between_two_writes_is_removed_by_the_next(done_o
         (out / "json" / (path + ".json")).write_text(json.dumps({**doc, "path": path}))
     (out / "json" / ".tmp-abcdefgh.json").write_text("{")
     (out / ".docproc" / "parts" / ".tmp-ijklmnop.rows").write_bytes(b"PAR1")
+    # and wherever else _atomic writes: OUT (results.*, documents.*), the state, a run's folder
+    run_dir = next((out / "runs").iterdir())
+    tmps = [out / ".tmp-qrstuvwx.parquet", out / ".tmp-a1b2c3d4.csv", out / ".docproc" / ".tmp-e5f6g7h8.json",
+            run_dir / ".tmp-i9j0k1l2.json"]
+    for t in tmps:
+        t.write_bytes(b"x")
+    (out / ".tmp-notours.parquet").write_bytes(b"x")  # (not _atomic's name: left alone)
     kept = {"index.json": "{}", "notes/config.json": json.dumps({**doc, "path": "elsewhere.pdf"})}
     for name, text in kept.items():
         (out / "json" / name).parent.mkdir(exist_ok=True)
         (out / "json" / name).write_text(text)
     args = ["run", str(docs), "--out", str(out), "--queries", str(one_query)]
     plan = CliRunner().invoke(app, [*args, "--dry-run", "--log-json"])
-    assert json.loads(plan.stdout.splitlines()[-1])["stray_files"] == 4, plan.output
+    assert json.loads(plan.stdout.splitlines()[-1])["stray_files"] == 8, plan.output
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
-    assert "removing 4 file(s) an interrupted run left" in res.output and "2 JSON file(s) of documents with no rows" in res.output
+    assert "removing 8 file(s) an interrupted run left" in res.output and "2 JSON file(s) of documents with no rows" in res.output
     assert sorted(p.relative_to(out / "json") for p in (out / "json").rglob("*") if p.is_file()) == \
         sorted(own + [Path(name) for name in kept])
     assert not (out / "json" / "sub").exists() and not list((out / ".docproc" / "parts").glob(".tmp-*"))
+    assert not any(t.exists() for t in tmps) and (out / ".tmp-notours.parquet").exists()
 
 
 @pytest.mark.slow

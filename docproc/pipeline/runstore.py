@@ -508,16 +508,20 @@ class RunStore:
         """Files a run killed between two writes left in OUT: docproc's JSON file of a document
         that has no rows (its JSON renamed into place, then the kill before the part that would
         have recorded it: a file whose content is such a JSON file of the path it stands at), and
-        temporary files (`.tmp-` and 8 characters, as `_atomic` names them) in json/ and in the
-        state's parts. Other files in json/ are not ours to remove. None while a part cannot be
+        temporary files (`.tmp-` and 8 characters, as `_atomic` names them) wherever it writes: json/,
+        the state's folder and its parts, OUT itself (results.*, documents.*) and each run's folder
+        (its manifest). Other files in json/ are not ours to remove. None while a part cannot be
         read (its documents' JSON files may be the only readable copy of their answers). Only the
         run that holds the lock calls this: no write of another is under way."""
         if self.unreadable_parts or self.damaged_parts:
             return []
         keys = set(table.column("path").to_pylist())
         ours = {json_relpath(k).as_posix() for k in keys} | {k + ".json" for k in keys}
-        stray = [p for p in self.parts_dir.glob(".tmp-*") if TMP_NAME.fullmatch(p.name) and p.is_file()] \
-            if self.parts_dir.is_dir() else []
+        folders = [self.out, self.state_dir, self.parts_dir]
+        if self.runs_dir.is_dir():
+            folders += [d for d in self.runs_dir.iterdir() if d.is_dir() and not d.is_symlink()]
+        stray = [p for d in folders if d.is_dir() for p in d.glob(".tmp-*")
+                 if TMP_NAME.fullmatch(p.name) and p.is_file() and not p.is_symlink()]
         for dirpath, _, files in os.walk(self.json_dir):
             rel_dir = os.path.relpath(dirpath, self.json_dir)
             for f in files:
