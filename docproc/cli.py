@@ -770,7 +770,7 @@ def run_batch_cmd(
     except OutputUnwritable as e:
         error(str(e))
         raise typer.Exit(EXIT_OUTPUT) from None
-    llm = _load_llm(model_dir, draft_dir, on_fail=out.close, device=device, kv_cache_dtype=kv_cache,
+    llm = _load_llm(model_dir, draft_dir, on_fail=out.abandon, device=device, kv_cache_dtype=kv_cache,
                     quantization=quantization, num_speculative_tokens=k, seed=seed,
                     gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens,
                     batch_invariant=batch_invariant)

@@ -332,3 +332,16 @@ def test_hostile_lines_and_output_files(tmp_path):
     assert notes.read_text() == "# my notes\nnot results\n"
     os.link(src, tmp_path / "hard.jsonl")
     assert run("-i", src, "-o", tmp_path / "hard.jsonl", "--model", MODEL, "--device", "cpu").exit_code == 2
+
+
+def test_a_batch_whose_model_cannot_load_leaves_no_empty_output(tmp_path):
+    """A run refused at load (exit 3) leaves no output file it made (an empty one reads as a batch
+    that answered nothing); an output that was there stays as it was."""
+    src = write(tmp_path / "in.jsonl", [chat("a", "hi", max_tokens=2)])
+    new, old = tmp_path / "new.jsonl", tmp_path / "old.jsonl"
+    assert run("-i", src, "-o", new, "--model", tmp_path / "missing", "--device", "cpu").exit_code == 3
+    assert not new.exists()
+    line = json.dumps({"custom_id": "z", "response": {"status_code": 200}}) + "\n"
+    old.write_text(line)
+    assert run("-i", src, "-o", old, "--model", tmp_path / "missing", "--device", "cpu").exit_code == 3
+    assert old.read_text() == line

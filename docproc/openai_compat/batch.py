@@ -64,6 +64,7 @@ class OutputFile:
         self._lock_fd: int | None = None
         self._f = None
         self._synced = time.monotonic()
+        self._created = False  # this run made the output file (it did not exist)
 
     def open(self) -> None:
         # beside the file a link names (two runs writing one file through a link and its target
@@ -72,6 +73,7 @@ class OutputFile:
                                   "--output")
         try:
             self._read_back()
+            self._created = not self.path.exists()
             self._f = open(self.path, "ab")
         except OSError as e:
             self.close()
@@ -126,6 +128,18 @@ class OutputFile:
         key = self.key_of(rec)
         if key is not None:
             self.done.add(key)
+
+    def abandon(self) -> None:
+        """Close before anything was answered (the model or the device failed to load): an output
+        file this run made, still empty, is removed (it would look like a batch that answered
+        nothing)."""
+        made = self._created and self._f is not None
+        self.close()
+        try:
+            if made and self.path.stat().st_size == 0:
+                self.path.unlink()
+        except OSError:
+            pass
 
     def close(self) -> None:
         if self._f is not None:
