@@ -218,9 +218,11 @@ def test_a_line_over_the_limit_is_an_error_line_never_held_whole(tmp_path, monke
     monkeypatch.setattr(batch, "MAX_LINE_BYTES", 100)
     path = tmp_path / "in.jsonl"
     path.write_bytes(b'{"custom_id": "a"}\n{"custom_id": "b", "x": "' + b"y" * 300 + b'"}\n\n{"custom_id": "c"}\n'
-                     + b"z" * 250)
+                     + b'{"x": "' + b"y" * 300 + b'", "custom_id": "d"}\n' + b"z" * 250)
+    # the long line's custom_id where it comes first (its error line is keyed by it), else none
     assert [(n, cid, problem) for n, cid, _, _, problem in batch.read_lines(path)] == [
-        (1, "a", None), (2, None, "line 2 is over 0 MiB"), (4, "c", None), (5, None, "line 5 is over 0 MiB")]
+        (1, "a", None), (2, "b", "line 2 is over 0 MiB"), (4, "c", None), (5, None, "line 5 is over 0 MiB"),
+        (6, None, "line 6 is over 0 MiB")]
 
 
 def test_images_and_pdfs_from_the_image_root_only(tmp_path):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import re
 import contextlib
 import io
 import os
@@ -186,6 +187,24 @@ def _open_input(path: Path):
         return contextlib.nullcontext(sys.stdin.buffer)
 
 
+HEAD_BYTES = 64 << 10
+_LEADING_ID = re.compile(rb'\s*\{\s*"custom_id"\s*:\s*("(?:[^"\\\x00-\x1f]|\\.)*")')
+
+
+def _leading_custom_id(head: bytes) -> str | None:
+    """The custom_id of a line too long to read whole, where it is the line's first key (as batch
+    files write it); else None."""
+    m = _LEADING_ID.match(head)
+    if m is None:
+        return None
+    try:
+        cid = json.loads(m.group(1))
+        cid.encode()  # (a lone surrogate is not text)
+    except (ValueError, UnicodeError):
+        return None
+    return cid or None
+
+
 def read_lines(path: Path):
     """(line number, custom_id or None, url, body, problem or None) for each non-blank line of
     path ("-": standard input), read once in order; a line over MAX_LINE_BYTES is an error line,
@@ -195,9 +214,10 @@ def read_lines(path: Path):
         while raw := f.readline(MAX_LINE_BYTES + 1):
             n += 1
             if len(raw) > MAX_LINE_BYTES:
+                cid = _leading_custom_id(raw[:HEAD_BYTES])  # (its error line is keyed by it where it comes first)
                 while raw and not raw.endswith(b"\n"):
                     raw = f.readline(1 << 20)
-                yield n, None, None, None, f"line {n} is over {MAX_LINE_BYTES >> 20} MiB"
+                yield n, cid, None, None, f"line {n} is over {MAX_LINE_BYTES >> 20} MiB"
                 continue
             if not raw.strip():
                 continue
