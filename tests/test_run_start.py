@@ -110,6 +110,7 @@ def test_what_a_killed_run_left_between_two_writes_is_removed_by_the_next(done_o
     for t in tmps:
         t.write_bytes(b"x")
     (out / ".tmp-notours.parquet").write_bytes(b"x")  # (not _atomic's name: left alone)
+    (out / ".tmp-abcdefgh.txt").write_bytes(b"x")  # (nothing docproc writes there)
     kept = {"index.json": "{}", "notes/config.json": json.dumps({**doc, "path": "elsewhere.pdf"})}
     for name, text in kept.items():
         (out / "json" / name).parent.mkdir(exist_ok=True)
@@ -124,6 +125,7 @@ def test_what_a_killed_run_left_between_two_writes_is_removed_by_the_next(done_o
         sorted(own + [Path(name) for name in kept])
     assert not (out / "json" / "sub").exists() and not list((out / ".docproc" / "parts").glob(".tmp-*"))
     assert not any(t.exists() for t in tmps) and (out / ".tmp-notours.parquet").exists()
+    assert (out / ".tmp-abcdefgh.txt").exists()
 
 
 @pytest.mark.slow

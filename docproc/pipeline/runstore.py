@@ -517,11 +517,15 @@ class RunStore:
             return []
         keys = set(table.column("path").to_pylist())
         ours = {json_relpath(k).as_posix() for k in keys} | {k + ".json" for k in keys}
-        folders = [self.out, self.state_dir, self.parts_dir]
+        # each folder with the suffixes of what docproc writes there (a tool of the user's may name
+        # its own temporary files alike)
+        folders = [(self.out, (".parquet", ".csv", ".jsonl")), (self.state_dir, (".json",)),
+                   (self.parts_dir, None)]
         if self.runs_dir.is_dir():
-            folders += [d for d in self.runs_dir.iterdir() if d.is_dir() and not d.is_symlink()]
-        stray = [p for d in folders if d.is_dir() for p in d.glob(".tmp-*")
-                 if TMP_NAME.fullmatch(p.name) and p.is_file() and not p.is_symlink()]
+            folders += [(d, (".json",)) for d in self.runs_dir.iterdir() if d.is_dir() and not d.is_symlink()]
+        stray = [p for d, suffixes in folders if d.is_dir() for p in d.glob(".tmp-*")
+                 if TMP_NAME.fullmatch(p.name) and (suffixes is None or p.suffix in suffixes)
+                 and p.is_file() and not p.is_symlink()]
         for dirpath, _, files in os.walk(self.json_dir):
             rel_dir = os.path.relpath(dirpath, self.json_dir)
             for f in files:
