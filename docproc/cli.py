@@ -679,6 +679,10 @@ def _load_llm(model_dir: str, draft_dir: Optional[str], on_fail=None, **engine):
             on_fail()
         error(f"cannot load {model_dir}{f' with draft {draft_dir}' if draft_dir else ''}: {e}")
         raise typer.Exit(EXIT_MODEL) from None
+    except BaseException:  # a signal while it loads (its handler's exception), anything else: on_fail too
+        if on_fail is not None:
+            on_fail()
+        raise
 
 
 @app.command("run-batch", cls=_Command)

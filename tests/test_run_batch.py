@@ -223,6 +223,10 @@ def test_a_line_over_the_limit_is_an_error_line_never_held_whole(tmp_path, monke
     assert [(n, cid, problem) for n, cid, _, _, problem in batch.read_lines(path)] == [
         (1, "a", None), (2, "b", "line 2 is over 0 MiB"), (4, "c", None), (5, None, "line 5 is over 0 MiB"),
         (6, None, "line 6 is over 0 MiB")]
+    # JSON's whitespace only (a vertical tab is not), a byte-order mark allowed, escapes read
+    assert [batch._leading_custom_id(h) for h in (b'\x0b{"custom_id": "x"', b'\xef\xbb\xbf {"custom_id": "x"',
+                                                   b'{"custom_id": "a\\"b"', b'{"custom_id": ""')] == \
+        [None, "x", 'a"b', None]
 
 
 def test_images_and_pdfs_from_the_image_root_only(tmp_path):
@@ -347,3 +351,7 @@ def test_a_batch_whose_model_cannot_load_leaves_no_empty_output(tmp_path):
     old.write_text(line)
     assert run("-i", src, "-o", old, "--model", tmp_path / "missing", "--device", "cpu").exit_code == 3
     assert old.read_text() == line
+    link = tmp_path / "link.jsonl"  # a link to a file not there yet: the link stays, no empty target
+    link.symlink_to(tmp_path / "target.jsonl")
+    assert run("-i", src, "-o", link, "--model", tmp_path / "missing", "--device", "cpu").exit_code == 3
+    assert link.is_symlink() and not (tmp_path / "target.jsonl").exists()

@@ -128,6 +128,44 @@ def test_what_a_killed_run_left_between_two_writes_is_removed_by_the_next(done_o
     assert (out / ".tmp-abcdefgh.txt").exists()
 
 
+def test_stray_files_skip_what_cannot_be_listed_and_say_what_could_not_be_removed(tmp_path, monkeypatch):
+    """A folder that cannot be listed (runs/ without read permission, a run folder gone) is passed
+    over, not an error at the end of a completed run; a file that cannot be removed is returned
+    with why (the run warns), the others are removed."""
+    import pyarrow as pa
+
+    import docproc.pipeline.runstore as runstore
+
+    store = RunStore(tmp_path / "out")
+    for d in (store.out, store.parts_dir, store.runs_dir / "a", store.runs_dir / "b"):
+        d.mkdir(parents=True, exist_ok=True)
+    files = [store.out / ".tmp-aaaaaaaa.parquet", store.runs_dir / "a" / ".tmp-bbbbbbbb.json",
+             store.runs_dir / "b" / ".tmp-cccccccc.json"]
+    for f in files:
+        f.write_bytes(b"x")
+    (store.runs_dir / "a" / ".tmp-dddddddd.json").symlink_to(files[0])  # (a link is not a file of ours)
+    table = pa.table({"path": pa.array([], pa.string())})
+    real = os.scandir
+
+    def scandir(path):
+        if Path(path) == store.runs_dir / "b":
+            raise PermissionError(13, "Permission denied")
+        return real(path)
+
+    monkeypatch.setattr(runstore.os, "scandir", scandir)
+    assert sorted(store.stray_files(table)) == sorted(files[:2])
+    real_unlink = Path.unlink
+
+    def unlink(self, missing_ok=False):
+        if self == files[1]:
+            raise PermissionError(13, "Permission denied")
+        return real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    assert store.remove_stray(files[:2]) == [(files[1], "Permission denied")]
+    assert not files[0].exists() and files[1].exists()
+
+
 @pytest.mark.slow
 def test_a_run_stopped_after_a_move_holds_the_document_once(one_query, tmp_path, monkeypatch):
     """A renamed file's rows move to its new key in one part with the old key's removal: a run

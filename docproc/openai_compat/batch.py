@@ -74,8 +74,9 @@ class OutputFile:
                                   "--output")
         try:
             self._read_back()
-            self._created = not self.path.exists()
-            self._f = open(self.path, "ab")
+            real = os.path.realpath(self.path)  # (a link's target is the file made)
+            self._created = not os.path.lexists(real)
+            self._f = open(real, "ab")
         except OSError as e:
             self.close()
             raise output_fault(e, self.path, "--output") from None
@@ -131,16 +132,20 @@ class OutputFile:
             self.done.add(key)
 
     def abandon(self) -> None:
-        """Close before anything was answered (the model or the device failed to load): an output
-        file this run made, still empty, is removed (it would look like a batch that answered
-        nothing)."""
-        made = self._created and self._f is not None
+        """Close before anything was answered (the model or the device failed to load, a signal
+        came while it loaded): an output file this run made, still empty, is removed (it would
+        look like a batch that answered nothing), while the lock is held and only if the file at
+        its name is still the one this run opened (a link given as --output stays)."""
+        if self._created and self._f is not None:
+            try:
+                mine = os.fstat(self._f.fileno())
+                real = os.path.realpath(self.path)
+                there = os.lstat(real)
+                if mine.st_size == 0 and (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino):
+                    os.unlink(real)
+            except OSError:
+                pass
         self.close()
-        try:
-            if made and self.path.stat().st_size == 0:
-                self.path.unlink()
-        except OSError:
-            pass
 
     def close(self) -> None:
         if self._f is not None:
@@ -188,7 +193,8 @@ def _open_input(path: Path):
 
 
 HEAD_BYTES = 64 << 10
-_LEADING_ID = re.compile(rb'\s*\{\s*"custom_id"\s*:\s*("(?:[^"\\\x00-\x1f]|\\.)*")')
+_LEADING_ID = re.compile(rb'(?:\xef\xbb\xbf)?[ \t\r\n]*\{[ \t\r\n]*"custom_id"[ \t\r\n]*:[ \t\r\n]*'
+                         rb'("(?:[^"\\\x00-\x1f]|\\.)*")')
 
 
 def _leading_custom_id(head: bytes) -> str | None:

@@ -316,7 +316,10 @@ class Pipeline(DocumentWork):
             self.report("note", {"message": f"removing {len(stray)} file(s) an interrupted run left in {self.store.out}"
                                             + (f" ({len(json_files)} JSON file(s) of documents with no rows, first: "
                                                f"{json_files[0].name})" if json_files else "")})
-            self.store.remove_stray(stray)
+            failed = self.store.remove_stray(stray)
+            if failed:
+                self.report("warning", {"message": f"{len(failed)} of them could not be removed (first: "
+                                                   f"{failed[0][0]}: {failed[0][1]}); remove them by hand"})
 
     def _write_missing_json(self, table) -> None:
         """At a completed run's end: the JSON files of documents that have none (deleted by hand,

@@ -190,6 +190,23 @@ def _json_text(column: pa.ChunkedArray) -> pa.Array:
                      for v in column.to_pylist()], type=pa.string())
 
 
+def _entries(folder: Path) -> list[os.DirEntry]:
+    """folder's entries; none where it cannot be listed (missing, not a folder, no permission)."""
+    try:
+        with os.scandir(folder) as it:
+            return list(it)
+    except OSError:
+        return []
+
+
+def _kind(entry: os.DirEntry) -> int | None:
+    """The entry's own file type (a link is a link), or None where it cannot be read."""
+    try:
+        return stat.S_IFMT(entry.stat(follow_symlinks=False).st_mode)
+    except OSError:
+        return None
+
+
 def _atomic(path: Path, write, mode: int | None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
@@ -521,11 +538,10 @@ class RunStore:
         # its own temporary files alike)
         folders = [(self.out, (".parquet", ".csv", ".jsonl")), (self.state_dir, (".json",)),
                    (self.parts_dir, None)]
-        if self.runs_dir.is_dir():
-            folders += [(d, (".json",)) for d in self.runs_dir.iterdir() if d.is_dir() and not d.is_symlink()]
-        stray = [p for d, suffixes in folders if d.is_dir() for p in d.glob(".tmp-*")
-                 if TMP_NAME.fullmatch(p.name) and (suffixes is None or p.suffix in suffixes)
-                 and p.is_file() and not p.is_symlink()]
+        folders += [(Path(e.path), (".json",)) for e in _entries(self.runs_dir) if _kind(e) == stat.S_IFDIR]
+        stray = [Path(e.path) for d, suffixes in folders for e in _entries(d)
+                 if TMP_NAME.fullmatch(e.name) and (suffixes is None or Path(e.name).suffix in suffixes)
+                 and _kind(e) == stat.S_IFREG]
         for dirpath, _, files in os.walk(self.json_dir):
             rel_dir = os.path.relpath(dirpath, self.json_dir)
             for f in files:
@@ -537,10 +553,16 @@ class RunStore:
                     stray.append(path)
         return stray
 
-    def remove_stray(self, paths: list[Path]) -> None:
+    def remove_stray(self, paths: list[Path]) -> list[tuple[Path, str]]:
+        """Remove these files (stray_files); returns those that could not be, with why."""
+        failed = []
         for path in paths:
             try:
                 path.unlink(missing_ok=True)
+            except OSError as e:
+                failed.append((path, e.strerror or str(e)))
+                continue
+            try:
                 if path.is_relative_to(self.json_dir):
                     for parent in path.parents:  # folders it leaves empty, up to json/
                         if parent == self.json_dir or not parent.is_relative_to(self.json_dir):
@@ -548,6 +570,7 @@ class RunStore:
                         parent.rmdir()
             except OSError:
                 pass  # (a folder with other files: as it should be)
+        return failed
 
     def remove_document_json(self, rel: str) -> None:
         path = self.json_path(rel)
