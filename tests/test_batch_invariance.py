@@ -51,6 +51,7 @@ def test_a_request_gives_the_same_tokens_alone_and_inside_batches_of_others(kv):
     llm.close()
 
 
+@pytest.mark.slow  # (8 s: an engine on the graphs' padded path, its attention in Triton's interpreter)
 def test_the_batch_invariant_mode_reaches_every_plan_product_and_page(qwen2_vl_dir, monkeypatch):
     """LLM(batch_invariant=True): every attention plan, eager and on the graphs' padded path, is the
     invariant one; each page is encoded in a call of its own; products on CUDA go through

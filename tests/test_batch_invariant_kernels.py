@@ -53,6 +53,7 @@ def probe_row_in(case: str, cache, invariant: bool) -> torch.Tensor:
 CASES = ["decode", "decode+batch", "window", "window+batch", "chunk", "chunk+batch"]
 
 
+@pytest.mark.slow  # (8-9 s a KV format: a dozen kernel launches in Triton's interpreter)
 @pytest.mark.parametrize("kv", ["fp32", "fp4"])
 def test_a_rows_attention_is_the_same_bits_in_every_step_that_computes_it(kv):
     g = torch.Generator().manual_seed(0)
