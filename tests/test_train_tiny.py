@@ -4,9 +4,10 @@ transformers and in our engine, which detects the shared trunk."""
 from __future__ import annotations
 
 import json
-import subprocess
+import runpy
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -18,12 +19,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(*args):
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "train_tiny.py"), *map(str, args)], check=True,
-                   cwd=ROOT, capture_output=True, timeout=600)
+    """scripts/train_tiny.py's command line, in this process: each stage in a process of its own paid
+    transformers' modeling import again (8 s each on two cores)."""
+    from fixtures.tiny_training import main
+
+    with mock.patch.object(sys, "argv", ["train_tiny.py", *map(str, args)]):
+        main()
 
 
 @pytest.mark.slow
-def test_micro_training_pipeline(tmp_path):
+def test_micro_training_pipeline(tmp_path, monkeypatch):
     work, dest = tmp_path / "work", tmp_path / "models"
     common = ["--work", work, "--micro", "--batch", "2", "--band-batch", "3", "--workers", "0", "--eval-every", "2",
               "--eval-docs", "1", "--region-share", "0.5", "--distill-steps", "2"]
@@ -58,12 +63,15 @@ def test_micro_training_pipeline(tmp_path):
     assert all(torch.equal(v, d[k]) for k, v in t.items())  # the draft's trunk is the target's
     # the evaluation script that produces the model card's figures, on the micro pair
     report_file = tmp_path / "report.json"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate_pair.py"), "--target", str(dest / "target"),
+    evaluate_pair = [str(ROOT / "scripts" / "evaluate_pair.py"), "--target", str(dest / "target"),
                     "--draft", str(dest / "draft"), "--count", "1", "--seed", "3", "--work", str(tmp_path / "ep"),
                     "--json", str(report_file), "--device", "cpu", "--kv", "fp32,fp4",
                     "--card", str(tmp_path / "MODEL_CARD.md"), "--state", str(work / "state.json"), "--anchor-text", "--spec-docs", "1",
-                    "--speed", "--speed-docs", "1", "--speed-repeats", "1", "--speed-batches", "4"],
-                   check=True, capture_output=True, cwd=ROOT, timeout=600)
+                    "--speed", "--speed-docs", "1", "--speed-repeats", "1", "--speed-batches", "4"]
+    monkeypatch.chdir(ROOT)
+    # (in this process, as the stages above; a script's own folder is first on the path)
+    with mock.patch.object(sys, "argv", evaluate_pair), mock.patch.object(sys, "path", [str(ROOT / "scripts"), *sys.path]):
+        runpy.run_path(evaluate_pair[0], run_name="__main__")
     report = json.loads(report_file.read_text())
     names = {"vendor", "invoice_number", "date", "due_date", "currency", "total", "all_fields"}
     assert set(report["eval"]) == {"fp32", "fp4"} and report["eval"]["fp32"]["documents"] == 1
