@@ -240,10 +240,10 @@ def test_overlapped_decode_with_constrained_rows_gives_the_plain_tokens(qwen2_vl
 
     schema = SCHEMAS[0]
     params = [SamplingParams(max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema)),
-              SamplingParams(max_tokens=24, ignore_eos=True),
+              SamplingParams(max_tokens=10, ignore_eos=True),
               SamplingParams(max_tokens=24, temperature=1.0, seed=3,
                              structured_outputs=StructuredOutputsParams(regex=r"INV-[0-9]{3,12}")),
-              SamplingParams(max_tokens=40, temperature=0.8, seed=5,
+              SamplingParams(max_tokens=16, temperature=0.8, seed=5,
                              structured_outputs=StructuredOutputsParams(json=SCHEMAS[1]))]
     prompts = [PROMPT + str(i) for i in range(len(params))]
     got = {}
