@@ -27,9 +27,7 @@ def _interpreter_lists_builtins_once() -> None:
     except ImportError:
         return
     if not (callable(getattr(it, "_patch_builtin", None)) and callable(getattr(it, "_patch_attr", None))
-            and list(inspect.signature(it._patch_builtin).parameters) == ["pkg", "builder", "scope"]
-            and callable(getattr(it, "_patch_lang", None)) and hasattr(it, "_LangPatchScope")
-            and callable(getattr(getattr(it, "GridExecutor", None), "__call__", None))):
+            and list(inspect.signature(it._patch_builtin).parameters) == ["pkg", "builder", "scope"]):
         return
     listed: dict[int, tuple[object, list]] = {}
 
@@ -42,9 +40,16 @@ def _interpreter_lists_builtins_once() -> None:
 
     it._patch_builtin = _patch_builtin
 
-    # A call of a @triton.jit function from inside a kernel patches the same modules again (and never
-    # undoes it: the launch's own restore does): 17 s of the same test's 108. Inside a launch whose
-    # patches are in place, a function that sees no other triton.language module is called as it is.
+    if callable(getattr(it, "_patch_lang", None)) and hasattr(it, "_LangPatchScope") \
+            and callable(getattr(getattr(it, "GridExecutor", None), "__call__", None)):
+        _device_calls_keep_the_launchs_patches(it, inspect)
+
+
+def _device_calls_keep_the_launchs_patches(it, inspect) -> None:
+    """A call of a @triton.jit function from inside a kernel patches the same modules again (and
+    never undoes it: the launch's own restore does): 17 s of 108 in a cProfile of the constrained
+    overlap test. Inside a launch whose patches are in place, a function that sees no other
+    triton.language module is called as it is."""
     patch_lang, launch, launches = it._patch_lang, it.GridExecutor.__call__, []
 
     def _langs(fn) -> set[int]:
